@@ -1,0 +1,229 @@
+"""Parity: how far a candidate's outputs are from the reference's, output by output.
+
+``compare`` judges one pair of output sets; ``check_engines`` runs a reference and a candidate
+engine on the same valid random inputs at several shapes (plus a batch-invariance probe) and
+folds the results into one ``ParityReport``. ``tk check``, the export-time check and the parity
+tests all call these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tk.spec import random_feeds
+
+INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
+
+
+@dataclass
+class OutputParity:
+    name: str
+    shape: tuple[int, ...] | None
+    max_abs: float = 0.0
+    max_rel: float = 0.0  # max |candidate - reference| / max |reference|
+    cosine: float = 1.0  # worst cosine similarity over the runs
+    sqnr_db: float = math.inf  # signal-to-noise ratio of reference to error
+    nan: int = 0  # NaN in the candidate
+    inf: int = 0  # Inf in the candidate
+    passed: bool = True
+    problem: str | None = None  # a mismatch of names, shapes or dtypes, or a tolerance miss
+
+    def merge(self, other: OutputParity) -> None:
+        """Keep the worst of both runs."""
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.max_rel = max(self.max_rel, other.max_rel)
+        self.cosine = min(self.cosine, other.cosine)
+        self.sqnr_db = min(self.sqnr_db, other.sqnr_db)
+        self.nan += other.nan
+        self.inf += other.inf
+        if not other.passed and self.passed:
+            self.passed, self.problem = False, other.problem
+        self.shape = other.shape
+
+
+@dataclass
+class ParityReport:
+    engine: str
+    reference: str
+    precision: str
+    rtol: float
+    atol: float
+    min_sqnr_db: float | None
+    outputs: list[OutputParity] = field(default_factory=list)
+    shapes: list[dict[str, int]] = field(default_factory=list)  # dimension sizes that were run
+    batch_invariance: OutputParity | None = None
+
+    @property
+    def passed(self) -> bool:
+        ok = all(o.passed for o in self.outputs)
+        return ok and (self.batch_invariance is None or self.batch_invariance.passed)
+
+    def failures(self) -> list[str]:
+        lines = [f"{o.name}: {o.problem}" for o in self.outputs if not o.passed]
+        if self.batch_invariance is not None and not self.batch_invariance.passed:
+            lines.append(f"batch invariance: {self.batch_invariance.problem}")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        def clean(o: OutputParity) -> dict[str, Any]:
+            d = asdict(o)
+            d["shape"] = list(o.shape) if o.shape else None
+            d["sqnr_db"] = None if math.isinf(o.sqnr_db) else round(o.sqnr_db, 2)
+            return d
+
+        return {
+            "engine": self.engine,
+            "reference": self.reference,
+            "precision": self.precision,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "min_sqnr_db": self.min_sqnr_db,
+            "passed": self.passed,
+            "shapes": self.shapes,
+            "outputs": [clean(o) for o in self.outputs],
+            "batch_invariance": clean(self.batch_invariance) if self.batch_invariance else None,
+        }
+
+
+def compare_output(
+    name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float, atol: float, min_sqnr_db: float | None = None
+) -> OutputParity:
+    """Shapes first, then values; every number is computed in float64."""
+    result = OutputParity(name, tuple(candidate.shape))
+    if reference.shape != candidate.shape:
+        result.passed = False
+        result.problem = f"shape {tuple(candidate.shape)}, reference has {tuple(reference.shape)}"
+        return result
+    ref = np.asarray(reference, dtype=np.float64)
+    cand = np.asarray(candidate, dtype=np.float64)
+    result.nan = int(np.isnan(cand).sum())
+    result.inf = int(np.isinf(cand).sum())
+    ref_bad = int((~np.isfinite(ref)).sum())
+    if result.nan or result.inf:
+        if result.nan + result.inf != ref_bad:
+            result.passed = False
+            result.problem = f"{result.nan} NaN and {result.inf} Inf, reference has {ref_bad} non-finite values"
+            return result
+    finite = np.isfinite(ref) & np.isfinite(cand)
+    ref, cand = ref[finite], cand[finite]
+    if ref.size == 0:
+        return result
+    diff = np.abs(cand - ref)
+    result.max_abs = float(diff.max())
+    scale = float(np.abs(ref).max())
+    result.max_rel = result.max_abs / scale if scale > 0 else (0.0 if result.max_abs == 0 else math.inf)
+    ref_norm, cand_norm = float(np.linalg.norm(ref)), float(np.linalg.norm(cand))
+    if ref_norm > 0 and cand_norm > 0:
+        result.cosine = float(np.dot(ref, cand) / (ref_norm * cand_norm))
+    elif ref_norm != cand_norm:
+        result.cosine = 0.0
+    noise = float(np.sum((cand - ref) ** 2))
+    result.sqnr_db = math.inf if noise == 0 else 10 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
+    excess = diff - (atol + rtol * np.abs(ref))
+    if (excess > 0).any():
+        worst = int(np.argmax(excess))
+        result.passed = False
+        result.problem = (
+            f"max abs error {result.max_abs:.3g} exceeds atol {atol:g} + rtol {rtol:g} x |reference| "
+            f"({int((excess > 0).sum())} of {ref.size} values; worst {cand[worst]:.6g} vs {ref[worst]:.6g})"
+        )
+    elif min_sqnr_db is not None and result.sqnr_db < min_sqnr_db:
+        result.passed = False
+        result.problem = f"SQNR {result.sqnr_db:.1f} dB is below {min_sqnr_db:g} dB"
+    return result
+
+
+def compare(
+    reference: Mapping[str, np.ndarray],
+    candidate: Mapping[str, np.ndarray],
+    *,
+    rtol: float,
+    atol: float,
+    min_sqnr_db: float | None = None,
+) -> list[OutputParity]:
+    """Names first: a missing or extra output is a failure of its own; then each output."""
+    results = []
+    for name in reference:
+        if name not in candidate:
+            results.append(OutputParity(name, None, passed=False, problem=f"missing; the candidate gave {list(candidate)}"))
+            continue
+        results.append(compare_output(name, reference[name], candidate[name], rtol, atol, min_sqnr_db))
+    for name in candidate:
+        if name not in reference:
+            results.append(OutputParity(name, None, passed=False, problem=f"unexpected output; the reference gave {list(reference)}"))
+    return results
+
+
+def check_engines(
+    reference: Any,
+    candidate: Any,
+    shapes: Sequence[dict[str, int]],
+    *,
+    precision: str,
+    rtol: float,
+    atol: float,
+    min_sqnr_db: float | None = None,
+    seed: int = 0,
+    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
+    batch_invariance: bool = True,
+) -> ParityReport:
+    """Run both engines (``tk.runtime.Engine``s) on the same inputs and report the worst per output.
+
+    Inputs are ``feeds`` when given, else valid random inputs at each of ``shapes``. The batch
+    invariance probe re-runs the first samples of the largest batch alone through the candidate
+    and compares them with the candidate's own batched outputs.
+    """
+    report = ParityReport(candidate.name, reference.name, precision, rtol, atol, min_sqnr_db)
+    merged: dict[str, OutputParity] = {}
+    runs = list(feeds) if feeds is not None else [
+        random_feeds(candidate.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)
+    ]
+    largest: tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]] | None = None
+    for run_feeds in runs:
+        ref_out = reference.run(run_feeds)
+        cand_out = candidate.run(run_feeds)
+        report.shapes.append(candidate.check_feeds(run_feeds))
+        for result in compare(ref_out, cand_out, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db):
+            if result.name in merged:
+                merged[result.name].merge(result)
+            else:
+                merged[result.name] = result
+        batch = _batch_size(run_feeds)
+        if largest is None or batch > _batch_size(largest[0]):
+            largest = (run_feeds, cand_out)
+    report.outputs = list(merged.values())
+    if batch_invariance and largest is not None and _batch_size(largest[0]) > 1 and _batch_dim_is_dynamic(candidate):
+        report.batch_invariance = _batch_invariance(candidate, *largest, rtol=rtol, atol=atol)
+    return report
+
+
+def _batch_size(feeds: Mapping[str, np.ndarray]) -> int:
+    first = next(iter(feeds.values()))
+    return int(first.shape[0]) if first.ndim else 1
+
+
+def _batch_dim_is_dynamic(engine: Any) -> bool:
+    dim = engine.dims.get("batch")
+    return dim is not None and dim.min <= 1 and all(s.shape and s.shape[0] == "batch" for s in engine.inputs)
+
+
+def _batch_invariance(engine: Any, feeds: Mapping[str, np.ndarray], batched: Mapping[str, np.ndarray], *, rtol: float, atol: float) -> OutputParity:
+    """A sample's output must not depend on the other samples in its batch."""
+    worst = OutputParity("batch invariance", None)
+    for i in range(min(INVARIANCE_SAMPLES, _batch_size(feeds))):
+        alone = engine.run({name: value[i : i + 1] for name, value in feeds.items()})
+        for name, value in alone.items():
+            out_spec = next((s for s in engine.outputs if s.name == name), None)
+            if out_spec is None or not out_spec.shape or out_spec.shape[0] != "batch":
+                continue
+            result = compare_output(name, batched[name][i : i + 1], value, rtol, atol)
+            if not result.passed:
+                result.problem = f"sample {i} of output {name!r} alone vs in a batch of {_batch_size(feeds)}: {result.problem}"
+            worst.merge(result)
+    worst.name = "batch invariance"
+    return worst

@@ -1,0 +1,243 @@
+"""Turn a model into static-graph artifacts, each checked against PyTorch before it is called done.
+
+``export()`` captures once with torch.export, writes each requested format into a staging
+directory, writes the manifest last, runs the export-time parity check, and renames the staging
+directory into place, so ``out`` holds either the previous artifact or the new complete one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tk.errors import BackendUnavailableError, ParityError, UsageError
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.precision import module_at_precision
+from tk.export.torch_program import exported_program_from_module, save_exported_program
+from tk.fileio import sha256_file
+from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes
+from tk.models import ModelSpec
+from tk.spec import Dim
+
+log = logging.getLogger("tk.export")
+
+FORMATS = ("torch", "onnx", "aoti", "trt")
+WEIGHTS = "weights.safetensors"
+
+__all__ = ["FORMATS", "ExportOptions", "ExportResult", "export"]
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    manifest: Manifest
+    skipped: dict[str, str] = field(default_factory=dict)  # format -> why it was not written
+
+    @property
+    def passed(self) -> bool:
+        return self.manifest.status != "failed"
+
+
+def resolve_formats(requested: tuple[str, ...], device: str) -> tuple[list[str], dict[str, str]]:
+    """Formats to write, in order, and the ones ``all`` skips with the reason."""
+    wanted: list[str] = []
+    skipped: dict[str, str] = {}
+    for fmt in requested:
+        if fmt == "all":
+            for name in FORMATS:
+                reason = format_unavailable_reason(name, device)
+                if reason is None:
+                    wanted.append(name)
+                else:
+                    skipped[name] = reason
+        elif fmt in FORMATS:
+            reason = format_unavailable_reason(fmt, device)
+            if reason is not None:
+                raise BackendUnavailableError(f"--format {fmt}: {reason}")
+            wanted.append(fmt)
+        else:
+            raise UsageError(f"--format: expected one of {', '.join(FORMATS)} or all, got {fmt!r}")
+    ordered = [f for f in FORMATS if f in wanted]
+    return ordered, skipped
+
+
+def format_unavailable_reason(fmt: str, device: str) -> str | None:
+    if device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda needs a CUDA GPU, and torch finds none"
+    writer_module = _writer_module(fmt)
+    reason_fn = getattr(writer_module, "unavailable_reason", None)
+    return reason_fn(device) if reason_fn else None
+
+
+def _writer_module(fmt: str):  # noqa: ANN202 - a module
+    import importlib
+
+    return importlib.import_module(f"tk.export.{_WRITER_MODULES[fmt]}")
+
+
+_WRITER_MODULES = {"torch": "torch_writer", "onnx": "onnx", "aoti": "aoti", "trt": "tensorrt"}
+
+
+def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> dict[str, Dim]:
+    dims = dict(spec.signature.dims)
+    for name, dim in overrides.items():
+        if name not in dims:
+            raise UsageError(f"--{name}: this model has no dimension {name!r}; it has {', '.join(dims) or 'none'}")
+        dims[name] = dim
+    if not dynamic:
+        dims = {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}
+    return dims
+
+
+def versions(device: str) -> dict[str, object]:
+    import importlib.metadata as md
+
+    found: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
+        try:
+            found[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    if device == "cuda" and torch.cuda.is_available():
+        found["cuda"] = torch.version.cuda
+        found["gpu"] = torch.cuda.get_device_name()
+        found["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability()
+    return found
+
+
+def _timed(ctx: ExportContext, step: str, fn: Callable[[], object]) -> object:
+    start = time.perf_counter()
+    result = fn()
+    ctx.timings[step] = round(time.perf_counter() - start, 3)
+    log.info("export %-6s ok %.1f s", step, ctx.timings[step])
+    return result
+
+
+def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = None) -> ExportResult:
+    """Export ``spec`` to ``out`` in ``options.formats`` and check each format against PyTorch.
+
+    Raises ``ParityError`` (after writing the artifact, marked failed) when a check fails.
+    """
+    options = options or ExportOptions()
+    out = Path(out)
+    formats, skipped = resolve_formats(options.formats, options.device)
+    for fmt, reason in skipped.items():
+        log.info("export %-6s skipped: %s", fmt, reason)
+    if not formats:
+        raise BackendUnavailableError("no requested format can be written on this machine: " + "; ".join(skipped.values()))
+    from tk.tolerances import tolerance_for
+
+    tolerance_for(options.precision)  # an unknown precision fails before any work
+    checkpoint_sha = None
+    if options.checkpoint is not None:
+        from tk.models.checkpoint import load_weights
+
+        load_weights(spec.module, options.checkpoint)
+        checkpoint_sha = sha256_file(options.checkpoint)
+    spec.module.eval()
+    dims = resolve_dims(spec, options.dims, options.dynamic)
+    example = spec.example_inputs({n: d.opt for n, d in dims.items()})
+    device = torch.device(options.device)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    os.chmod(staging, 0o777 & ~_umask())
+    try:
+        module = module_at_precision(spec.module.to(device), options.precision)
+        ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
+        ctx.versions = versions(options.device)
+        _write_weights(ctx)
+        if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
+            ctx.program = _timed(ctx, "capture", lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims))
+        for fmt in formats:
+            writer = _writer_module(fmt)
+            _timed(ctx, fmt, lambda w=writer: w.write(ctx))
+        manifest = _manifest(ctx, checkpoint_sha)
+        _write_manifest(staging, manifest)
+        if options.check:
+            from tk.export.check import run_export_check
+
+            _timed(ctx, "check", lambda: run_export_check(staging, manifest, formats, ctx))
+            manifest.timings = ctx.timings
+            _write_manifest(staging, manifest)
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    result = ExportResult(out, manifest, skipped)
+    if manifest.status == "failed":
+        failures = [f"{fmt}: {line}" for fmt, rep in manifest.check.items() for line in _failures(rep)]
+        raise ParityError(f"export check failed, artifact kept at {out} and marked failed: " + "; ".join(failures))
+    return result
+
+
+def _failures(report: dict) -> list[str]:
+    lines = [f"{o['name']} {o['problem']}" for o in report.get("outputs", []) if not o["passed"]]
+    inv = report.get("batch_invariance")
+    if inv and not inv["passed"]:
+        lines.append(inv["problem"])
+    return lines
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_weights(ctx: ExportContext) -> None:
+    from tk.models.checkpoint import state_dict_bytes
+
+    path = ctx.add_file(WEIGHTS, "weights")
+    path.write_bytes(state_dict_bytes(ctx.spec.module))
+
+
+def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
+    model = {**ctx.spec.reference(), "checkpoint_sha256": checkpoint_sha}
+    if ":" in ctx.spec.name:
+        model["input_descriptions"] = list(getattr(ctx.spec, "input_descriptions", ()))
+    signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)
+    return Manifest(
+        model=model,
+        signature=signature,
+        precision=ctx.options.precision,
+        device=ctx.options.device,
+        formats=ctx.formats,
+        files=[FileEntry.of(ctx.staging, rel, role) for rel, role in ctx.files],
+        versions=ctx.versions,
+        timings=ctx.timings,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _write_manifest(staging: Path, manifest: Manifest) -> None:
+    path = staging / MANIFEST
+    tmp = staging / (MANIFEST + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(manifest_bytes(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Put ``staging`` at ``out``; an old ``out`` is moved aside first and removed after."""
+    old = None
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.replace(out, old / "artifact")
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

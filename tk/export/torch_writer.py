@@ -1,0 +1,14 @@
+"""The ``torch`` format: the exported program saved as ``program.pt2``."""
+
+from __future__ import annotations
+
+from tk.export.context import ExportContext
+from tk.export.torch_program import save_exported_program
+
+FILE = "program.pt2"
+
+
+def write(ctx: ExportContext) -> None:
+    assert ctx.program is not None
+    save_exported_program(ctx.program, ctx.add_file(FILE, "torch"))
+    ctx.formats["torch"] = {"file": FILE}

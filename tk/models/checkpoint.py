@@ -1,0 +1,104 @@
+"""Checkpoints: a state_dict in safetensors plus a JSON sidecar; pickles are never trusted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tk.errors import IntegrityError, UsageError
+from tk.fileio import atomic_write_bytes, atomic_write_json
+
+SIDECAR_SUFFIX = ".json"
+
+
+def original_module(module: nn.Module) -> nn.Module:
+    """The module under a ``torch.compile`` wrapper, so saved keys carry no ``_orig_mod.``."""
+    return getattr(module, "_orig_mod", module)
+
+
+def state_dict_bytes(module: nn.Module) -> bytes:
+    from safetensors.torch import save
+
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in original_module(module).state_dict().items()}
+    return save(state)
+
+
+def save_checkpoint(module: nn.Module, path: str | Path, meta: dict[str, Any]) -> Path:
+    """Save the weights as safetensors at ``path`` and ``meta`` in ``path`` + ``.json``."""
+    path = Path(path)
+    data = state_dict_bytes(module)
+    atomic_write_bytes(path, data)
+    meta = {**meta, "sha256": hashlib.sha256(data).hexdigest()}
+    atomic_write_json(sidecar_path(path), meta)
+    return path
+
+
+def sidecar_path(path: str | Path) -> Path:
+    return Path(str(path) + SIDECAR_SUFFIX)
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights from safetensors, or from a torch file with ``weights_only=True``; never a pickle with code."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"checkpoint: expected a file, found nothing at {path}")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) == 8 and _looks_like_safetensors(path, head):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise IntegrityError(f"checkpoint {path}: damaged safetensors file ({exc})") from exc
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler's refusal comes in several types
+        raise IntegrityError(
+            f"checkpoint {path}: expected safetensors or a weights-only torch file; refused to load it "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'})"
+        ) from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise IntegrityError(f"checkpoint {path}: expected a state_dict of tensors, found {type(state).__name__}")
+    return state
+
+
+def _looks_like_safetensors(path: Path, head: bytes) -> bool:
+    header_len = int.from_bytes(head, "little")
+    return 2 <= header_len <= path.stat().st_size - 8 and header_len < 100_000_000
+
+
+def load_weights(module: nn.Module, path: str | Path) -> None:
+    """Load a checkpoint into ``module``; every key must match."""
+    state = load_state_dict(path)
+    missing, unexpected = [], []
+    own = original_module(module).state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise UsageError(
+            f"checkpoint {path}: does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "expected one saved by `tk train` for the same model and size"
+        )
+    for key, value in state.items():
+        if own[key].shape != value.shape:
+            raise UsageError(
+                f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects {tuple(own[key].shape)}"
+            )
+    original_module(module).load_state_dict(state)
+
+
+def read_sidecar(path: str | Path) -> dict[str, Any] | None:
+    side = sidecar_path(path)
+    if not side.is_file():
+        return None
+    try:
+        return json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"checkpoint sidecar {side}: expected JSON, found damaged text ({exc})") from exc

@@ -1,0 +1,207 @@
+"""The standard training loop, eager or under ``torch.compile``, with what it measured."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tk.errors import CaptureError, UsageError
+from tk.models.registry import ModelSpec, TrainingTask
+
+WARMUP_STEPS = 3  # steps left out of the steady-state rate (compilation, allocator warm-up)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options passed to ``torch.compile``; ``None`` means torch's default."""
+
+    mode: str | None = None  # default | reduce-overhead | max-autotune
+    dynamic: bool | None = None
+    fullgraph: bool = False
+    backend: str = "inductor"
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float  # average training loss of the last steps
+    first_loss: float
+    val_loss: float
+    val_accuracy: float | None
+    seconds: float
+    steps_per_s: float  # after the warm-up steps
+    first_step_s: float  # includes compilation when compiled
+    compiled: bool
+    graphs: int = 0
+    graph_breaks: int = 0
+    recompilations: int = 0
+    graph_break_reasons: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "losses"}
+        return out
+
+
+def resolve_device(device: str) -> torch.device:
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: expected a CUDA GPU, found none (torch.cuda.is_available() is False)")
+    return torch.device(device)
+
+
+def _dynamo_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "frames": int(counters["frames"]["ok"]),
+        "breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+def _break_reasons() -> list[str]:
+    from torch._dynamo.utils import counters
+
+    return [str(reason).splitlines()[0] for reason in counters["graph_break"]]
+
+
+def _compile(module: nn.Module, options: CompileOptions) -> Callable[..., torch.Tensor]:
+    kwargs: dict[str, Any] = {"fullgraph": options.fullgraph, "backend": options.backend}
+    if options.mode and options.mode != "default":
+        kwargs["mode"] = options.mode
+    if options.dynamic is not None:
+        kwargs["dynamic"] = options.dynamic
+    return torch.compile(module, **kwargs)
+
+
+def capture_error_from(exc: Exception) -> CaptureError:
+    """One line from a Dynamo error: its cause and the user's source line when it names one."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    cause = lines[0] if lines else type(exc).__name__
+    where = next((ln for ln in lines if ln.startswith("File ") or "line " in ln and ".py" in ln), "")
+    message = f"graph break under --fullgraph: {cause}"
+    if where:
+        message += f" (at {where})"
+    return CaptureError(message)
+
+
+def evaluate(module: nn.Module, task: TrainingTask, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> tuple[float, float | None]:
+    """Loss (and accuracy for classification) in eval mode; the module returns to train mode."""
+    inputs, target = batch
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module(*inputs)
+            loss = float(task.loss(out, target))
+            acc = float((out.argmax(dim=-1) == target).float().mean()) if task.classification else None
+    finally:
+        module.train()
+    return loss, acc
+
+
+def train(
+    spec: ModelSpec,
+    *,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    compile_options: CompileOptions | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainResult:
+    """Train ``spec.module`` in place on its synthetic task; eager unless ``compile_options`` is given.
+
+    Defaults for steps, batch size and learning rate come from the task. Training stops early
+    once the task's ``target_loss`` is reached (averaged over the last steps).
+    """
+    task = spec.task
+    if task is None:
+        raise UsageError(f"model {spec.name!r} has no training task: train it in your own code and pass --checkpoint")
+    steps = task.steps if steps is None else steps
+    batch_size = task.batch_size if batch_size is None else batch_size
+    lr = task.lr if lr is None else lr
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise UsageError(f"expected --steps >= 1, --batch-size >= 1 and --lr > 0; got {steps}, {batch_size}, {lr}")
+    dev = resolve_device(device)
+    torch.manual_seed(seed)
+    module = spec.module.to(dev)
+    module.train()
+    optimizer = task.make_optimizer(module.parameters(), lr)
+    data_gen = torch.Generator().manual_seed(seed)
+    val_batch = _to(task.make_batch(torch.Generator().manual_seed(seed + 1_000_003), max(batch_size, 64)), dev)
+
+    model: Callable[..., torch.Tensor] = module
+    if compile_options is not None:
+        torch._dynamo.reset()
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        model = _compile(module, compile_options)
+
+    losses: list[float] = []
+    first_step_s = 0.0
+    steady_start = time.perf_counter()
+    start = steady_start
+    frames_after_first = 0
+    steps_done = 0
+    for step in range(steps):
+        inputs, target = _to(task.make_batch(data_gen, batch_size), dev)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        try:
+            out = model(*inputs)
+        except torch._dynamo.exc.Unsupported as exc:
+            raise capture_error_from(exc) from exc
+        loss = task.loss(out, target)
+        loss.backward()
+        optimizer.step()
+        loss_value = loss.detach().item()  # synchronizes the device, so the clock below is honest
+        steps_done = step + 1
+        if step == 0:
+            first_step_s = time.perf_counter() - t0
+            if compile_options is not None:
+                frames_after_first = _dynamo_counters()["frames"]
+        if step + 1 == min(WARMUP_STEPS, steps):
+            steady_start = time.perf_counter()
+        losses.append(loss_value)
+        if on_step is not None:
+            on_step(step + 1, loss_value)
+        recent = losses[-task.average_over :]
+        if task.target_loss is not None and len(recent) == task.average_over and sum(recent) / len(recent) < task.target_loss:
+            break
+    end = time.perf_counter()
+    steady_steps = steps_done - min(WARMUP_STEPS, steps_done)
+    rate = steady_steps / (end - steady_start) if steady_steps > 0 else steps_done / (end - start)
+    val_loss, val_acc = evaluate(module, task, val_batch)
+    result = TrainResult(
+        steps=steps_done,
+        final_loss=sum(losses[-task.average_over :]) / len(losses[-task.average_over :]),
+        first_loss=losses[0],
+        val_loss=val_loss,
+        val_accuracy=val_acc,
+        seconds=end - start,
+        steps_per_s=rate,
+        first_step_s=first_step_s,
+        compiled=compile_options is not None,
+        losses=losses,
+    )
+    if compile_options is not None:
+        counts = _dynamo_counters()
+        result.graphs = counts["graphs"]
+        result.graph_breaks = counts["breaks"]
+        result.recompilations = counts["frames"] - frames_after_first
+        result.graph_break_reasons = _break_reasons()
+    return result
+
+
+def _to(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    inputs, target = batch
+    return tuple(t.to(device) for t in inputs), target.to(device)

@@ -1,0 +1,123 @@
+"""A user's own model, given as ``package.module:callable``.
+
+The callable takes no arguments and returns either an ``nn.Module`` (then the inputs are
+described on the command line with ``--input``) or a ``UserModel`` with example inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tk.errors import UsageError
+from tk.models.registry import ModelSpec, import_callable
+from tk.spec import Dim, Signature, TensorSpec, parse_input_description
+
+DEFAULT_MAX = {"batch": 64}  # largest size of a user model's dynamic dimension, by name
+FALLBACK_MAX = 512
+
+
+@dataclass
+class UserModel:
+    """What a user's callable may return instead of a bare module."""
+
+    module: nn.Module
+    example_inputs: dict[str, torch.Tensor]  # in the order of forward's positional arguments
+    dynamic_dims: dict[str, dict[int, str]] | None = None  # input -> {axis: dimension name}; default: axis 0 is "batch"
+    output_names: list[str] | None = None  # default: output, or output_0, output_1, ...
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _specs_from_examples(model: UserModel) -> tuple[list[TensorSpec], dict[str, Dim]]:
+    specs: list[TensorSpec] = []
+    sizes: dict[str, int] = {}
+    for name, tensor in model.example_inputs.items():
+        axes = (model.dynamic_dims or {}).get(name, {0: "batch"} if tensor.dim() else {})
+        shape: list[int | str] = list(tensor.shape)
+        for axis, dim_name in axes.items():
+            shape[axis] = dim_name
+            if sizes.setdefault(dim_name, tensor.shape[axis]) != tensor.shape[axis]:
+                raise UsageError(f"dimension {dim_name!r} has two example sizes: {sizes[dim_name]} and {tensor.shape[axis]}")
+        dtype = _dtype_name(tensor)
+        kind = "ids" if dtype in ("int64", "int32") else "data"
+        if kind == "ids" and "mask" in name:
+            kind = "mask"
+        low = high = None
+        if kind == "ids" and tensor.numel():
+            low, high = 0, int(tensor.max()) + 1
+        specs.append(TensorSpec(name, dtype, tuple(shape), kind=kind, low=low, high=high))
+    return specs, _dims(sizes)
+
+
+def _dims(example_sizes: dict[str, int]) -> dict[str, Dim]:
+    dims = {}
+    for name, size in example_sizes.items():
+        top = max(DEFAULT_MAX.get(name, FALLBACK_MAX), size)
+        dims[name] = Dim(name, 1, size, top)
+    return dims
+
+
+def _output_specs(module: nn.Module, examples: tuple[torch.Tensor, ...], names: list[str] | None, batch: int | None) -> list[TensorSpec]:
+    module.eval()
+    with torch.no_grad():
+        out = module(*examples)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        raise UsageError("user model: expected forward to return a tensor or a tuple of tensors")
+    if names is None:
+        names = ["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]
+    specs = []
+    for name, o in zip(names, outs, strict=True):
+        shape: list[int | str] = list(o.shape)
+        if shape and batch is not None and shape[0] == batch:
+            shape[0] = "batch"
+        specs.append(TensorSpec(name, _dtype_name(o), tuple(shape)))
+    return specs
+
+
+def build_user_model(path: str, input_descriptions: tuple[str, ...] = ()) -> ModelSpec:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like ``python -m``: the user's own files are importable
+    factory = import_callable(path)
+    try:
+        made = factory()
+    except Exception as exc:  # the user's code can fail in any way
+        raise UsageError(f"model {path!r}: calling it failed: {type(exc).__name__}: {exc}") from exc
+    if isinstance(made, UserModel) and not input_descriptions:
+        inputs, dims = _specs_from_examples(made)
+        module, names = made.module, made.output_names
+    elif isinstance(made, (nn.Module, UserModel)):
+        module = made.module if isinstance(made, UserModel) else made
+        names = made.output_names if isinstance(made, UserModel) else None
+        if not input_descriptions:
+            raise UsageError(
+                f"model {path!r} gives no example inputs: describe each with --input NAME:DTYPE:SHAPE, "
+                "such as --input x:float32:2x16"
+            )
+        parsed = [parse_input_description(d) for d in input_descriptions]
+        inputs = [spec for spec, _ in parsed]
+        sizes: dict[str, int] = {}
+        for spec, example in parsed:
+            for axis, dim in enumerate(spec.shape):
+                if isinstance(dim, str):
+                    sizes.setdefault(dim, example[axis])
+        dims = _dims(sizes)
+    else:
+        raise UsageError(f"model {path!r}: expected an nn.Module or tk.models.UserModel, got {type(made).__name__}")
+    signature = Signature(inputs, [], dims)
+    spec = ModelSpec(path, None, {}, module, signature)
+    batch = dims["batch"].opt if "batch" in dims else None
+    try:
+        signature.outputs = _output_specs(module, spec.example_inputs(), names, batch)
+    except UsageError:
+        raise
+    except Exception as exc:  # the user's forward can fail in any way
+        raise UsageError(f"model {path!r}: forward failed on the described inputs: {type(exc).__name__}: {exc}") from exc
+    return spec

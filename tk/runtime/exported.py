@@ -1,0 +1,34 @@
+"""The ``torch`` engine: a saved ``torch.export`` program, run as a module."""
+
+from __future__ import annotations
+
+import torch
+
+from tk.manifest import verify_file
+from tk.runtime.base import Engine
+from tk.runtime.eager import cuda_reason, outputs_by_name
+
+
+class ExportedProgramEngine(Engine):
+    name = "torch"
+
+    @classmethod
+    def unavailable_reason(cls, device: str = "cpu") -> str | None:
+        return cuda_reason(device)
+
+    def _load(self) -> None:
+        from tk.export.torch_program import load_exported_program
+
+        path = verify_file(self.root, self.manifest.file("torch"))
+        program = load_exported_program(path)
+        self.module = program.module().to(self.device)
+        self._order = [s.name for s in self.inputs]
+        self._out_names = [s.name for s in self.outputs]
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.inference_mode():
+            out = self.module(*[feeds[n].to(self.device) for n in self._order])
+        return outputs_by_name(out, self._out_names)
+
+    def _close(self) -> None:
+        del self.module

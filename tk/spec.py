@@ -1,0 +1,198 @@
+"""The few types every stage shares: named dimensions, tensor specs, and valid random inputs.
+
+A ``Dim`` is the one source of truth for a dynamic dimension: it becomes a ``torch.export.Dim``,
+an ONNX dynamic axis and a TensorRT optimization profile. A ``TensorSpec`` names an input or
+output, its dtype, its shape (ints and dimension names) and, for integer inputs, which values
+are valid, so random inputs made from specs are always inputs the model accepts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tk.errors import UsageError
+
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named dynamic dimension with the smallest, typical and largest size it takes."""
+
+    name: str
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.opt <= self.max:
+            raise UsageError(
+                f"dimension {self.name!r}: expected 1 <= min <= opt <= max, "
+                f"got {self.min}:{self.opt}:{self.max}"
+            )
+
+    @classmethod
+    def parse(cls, name: str, text: str) -> Dim:
+        """Parse ``min:opt:max`` (or a single size, which makes the dimension static)."""
+        parts = text.split(":")
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            sizes = []
+        if len(sizes) == 1:
+            sizes = sizes * 3
+        if len(sizes) != 3:
+            raise UsageError(f"--{name}: expected MIN:OPT:MAX or one size, such as 1:8:64; got {text!r}")
+        return cls(name, *sizes)
+
+    @property
+    def static(self) -> bool:
+        return self.min == self.max
+
+    def sizes_to_check(self) -> list[int]:
+        """min, opt, max and an odd size inside the range, without repeats, in order."""
+        odd = self.min + (self.max - self.min) // 3
+        odd = odd if odd % 2 else odd + 1
+        odd = min(max(odd, self.min), self.max)
+        return sorted({self.min, self.opt, self.max, odd})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or output: its name, dtype and shape; for integer inputs the valid values.
+
+    ``shape`` holds ints for fixed sizes and dimension names for dynamic ones, e.g.
+    ``("batch", "seq")``. ``low``/``high`` bound integer values as ``[low, high)``;
+    ``kind`` is ``"data"``, ``"ids"`` (token ids) or ``"mask"`` (an attention mask of 0/1
+    with padding on the right and at least one 1 per row).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    kind: str = "data"
+    low: int | None = None
+    high: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UsageError(f"input {self.name!r}: expected a dtype in {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(d for d in self.shape if isinstance(d, str))
+
+    def concrete_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorSpec:
+        return cls(**{**data, "shape": tuple(data["shape"])})
+
+
+@dataclass
+class Signature:
+    """Inputs, outputs and the dynamic dimensions they share."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    dims: dict[str, Dim] = field(default_factory=dict)
+
+    def opt_sizes(self) -> dict[str, int]:
+        return {name: dim.opt for name, dim in self.dims.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "dims": {n: asdict(d) for n, d in self.dims.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Signature:
+        return cls(
+            inputs=[TensorSpec.from_json(s) for s in data["inputs"]],
+            outputs=[TensorSpec.from_json(s) for s in data["outputs"]],
+            dims={n: Dim(**d) for n, d in data["dims"].items()},
+        )
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def random_array(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One valid random array for ``spec`` at ``shape``."""
+    if spec.kind == "mask":
+        if len(shape) < 2:
+            return np.ones(shape, dtype=numpy_dtype(spec.dtype))
+        lengths = rng.integers(1, shape[-1] + 1, size=shape[:-1])
+        lengths.reshape(-1)[0] = shape[-1]  # one full row, so padding never shortens the batch
+        positions = np.arange(shape[-1])
+        return (positions < lengths[..., None]).astype(numpy_dtype(spec.dtype))
+    if spec.dtype in ("int64", "int32"):
+        low = 0 if spec.low is None else spec.low
+        high = 100 if spec.high is None else spec.high
+        return rng.integers(low, high, size=shape).astype(spec.dtype)
+    if spec.dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return rng.standard_normal(shape).astype(numpy_dtype(spec.dtype))
+
+
+def random_feeds(
+    inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Valid random inputs for every spec, with dynamic dimensions set by ``sizes``."""
+    rng = np.random.default_rng(seed)
+    return {s.name: random_array(s, s.concrete_shape(sizes), rng) for s in inputs}
+
+
+_INPUT_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<shape>[0-9x]+)(?::(?P<range>\d+-\d+))?$")
+
+
+def parse_input_description(
+    text: str, dim_names: tuple[str, ...] = ("batch", "seq")
+) -> tuple[TensorSpec, tuple[int, ...]]:
+    """Parse ``name:dtype:SHAPE[:LOW-HIGH]`` such as ``input_ids:int64:2x128:0-30522``.
+
+    The first axis is the dynamic ``batch`` dimension, the second (for integer inputs of rank 2)
+    the dynamic ``seq`` dimension; the other sizes are fixed. The example sizes become the
+    dimensions' typical (opt) sizes.
+    """
+    match = _INPUT_RE.match(text.strip())
+    if not match:
+        raise UsageError(
+            f"--input: expected NAME:DTYPE:SHAPE[:LOW-HIGH] such as input_ids:int64:2x128:0-1000, got {text!r}"
+        )
+    dtype = match["dtype"]
+    if dtype not in DTYPES:
+        raise UsageError(f"--input {text!r}: expected a dtype in {', '.join(DTYPES)}, got {dtype!r}")
+    sizes = [int(s) for s in match["shape"].split("x")]
+    if any(s < 1 for s in sizes):
+        raise UsageError(f"--input {text!r}: expected sizes of at least 1, got {match['shape']!r}")
+    shape: list[int | str] = list(sizes)
+    shape[0] = dim_names[0]
+    if dtype in ("int64", "int32") and len(sizes) == 2:
+        shape[1] = dim_names[1]
+    low = high = None
+    if match["range"]:
+        low, high = (int(v) for v in match["range"].split("-"))
+        if high <= low:
+            raise UsageError(f"--input {text!r}: expected LOW-HIGH with LOW < HIGH, got {match['range']!r}")
+    kind = "mask" if "mask" in match["name"] and dtype in ("int64", "int32", "bool") else "data"
+    if kind == "data" and dtype in ("int64", "int32"):
+        kind = "ids"
+    return TensorSpec(match["name"], dtype, tuple(shape), kind=kind, low=low, high=high), tuple(sizes)

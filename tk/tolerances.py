@@ -1,0 +1,35 @@
+"""One table of parity tolerances, keyed by precision; models and the command line may override.
+
+Each entry is (rtol, atol): an output passes when |candidate - reference| <= atol + rtol * |reference|
+everywhere, with no NaN or Inf that the reference lacks. Int8 is also judged by the
+signal-to-quantization-noise ratio in dB (``min_sqnr_db``).
+"""
+
+from __future__ import annotations
+
+from tk.errors import UsageError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "fp32": (1e-4, 1e-5),  # whole-model float32: reordered sums stay near 1e-6 relative
+    "fp16": (2e-2, 2e-2),
+    "bf16": (5e-2, 5e-2),  # 8 mantissa bits: about 4e-3 per op, compounding over layers
+    "int8": (2.5e-1, 1e-1),  # elementwise bounds are loose for int8; the SQNR floor decides
+}
+
+MIN_SQNR_DB: dict[str, float] = {"int8": 30.0, "bf16": 25.0, "fp16": 30.0}
+
+
+def tolerance_for(
+    precision: str,
+    *,
+    model_overrides: dict[str, tuple[float, float]] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> tuple[float, float]:
+    """(rtol, atol) for ``precision``: the table, then the model's override, then explicit values."""
+    if precision not in TOLERANCES:
+        raise UsageError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    base_rtol, base_atol = (model_overrides or {}).get(precision, TOLERANCES[precision])
+    return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
