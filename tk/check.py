@@ -150,12 +150,18 @@ def compare(
     results = []
     for name in reference:
         if name not in candidate:
-            results.append(OutputParity(name, None, passed=False, problem=f"missing; the candidate gave {list(candidate)}"))
+            results.append(
+                OutputParity(name, None, passed=False, problem=f"missing; the candidate gave {list(candidate)}")
+            )
             continue
         results.append(compare_output(name, reference[name], candidate[name], rtol, atol, min_sqnr_db))
     for name in candidate:
         if name not in reference:
-            results.append(OutputParity(name, None, passed=False, problem=f"unexpected output; the reference gave {list(reference)}"))
+            results.append(
+                OutputParity(
+                    name, None, passed=False, problem=f"unexpected output; the reference gave {list(reference)}"
+                )
+            )
     return results
 
 
@@ -180,9 +186,11 @@ def check_engines(
     """
     report = ParityReport(candidate.name, reference.name, precision, rtol, atol, min_sqnr_db)
     merged: dict[str, OutputParity] = {}
-    runs = list(feeds) if feeds is not None else [
-        random_feeds(candidate.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)
-    ]
+    runs = (
+        list(feeds)
+        if feeds is not None
+        else [random_feeds(candidate.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
+    )
     largest: tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]] | None = None
     for run_feeds in runs:
         ref_out = reference.run(run_feeds)
@@ -212,7 +220,9 @@ def _batch_dim_is_dynamic(engine: Any) -> bool:
     return dim is not None and dim.min <= 1 and all(s.shape and s.shape[0] == "batch" for s in engine.inputs)
 
 
-def _batch_invariance(engine: Any, feeds: Mapping[str, np.ndarray], batched: Mapping[str, np.ndarray], *, rtol: float, atol: float) -> OutputParity:
+def _batch_invariance(
+    engine: Any, feeds: Mapping[str, np.ndarray], batched: Mapping[str, np.ndarray], *, rtol: float, atol: float
+) -> OutputParity:
     """A sample's output must not depend on the other samples in its batch."""
     worst = OutputParity("batch invariance", None)
     for i in range(min(INVARIANCE_SAMPLES, _batch_size(feeds))):
@@ -223,7 +233,9 @@ def _batch_invariance(engine: Any, feeds: Mapping[str, np.ndarray], batched: Map
                 continue
             result = compare_output(name, batched[name][i : i + 1], value, rtol, atol)
             if not result.passed:
-                result.problem = f"sample {i} of output {name!r} alone vs in a batch of {_batch_size(feeds)}: {result.problem}"
+                result.problem = (
+                    f"sample {i} of output {name!r} alone vs in a batch of {_batch_size(feeds)}: {result.problem}"
+                )
             worst.merge(result)
     worst.name = "batch invariance"
     return worst

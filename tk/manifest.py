@@ -114,7 +114,9 @@ def read_manifest(root: str | Path) -> Manifest:
     if not root.is_dir():
         raise UsageError(f"expected an artifact directory written by `tk export`, found no directory at {root}")
     if not path.is_file():
-        raise IntegrityError(f"{root}: no {MANIFEST}; not a complete artifact (an export was interrupted or this is another directory)")
+        raise IntegrityError(
+            f"{root}: no {MANIFEST}; not a complete artifact (an export was interrupted or this is another directory)"
+        )
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

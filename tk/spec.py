@@ -31,8 +31,7 @@ class Dim:
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.opt <= self.max:
             raise UsageError(
-                f"dimension {self.name!r}: expected 1 <= min <= opt <= max, "
-                f"got {self.min}:{self.opt}:{self.max}"
+                f"dimension {self.name!r}: expected 1 <= min <= opt <= max, got {self.min}:{self.opt}:{self.max}"
             )
 
     @classmethod
@@ -152,15 +151,15 @@ def random_array(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Genera
     return rng.standard_normal(shape).astype(numpy_dtype(spec.dtype))
 
 
-def random_feeds(
-    inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0
-) -> dict[str, np.ndarray]:
+def random_feeds(inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0) -> dict[str, np.ndarray]:
     """Valid random inputs for every spec, with dynamic dimensions set by ``sizes``."""
     rng = np.random.default_rng(seed)
     return {s.name: random_array(s, s.concrete_shape(sizes), rng) for s in inputs}
 
 
-_INPUT_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<shape>[0-9x]+)(?::(?P<range>\d+-\d+))?$")
+_INPUT_RE = re.compile(
+    r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<shape>[0-9x]+)(?::(?P<range>\d+-\d+))?$"
+)
 
 
 def parse_input_description(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -23,11 +22,12 @@ import torch
 from tk.errors import BackendUnavailableError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
-from tk.export.torch_program import exported_program_from_module, save_exported_program
+from tk.export.torch_program import exported_program_from_module
 from tk.fileio import sha256_file
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes
 from tk.models import ModelSpec
 from tk.spec import Dim
+from tk.versions import library_versions
 
 log = logging.getLogger("tk.export")
 
@@ -79,7 +79,7 @@ def format_unavailable_reason(fmt: str, device: str) -> str | None:
     return reason_fn(device) if reason_fn else None
 
 
-def _writer_module(fmt: str):  # noqa: ANN202 - a module
+def _writer_module(fmt: str):
     import importlib
 
     return importlib.import_module(f"tk.export.{_WRITER_MODULES[fmt]}")
@@ -97,22 +97,6 @@ def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> d
     if not dynamic:
         dims = {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}
     return dims
-
-
-def versions(device: str) -> dict[str, object]:
-    import importlib.metadata as md
-
-    found: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
-    for package in ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
-        try:
-            found[package] = md.version(package)
-        except md.PackageNotFoundError:
-            pass
-    if device == "cuda" and torch.cuda.is_available():
-        found["cuda"] = torch.version.cuda
-        found["gpu"] = torch.cuda.get_device_name()
-        found["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability()
-    return found
 
 
 def _timed(ctx: ExportContext, step: str, fn: Callable[[], object]) -> object:
@@ -134,7 +118,9 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     for fmt, reason in skipped.items():
         log.info("export %-6s skipped: %s", fmt, reason)
     if not formats:
-        raise BackendUnavailableError("no requested format can be written on this machine: " + "; ".join(skipped.values()))
+        raise BackendUnavailableError(
+            "no requested format can be written on this machine: " + "; ".join(skipped.values())
+        )
     from tk.tolerances import tolerance_for
 
     tolerance_for(options.precision)  # an unknown precision fails before any work
@@ -155,10 +141,12 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     try:
         module = module_at_precision(spec.module.to(device), options.precision)
         ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
-        ctx.versions = versions(options.device)
+        ctx.versions = library_versions(options.device)
         _write_weights(ctx)
         if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
-            ctx.program = _timed(ctx, "capture", lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims))
+            ctx.program = _timed(
+                ctx, "capture", lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims)
+            )
         for fmt in formats:
             writer = _writer_module(fmt)
             _timed(ctx, fmt, lambda w=writer: w.write(ctx))
@@ -204,8 +192,6 @@ def _write_weights(ctx: ExportContext) -> None:
 
 def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
     model = {**ctx.spec.reference(), "checkpoint_sha256": checkpoint_sha}
-    if ":" in ctx.spec.name:
-        model["input_descriptions"] = list(getattr(ctx.spec, "input_descriptions", ()))
     signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)
     return Manifest(
         model=model,

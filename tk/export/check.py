@@ -43,9 +43,21 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
         for fmt in formats:
             with load(root, fmt, device=device, manifest=manifest, allow_failed=True) as candidate:
                 report = check_engines(
-                    reference, candidate, shapes, precision=manifest.precision, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr
+                    reference,
+                    candidate,
+                    shapes,
+                    precision=manifest.precision,
+                    rtol=rtol,
+                    atol=atol,
+                    min_sqnr_db=min_sqnr,
                 )
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
-            log.info("check  %-6s %s max abs error %.2e over %d shapes", fmt, "ok" if report.passed else "FAILED", worst, len(shapes))
+            log.info(
+                "check  %-6s %s max abs error %.2e over %d shapes",
+                fmt,
+                "ok" if report.passed else "FAILED",
+                worst,
+                len(shapes),
+            )
     manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"

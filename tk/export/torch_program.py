@@ -23,7 +23,9 @@ def dynamic_shapes_for(signature: Signature, dims: dict[str, Dim]) -> tuple[dict
     }
     shapes = []
     for spec in signature.inputs:
-        shapes.append({axis: export_dims[d] for axis, d in enumerate(spec.shape) if isinstance(d, str) and d in export_dims})
+        shapes.append(
+            {axis: export_dims[d] for axis, d in enumerate(spec.shape) if isinstance(d, str) and d in export_dims}
+        )
     return tuple(shapes)
 
 
@@ -34,8 +36,7 @@ def capture_error_message(exc: BaseException) -> str:
     if special:
         return (
             f"dimension {special[1]!r} was meant to be dynamic but the model specialized it to the constant "
-            f"{special[2]}; export it with --static, or change the model so the size is not fixed"
-            + _where(text)
+            f"{special[2]}; export it with --static, or change the model so the size is not fixed" + _where(text)
         )
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     cause = lines[0] if lines else type(exc).__name__

@@ -46,6 +46,7 @@ class ModelSpec:
     signature: Signature
     task: TrainingTask | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # precision -> (rtol, atol)
+    input_descriptions: tuple[str, ...] = ()  # a user model's --input descriptions, to rebuild it later
 
     def example_inputs(self, sizes: dict[str, int] | None = None, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Valid random inputs at ``sizes`` (default: each dimension's opt size), in input order."""
@@ -54,7 +55,10 @@ class ModelSpec:
 
     def reference(self) -> dict[str, Any]:
         """What the manifest and checkpoint sidecar record to rebuild this model."""
-        return {"name": self.name, "size": self.size, "config": self.config}
+        ref: dict[str, Any] = {"name": self.name, "size": self.size, "config": self.config}
+        if self.input_descriptions:
+            ref["input_descriptions"] = list(self.input_descriptions)
+        return ref
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,7 @@ class ModelEntry:
         else:
             size = size or "small"
             if size not in self.sizes:
-                raise UsageError(
-                    f"model {self.name!r}: expected a size in {', '.join(self.sizes)}, got {size!r}"
-                )
+                raise UsageError(f"model {self.name!r}: expected a size in {', '.join(self.sizes)}, got {size!r}")
             cfg = self.sizes[size]
         spec = self.build_spec(cfg)
         spec.size = size
@@ -118,9 +120,7 @@ def build_model(
         return build_user_model(name, input_descriptions)
     known = entries()
     if name not in known:
-        raise UsageError(
-            f"unknown model {name!r}: expected one of {', '.join(known)} or package.module:callable"
-        )
+        raise UsageError(f"unknown model {name!r}: expected one of {', '.join(known)} or package.module:callable")
     return known[name].build(size, config)
 
 

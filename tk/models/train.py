@@ -85,14 +85,16 @@ def capture_error_from(exc: Exception) -> CaptureError:
     """One line from a Dynamo error: its cause and the user's source line when it names one."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     cause = lines[0] if lines else type(exc).__name__
-    where = next((ln for ln in lines if ln.startswith("File ") or "line " in ln and ".py" in ln), "")
+    where = next((ln for ln in lines if ln.startswith("File ") or ("line " in ln and ".py" in ln)), "")
     message = f"graph break under --fullgraph: {cause}"
     if where:
         message += f" (at {where})"
     return CaptureError(message)
 
 
-def evaluate(module: nn.Module, task: TrainingTask, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> tuple[float, float | None]:
+def evaluate(
+    module: nn.Module, task: TrainingTask, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]
+) -> tuple[float, float | None]:
     """Loss (and accuracy for classification) in eval mode; the module returns to train mode."""
     inputs, target = batch
     module.eval()
@@ -175,7 +177,11 @@ def train(
         if on_step is not None:
             on_step(step + 1, loss_value)
         recent = losses[-task.average_over :]
-        if task.target_loss is not None and len(recent) == task.average_over and sum(recent) / len(recent) < task.target_loss:
+        if (
+            task.target_loss is not None
+            and len(recent) == task.average_over
+            and sum(recent) / len(recent) < task.target_loss
+        ):
             break
     end = time.perf_counter()
     steady_steps = steps_done - min(WARMUP_STEPS, steps_done)
@@ -202,6 +208,8 @@ def train(
     return result
 
 
-def _to(batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def _to(
+    batch: tuple[tuple[torch.Tensor, ...], torch.Tensor], device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     inputs, target = batch
     return tuple(t.to(device) for t in inputs), target.to(device)

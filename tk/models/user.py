@@ -44,7 +44,9 @@ def _specs_from_examples(model: UserModel) -> tuple[list[TensorSpec], dict[str, 
         for axis, dim_name in axes.items():
             shape[axis] = dim_name
             if sizes.setdefault(dim_name, tensor.shape[axis]) != tensor.shape[axis]:
-                raise UsageError(f"dimension {dim_name!r} has two example sizes: {sizes[dim_name]} and {tensor.shape[axis]}")
+                raise UsageError(
+                    f"dimension {dim_name!r} has two example sizes: {sizes[dim_name]} and {tensor.shape[axis]}"
+                )
         dtype = _dtype_name(tensor)
         kind = "ids" if dtype in ("int64", "int32") else "data"
         if kind == "ids" and "mask" in name:
@@ -64,7 +66,9 @@ def _dims(example_sizes: dict[str, int]) -> dict[str, Dim]:
     return dims
 
 
-def _output_specs(module: nn.Module, examples: tuple[torch.Tensor, ...], names: list[str] | None, batch: int | None) -> list[TensorSpec]:
+def _output_specs(
+    module: nn.Module, examples: tuple[torch.Tensor, ...], names: list[str] | None, batch: int | None
+) -> list[TensorSpec]:
     module.eval()
     with torch.no_grad():
         out = module(*examples)
@@ -112,12 +116,14 @@ def build_user_model(path: str, input_descriptions: tuple[str, ...] = ()) -> Mod
     else:
         raise UsageError(f"model {path!r}: expected an nn.Module or tk.models.UserModel, got {type(made).__name__}")
     signature = Signature(inputs, [], dims)
-    spec = ModelSpec(path, None, {}, module, signature)
+    spec = ModelSpec(path, None, {}, module, signature, input_descriptions=tuple(input_descriptions))
     batch = dims["batch"].opt if "batch" in dims else None
     try:
         signature.outputs = _output_specs(module, spec.example_inputs(), names, batch)
     except UsageError:
         raise
     except Exception as exc:  # the user's forward can fail in any way
-        raise UsageError(f"model {path!r}: forward failed on the described inputs: {type(exc).__name__}: {exc}") from exc
+        raise UsageError(
+            f"model {path!r}: forward failed on the described inputs: {type(exc).__name__}: {exc}"
+        ) from exc
     return spec

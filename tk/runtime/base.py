@@ -129,17 +129,23 @@ class Engine(ABC):
         for spec in self.inputs:
             value = feeds[spec.name]
             if not isinstance(value, (np.ndarray, torch.Tensor)):
-                raise InputError(f"input {spec.name!r}: expected a NumPy array or torch tensor, got {type(value).__name__}")
+                raise InputError(
+                    f"input {spec.name!r}: expected a NumPy array or torch tensor, got {type(value).__name__}"
+                )
             got_dtype = dtype_name(value)
             if got_dtype != spec.dtype:
                 raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {got_dtype}")
             shape = tuple(value.shape)
             if len(shape) != len(spec.shape):
-                raise InputError(f"input {spec.name!r}: expected rank {len(spec.shape)} {_shape_text(spec)}, got shape {shape}")
+                raise InputError(
+                    f"input {spec.name!r}: expected rank {len(spec.shape)} {_shape_text(spec)}, got shape {shape}"
+                )
             for axis, (want, got) in enumerate(zip(spec.shape, shape, strict=True)):
                 if isinstance(want, int):
                     if got != want:
-                        raise InputError(f"input {spec.name!r}: expected size {want} on axis {axis} {_shape_text(spec)}, got shape {shape}")
+                        raise InputError(
+                            f"input {spec.name!r}: expected size {want} on axis {axis} {_shape_text(spec)}, got shape {shape}"
+                        )
                     continue
                 dim = self.dims.get(want)
                 if dim is not None and not dim.min <= got <= dim.max:
@@ -148,7 +154,9 @@ class Engine(ABC):
                         f"for this artifact, got {got}"
                     )
                 if sizes.setdefault(want, got) != got:
-                    raise InputError(f"inputs disagree on dimension {want!r}: {sizes[want]} and {got} (input {spec.name!r})")
+                    raise InputError(
+                        f"inputs disagree on dimension {want!r}: {sizes[want]} and {got} (input {spec.name!r})"
+                    )
         return sizes
 
     def _to_native(self, value: Array) -> Any:

@@ -88,7 +88,9 @@ class CompiledEngine(EagerEngine):
         self._freezing = bool(self.options.get("freezing", True))
         self._precision = self.options.get("precision", "fp32")
         if self._precision not in ("fp32", "bf16", "fp16"):
-            raise BackendUnavailableError(f"engine 'compile': expected precision fp32, bf16 or fp16, got {self._precision!r}")
+            raise BackendUnavailableError(
+                f"engine 'compile': expected precision fp32, bf16 or fp16, got {self._precision!r}"
+            )
         with inductor_config.patch(freezing=self._freezing):
             self.compiled = torch.compile(self.module, mode=None if mode == "default" else mode, dynamic=dynamic)
 

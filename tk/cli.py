@@ -1,0 +1,500 @@
+"""The ``tk`` command line: parse options, call one library function per command, print tables.
+
+Every error a user can cause is a ``TkError``: it ends as one line on stderr and a non-zero exit
+code (2, or 1 for a failed parity check). ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.errors import TkError, UsageError
+
+ENGINE_NAMES = ("eager", "compile", "torch", "aoti", "onnx", "trt")  # tk.runtime.ENGINES, without importing torch
+FORMAT_NAMES = ("torch", "onnx", "aoti", "trt", "all")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+
+
+class TkGroup(click.Group):
+    """Turns ``TkError`` into one line and an exit code; ``--debug`` keeps the traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TkError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=TkGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks and torch's own logs.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """tk: export PyTorch models to static graphs, prove parity, make them fast."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+    _setup_logging(debug)
+
+
+def _setup_logging(debug: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    tk_log = logging.getLogger("tk")
+    tk_log.handlers[:] = [handler]
+    tk_log.setLevel(logging.DEBUG if debug else logging.INFO)
+    tk_log.propagate = False
+    if not debug:
+        for noisy in ("torch", "onnxscript", "onnx_ir"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+        import warnings
+
+        warnings.filterwarnings("ignore")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=140)  # pipes and CI logs get whole rows
+
+
+# ---------------------------------------------------------------------------------------- models
+def model_options(fn: Any) -> Any:
+    fn = click.option("--size", default=None, help="Model size: tiny, small or base (default: small).")(fn)
+    fn = click.option(
+        "--input",
+        "inputs",
+        multiple=True,
+        metavar="NAME:DTYPE:SHAPE[:LOW-HIGH]",
+        help="Describe an input of a user model, e.g. input_ids:int64:2x128:0-30522 (repeatable).",
+    )(fn)
+    return fn
+
+
+def _build(name: str, size: str | None, inputs: tuple[str, ...]) -> Any:
+    from tk.models import build_model
+
+    if ":" in name and size:
+        raise UsageError(f"--size applies to built-in models, not to {name!r}")
+    if ":" not in name and inputs:
+        raise UsageError(f"--input describes a user model's inputs; {name!r} is a built-in model with its own")
+    return build_model(name, size=size, input_descriptions=inputs)
+
+
+@cli.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def models_cmd(as_json: bool) -> None:
+    """List the built-in models with their inputs and sizes."""
+    from rich.table import Table
+
+    from tk.models import entries
+
+    rows = []
+    for entry in entries().values():
+        if entry.available():
+            spec = entry.build("tiny")
+            inputs = "\n".join(f"{s.name} {s.dtype} ({', '.join(map(str, s.shape))})" for s in spec.signature.inputs)
+        else:
+            inputs = entry.requires or "unavailable"
+        rows.append(
+            {"name": entry.name, "sizes": list(entry.sizes), "inputs": inputs, "description": entry.description}
+        )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="tk models (any package.module:callable works too)")
+    for column in ("model", "sizes", "inputs (size tiny)", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], ", ".join(row["sizes"]), row["inputs"], row["description"])
+    _console().print(table)
+
+
+# ----------------------------------------------------------------------------------------- train
+@cli.command("train")
+@click.argument("model")
+@model_options
+@click.option("--steps", type=int, default=None, help="Optimizer steps (default: the task's, e.g. 300).")
+@click.option("--batch-size", type=int, default=None, help="Samples per step (default: the task's).")
+@click.option("--lr", type=float, default=None, help="Learning rate (default: the task's).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and data.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--compile", "use_compile", is_flag=True, help="Train under torch.compile.")
+@click.option(
+    "--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune"]), default="default", show_default=True
+)
+@click.option("--dynamic/--no-dynamic", default=None, help="torch.compile dynamic shapes (default: torch decides).")
+@click.option("--fullgraph", is_flag=True, help="Fail on any graph break instead of splitting the graph.")
+@click.option("--backend", default="inductor", show_default=True, help="torch.compile backend.")
+@click.option("--compare", is_flag=True, help="Train eager and compiled from the same start and compare speed.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Checkpoint path (default: runs/MODEL-SIZE.safetensors).",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON."
+)
+def train_cmd(
+    model: str,
+    size: str | None,
+    inputs: tuple[str, ...],
+    steps: int | None,
+    batch_size: int | None,
+    lr: float | None,
+    seed: int,
+    device: str,
+    use_compile: bool,
+    mode: str,
+    dynamic: bool | None,
+    fullgraph: bool,
+    backend: str,
+    compare: bool,
+    out: Path | None,
+    json_path: Path | None,
+) -> None:
+    """Train MODEL on its synthetic task and save a safetensors checkpoint."""
+    from tk.models.train import CompileOptions
+
+    options = CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+    kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
+    if compare:
+        _train_compare(model, size, inputs, options, kwargs, json_path)
+        return
+    spec = _build(model, size, inputs)
+    result = _train_with_progress(spec, kwargs, options if use_compile else None)
+    from tk.fileio import atomic_write_json
+    from tk.models.checkpoint import save_checkpoint
+    from tk.versions import library_versions
+
+    out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
+    meta = {**spec.reference(), "train": result.summary(), "versions": library_versions()}
+    save_checkpoint(spec.module, out, meta)
+    _print_train([result])
+    click.echo(f"checkpoint: {out} (+ {out.name}.json)")
+    if json_path:
+        atomic_write_json(json_path, meta)
+
+
+def _train_with_progress(spec: Any, kwargs: dict[str, Any], options: Any) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tk.models.train import train
+
+    total = kwargs["steps"] or (spec.task.steps if spec.task else 1)
+    label = "compiled" if options is not None else "eager"
+    with Progress(
+        TextColumn(f"train {spec.name} ({label})"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:.1f} steps/s"),
+        TimeElapsedColumn(),
+        console=_console(),
+        transient=False,
+    ) as progress:
+        task_id = progress.add_task("train", total=total, loss=float("nan"), rate=0.0)
+        import time
+
+        start = time.perf_counter()
+
+        def on_step(step: int, loss: float) -> None:
+            elapsed = time.perf_counter() - start
+            progress.update(task_id, completed=step, loss=loss, rate=step / elapsed if elapsed else 0.0)
+
+        return train(spec, compile_options=options, on_step=on_step, **kwargs)
+
+
+def _print_train(results: list[Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="training")
+    for column in (
+        "loop",
+        "steps",
+        "first loss",
+        "final loss",
+        "val loss",
+        "val acc",
+        "first step s",
+        "steps/s",
+        "graphs",
+        "breaks",
+        "recompiles",
+    ):
+        table.add_column(column, justify="right")
+    for r in results:
+        acc = "-" if r.val_accuracy is None else f"{r.val_accuracy:.3f}"
+        compiled = [str(r.graphs), str(r.graph_breaks), str(r.recompilations)] if r.compiled else ["-", "-", "-"]
+        table.add_row(
+            "compiled" if r.compiled else "eager",
+            str(r.steps),
+            f"{r.first_loss:.4f}",
+            f"{r.final_loss:.4f}",
+            f"{r.val_loss:.4f}",
+            acc,
+            f"{r.first_step_s:.2f}",
+            f"{r.steps_per_s:.1f}",
+            *compiled,
+        )
+    _console().print(table)
+    for r in results:
+        for reason in r.graph_break_reasons:
+            click.echo(f"graph break: {reason}")
+
+
+def _train_compare(
+    model: str, size: str | None, inputs: tuple[str, ...], options: Any, kwargs: dict[str, Any], json_path: Path | None
+) -> None:
+    from tk.fileio import atomic_write_json
+
+    eager_spec = _build(model, size, inputs)
+    compiled_spec = _build(model, size, inputs)
+    compiled_spec.module.load_state_dict(eager_spec.module.state_dict())
+    eager = _train_with_progress(eager_spec, kwargs, None)
+    compiled = _train_with_progress(compiled_spec, kwargs, options)
+    _print_train([eager, compiled])
+    speedup = compiled.steps_per_s / eager.steps_per_s
+    click.echo(
+        f"compiled over eager after warm-up: {speedup:.2f}x steps/s (compile and first step took {compiled.first_step_s:.1f} s)"
+    )
+    if json_path:
+        atomic_write_json(
+            json_path,
+            {
+                "model": eager_spec.reference(),
+                "eager": eager.summary(),
+                "compiled": compiled.summary(),
+                "speedup": speedup,
+            },
+        )
+
+
+# ---------------------------------------------------------------------------------------- export
+def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> dict[str, Any]:
+    from tk.spec import Dim
+
+    parsed = {}
+    if batch:
+        parsed["batch"] = Dim.parse("batch", batch)
+    if seq:
+        parsed["seq"] = Dim.parse("seq", seq)
+    for item in dims:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--dim: expected NAME=MIN:OPT:MAX such as seq=1:128:512, got {item!r}")
+        parsed[name] = Dim.parse(name, value)
+    return parsed
+
+
+@cli.command("export")
+@click.argument("model")
+@model_options
+@click.option(
+    "--format",
+    "formats",
+    multiple=True,
+    type=click.Choice(FORMAT_NAMES),
+    help="torch, onnx, aoti, trt or all (repeatable; default onnx).",
+)
+@click.option(
+    "--checkpoint", type=click.Path(path_type=Path), default=None, help="Weights from `tk train` (safetensors)."
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Artifact directory (default: artifacts/MODEL-SIZE)."
+)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option(
+    "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
+)
+@click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64.")
+@click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Range of the sequence dimension, e.g. 1:128:512.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other named dimension.")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default 20; at least 18).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--no-check", is_flag=True, help="Skip the export-time parity check (the manifest says unchecked).")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance of the check (default: by precision).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance of the check (default: by precision).")
+@click.option("--trt-workspace", type=float, default=4.0, show_default=True, help="TensorRT workspace limit, GiB.")
+@click.option(
+    "--trt-opt-level",
+    type=click.IntRange(0, 5),
+    default=3,
+    show_default=True,
+    help="TensorRT builder optimization level.",
+)
+@click.option(
+    "--trt-hardware-compat",
+    type=click.Choice(["ampere+", "same-compute-capability", "none"]),
+    default="ampere+",
+    show_default=True,
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the manifest's check as JSON here.",
+)
+def export_cmd(
+    model: str,
+    size: str | None,
+    inputs: tuple[str, ...],
+    formats: tuple[str, ...],
+    checkpoint: Path | None,
+    out: Path | None,
+    precision: str,
+    dynamic: bool,
+    batch: str | None,
+    seq: str | None,
+    dims: tuple[str, ...],
+    opset: int | None,
+    device: str,
+    no_check: bool,
+    rtol: float | None,
+    atol: float | None,
+    trt_workspace: float,
+    trt_opt_level: int,
+    trt_hardware_compat: str,
+    json_path: Path | None,
+) -> None:
+    """Export MODEL to static-graph artifacts and check each against PyTorch."""
+    from tk.export import ExportOptions, export
+
+    if opset is not None and opset < 18:
+        raise UsageError(f"--opset: expected 18 or newer, got {opset}")
+    spec = _build(model, size, inputs)
+    options = ExportOptions(
+        formats=formats or ("onnx",),
+        precision=precision,
+        dynamic=dynamic,
+        dims=_parse_dims(batch, seq, dims),
+        opset=opset,
+        device=device,
+        check=not no_check,
+        rtol=rtol,
+        atol=atol,
+        checkpoint=checkpoint,
+        trt_workspace_gb=trt_workspace,
+        trt_optimization_level=trt_opt_level,
+        trt_hardware_compatibility=trt_hardware_compat,
+    )
+    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
+    from tk.errors import ParityError
+
+    try:
+        result = export(spec, out, options)
+    except ParityError:
+        from tk.manifest import read_manifest
+
+        _print_check_reports(read_manifest(out).check)
+        raise
+    for fmt, reason in result.skipped.items():
+        click.echo(f"skipped {fmt}: {reason}")
+    if result.manifest.check:
+        _print_check_reports(result.manifest.check)
+    click.echo(f"artifact: {out} ({result.manifest.status})")
+    if json_path:
+        from tk.fileio import atomic_write_json
+
+        atomic_write_json(json_path, result.manifest.check)
+
+
+# --------------------------------------------------------------------------------------- inspect
+@cli.command("inspect")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+def inspect_cmd(artifact: Path, as_json: bool) -> None:
+    """Summarize an artifact's manifest (and verify every file's hash)."""
+    from tk.manifest import manifest_bytes, verify_artifact
+
+    manifest = verify_artifact(artifact)
+    if as_json:
+        click.echo(manifest_bytes(manifest).decode().rstrip())
+        return
+    model = manifest.model
+    click.echo(f"artifact   {artifact}  status: {manifest.status}  (files verified)")
+    click.echo(
+        f"model      {model['name']}"
+        + (f" size {model['size']}" if model.get("size") else "")
+        + f"  precision {manifest.precision}  device {manifest.device}"
+    )
+    if model.get("checkpoint_sha256"):
+        click.echo(f"checkpoint sha256 {model['checkpoint_sha256'][:16]}…")
+    dims = ", ".join(f"{d.name} {d.min}:{d.opt}:{d.max}" for d in manifest.signature.dims.values())
+    click.echo(f"dims       {dims or 'none'}")
+    for label, specs in (("input", manifest.signature.inputs), ("output", manifest.signature.outputs)):
+        for s in specs:
+            click.echo(f"{label:<10} {s.name}: {s.dtype}[{', '.join(map(str, s.shape))}]")
+    for entry in manifest.files:
+        click.echo(f"file       {entry.path:<28} {entry.role:<10} {_size(entry.size):>9}  sha256 {entry.sha256[:12]}…")
+    for fmt, info in manifest.formats.items():
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k != "file")
+        click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
+    click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+    if manifest.timings:
+        click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
+    for fmt, report in manifest.check.items():
+        worst_abs = max((o["max_abs"] for o in report["outputs"]), default=0.0)
+        worst_rel = max((o["max_rel"] for o in report["outputs"]), default=0.0)
+        verdict = "passed" if report["passed"] else "FAILED"
+        click.echo(
+            f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
+        )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_check_reports(reports: dict[str, dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="parity against PyTorch eager")
+    for column in ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", "NaN", "Inf", "result"):
+        table.add_column(column, justify="right" if column not in ("engine", "output", "result") else "left")
+    for engine, report in reports.items():
+        rows = list(report["outputs"])
+        if report.get("batch_invariance"):
+            rows.append(report["batch_invariance"])
+        for o in rows:
+            sqnr = "inf" if o["sqnr_db"] is None else f"{o['sqnr_db']:.1f}"
+            result = "pass" if o["passed"] else f"FAIL: {o['problem']}"
+            table.add_row(
+                engine,
+                o["name"],
+                f"{o['max_abs']:.2e}",
+                f"{o['max_rel']:.2e}",
+                f"{o['cosine']:.6f}",
+                sqnr,
+                str(o["nan"]),
+                str(o["inf"]),
+                result,
+            )
+    _console().print(table)
+    tol = next(iter(reports.values()), None)
+    if tol:
+        click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
+
+
+def main() -> None:
+    cli(obj={})
+
+
+if __name__ == "__main__":
+    main()
