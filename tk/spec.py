@@ -158,7 +158,7 @@ def random_feeds(inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int =
 
 
 _INPUT_RE = re.compile(
-    r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<shape>[0-9x]+)(?::(?P<range>\d+-\d+))?$"
+    r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<shape>\d+(?:x\d+)*)(?::(?P<range>\d+-\d+))?$"
 )
 
 
