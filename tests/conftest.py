@@ -11,7 +11,9 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def missing_requirements(*, cuda: bool = False, tensorrt: bool = False, min_compute_capability: tuple[int, int] | None = None) -> list[str]:
+def missing_requirements(
+    *, cuda: bool = False, tensorrt: bool = False, min_compute_capability: tuple[int, int] | None = None
+) -> list[str]:
     """Every requirement of a hardware-gated test that this machine lacks."""
     missing = []
     has_cuda = torch.cuda.is_available()

@@ -47,7 +47,9 @@ def test_compiled_step_matches_eager_step():
     train(eager_spec, steps=1, seed=5, lr=1e-2)
     result = train(compiled_spec, steps=1, seed=5, lr=1e-2, compile_options=CompileOptions(fullgraph=True))
     assert result.compiled and result.graph_breaks == 0
-    for (name, p_eager), p_compiled in zip(eager_spec.module.named_parameters(), compiled_spec.module.parameters(), strict=True):
+    for (name, p_eager), p_compiled in zip(
+        eager_spec.module.named_parameters(), compiled_spec.module.parameters(), strict=True
+    ):
         torch.testing.assert_close(p_compiled, p_eager, rtol=1e-5, atol=1e-6, msg=f"parameter {name}")
 
 
@@ -76,7 +78,7 @@ def test_fullgraph_graph_break_is_one_clear_error():
             self.inner = inner
 
         def forward(self, x):
-            print("side effect")  # noqa: T201 - a print is a graph break under fullgraph
+            print("side effect")
             return self.inner(x)
 
     spec.module = Breaks()

@@ -1,0 +1,68 @@
+"""Parity numbers: compare() on arrays whose errors are known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tk.check import compare, compare_output
+from tk.spec import Dim
+from tk.tolerances import tolerance_for
+
+
+def test_identical_outputs_pass_with_zero_error():
+    ref = np.linspace(-3, 3, 50, dtype=np.float32).reshape(5, 10)
+    result = compare_output("y", ref, ref.copy(), rtol=1e-4, atol=1e-5)
+    assert result.passed and result.max_abs == 0 and result.cosine == pytest.approx(1.0) and math.isinf(result.sqnr_db)
+
+
+def test_known_error_is_measured_exactly():
+    ref = np.array([[1.0, -2.0, 4.0]], dtype=np.float32)
+    cand = ref + np.array([[0.0, 0.01, -0.02]], dtype=np.float32)
+    result = compare_output("y", ref, cand, rtol=1e-4, atol=1e-5)
+    assert result.max_abs == pytest.approx(0.02, rel=1e-5)
+    assert result.max_rel == pytest.approx(0.02 / 4.0, rel=1e-5)
+    assert not result.passed and "exceeds" in result.problem
+    loose = compare_output("y", ref, cand, rtol=1e-2, atol=1e-2)
+    assert loose.passed
+
+
+def test_sqnr_in_decibels():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(10_000)
+    noise = rng.standard_normal(10_000) * 0.01  # 40 dB below the signal
+    result = compare_output("y", ref, ref + noise, rtol=1, atol=1, min_sqnr_db=30)
+    assert result.sqnr_db == pytest.approx(40.0, abs=0.3) and result.passed
+    assert not compare_output("y", ref, ref + noise, rtol=1, atol=1, min_sqnr_db=45).passed
+
+
+def test_nan_in_candidate_fails():
+    ref = np.ones((2, 2), dtype=np.float32)
+    cand = ref.copy()
+    cand[0, 0] = np.nan
+    result = compare_output("y", ref, cand, rtol=1e-4, atol=1e-5)
+    assert not result.passed and result.nan == 1
+
+
+def test_names_then_shapes_are_compared_and_every_failure_reported():
+    ref = {"a": np.zeros((2, 3)), "b": np.zeros(2)}
+    cand = {"a": np.zeros((2, 4)), "c": np.zeros(2)}
+    results = {r.name: r for r in compare(ref, cand, rtol=1e-4, atol=1e-5)}
+    assert set(results) == {"a", "b", "c"}
+    assert "shape (2, 4)" in results["a"].problem
+    assert "missing" in results["b"].problem
+    assert "unexpected" in results["c"].problem
+
+
+def test_tolerance_table_and_overrides():
+    assert tolerance_for("fp32") == (1e-4, 1e-5)
+    assert tolerance_for("fp32", model_overrides={"fp32": (1e-3, 1e-3)}) == (1e-3, 1e-3)
+    assert tolerance_for("bf16", rtol=0.1) == (0.1, tolerance_for("bf16")[1])
+
+
+def test_dim_sizes_to_check_cover_the_range_with_an_odd_size():
+    sizes = Dim("batch", 1, 8, 64).sizes_to_check()
+    assert sizes[0] == 1 and sizes[-1] == 64 and 8 in sizes
+    assert any(s % 2 == 1 and 1 < s < 64 for s in sizes)

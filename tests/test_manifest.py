@@ -1,0 +1,82 @@
+"""Artifact integrity: every file is verified against the manifest before it is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tk.cli import cli
+from tk.errors import IntegrityError
+from tk.export import ExportOptions, export
+from tk.manifest import read_manifest, verify_artifact
+from tk.models import build_model
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "mlp"
+    export(build_model("mlp", size="tiny"), out, ExportOptions(formats=("torch",)))
+    return out
+
+
+def copy_of(artifact, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy"
+    shutil.copytree(artifact, target)
+    return target
+
+
+def test_hashes_match_the_files(artifact):
+    manifest = verify_artifact(artifact)
+    assert manifest.status == "passed"
+    assert {e.role for e in manifest.files} == {"weights", "torch"}
+    assert manifest.signature.dims["batch"].max == 1024
+    assert manifest.check["torch"]["passed"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_files_are_refused_with_their_name(artifact, tmp_path, damage):
+    root = copy_of(artifact, tmp_path)
+    target = root / "program.pt2"
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[:-100])
+    elif damage == "flip":
+        target.write_bytes(data[:500] + bytes([data[500] ^ 0xFF]) + data[501:])
+    else:
+        target.unlink()
+    with pytest.raises(IntegrityError, match="program.pt2"):
+        verify_artifact(root)
+    result = CliRunner().invoke(cli, ["inspect", str(root)])
+    assert result.exit_code == 2 and "program.pt2" in result.stderr and "Traceback" not in result.output
+
+
+def test_edited_manifest_shape_is_refused_when_signed(artifact, tmp_path, monkeypatch):
+    monkeypatch.setenv("TK_SIGNING_KEY", "secret")
+    out = tmp_path / "signed"
+    export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",), check=False))
+    verify_artifact(out)
+    path = out / "manifest.json"
+    data = json.loads(path.read_text())
+    data["signature"]["inputs"][0]["shape"] = ["batch", 5]
+    path.write_text(json.dumps(data))
+    with pytest.raises(IntegrityError, match="signature that does not match"):
+        read_manifest(out)
+
+
+def test_a_directory_without_manifest_is_not_an_artifact(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(IntegrityError, match="not a complete artifact"):
+        read_manifest(tmp_path / "half")
+
+
+def test_exporting_again_replaces_the_directory_whole(tmp_path):
+    out = tmp_path / "a"
+    export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))
+    (out / "stale.txt").write_text("old")
+    export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))
+    assert not (out / "stale.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".a.")], "no staging directories left behind"
