@@ -48,7 +48,7 @@ def test_damaged_files_are_refused_with_their_name(artifact, tmp_path, damage):
         target.write_bytes(data[:500] + bytes([data[500] ^ 0xFF]) + data[501:])
     else:
         target.unlink()
-    with pytest.raises(IntegrityError, match="program.pt2"):
+    with pytest.raises(IntegrityError, match=r"program\.pt2"):
         verify_artifact(root)
     result = CliRunner().invoke(cli, ["inspect", str(root)])
     assert result.exit_code == 2 and "program.pt2" in result.stderr and "Traceback" not in result.output

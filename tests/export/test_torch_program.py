@@ -89,7 +89,7 @@ def test_data_dependent_control_flow_is_one_clear_error(tmp_path):
 
 
 def test_a_specialized_dynamic_dimension_is_named(tmp_path):
-    with pytest.raises(CaptureError, match="dimension 'batch' was meant to be dynamic.*constant 8"):
+    with pytest.raises(CaptureError, match=r"dimension 'batch' was meant to be dynamic.*constant 8"):
         export(_spec_with(FixesBatch()), tmp_path / "fixed", ExportOptions(formats=("torch",)))
 
 
