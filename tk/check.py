@@ -239,3 +239,20 @@ def _batch_invariance(
             worst.merge(result)
     worst.name = "batch invariance"
     return worst
+
+
+def report_from_outputs(
+    engine: str,
+    reference: Mapping[str, np.ndarray],
+    candidate: Mapping[str, np.ndarray],
+    *,
+    precision: str,
+    rtol: float,
+    atol: float,
+    min_sqnr_db: float | None = None,
+    shapes: list[dict[str, int]] | None = None,
+) -> ParityReport:
+    """A ``ParityReport`` for outputs already computed (a whole input file run through both engines)."""
+    report = ParityReport(engine, "eager", precision, rtol, atol, min_sqnr_db, shapes=shapes or [])
+    report.outputs = compare(reference, candidate, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db)
+    return report

@@ -22,7 +22,21 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 
 class TkGroup(click.Group):
-    """Turns ``TkError`` into one line and an exit code; ``--debug`` keeps the traceback."""
+    """Turns ``TkError`` and click's usage errors into one line and an exit code.
+
+    ``--debug`` keeps the traceback of a ``TkError``.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as exc:  # bad option values, missing arguments, unknown commands
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -490,6 +504,350 @@ def _print_check_reports(reports: dict[str, dict[str, Any]]) -> None:
     tol = next(iter(reports.values()), None)
     if tol:
         click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
+
+
+# ------------------------------------------------------------------------- infer / check / bench
+def engine_options(fn: Any) -> Any:
+    fn = click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)(fn)
+    fn = click.option(
+        "--provider",
+        default=None,
+        help="onnxruntime execution provider, e.g. CPUExecutionProvider (default: the best available).",
+    )(fn)
+    fn = click.option(
+        "--threads", type=int, default=None, help="Threads for onnxruntime and torch (default: all cores)."
+    )(fn)
+    fn = click.option(
+        "--mode",
+        type=click.Choice(["default", "reduce-overhead", "max-autotune"]),
+        default="default",
+        show_default=True,
+        help="torch.compile mode of the compile engine.",
+    )(fn)
+    fn = click.option("--cuda-graph", is_flag=True, help="Replay TensorRT calls through a CUDA graph.")(fn)
+    fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
+    return fn
+
+
+def _engine_kwargs(name: str, provider: str | None, threads: int | None, mode: str, cuda_graph: bool) -> dict[str, Any]:
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads: expected 1 or more, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
+    if name == "onnx":
+        return {"provider": provider, "threads": threads}
+    if name == "compile":
+        return {"mode": mode}
+    if name == "trt":
+        return {"cuda_graph": cuda_graph}
+    return {}
+
+
+def _open(artifact: Path, name: str, device: str, allow_failed: bool, manifest: Any, **kw: Any) -> Any:
+    from tk.runtime import load
+
+    return load(
+        artifact, name, device=device, allow_failed=allow_failed, manifest=manifest, **_engine_kwargs(name, **kw)
+    )
+
+
+def _engine_list(text: str, manifest: Any, device: str, *, include_baselines: bool) -> list[str]:
+    from tk.runtime import ENGINES, available_engines
+
+    if text in ("all", "auto"):
+        names = available_engines(manifest, device)
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in ENGINES]
+        if unknown:
+            raise UsageError(
+                f"--engine: unknown {', '.join(unknown)}; expected names from {', '.join(ENGINES)}, or all"
+            )
+    if include_baselines:
+        names = [b for b in ("eager", "compile") if b not in names] + names
+    return names
+
+
+@cli.command("infer")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--engine", "engine_name", type=click.Choice(ENGINE_NAMES), default="onnx", show_default=True)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=".npz (one array per input) or .npy (single-input models).",
+)
+@click.option(
+    "--random", "random_samples", type=int, default=None, help="Make N valid random samples instead of reading a file."
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Where to write the outputs (.npz).")
+@click.option(
+    "--batch-size", type=int, default=None, help="Samples per engine call (default: the batch dimension's opt size)."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random.")
+@engine_options
+def infer_cmd(
+    artifact: Path,
+    engine_name: str,
+    inputs_path: Path | None,
+    random_samples: int | None,
+    out: Path,
+    batch_size: int | None,
+    seed: int,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+) -> None:
+    """Run an artifact over every sample of an input file, in batches, and save the outputs."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tk.manifest import verify_artifact
+    from tk.runtime.batching import infer_file
+
+    if (inputs_path is None) == (random_samples is None):
+        raise UsageError("expected exactly one of --inputs FILE or --random N")
+    if random_samples is not None and random_samples < 1:
+        raise UsageError(f"--random: expected 1 or more samples, got {random_samples}")
+    manifest = verify_artifact(artifact)
+    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    with _open(artifact, engine_name, device, allow_failed, manifest, **opts) as engine:
+        with Progress(
+            TextColumn(f"infer {engine_name}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=_console(),
+        ) as progress:
+            task_id = progress.add_task("infer", total=None)
+
+            def on_progress(done: int, total: int) -> None:
+                progress.update(task_id, completed=done, total=total)
+
+            result = infer_file(
+                engine,
+                out,
+                inputs=inputs_path,
+                random=random_samples,
+                batch_size=batch_size,
+                seed=seed,
+                progress=on_progress,
+            )
+    rate = result.samples / result.seconds if result.seconds else float("inf")
+    click.echo(
+        f"{result.samples} samples in {result.batches} batches, {result.seconds:.2f} s ({rate:.1f} samples/s) -> {result.out}"
+    )
+    for label, counts in (("inputs", result.nonfinite_inputs), ("outputs", result.nonfinite_outputs)):
+        for name, count in counts.items():
+            if count:
+                click.echo(f"warning: {count} NaN/Inf values in {label[:-1]} {name!r}", err=True)
+
+
+@cli.command("check")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--engine",
+    "engine_text",
+    default="all",
+    show_default=True,
+    help="Engine to compare with eager, or all that this machine can run.",
+)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Compare on this file's samples (.npz/.npy).",
+)
+@click.option(
+    "--samples",
+    type=int,
+    default=None,
+    help="Compare on N random samples (default: random inputs at min, opt, max and an odd size).",
+)
+@click.option("--batch-size", type=int, default=None, help="Samples per call with --inputs/--samples.")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the artifact's precision).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the reports as JSON.")
+@engine_options
+def check_cmd(
+    artifact: Path,
+    engine_text: str,
+    inputs_path: Path | None,
+    samples: int | None,
+    batch_size: int | None,
+    rtol: float | None,
+    atol: float | None,
+    seed: int,
+    json_path: Path | None,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+) -> None:
+    """Compare an artifact's engines with the PyTorch model, output by output; exit 1 on a failure."""
+    from tk.check import check_engines, report_from_outputs
+    from tk.errors import ParityError
+    from tk.export.check import shapes_to_check
+    from tk.fileio import atomic_write_json
+    from tk.manifest import verify_artifact
+    from tk.runtime.batching import BatchRunner
+    from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
+    from tk.tolerances import MIN_SQNR_DB, tolerance_for
+
+    if inputs_path is not None and samples is not None:
+        raise UsageError("expected at most one of --inputs FILE and --samples N")
+    manifest = verify_artifact(artifact)
+    names = [n for n in _engine_list(engine_text, manifest, device, include_baselines=False) if n != "eager"]
+    if not names:
+        raise UsageError(f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}")
+    overrides = {p: (t[0], t[1]) for p, t in manifest.model.get("tolerances", {}).items()}
+    rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides, rtol=rtol, atol=atol)
+    min_sqnr = MIN_SQNR_DB.get(manifest.precision)
+    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    reports = {}
+    with _open(artifact, "eager", device, allow_failed, manifest, **opts) as reference:
+        feeds = None
+        if inputs_path is not None:
+            feeds = read_inputs(inputs_path, reference.inputs)
+        elif samples is not None:
+            if samples < 1:
+                raise UsageError(f"--samples: expected 1 or more, got {samples}")
+            feeds = random_inputs(reference.inputs, reference.dims, samples, seed=seed)
+        if feeds is not None:
+            for name, count in count_nonfinite(feeds).items():
+                if count:
+                    click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
+            ref_out = BatchRunner(reference, batch_size).run(feeds)
+        for name in names:
+            with _open(artifact, name, device, allow_failed, manifest, **opts) as candidate:
+                if feeds is None:
+                    report = check_engines(
+                        reference,
+                        candidate,
+                        shapes_to_check(manifest.signature.dims),
+                        precision=manifest.precision,
+                        rtol=rtol,
+                        atol=atol,
+                        min_sqnr_db=min_sqnr,
+                        seed=seed,
+                    )
+                else:
+                    cand_out = BatchRunner(candidate, batch_size).run(feeds)
+                    samples_run = int(next(iter(feeds.values())).shape[0])
+                    report = report_from_outputs(
+                        name,
+                        ref_out,
+                        cand_out,
+                        precision=manifest.precision,
+                        rtol=rtol,
+                        atol=atol,
+                        min_sqnr_db=min_sqnr,
+                        shapes=[{"samples": samples_run}],
+                    )
+            reports[name] = report.to_json()
+    _print_check_reports(reports)
+    if json_path:
+        atomic_write_json(json_path, reports)
+    failed = [name for name, r in reports.items() if not r["passed"]]
+    if failed:
+        raise ParityError(f"parity failed for {', '.join(failed)} (rtol {rtol:g}, atol {atol:g})")
+    click.echo(f"parity passed for {', '.join(reports)}")
+
+
+@cli.command("bench")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--engine",
+    "engine_text",
+    default="all",
+    show_default=True,
+    help="Comma-separated engines, or all; eager and compile are always added as baselines.",
+)
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
+@click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
+@click.option(
+    "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the results and the machine's description as JSON.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a PNG of latency and throughput against batch size.",
+)
+@engine_options
+def bench_cmd(
+    artifact: Path,
+    engine_text: str,
+    batch_sizes: str,
+    seconds: float | None,
+    iters: int | None,
+    seq: int | None,
+    json_path: Path | None,
+    plot_path: Path | None,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+) -> None:
+    """Measure every engine side by side (interleaved) at several batch sizes."""
+    from contextlib import ExitStack
+
+    from tk.bench import measure, render_table, save_json, save_plot
+    from tk.manifest import verify_artifact
+
+    try:
+        sizes_list = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--batch-sizes: expected comma-separated integers such as 1,8,32, got {batch_sizes!r}"
+        ) from None
+    if not sizes_list or min(sizes_list) < 1:
+        raise UsageError(f"--batch-sizes: expected positive integers, got {batch_sizes!r}")
+    if seconds is not None and iters is not None:
+        raise UsageError("expected at most one of --seconds and --iters")
+    manifest = verify_artifact(artifact)
+    names = _engine_list(engine_text, manifest, device, include_baselines=True)
+    other_sizes = {"seq": seq} if seq is not None else None
+    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    with ExitStack() as stack:
+        engines = {
+            name: stack.enter_context(_open(artifact, name, device, allow_failed, manifest, **opts)) for name in names
+        }
+        report = measure(
+            engines,
+            sizes_list,
+            seconds=seconds,
+            iters=iters,
+            sizes=other_sizes,
+            progress=lambda line: click.echo(line, err=True),
+        )
+    _console().print(render_table(report))
+    if json_path:
+        save_json(report, json_path)
+        click.echo(f"json: {json_path}")
+    if plot_path:
+        save_plot(report, plot_path)
+        click.echo(f"plot: {plot_path}")
 
 
 def main() -> None:

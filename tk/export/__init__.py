@@ -139,7 +139,7 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     os.chmod(staging, 0o777 & ~_umask())
     try:
-        module = module_at_precision(spec.module.to(device), options.precision)
+        module = module_at_precision(spec.module.to(device), options.precision, options.device)
         ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
         ctx.versions = library_versions(options.device)
         _write_weights(ctx)
@@ -192,6 +192,8 @@ def _write_weights(ctx: ExportContext) -> None:
 
 def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
     model = {**ctx.spec.reference(), "checkpoint_sha256": checkpoint_sha}
+    if ctx.spec.tolerances:
+        model["tolerances"] = {p: list(t) for p, t in ctx.spec.tolerances.items()}
     signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)
     return Manifest(
         model=model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from pathlib import Path
@@ -63,15 +64,21 @@ def exported_program_from_module(
 ) -> torch.export.ExportedProgram:
     """Capture ``module`` (in eval mode) with torch.export; dimensions in ``dims`` keep their ranges."""
     module.eval()
+    dynamic_shapes: tuple = dynamic_shapes_for(signature, dims)
+    if _takes_var_positional(module):
+        dynamic_shapes = (dynamic_shapes,)  # forward(*args): the shapes of args form one entry
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = torch.export.export(
-                module, example_inputs, dynamic_shapes=dynamic_shapes_for(signature, dims), strict=False
-            )
+            program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch.export raises many types; all are capture failures
         raise CaptureError(capture_error_message(exc)) from exc
     return program
+
+
+def _takes_var_positional(module: nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
 
 
 def save_exported_program(program: torch.export.ExportedProgram, path: Path) -> None:

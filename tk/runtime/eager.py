@@ -86,7 +86,8 @@ class CompiledEngine(EagerEngine):
         mode = self.options.get("mode") or None
         dynamic = self.options.get("dynamic", True)
         self._freezing = bool(self.options.get("freezing", True))
-        self._precision = self.options.get("precision", "fp32")
+        artifact_precision = self.manifest.precision if self.manifest.precision in ("bf16", "fp16") else "fp32"
+        self._precision = self.options.get("precision") or artifact_precision
         if self._precision not in ("fp32", "bf16", "fp16"):
             raise BackendUnavailableError(
                 f"engine 'compile': expected precision fp32, bf16 or fp16, got {self._precision!r}"
