@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.errors import IntegrityError
 from tk.export import ExportOptions, export
-from tk.manifest import read_manifest, verify_artifact
+from tk.manifest import _canonical, read_manifest, verify_artifact
 from tk.models import build_model
 
 
@@ -62,9 +63,22 @@ def test_edited_manifest_shape_is_refused_when_signed(artifact, tmp_path, monkey
     path = out / "manifest.json"
     data = json.loads(path.read_text())
     data["signature"]["inputs"][0]["shape"] = ["batch", 5]
+    data["checksum"] = hashlib.sha256(_canonical(data)).hexdigest()  # an attacker can redo the checksum, not the HMAC
     path.write_text(json.dumps(data))
     with pytest.raises(IntegrityError, match="signature that does not match"):
         read_manifest(out)
+
+
+def test_edited_manifest_shape_is_refused(artifact, tmp_path):
+    root = copy_of(artifact, tmp_path)
+    path = root / "manifest.json"
+    data = json.loads(path.read_text())
+    data["signature"]["inputs"][0]["shape"] = ["batch", 5]
+    path.write_text(json.dumps(data))
+    with pytest.raises(IntegrityError, match="edited or damaged after export"):
+        read_manifest(root)
+    result = CliRunner().invoke(cli, ["inspect", str(root)])
+    assert result.exit_code == 2 and "manifest.json" in result.stderr
 
 
 def test_a_directory_without_manifest_is_not_an_artifact(tmp_path):

@@ -95,12 +95,15 @@ class Manifest:
 
 
 def _canonical(data: dict[str, Any]) -> bytes:
-    return json.dumps({k: v for k, v in data.items() if k != "hmac"}, sort_keys=True, separators=(",", ":")).encode()
+    unsigned = {k: v for k, v in data.items() if k not in ("hmac", "checksum")}
+    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
-    """The manifest as written: JSON, plus an HMAC-SHA256 when ``TK_SIGNING_KEY`` is set."""
+    """The manifest as written: JSON with its own sha256 (which catches accidental edits and
+    corruption), plus an HMAC-SHA256 when ``TK_SIGNING_KEY`` is set (which catches deliberate ones)."""
     data = manifest.to_json()
+    data["checksum"] = hashlib.sha256(_canonical(data)).hexdigest()
     key = os.environ.get(SIGNING_ENV)
     if key:
         data["hmac"] = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()
@@ -124,6 +127,10 @@ def read_manifest(root: str | Path) -> Manifest:
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         found = data.get("format_version") if isinstance(data, dict) else type(data).__name__
         raise IntegrityError(f"{path}: expected manifest format version {FORMAT_VERSION}, found {found!r}")
+    if data.get("checksum") != hashlib.sha256(_canonical(data)).hexdigest():
+        raise IntegrityError(
+            f"{path}: edited or damaged after export (its checksum does not match its content); re-export the artifact"
+        )
     key = os.environ.get(SIGNING_ENV)
     if key:
         expected = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()

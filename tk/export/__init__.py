@@ -135,9 +135,12 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     example = spec.example_inputs({n: d.opt for n, d in dims.items()})
     device = torch.device(options.device)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    os.chmod(staging, 0o777 & ~_umask())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        os.chmod(staging, 0o777 & ~_umask())
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
         module = module_at_precision(spec.module.to(device), options.precision, options.device)
         ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
@@ -159,6 +162,13 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
         _replace_dir(staging, out)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        where = f" {exc.filename}" if exc.filename else ""
+        raise UsageError(
+            f"export to {out}: cannot write{where} ({exc.strerror or exc}); nothing was replaced. "
+            "Free some space or choose another --out"
+        ) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
