@@ -1,0 +1,105 @@
+"""The benchmark library: rows, percentiles, speed-ups and the files it writes (never timings)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from tk.bench import BenchReport, machine_description, measure, render_table, save_json, save_plot
+from tk.export import ExportOptions, export
+from tk.models import build_model
+from tk.runtime import load
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    export(spec, root / "dynamic", ExportOptions(formats=("torch",), check=False))
+    export(spec, root / "static", ExportOptions(formats=("torch",), dynamic=False, check=False))
+    opened = {
+        "eager": load(root / "dynamic", "eager"),
+        "torch": load(root / "dynamic", "torch"),
+        "static": load(root / "static", "torch"),
+    }
+    yield opened
+    for engine in opened.values():
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def report(engines) -> BenchReport:
+    return measure({"eager": engines["eager"], "torch": engines["torch"]}, [1, 4], iters=5, warmup=1)
+
+
+def test_one_row_per_engine_and_batch_size(report):
+    assert [(r.engine, r.batch_size, r.iters) for r in report.rows] == [
+        ("eager", 1, 5),
+        ("torch", 1, 5),
+        ("eager", 4, 5),
+        ("torch", 4, 5),
+    ]
+    for row in report.rows:
+        assert 0 < row.p50_ms <= row.p90_ms <= row.p99_ms
+        assert row.throughput == pytest.approx(row.batch_size / (row.p50_ms / 1e3))
+    for size in (1, 4):
+        eager, torch_row = (r for r in report.rows if r.batch_size == size)
+        assert eager.speedup == pytest.approx(1.0)
+        assert torch_row.speedup == pytest.approx(eager.p50_ms / torch_row.p50_ms)
+    assert report.skipped == []
+    assert report.settings["sizes"] == {"seq": 16}
+
+
+def test_batch_sizes_outside_an_engine_range_are_skipped(engines):
+    report = measure({"torch": engines["torch"], "static": engines["static"]}, [1, 8], iters=2, warmup=0)
+    assert [(r.engine, r.batch_size) for r in report.rows] == [("torch", 1), ("torch", 8), ("static", 8)]
+    assert all(r.speedup is None for r in report.rows)  # no eager engine
+    assert [(s["engine"], s["batch_size"]) for s in report.skipped] == [("static", 1)]
+    assert "'batch'" in report.skipped[0]["reason"] and "[8, 8]" in report.skipped[0]["reason"]
+
+
+def test_a_time_budget_still_gives_a_few_calls(engines):
+    messages: list[str] = []
+    report = measure(
+        {"eager": engines["eager"]}, [2], seconds=0.001, sizes={"seq": 8}, warmup=0, progress=messages.append
+    )
+    assert report.rows[0].iters >= 3
+    assert report.settings["sizes"]["seq"] == 8
+    assert any("warm-up" in m for m in messages) and any("p50" in m for m in messages)
+
+
+def test_json_table_and_plot(report, tmp_path):
+    save_json(report, tmp_path / "bench.json")
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["engine"] for row in data["rows"]] == ["eager", "torch", "eager", "torch"]
+    assert data["rows"][0]["p50_ms"] == report.rows[0].p50_ms
+    assert {"cpu", "cores", "torch_threads", "gpu", "versions"} <= set(data["machine"])
+
+    save_plot(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+    console = Console(record=True, width=160)
+    console.print(render_table(report))
+    text = console.export_text()
+    assert "eager" in text and "torch" in text and "1.00×" in text
+
+
+def test_machine_description_names_versions():
+    machine = machine_description()
+    assert torch.__version__.startswith(machine["versions"]["torch"])
+    assert machine["cpu"] and machine["platform"]
+    assert machine["torch_threads"] == torch.get_num_threads()
+    assert machine["cores"] >= 1
+
+
+def test_table_warns_about_a_busy_machine():
+    machine = {"cpu": "test", "torch_threads": 2, "load_average": [5.0, 4.0, 3.0], "usable_cores": 2}
+    console = Console(record=True, width=160)
+    console.print(render_table(BenchReport([], machine, {})))
+    assert "busy machine: load average 5.0 on 2 cores" in console.export_text()

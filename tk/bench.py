@@ -1,0 +1,306 @@
+"""Latency and throughput of engines, compared in one run on the same inputs.
+
+``measure`` gives every engine the same valid random NumPy feeds at each batch size, warms each
+one up, then times them interleaved (one call of each engine in turn, the starting engine
+rotating each round), so machine noise hits all of them alike. It reports percentiles of the
+per-call latency, never the mean alone. ``render_table``, ``save_json`` and ``save_plot`` show
+the same numbers to people and to machines.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata as metadata
+import io
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tk.errors import BackendUnavailableError, InputError, UsageError
+from tk.fileio import atomic_write_bytes, atomic_write_json
+from tk.runtime.base import Engine
+from tk.runtime.inputs import random_inputs, sample_dim
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+DEFAULT_SECONDS = 2.0  # timing budget per engine per batch size
+MIN_ROUNDS = 3  # timed calls per engine, at least, when only a time budget is given
+REFERENCE = "eager"  # speed-ups are relative to this engine
+
+
+@dataclass
+class BenchRow:
+    engine: str
+    batch_size: int
+    iters: int  # timed calls
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    throughput: float  # samples per second at the median latency
+    speedup: float | None  # eager p50 / this p50 at the same batch size; None without eager
+
+
+@dataclass
+class BenchReport:
+    rows: list[BenchRow]
+    machine: dict[str, Any]
+    settings: dict[str, Any]
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # engine, batch_size, reason
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine,
+            "settings": self.settings,
+            "rows": [asdict(r) for r in self.rows],
+            "skipped": self.skipped,
+        }
+
+
+def machine_description() -> dict[str, Any]:
+    """CPU model, cores, torch threads, GPU, load average, platform and the versions that decide speed."""
+    import torch
+
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    for package in ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "load_average": load,  # 1, 5 and 15 minutes; above usable_cores, other work competes for the CPU
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure(
+    engines: dict[str, Engine],
+    batch_sizes: list[int],
+    *,
+    seconds: float | None = None,
+    iters: int | None = None,
+    sizes: dict[str, int] | None = None,
+    warmup: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Time every engine at every batch size on the same random feeds.
+
+    Timing stops after ``iters`` calls per engine or once the time budget (``seconds`` per engine
+    per batch size) is spent, whichever comes first. An engine that does not accept a batch size
+    (outside its range) is skipped there, with the reason in ``report.skipped``. Defaults: a
+    2.0 s budget, 3 warm-up calls, other dimensions at ``sizes`` or their opt size, seed 0.
+    """
+    if not engines:
+        raise UsageError("bench: expected at least one engine")
+    if iters is not None and iters < 1:
+        raise UsageError(f"--iters: expected at least 1, got {iters}")
+    if seconds is None and iters is None:
+        seconds = DEFAULT_SECONDS
+    first = next(iter(engines.values()))
+    specs, dims = first.inputs, first.dims
+    names = [s.name for s in specs]
+    for label, engine in engines.items():
+        if [s.name for s in engine.inputs] != names:
+            raise UsageError(
+                f"bench: engine {label!r} takes inputs {[s.name for s in engine.inputs]}, expected {names}"
+            )
+    cuda = any(getattr(e, "device", "cpu") == "cuda" for e in engines.values())
+    sync = _cuda_sync if cuda else _no_sync
+    batch = sample_dim(specs)
+    machine = machine_description()  # before timing, so the load average is not the benchmark's own
+    say = progress or (lambda _: None)
+    rows: list[BenchRow] = []
+    skipped: list[dict[str, Any]] = []
+    for size in batch_sizes:
+        feeds = random_inputs(specs, dims, size, seed=seed, sizes=sizes)
+        active: dict[str, Engine] = {}
+        for label, engine in engines.items():
+            try:
+                engine.check_feeds(feeds)
+            except InputError as exc:
+                skipped.append({"engine": label, "batch_size": size, "reason": str(exc)})
+                say(f"batch {size}: {label} skipped: {exc}")
+                continue
+            say(f"batch {size}: {label} warm-up")
+            engine.load()
+            for _ in range(warmup):
+                engine.run(feeds)
+            sync()
+            active[label] = engine
+        times = _interleaved(active, feeds, seconds, iters, sync)
+        batch_rows = [_row(label, size, t) for label, t in times.items()]
+        reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
+        for row in batch_rows:
+            row.speedup = reference.p50_ms / row.p50_ms if reference is not None and row.p50_ms > 0 else None
+            say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls")
+        rows.extend(batch_rows)
+    settings = {
+        "batch_sizes": list(batch_sizes),
+        "seconds": seconds,
+        "iters": iters,
+        "sizes": {n: d.opt for n, d in dims.items() if n != batch} | (sizes or {}),  # besides the batch
+        "warmup": warmup,
+        "seed": seed,
+        "engines": list(engines),
+        "reference": REFERENCE if REFERENCE in engines else None,
+    }
+    return BenchReport(rows, machine, settings, skipped)
+
+
+def _interleaved(
+    engines: dict[str, Engine],
+    feeds: dict[str, np.ndarray],
+    seconds: float | None,
+    iters: int | None,
+    sync: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Per-call seconds of each engine, timed round-robin until ``iters`` or the budget is reached."""
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    order = list(engines.items())
+    budget = None if seconds is None else seconds * len(order)
+    spent = 0.0
+    rounds = 0
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        while order:
+            if iters is not None and rounds >= iters:
+                break
+            if budget is not None and spent >= budget and rounds >= min(MIN_ROUNDS, iters or MIN_ROUNDS):
+                break
+            shift = rounds % len(order)
+            for label, engine in order[shift:] + order[:shift]:
+                sync()
+                start = time.perf_counter()
+                engine.run(feeds)
+                sync()
+                elapsed = time.perf_counter() - start
+                times[label].append(elapsed)
+                spent += elapsed
+            rounds += 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return times
+
+
+def _row(label: str, batch_size: int, seconds: list[float]) -> BenchRow:
+    ms = np.asarray(seconds) * 1e3
+    p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
+    throughput = batch_size / (p50 / 1e3) if p50 > 0 else float("inf")
+    return BenchRow(label, batch_size, len(ms), p50, p90, p99, float(ms.mean()), throughput, None)
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _no_sync() -> None:
+    pass
+
+
+def render_table(report: BenchReport) -> Table:
+    """The report as a rich table: one row per engine and batch size, skipped pairs in the caption."""
+    from rich.table import Table
+
+    machine = report.machine
+    title = (
+        f"latency per call, {machine.get('gpu') or machine.get('cpu')}, {machine.get('torch_threads')} torch threads"
+    )
+    table = Table(title=title)
+    for header in ("engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up"):
+        table.add_column(header, justify="left" if header == "engine" else "right")
+    for r in report.rows:
+        speedup = "—" if r.speedup is None else f"{r.speedup:.2f}×"
+        table.add_row(
+            r.engine,
+            str(r.batch_size),
+            str(r.iters),
+            _ms(r.p50_ms),
+            _ms(r.p90_ms),
+            _ms(r.p99_ms),
+            _ms(r.mean_ms),
+            f"{r.throughput:,.0f}",
+            speedup,
+        )
+    notes = []
+    load, cores = machine.get("load_average"), machine.get("usable_cores")
+    if load and cores and load[0] > cores:
+        notes.append(f"busy machine: load average {load[0]} on {cores} cores before timing; expect noise")
+    if report.skipped:
+        notes.append("skipped: " + "; ".join(f"{s['engine']} at batch {s['batch_size']}" for s in report.skipped))
+    table.caption = "\n".join(notes) or None
+    return table
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
+
+
+def save_json(report: BenchReport, path: str | Path) -> None:
+    """Write the report as JSON, atomically."""
+    atomic_write_json(path, report.to_json())
+
+
+def save_plot(report: BenchReport, path: str | Path) -> None:
+    """Two panels, one line per engine: p50 latency and throughput against batch size (PNG, atomic)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise BackendUnavailableError("plots need matplotlib: pip install matplotlib (or tk[plot])") from exc
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    latency, throughput = figure.subplots(1, 2)
+    engines = list(dict.fromkeys(r.engine for r in report.rows))
+    for engine in engines:
+        rows = sorted((r for r in report.rows if r.engine == engine), key=lambda r: r.batch_size)
+        sizes = [r.batch_size for r in rows]
+        latency.plot(sizes, [r.p50_ms for r in rows], marker="o", label=engine)
+        throughput.plot(sizes, [r.throughput for r in rows], marker="o", label=engine)
+    batch_sizes = sorted({r.batch_size for r in report.rows})
+    for axes, ylabel in ((latency, "p50 latency (ms)"), (throughput, "throughput (samples/s)")):
+        if batch_sizes and batch_sizes[-1] >= 8 * batch_sizes[0]:
+            axes.set_xscale("log", base=2)
+        axes.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+        axes.set_xlabel("batch size")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, alpha=0.3)
+        if engines:
+            axes.legend()
+    figure.suptitle(report.machine.get("gpu") or report.machine.get("cpu") or "")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    atomic_write_bytes(path, buffer.getvalue())

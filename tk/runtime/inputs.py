@@ -1,0 +1,234 @@
+"""Input files for batched inference: read and check them against an engine's input specs.
+
+A file holds every sample at once; axis 0 of each array is the batch dimension. Three layouts:
+
+- ``.npz``: one array per input name (loaded into memory);
+- ``.npy``: the one array of a single-input model, memory-mapped, so files larger than memory
+  are read batch by batch;
+- a directory of ``<input name>.npy`` files: the memory-mapped layout for several inputs.
+
+Files are never unpickled (``allow_pickle=False``). Dtypes must match the spec, except for casts
+that cannot change a value and keep the kind of number: a wider integer or float (``int32`` ids
+for an ``int64`` input, ``float16`` for ``float32``) or ``bool``/unsigned integers for an integer
+input. Everything else is refused (``float64`` for ``float32`` loses precision; integers for a
+float input usually need scaling), so the model sees exactly what the file says.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from tk.errors import InputError, UsageError
+from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds
+
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = b"PK\x03\x04"
+CHUNK_ELEMENTS = 1 << 22  # elements per slice when scanning a (possibly memory-mapped) array
+
+
+def sample_dim(specs: list[TensorSpec]) -> str:
+    """The name of the batch dimension: axis 0 of every input, named the same in all of them."""
+    names = {s.shape[0] if s.shape else None for s in specs}
+    if len(names) != 1 or not isinstance(next(iter(names)), str):
+        found = ", ".join(f"{s.name}: {s.shape[0] if s.shape else 'scalar'}" for s in specs)
+        raise UsageError(
+            f"cannot split inputs into samples: expected axis 0 of every input to be one named dimension, found {found}"
+        )
+    return next(iter(names))
+
+
+def castable(found: np.dtype, expected: np.dtype) -> bool:
+    """Whether ``found`` converts to ``expected`` without changing any value or the kind of number."""
+    if found == expected:
+        return True
+    same_kind = found.kind == expected.kind or (found.kind in "bu" and expected.kind in "iu")
+    return same_kind and found.kind != "V" and np.can_cast(found, expected, "safe")
+
+
+def check_arrays(
+    arrays: Mapping[str, np.ndarray],
+    specs: list[TensorSpec],
+    *,
+    dims: dict[str, Dim] | None = None,
+    free: tuple[str, ...] = (),
+    source: str = "inputs",
+) -> int:
+    """Check names, dtypes, ranks and sizes of whole-file arrays; return the number of samples.
+
+    Named dimensions other than the batch must agree across inputs and, given ``dims``, lie in
+    their range (except the ``free`` ones, which the caller checks itself). ``source`` starts
+    each message (a file name). Raises ``InputError`` with what was expected and what was found.
+    """
+    expected = [s.name for s in specs]
+    missing = [n for n in expected if n not in arrays]
+    extra = [n for n in arrays if n not in expected]
+    if missing or extra:
+        raise InputError(
+            f"{source}: expected arrays {expected}, found {list(arrays)}"
+            + (f" (missing {missing})" if missing else "")
+            + (f" (unexpected {extra})" if extra else "")
+        )
+    batch = sample_dim(specs)
+    sizes: dict[str, tuple[int, str]] = {}
+    for spec in specs:
+        value = arrays[spec.name]
+        if not isinstance(value, np.ndarray):
+            raise InputError(f"{source}: input {spec.name!r}: expected a NumPy array, found {type(value).__name__}")
+        want = numpy_dtype(spec.dtype)
+        if not castable(value.dtype, want):
+            raise InputError(
+                f"{source}: input {spec.name!r}: expected dtype {spec.dtype} (or a narrower type of the same kind), "
+                f"found {value.dtype}; convert it with .astype(np.{spec.dtype}) if that is what you mean"
+            )
+        shape_text = "(" + ", ".join(str(d) for d in spec.shape) + ")"
+        if value.ndim != len(spec.shape):
+            raise InputError(
+                f"{source}: input {spec.name!r}: expected rank {len(spec.shape)} {shape_text}, found shape {value.shape}"
+            )
+        for axis, (dim, got) in enumerate(zip(spec.shape, value.shape, strict=True)):
+            if isinstance(dim, int):
+                if got != dim:
+                    raise InputError(
+                        f"{source}: input {spec.name!r}: expected size {dim} on axis {axis} {shape_text}, "
+                        f"found shape {value.shape}"
+                    )
+                continue
+            first = sizes.setdefault(dim, (got, spec.name))
+            if first[0] != got:
+                what = "sample counts" if dim == batch else f"dimension {dim!r}"
+                raise InputError(f"{source}: {what} differ: {first[1]!r} has {first[0]}, {spec.name!r} has {got}")
+            limits = (dims or {}).get(dim)
+            if dim != batch and dim not in free and limits is not None and not limits.min <= got <= limits.max:
+                raise InputError(
+                    f"{source}: input {spec.name!r}: dimension {dim!r} (axis {axis}) must be in "
+                    f"[{limits.min}, {limits.max}] for this artifact, found {got}"
+                )
+    samples = sizes[batch][0]
+    if samples < 1:
+        raise InputError(f"{source}: expected at least one sample, found 0 along dimension {batch!r}")
+    return samples
+
+
+def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """Read every sample of every input from ``path`` (``.npz``, ``.npy`` or a directory of ``.npy``).
+
+    Arrays come back in the specs' dtypes; ``.npy`` files whose dtype already matches stay
+    memory-mapped (read-only). Raises ``UsageError`` for an unreadable, truncated or pickled file
+    and ``InputError`` for arrays that do not fit the specs.
+    """
+    path = Path(path)
+    if path.is_dir():
+        arrays = {p.stem: _load_npy(p) for p in sorted(path.glob("*.npy"))}
+        if not arrays:
+            raise UsageError(
+                f"{path}: expected a .npz or .npy file, or a directory of <input>.npy files; found no .npy file"
+            )
+    else:
+        magic = _magic(path)
+        if magic.startswith(NPY_MAGIC):
+            if len(specs) != 1:
+                names = ", ".join(s.name for s in specs)
+                raise InputError(
+                    f"{path}: a .npy file holds one array, this model takes {len(specs)} inputs ({names}); "
+                    "save them with np.savez(path, name=array, ...) or as a directory of <name>.npy files"
+                )
+            arrays = {specs[0].name: _load_npy(path)}
+        elif magic.startswith(ZIP_MAGIC):
+            arrays = _load_npz(path)
+        else:
+            found = "an empty file" if not magic else f"a file starting with {magic[:8]!r}"
+            raise UsageError(f"{path}: expected a NumPy .npz or .npy file, found {found}")
+    check_arrays(arrays, specs, source=str(path))
+    return {s.name: _as_dtype(arrays[s.name], numpy_dtype(s.dtype)) for s in specs}
+
+
+def random_inputs(
+    specs: list[TensorSpec],
+    dims: dict[str, Dim],
+    samples: int,
+    *,
+    seed: int = 0,
+    sizes: dict[str, int] | None = None,
+) -> dict[str, np.ndarray]:
+    """``samples`` valid random samples (token ids in range, right-padded masks).
+
+    Dimensions other than the batch take their size from ``sizes``, default: their opt size.
+    """
+    if samples < 1:
+        raise UsageError(f"--random: expected at least 1 sample, got {samples}")
+    chosen = {name: dim.opt for name, dim in dims.items()} | (sizes or {}) | {sample_dim(specs): samples}
+    unknown = sorted({d for s in specs for d in s.dim_names} - set(chosen))
+    if unknown:
+        raise UsageError(f"random inputs: no size for dimension(s) {', '.join(unknown)}; give them in sizes")
+    return random_feeds(specs, chosen, seed=seed)
+
+
+def count_nonfinite(arrays: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """NaN and Inf values per floating-point array (other arrays are left out), read in slices."""
+    counts: dict[str, int] = {}
+    for name, array in arrays.items():
+        if not _is_float(array.dtype):
+            continue
+        rows = array.reshape(array.shape[0], math.prod(array.shape[1:])) if array.ndim else array.reshape(1, 1)
+        step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        total = 0
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start : start + step]
+            total += int(chunk.size - np.count_nonzero(np.isfinite(chunk)))
+        counts[name] = total
+    return counts
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+def _magic(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except FileNotFoundError as exc:
+        raise UsageError(f"{path}: no such file; expected a .npz or .npy file of inputs") from exc
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        if "object" in str(exc).lower() or "pickle" in str(exc).lower():
+            raise UsageError(
+                f"{path}: holds Python objects; tk never unpickles input files: save numeric arrays"
+            ) from exc
+        raise UsageError(f"{path}: truncated or damaged .npy file ({exc})") from exc
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read it as .npy ({exc})") from exc
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            for key in archive.files:
+                try:
+                    arrays[key] = archive[key]
+                except ValueError as exc:
+                    if "allow_pickle" in str(exc) or "object" in str(exc).lower():
+                        raise UsageError(
+                            f"{path}: array {key!r} holds Python objects; tk never unpickles input files: "
+                            "save numeric arrays"
+                        ) from exc
+                    raise UsageError(f"{path}: array {key!r} is truncated or damaged ({exc})") from exc
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise UsageError(f"{path}: truncated or damaged .npz file ({exc})") from exc
+    return arrays
+
+
+def _as_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return array if array.dtype == dtype else array.astype(dtype)
