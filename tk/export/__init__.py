@@ -48,20 +48,22 @@ class ExportResult:
         return self.manifest.status != "failed"
 
 
-def resolve_formats(requested: tuple[str, ...], device: str) -> tuple[list[str], dict[str, str]]:
+def resolve_formats(
+    requested: tuple[str, ...], device: str, precision: str = "fp32"
+) -> tuple[list[str], dict[str, str]]:
     """Formats to write, in order, and the ones ``all`` skips with the reason."""
     wanted: list[str] = []
     skipped: dict[str, str] = {}
     for fmt in requested:
         if fmt == "all":
             for name in FORMATS:
-                reason = format_unavailable_reason(name, device)
+                reason = format_unavailable_reason(name, device, precision)
                 if reason is None:
                     wanted.append(name)
                 else:
                     skipped[name] = reason
         elif fmt in FORMATS:
-            reason = format_unavailable_reason(fmt, device)
+            reason = format_unavailable_reason(fmt, device, precision)
             if reason is not None:
                 raise BackendUnavailableError(f"--format {fmt}: {reason}")
             wanted.append(fmt)
@@ -71,9 +73,20 @@ def resolve_formats(requested: tuple[str, ...], device: str) -> tuple[list[str],
     return ordered, skipped
 
 
-def format_unavailable_reason(fmt: str, device: str) -> str | None:
+INT8_FORMATS = ("onnx",)  # int8 is onnxruntime's dynamic quantization of the ONNX graph
+
+
+def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") -> str | None:
     if device == "cuda" and not torch.cuda.is_available():
         return "--device cuda needs a CUDA GPU, and torch finds none"
+    if precision == "int8":
+        if fmt not in INT8_FORMATS:
+            return "--precision int8 is written for the onnx format only (onnxruntime dynamic quantization)"
+        from tk.export.quantize import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            return reason
     writer_module = _writer_module(fmt)
     reason_fn = getattr(writer_module, "unavailable_reason", None)
     return reason_fn(device) if reason_fn else None
@@ -114,7 +127,7 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     """
     options = options or ExportOptions()
     out = Path(out)
-    formats, skipped = resolve_formats(options.formats, options.device)
+    formats, skipped = resolve_formats(options.formats, options.device, options.precision)
     for fmt, reason in skipped.items():
         log.info("export %-6s skipped: %s", fmt, reason)
     if not formats:
@@ -153,6 +166,8 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
         for fmt in formats:
             writer = _writer_module(fmt)
             _timed(ctx, fmt, lambda w=writer: w.write(ctx))
+            if fmt == "onnx" and options.precision == "int8":
+                _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
         if options.check:
@@ -185,6 +200,16 @@ def _failures(report: dict) -> list[str]:
     if inv and not inv["passed"]:
         lines.append(inv["problem"])
     return lines
+
+
+def _quantize_onnx(ctx: ExportContext) -> None:
+    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
+
+    path = ctx.staging / ctx.formats["onnx"]["file"]
+    quantized = path.with_name(".int8." + path.name)
+    int8_onnx_from_onnx(path, quantized)
+    os.replace(quantized, path)
+    ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
 
 
 def _umask() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tk.errors import IntegrityError
 from tk.manifest import verify_file
 from tk.runtime.base import Engine
 from tk.runtime.eager import cuda_reason, outputs_by_name
@@ -20,7 +21,12 @@ class ExportedProgramEngine(Engine):
         from tk.export.torch_program import load_exported_program
 
         path = verify_file(self.root, self.manifest.file("torch"))
-        program = load_exported_program(path)
+        try:
+            program = load_exported_program(path)
+        except Exception as exc:  # a damaged archive fails in zipfile, pickle-free deserialization or torch
+            raise IntegrityError(
+                f"{path}: not a loadable torch.export program ({type(exc).__name__}); re-export it"
+            ) from exc
         self.module = program.module().to(self.device)
         self._order = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
