@@ -355,6 +355,12 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     show_default=True,
 )
 @click.option(
+    "--trt-timing-cache",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="TensorRT timing cache file, reused across builds (default: ~/.cache/tk/trt-timing.cache).",
+)
+@click.option(
     "--json",
     "json_path",
     type=click.Path(path_type=Path),
@@ -381,6 +387,7 @@ def export_cmd(
     trt_workspace: float,
     trt_opt_level: int,
     trt_hardware_compat: str,
+    trt_timing_cache: Path | None,
     json_path: Path | None,
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
@@ -403,6 +410,7 @@ def export_cmd(
         trt_workspace_gb=trt_workspace,
         trt_optimization_level=trt_opt_level,
         trt_hardware_compatibility=trt_hardware_compat,
+        trt_timing_cache=trt_timing_cache,
     )
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
     from tk.errors import ParityError

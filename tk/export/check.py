@@ -47,8 +47,13 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     shapes = shapes_to_check(manifest.signature.dims)
     device = ctx.options.device
     with load(root, "eager", device=device, manifest=manifest, allow_failed=True) as reference:
+        from tk.runtime import unavailable_reason
+
         for fmt in formats:
-            with load(root, fmt, device=device, manifest=manifest, allow_failed=True) as candidate:
+            fmt_device = device
+            if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
+                fmt_device = "cpu"  # the ONNX file is device-free; check it where onnxruntime runs
+            with load(root, fmt, device=fmt_device, manifest=manifest, allow_failed=True) as candidate:
                 report = check_engines(
                     reference,
                     candidate,

@@ -168,6 +168,14 @@ class Engine(ABC):
         return f"{type(self).__name__}({str(self.root)!r}, device={self.device!r})"
 
 
+def rebuild_command(manifest: Manifest, fmt: str, device: str) -> str:
+    """The ``tk export`` command that writes ``fmt`` for ``device`` from the same model."""
+    model = manifest.model
+    size = f" --size {model['size']}" if model.get("size") else ""
+    inputs = "".join(f" --input {d}" for d in model.get("input_descriptions") or ())
+    return f"tk export {model['name']}{size}{inputs} --format {fmt} --device {device}"
+
+
 def _shape_text(spec: TensorSpec) -> str:
     return "(" + ", ".join(str(d) for d in spec.shape) + ")"
 

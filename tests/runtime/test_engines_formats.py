@@ -1,0 +1,214 @@
+"""The onnx, aoti and trt engines: options, refusals, threads, and what they accept and return."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tk.errors import BackendUnavailableError, IntegrityError, UsageError
+from tk.export import ExportOptions, export
+from tk.manifest import FileEntry, read_manifest
+from tk.models import build_model
+from tk.runtime import load
+from tk.runtime.aoti import AOTInductorEngine
+from tk.runtime.onnxrt import OnnxRuntimeEngine, usable_cores
+from tk.runtime.tensorrt import TensorRTEngine
+from tk.spec import random_feeds
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """``artifact(name, formats)``: the tiny model exported once per session.
+
+    Artifacts live where tests/export/conftest.py keeps them, so a full run compiles each once.
+    """
+
+    def get(name, formats):
+        root = tmp_path_factory.getbasetemp() / "tk-artifacts" / f"{name}-{'-'.join(formats)}-dynamic"
+        if not (root / "manifest.json").is_file():
+            torch.manual_seed(0)
+            export(build_model(name, size="tiny"), root, ExportOptions(formats=formats))
+        return root
+
+    return get
+
+
+@pytest.fixture
+def linear_onnx(artifact):
+    return artifact("linear", ("onnx",))
+
+
+# -- onnx --------------------------------------------------------------------------------------
+def test_onnx_unavailable_reasons():
+    assert OnnxRuntimeEngine.unavailable_reason("cpu") is None
+    assert "unknown device 'tpu'" in OnnxRuntimeEngine.unavailable_reason("tpu")
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in OnnxRuntimeEngine.unavailable_reason("cuda")
+
+
+def test_onnx_numpy_in_numpy_out_and_torch_in_torch_out(linear_onnx):
+    with load(linear_onnx, "onnx") as engine:
+        feeds = random_feeds(engine.inputs, {"batch": 5}, seed=0)
+        out = engine.run(feeds)
+        assert list(out) == ["y"] and isinstance(out["y"], np.ndarray) and out["y"].shape == (5, 1)
+        out_torch = engine.run({"x": torch.from_numpy(feeds["x"])})
+        assert isinstance(out_torch["y"], torch.Tensor)
+        np.testing.assert_array_equal(out_torch["y"].numpy(), out["y"])
+
+
+def test_onnx_threads_and_optimization_options(linear_onnx):
+    with load(linear_onnx, "onnx") as default, load(linear_onnx, "onnx", threads=1, optimization="basic") as one:
+        assert default._session.get_session_options().intra_op_num_threads == usable_cores()
+        options = one._session.get_session_options()
+        assert options.intra_op_num_threads == 1
+        assert str(options.graph_optimization_level).endswith("ORT_ENABLE_BASIC")
+        assert str(default._session.get_session_options().graph_optimization_level).endswith("ORT_ENABLE_ALL")
+        feeds = random_feeds(default.inputs, {"batch": 3})
+        np.testing.assert_allclose(one.run(feeds)["y"], default.run(feeds)["y"], rtol=1e-6, atol=1e-7)
+    with pytest.raises(UsageError, match="optimization must be one of"):
+        load(linear_onnx, "onnx", optimization="fastest").load()
+    with pytest.raises(UsageError, match="threads must be a positive integer, got -1"):
+        load(linear_onnx, "onnx", threads=-1).load()
+
+
+def test_onnx_provider_option(linear_onnx):
+    import onnxruntime as ort
+
+    with load(linear_onnx, "onnx", provider="cpu") as engine:
+        assert engine._session.get_providers() == ["CPUExecutionProvider"]
+    with pytest.raises(BackendUnavailableError, match="provider 'nope' is not available; this onnxruntime has"):
+        load(linear_onnx, "onnx", provider="nope").load()
+    expected = UsageError if "CUDAExecutionProvider" in ort.get_available_providers() else BackendUnavailableError
+    with pytest.raises(expected):
+        load(linear_onnx, "onnx", provider="cuda").load()  # a GPU provider on the cpu device
+
+
+def test_onnx_one_session_serves_many_threads(linear_onnx):
+    with load(linear_onnx, "onnx") as engine:
+        runs = [random_feeds(engine.inputs, {"batch": b}, seed=b) for b in (1, 7, 64)]
+        expected = [engine.run(f)["y"] for f in runs]
+        errors = []
+
+        def worker():
+            try:
+                for _ in range(20):
+                    for feeds, want in zip(runs, expected, strict=True):
+                        np.testing.assert_allclose(engine.run(feeds)["y"], want, rtol=1e-6, atol=1e-7)
+            except Exception as exc:  # collected, so a failure in a thread fails the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+
+
+def test_onnx_refuses_an_altered_model_file(linear_onnx, tmp_path):
+    root = tmp_path / "a"
+    shutil.copytree(linear_onnx, root)
+    with open(root / "model.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(IntegrityError, match=r"model\.onnx: .* bytes, the manifest expects"):
+        OnnxRuntimeEngine(root, read_manifest(root)).load()
+
+
+def test_onnx_refuses_missing_external_data(monkeypatch, tmp_path):
+    import tk.export.onnx as onnx_writer
+
+    monkeypatch.setattr(onnx_writer, "SINGLE_FILE_LIMIT", 0)  # every model counts as large
+    torch.manual_seed(0)
+    root = export(build_model("linear", size="tiny"), tmp_path / "big", ExportOptions(formats=("onnx",))).out
+    manifest = read_manifest(root)
+    with OnnxRuntimeEngine(root, manifest) as engine:
+        engine.run(random_feeds(engine.inputs, {"batch": 2}))
+
+    (root / "model.onnx.data").unlink()
+    with pytest.raises(
+        IntegrityError, match=r"model\.onnx\.data: missing; the manifest lists it as the onnx-data file"
+    ):
+        OnnxRuntimeEngine(root, manifest).load()
+
+    unlisted = copy.deepcopy(manifest)
+    unlisted.files = [f for f in unlisted.files if f.role != "onnx-data"]
+    with pytest.raises(IntegrityError, match=r"keeps its weights in model\.onnx\.data, and the manifest lists no"):
+        OnnxRuntimeEngine(root, unlisted).load()
+
+
+# -- aoti --------------------------------------------------------------------------------------
+@pytest.fixture
+def mlp_aoti(artifact):
+    return artifact("mlp", ("aoti",))
+
+
+@pytest.mark.slow
+def test_aoti_runs_numpy_and_torch(mlp_aoti):
+    with load(mlp_aoti, "aoti") as engine, load(mlp_aoti, "eager") as eager:
+        feeds = random_feeds(engine.inputs, {"batch": 5}, seed=0)
+        np.testing.assert_allclose(engine.run(feeds)["logits"], eager.run(feeds)["logits"], rtol=1e-4, atol=1e-5)
+        out = engine.run({"x": torch.from_numpy(feeds["x"]).t().contiguous().t()})  # non-contiguous input
+        assert isinstance(out["logits"], torch.Tensor) and out["logits"].shape == (5, 4)
+
+
+@pytest.mark.slow
+def test_aoti_refuses_a_package_for_another_device(mlp_aoti):
+    manifest = read_manifest(mlp_aoti)
+    manifest.formats["aoti"]["device"] = "cuda"
+    with pytest.raises(BackendUnavailableError) as info:
+        AOTInductorEngine(mlp_aoti, manifest, device="cpu").load()
+    assert str(info.value).endswith(
+        "was compiled for cuda, and cpu was requested; run it with --device cuda, or rebuild it with "
+        "`tk export mlp --size tiny --format aoti --device cpu`"
+    )
+
+
+@pytest.mark.slow
+def test_aoti_refuses_a_package_from_another_torch_or_cpu(mlp_aoti):
+    manifest = read_manifest(mlp_aoti)
+    other_torch = copy.deepcopy(manifest)
+    other_torch.versions["torch"] = "2.99.0"
+    with pytest.raises(BackendUnavailableError, match=r"compiled by torch 2\.99\.0, this is torch"):
+        AOTInductorEngine(mlp_aoti, other_torch).load()
+    other_cpu = copy.deepcopy(manifest)
+    other_cpu.formats["aoti"]["cpu_isa"] = "sve9000"
+    with pytest.raises(BackendUnavailableError, match="uses sve9000 instructions, which this CPU lacks"):
+        AOTInductorEngine(mlp_aoti, other_cpu).load()
+
+
+@pytest.mark.slow
+def test_aoti_refuses_an_altered_package(mlp_aoti, tmp_path):
+    root = tmp_path / "a"
+    shutil.copytree(mlp_aoti, root)
+    data = bytearray((root / "model.aoti.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (root / "model.aoti.pt2").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"model\.aoti\.pt2: sha256 .* \(altered\)"):
+        AOTInductorEngine(root, read_manifest(root)).load()
+
+
+# -- trt (what runs without TensorRT; GPU tests live in tests/export/test_tensorrt.py) -------------
+def test_trt_unavailable_reason_comes_from_the_writer():
+    from tk.export.tensorrt import unavailable_reason
+
+    assert TensorRTEngine.unavailable_reason("cuda") == unavailable_reason("cuda")
+
+
+def test_trt_refuses_an_engine_from_another_tensorrt_version(monkeypatch, linear_onnx):
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.13.0.35"))
+    manifest = read_manifest(linear_onnx)
+    manifest.formats["trt"] = {"file": "model.plan", "tensorrt": "10.9.0.34", "hardware_compatibility": "ampere+"}
+    manifest.files.append(FileEntry("model.plan", "trt", 1, "0" * 64))
+    with pytest.raises(IntegrityError) as info:
+        TensorRTEngine(linear_onnx, manifest, device="cuda").load()
+    assert str(info.value).endswith(
+        "the TensorRT engine was built with TensorRT 10.9.0.34, this machine has 10.13.0.35; an engine loads "
+        "only in the version that built it: rebuild it with `tk export linear --size tiny --format trt --device cuda`"
+    )

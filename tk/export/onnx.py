@@ -1,0 +1,211 @@
+"""The ``onnx`` format: the exported program through torch's dynamo ONNX exporter.
+
+Graph inputs and outputs carry the tk names, and dynamic axes carry the tk dimension names
+("batch", "seq") as dim_params. Weights stay inside the one file unless the model passes
+protobuf's 2 GiB limit: onnxruntime's quantization tools fail on models with external data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tk.errors import ConversionError, UsageError
+from tk.export.context import ExportContext
+from tk.spec import Dim, Signature
+
+FILE = "model.onnx"
+DEFAULT_OPSET = 20
+MIN_OPSET = 18
+SINGLE_FILE_LIMIT = 2**31 - 2**26  # protobuf caps a file at 2 GiB; keep 64 MiB for the graph itself
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class OnnxFile:
+    path: Path
+    opset: int  # the default-domain opset actually written
+    external_data: Path | None  # the weights file, when the model is too large for one file
+    ir_version: int
+
+
+def unavailable_reason(device: str) -> str | None:
+    missing = [p for p in ("onnx", "onnxscript") if importlib.util.find_spec(p) is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        return f"{' and '.join(missing)} {verb} not installed (pip install onnx onnxscript)"
+    return None
+
+
+def write(ctx: ExportContext) -> None:
+    assert ctx.program is not None
+    result = onnx_from_exported_program(
+        ctx.program, ctx.add_file(FILE, "onnx"), ctx.spec.signature, ctx.dims, opset=ctx.options.opset
+    )
+    if result.external_data is not None:
+        ctx.add_file(result.external_data.name, "onnx-data")
+    ctx.formats["onnx"] = {
+        "file": FILE,
+        "opset": result.opset,
+        "ir_version": result.ir_version,
+        "external_data": result.external_data.name if result.external_data else None,
+    }
+    import onnx
+    import onnxscript
+
+    ctx.versions.setdefault("onnx", onnx.__version__)
+    ctx.versions.setdefault("onnxscript", onnxscript.__version__)
+
+
+def onnx_from_exported_program(
+    program: torch.export.ExportedProgram,
+    path: Path,
+    signature: Signature,
+    dims: dict[str, Dim],
+    *,
+    opset: int | None = None,
+) -> OnnxFile:
+    """Write ``program`` as ONNX at ``path`` and validate it with ``onnx.checker`` (full check).
+
+    ``opset`` defaults to 20 and must be at least 18.
+    """
+    import onnx
+    import onnx_ir as ir
+
+    opset = DEFAULT_OPSET if opset is None else opset
+    if opset < MIN_OPSET:
+        raise UsageError(f"--opset: expected {MIN_OPSET} or newer, got {opset}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter warns about every axis that shares a name
+            onnx_program = torch.onnx.export(
+                program,
+                (),
+                dynamo=True,
+                opset_version=opset,
+                input_names=[s.name for s in signature.inputs],
+                output_names=[s.name for s in signature.outputs],
+                dynamic_shapes=_axis_names(signature, dims),  # names the ONNX axes; the program is already captured
+                optimize=True,
+                verbose=False,
+            )
+    except Exception as exc:  # the exporter raises many types; each is a conversion failure
+        raise ConversionError(
+            f"torch.onnx could not convert the exported program (opset {opset}): {_first_line(exc)}; "
+            "try another --opset, or export --format torch or aoti instead"
+        ) from exc
+    model = onnx_program.model
+    _check_io_names(model, signature)
+    _name_dynamic_axes(model, signature, dims)
+    external = _initializer_bytes(model) > SINGLE_FILE_LIMIT
+    data_path = path.with_name(path.name + ".data") if external else None
+    ir.save(model, path, external_data=data_path.name if data_path else None)
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as exc:  # ValidationError, InferenceError, or a protobuf error
+        raise ConversionError(f"{path.name}: the exported ONNX model fails onnx.checker: {_first_line(exc)}") from exc
+    return OnnxFile(path, model.opset_imports.get("", opset), data_path, model.ir_version)
+
+
+def _axis_names(signature: Signature, dims: dict[str, Dim]) -> tuple[dict[int, str], ...] | None:
+    """Per input, ``{axis: dimension name}`` for the dynamic axes; None when every axis is static."""
+    names = tuple(
+        {axis: d for axis, d in enumerate(spec.shape) if isinstance(d, str) and _dynamic(d, dims)}
+        for spec in signature.inputs
+    )
+    return names if any(names) else None
+
+
+def _dynamic(name: str, dims: dict[str, Dim]) -> bool:
+    dim = dims.get(name)
+    return dim is None or not dim.static
+
+
+def _check_io_names(model: Any, signature: Signature) -> None:
+    got_in = [v.name for v in model.graph.inputs]
+    got_out = [v.name for v in model.graph.outputs]
+    want_in = [s.name for s in signature.inputs]
+    want_out = [s.name for s in signature.outputs]
+    if got_in != want_in or got_out != want_out:
+        raise ConversionError(
+            f"the ONNX graph has inputs {got_in} and outputs {got_out}; the model's signature expects "
+            f"{want_in} and {want_out} (does forward take inputs the model ignores, or return extra values?)"
+        )
+
+
+def _name_dynamic_axes(model: Any, signature: Signature, dims: dict[str, Dim]) -> None:
+    """Rename the exporter's symbols (``s0``, ``s43``) to the tk dimension names everywhere in the graph.
+
+    The exporter usually names the axes already; this covers the axes it does not.
+    """
+    import onnx_ir as ir
+
+    mapping: dict[str, str] = {}
+    pairs = [(s, v, True) for s, v in zip(signature.inputs, model.graph.inputs, strict=True)]
+    pairs += [(s, v, False) for s, v in zip(signature.outputs, model.graph.outputs, strict=True)]
+    for spec, value, is_input in pairs:
+        shape = value.shape
+        if shape is None or len(shape) != len(spec.shape):
+            raise ConversionError(
+                f"ONNX {value.name!r} has shape {shape}; the signature expects rank {len(spec.shape)}"
+            )
+        for axis, want in enumerate(spec.shape):
+            if not isinstance(want, str) or not _dynamic(want, dims):
+                continue
+            got = shape[axis]
+            if isinstance(got, ir.SymbolicDim) and got.value is not None:
+                if got.value != want:
+                    mapping.setdefault(got.value, want)
+            elif is_input:
+                raise ConversionError(
+                    f"the exporter fixed axis {axis} ({want!r}) of input {spec.name!r} to {got}; "
+                    f"export with --static, or check that the model keeps {want!r} dynamic"
+                )
+    if mapping:
+        for value in _all_values(model):
+            _rename_shape(value, mapping)
+
+
+def _all_values(model: Any) -> list[Any]:
+    import onnx_ir as ir
+
+    values = [*model.graph.inputs, *model.graph.outputs]
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        values.extend(node.outputs)
+    return values
+
+
+def _rename_shape(value: Any, mapping: dict[str, str]) -> None:
+    import onnx_ir as ir
+
+    if value.shape is None:
+        return
+    dims = []
+    changed = False
+    for dim in value.shape:
+        if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+            new = _SYMBOL.sub(lambda m: mapping.get(m.group(0), m.group(0)), dim.value)  # also "2*s0", "s0 + 1"
+            changed |= new != dim.value
+            dims.append(new)
+        else:
+            dims.append(dim)
+    if changed:
+        value.shape = ir.Shape(dims)
+
+
+def _initializer_bytes(model: Any) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _first_line(exc: BaseException) -> str:
+    for line in str(exc).splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            return f"{type(exc).__name__}: {line.strip()}"
+    return type(exc).__name__

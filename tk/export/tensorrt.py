@@ -1,0 +1,239 @@
+"""The ``trt`` format: a TensorRT engine (``model.plan``) built from the ONNX file.
+
+The network is strongly typed (TensorRT 11 builds nothing else): each layer runs in the dtype the
+ONNX graph gives it, and tk puts reduced precision into the graph (``tk.export.precision``), so
+no precision flag is set here. TF32 is turned off where TensorRT still has the flag, so float32
+engines keep float32 parity. One optimization profile spans every dimension's min/opt/max. The
+timing cache is read before and written after each build (atomically), so rebuilds are faster.
+Works with TensorRT 10.x and 11.x.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tk.errors import ConversionError, UsageError
+from tk.export.context import ExportContext
+from tk.fileio import atomic_write_bytes
+from tk.spec import Dim, Signature
+
+log = logging.getLogger("tk.export")
+
+FILE = "model.plan"
+MIN_COMPUTE_CAPABILITY = (8, 0)
+HARDWARE_COMPATIBILITY = {  # tk option -> trt.HardwareCompatibilityLevel member
+    "none": "NONE",
+    "ampere+": "AMPERE_PLUS",
+    "same-compute-capability": "SAME_COMPUTE_CAPABILITY",
+}
+DEFAULT_TIMING_CACHE = Path("~/.cache/tk/trt-timing.cache")
+
+
+@functools.cache
+def _import_error() -> str | None:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "tensorrt is not installed (pip install 'tk[gpu]')"
+    except OSError as exc:  # the package is there, its libraries are not
+        return f"tensorrt is installed but cannot load its libraries ({exc})"
+    return None
+
+
+def missing_requirements(device: str = "cuda") -> list[str]:
+    """Everything this machine lacks to build or run TensorRT engines on ``device``; empty when nothing."""
+    missing = []
+    problem = _import_error()
+    if problem:
+        missing.append(problem)
+    if not torch.cuda.is_available():
+        missing.append("TensorRT needs a CUDA GPU; none found")
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < MIN_COMPUTE_CAPABILITY:
+            missing.append(
+                f"TensorRT engines from tk need compute capability 8.0 or newer (Ampere+); "
+                f"{torch.cuda.get_device_name()} has {major}.{minor}"
+            )
+        if device != "cuda":
+            missing.append("TensorRT engines run on the GPU; use --device cuda")
+    return missing
+
+
+def unavailable_reason(device: str) -> str | None:
+    missing = missing_requirements(device)
+    return "; ".join(missing) if missing else None
+
+
+def write(ctx: ExportContext) -> None:
+    import tensorrt as trt
+
+    onnx_settings = ctx.formats.get("onnx")
+    if onnx_settings is not None:  # written just before, by the onnx writer
+        settings = engine_from_onnx(ctx.staging / onnx_settings["file"], ctx.add_file(FILE, "trt"), ctx)
+        settings["onnx"] = onnx_settings["file"]
+    else:
+        from tk.export.onnx import onnx_from_exported_program
+
+        assert ctx.program is not None
+        with tempfile.TemporaryDirectory(prefix="tk-trt-") as tmp:
+            onnx_file = onnx_from_exported_program(
+                ctx.program, Path(tmp) / "model.onnx", ctx.spec.signature, ctx.dims, opset=ctx.options.opset
+            )
+            settings = engine_from_onnx(onnx_file.path, ctx.add_file(FILE, "trt"), ctx)
+        settings["onnx"] = None  # built from a temporary ONNX file, not kept
+    ctx.formats["trt"] = {"file": FILE, **settings}
+    ctx.versions["tensorrt"] = trt.__version__
+    ctx.versions["gpu"] = settings["gpu"]
+    ctx.versions["compute_capability"] = settings["compute_capability"]
+
+
+def profile_shapes(signature: Signature, dims: dict[str, Dim]) -> dict[str, dict[str, list[int]]]:
+    """Per input, its shape at every dimension's min, opt and max."""
+    shapes: dict[str, dict[str, list[int]]] = {}
+    for spec in signature.inputs:
+        shapes[spec.name] = {
+            which: list(spec.concrete_shape({n: getattr(d, which) for n, d in dims.items()}))
+            for which in ("min", "opt", "max")
+        }
+    return shapes
+
+
+def engine_from_onnx(onnx_path: Path, plan_path: Path, ctx: ExportContext) -> dict[str, Any]:
+    """Build a serialized engine from ``onnx_path`` into ``plan_path``; returns the settings used."""
+    import tensorrt as trt
+
+    options = ctx.options
+    level_name = HARDWARE_COMPATIBILITY.get(options.trt_hardware_compatibility)
+    if level_name is None:
+        raise UsageError(
+            f"--trt-hardware-compat: expected one of {', '.join(HARDWARE_COMPATIBILITY)}, "
+            f"got {options.trt_hardware_compatibility!r}"
+        )
+    level = getattr(trt.HardwareCompatibilityLevel, level_name, None)
+    if level is None:
+        raise UsageError(
+            f"--trt-hardware-compat {options.trt_hardware_compatibility}: TensorRT {trt.__version__} does not offer it"
+        )
+    logger = trt_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)).strip() for i in range(parser.num_errors)]
+        first = errors[0] if errors else "no reason given"
+        raise ConversionError(
+            f"TensorRT {trt.__version__}'s ONNX parser rejected the model ({len(errors)} error(s); first: {first}); "
+            "try another --opset, or export --format onnx and run it with onnxruntime"
+        )
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.trt_workspace_gb * 2**30))
+    config.builder_optimization_level = options.trt_optimization_level
+    config.hardware_compatibility_level = level
+    tf32 = getattr(trt.BuilderFlag, "TF32", None)
+    if tf32 is not None:
+        config.clear_flag(tf32)  # TF32 rounds float32 products to 10 mantissa bits: no float32 parity
+    shapes = profile_shapes(ctx.spec.signature, ctx.dims)
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name not in shapes:
+            raise ConversionError(f"the ONNX graph has input {name!r}, which the signature lacks ({', '.join(shapes)})")
+        profile.set_shape(name, shapes[name]["min"], shapes[name]["opt"], shapes[name]["max"])
+    config.add_optimization_profile(profile)
+    cache_path = Path(options.trt_timing_cache or DEFAULT_TIMING_CACHE).expanduser()
+    _attach_timing_cache(config, cache_path)
+    try:
+        plan = builder.build_serialized_network(network, config)
+    except Exception as exc:  # the bindings raise for some build failures instead of returning None
+        raise ConversionError(f"TensorRT {trt.__version__} could not build an engine: {exc}") from exc
+    if plan is None:
+        raise ConversionError(
+            f"TensorRT {trt.__version__} could not build an engine (its log above says why); "
+            "a larger --trt-workspace or another --trt-opt-level may help"
+        )
+    with open(plan_path, "wb") as f:
+        f.write(memoryview(plan))
+    _save_timing_cache(config, cache_path)
+    major, minor = torch.cuda.get_device_capability()
+    return {
+        "tensorrt": trt.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "compute_capability": f"{major}.{minor}",
+        "hardware_compatibility": options.trt_hardware_compatibility,
+        "optimization_level": options.trt_optimization_level,
+        "workspace_gb": options.trt_workspace_gb,
+        "strongly_typed": True,
+        "tf32": False,
+        "profile": shapes,
+        "timing_cache": str(cache_path),
+    }
+
+
+def _network_flags(trt: Any) -> int:
+    # TensorRT 10 builds strongly typed networks on request; 11 always does and deprecates the flag.
+    if int(trt.__version__.split(".")[0]) >= 11:
+        return 0
+    return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+
+
+def _attach_timing_cache(config: Any, path: Path) -> None:
+    data = b""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("TensorRT timing cache %s unreadable (%s); starting an empty one", path, exc)
+    cache = None
+    if data:
+        try:
+            cache = config.create_timing_cache(data)
+        except Exception:  # a damaged cache is only a slower build
+            cache = None
+        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+            log.warning("TensorRT timing cache %s is damaged or from another GPU/version; starting an empty one", path)
+            cache = None
+    if cache is None:
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+
+
+def _save_timing_cache(config: Any, path: Path) -> None:
+    cache = config.get_timing_cache()
+    if cache is None:
+        return
+    try:
+        atomic_write_bytes(path, bytes(memoryview(cache.serialize())))
+    except UsageError as exc:  # the engine is built; a cache we cannot save is only a warning
+        log.warning("could not save the TensorRT timing cache: %s", exc)
+
+
+@functools.cache
+def trt_logger() -> Any:
+    """The one ``trt.ILogger`` of this process (TensorRT treats its logger as a singleton that must
+    outlive every builder, runtime and engine); it sends TensorRT's messages to the ``tk.trt`` logger."""
+    import tensorrt as trt
+
+    levels = {
+        trt.ILogger.INTERNAL_ERROR: logging.ERROR,
+        trt.ILogger.ERROR: logging.ERROR,
+        trt.ILogger.WARNING: logging.WARNING,
+        trt.ILogger.INFO: logging.DEBUG,
+        trt.ILogger.VERBOSE: logging.DEBUG,
+    }
+    target = logging.getLogger("tk.trt")
+
+    class Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity: Any, msg: str) -> None:
+            target.log(levels.get(severity, logging.INFO), "TensorRT: %s", msg)
+
+    return Logger()

@@ -1,0 +1,81 @@
+"""The ``aoti`` engine: an AOTInductor package, loaded with ``torch._inductor.aoti_load_package``.
+
+A package runs only where it can: on the device it was compiled for, on a CPU with the vector
+instructions it was compiled for, under the torch minor version that built it. Anything else is
+refused with the command that rebuilds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tk.errors import BackendUnavailableError, IntegrityError
+from tk.manifest import verify_file
+from tk.runtime.base import Engine, rebuild_command
+from tk.runtime.eager import cuda_reason, outputs_by_name
+
+
+class AOTInductorEngine(Engine):
+    name = "aoti"
+
+    @classmethod
+    def unavailable_reason(cls, device: str = "cpu") -> str | None:
+        return cuda_reason(device)
+
+    def _load(self) -> None:
+        self._refuse_foreign_package()
+        path = verify_file(self.root, self.manifest.file("aoti"))
+        try:
+            self._model = torch._inductor.aoti_load_package(str(path))
+        except Exception as exc:  # a RuntimeError from the C++ loader, mostly
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise IntegrityError(
+                f"{path}: AOTInductor cannot load it ({first}); rebuild it with "
+                f"`{rebuild_command(self.manifest, 'aoti', self.device)}`"
+            ) from exc
+        self._device = torch.device(self.device)
+        self._order = [s.name for s in self.inputs]
+        self._out_names = [s.name for s in self.outputs]
+
+    def _refuse_foreign_package(self) -> None:
+        settings = self.manifest.formats.get("aoti", {})
+        rebuild = rebuild_command(self.manifest, "aoti", self.device)
+        built_for = settings.get("device", self.manifest.device)
+        if built_for != self.device:
+            raise BackendUnavailableError(
+                f"{self.root}: the AOTInductor package was compiled for {built_for}, and {self.device} was "
+                f"requested; run it with --device {built_for}, or rebuild it with `{rebuild}`"
+            )
+        built_torch = str(self.manifest.versions.get("torch", ""))
+        if built_torch and _minor(built_torch) != _minor(torch.__version__):
+            raise BackendUnavailableError(
+                f"{self.root}: the AOTInductor package was compiled by torch {built_torch}, this is torch "
+                f"{torch.__version__}; packages only load under the torch version that built them: rebuild it with `{rebuild}`"
+            )
+        isa = settings.get("cpu_isa")
+        if self.device == "cpu" and isa:
+            from tk.export.aoti import supported_vector_isas
+
+            here = supported_vector_isas()
+            if here is not None and isa not in here:
+                raise BackendUnavailableError(
+                    f"{self.root}: the AOTInductor package uses {isa} instructions, which this CPU lacks "
+                    f"(it has {', '.join(here) or 'none'}); rebuild it here with `{rebuild}`"
+                )
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, Any]:
+        args = [feeds[n].to(self._device).contiguous() for n in self._order]
+        with torch.inference_mode():
+            out = self._model(*args)
+        return outputs_by_name(out, self._out_names)
+
+    def _close(self) -> None:
+        del self._model
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])

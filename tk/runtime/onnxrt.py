@@ -1,0 +1,234 @@
+"""The ``onnx`` engine: onnxruntime on the artifact's ONNX file.
+
+Options: ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name; default: the best
+one installed for the device), ``threads`` (intra-op threads; default: every core this process
+may use), ``optimization`` (all, extended, basic or disable; default all). One session serves
+every thread (onnxruntime's ``run`` is thread-safe). On CUDA, inputs and outputs are bound to
+device memory, so torch CUDA tensors go in and come out without a trip through the host.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tk.errors import BackendUnavailableError, IntegrityError, UsageError
+from tk.manifest import verify_file
+from tk.runtime.base import Engine, torch_dtype
+from tk.runtime.eager import cuda_reason
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "trt": "TensorrtExecutionProvider",
+}
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+OPTIMIZATION_LEVELS = {
+    "all": "ORT_ENABLE_ALL",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "basic": "ORT_ENABLE_BASIC",
+    "disable": "ORT_DISABLE_ALL",
+}
+TRT_CACHE = Path("~/.cache/tk/ort-tensorrt")
+
+_NUMPY_DTYPES = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.float64: np.float64,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class OnnxRuntimeEngine(Engine):
+    name = "onnx"
+    native = "numpy"
+
+    @classmethod
+    def unavailable_reason(cls, device: str = "cpu") -> str | None:
+        reason = cuda_reason(device)
+        if reason:
+            return reason
+        if importlib.util.find_spec("onnxruntime") is None:
+            return "onnxruntime is not installed (pip install 'tk[cpu]', or 'tk[gpu]' for CUDA)"
+        if device == "cuda":
+            import onnxruntime as ort
+
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                return (
+                    "this onnxruntime has no CUDAExecutionProvider "
+                    "(pip uninstall onnxruntime, then pip install 'tk[gpu]')"
+                )
+        return None
+
+    def _load(self) -> None:
+        import onnxruntime as ort
+
+        path = self._verified_model_path()
+        providers = self._providers(ort)
+        options = self._session_options(ort)
+        try:
+            self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own pybind types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "NOT_IMPLEMENTED" in first:  # a valid graph with an op or dtype these providers lack
+                names = ", ".join(p[0] for p in providers)
+                hint = ""
+                if self.manifest.precision == "bf16":
+                    hint = "; onnxruntime's CPU kernels lack bfloat16: export --precision fp16, or use the aoti engine"
+                raise BackendUnavailableError(f"onnxruntime ({names}) cannot run {path.name}: {first}{hint}") from exc
+            raise IntegrityError(f"{path}: onnxruntime cannot load it ({first}); re-export the artifact") from exc
+        wanted = providers[0][0]
+        if wanted not in self._session.get_providers():
+            raise BackendUnavailableError(
+                f"engine 'onnx': onnxruntime fell back from {wanted} to {self._session.get_providers()} "
+                "(are the CUDA/cuDNN or TensorRT libraries on the library path?)"
+            )
+        self._in_names = [s.name for s in self.inputs]
+        self._out_names = [s.name for s in self.outputs]
+        got_in = [i.name for i in self._session.get_inputs()]
+        got_out = [o.name for o in self._session.get_outputs()]
+        if sorted(got_in) != sorted(self._in_names) or sorted(got_out) != sorted(self._out_names):
+            raise IntegrityError(
+                f"{path}: the ONNX graph has inputs {got_in} and outputs {got_out}; "
+                f"the manifest expects {self._in_names} and {self._out_names}"
+            )
+        self._bind = self.device == "cuda"
+        self._device_id = torch.cuda.current_device() if self._bind else 0
+
+    def _session_options(self, ort: Any) -> Any:
+        options = ort.SessionOptions()
+        level = self.options.get("optimization") or "all"
+        if level not in OPTIMIZATION_LEVELS:
+            raise UsageError(
+                f"engine 'onnx': optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {level!r}"
+            )
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[level])
+        threads = self.options.get("threads") or usable_cores()
+        if not isinstance(threads, int) or threads < 1:
+            raise UsageError(f"engine 'onnx': threads must be a positive integer, got {threads!r}")
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
+        return options
+
+    def _verified_model_path(self) -> Path:
+        """The ONNX file, after it and its external data (if any) match the manifest."""
+        path = verify_file(self.root, self.manifest.file("onnx"))
+        data_files = [e for e in self.manifest.files if e.role == "onnx-data"]
+        external = self.manifest.formats.get("onnx", {}).get("external_data")
+        if external and external not in {e.path for e in data_files}:
+            raise IntegrityError(
+                f"{self.root}: the ONNX model keeps its weights in {external}, and the manifest lists no such "
+                "onnx-data file; the artifact is incomplete, re-export it"
+            )
+        for entry in data_files:
+            verify_file(self.root, entry)
+        return path
+
+    def _providers(self, ort: Any) -> list[Any]:
+        available = ort.get_available_providers()
+        requested = self.options.get("provider")
+        if requested:
+            name = PROVIDERS.get(str(requested).lower(), str(requested))
+            if name not in available:
+                raise BackendUnavailableError(
+                    f"engine 'onnx': provider {requested!r} is not available; this onnxruntime has {', '.join(available)}"
+                )
+            if name in GPU_PROVIDERS and self.device != "cuda":
+                raise UsageError(f"engine 'onnx': provider {requested!r} runs on the GPU; use --device cuda")
+            chain = [name]
+        elif self.device == "cuda":
+            chain = [p for p in GPU_PROVIDERS if p in available]
+            if "TensorrtExecutionProvider" in chain and importlib.util.find_spec("tensorrt") is None:
+                chain.remove("TensorrtExecutionProvider")  # listed by onnxruntime-gpu even without TensorRT's libraries
+        else:
+            chain = []
+        if "CPUExecutionProvider" not in chain:
+            chain.append("CPUExecutionProvider")
+        return [(p, self._provider_options(p)) for p in chain]
+
+    def _provider_options(self, provider: str) -> dict[str, str]:
+        if provider == "CUDAExecutionProvider":
+            return {"device_id": str(torch.cuda.current_device())}
+        if provider != "TensorrtExecutionProvider":
+            return {}
+        cache = TRT_CACHE.expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        shapes = {}
+        for which in ("min", "opt", "max"):
+            sizes = {name: getattr(dim, which) for name, dim in self.dims.items()}
+            shapes[which] = ",".join(
+                f"{s.name}:" + "x".join(str(n) for n in s.concrete_shape(sizes)) for s in self.inputs
+            )
+        return {
+            "device_id": str(torch.cuda.current_device()),
+            "trt_profile_min_shapes": shapes["min"],
+            "trt_profile_opt_shapes": shapes["opt"],
+            "trt_profile_max_shapes": shapes["max"],
+            "trt_engine_cache_enable": "True",
+            "trt_engine_cache_path": str(cache),
+            "trt_timing_cache_enable": "True",
+        }
+
+    def _to_native(self, value: Any) -> Any:
+        if self.device == "cuda":  # keep torch (and CUDA) tensors for I/O binding
+            return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        return super()._to_native(value)
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        if self._bind:
+            return self._run_bound(feeds)
+        inputs = {name: np.ascontiguousarray(feeds[name]) for name in self._in_names}
+        return dict(zip(self._out_names, self._session.run(self._out_names, inputs), strict=True))
+
+    def _run_bound(self, feeds: dict[str, torch.Tensor]) -> dict[str, Any]:
+        device = torch.device("cuda", self._device_id)
+        binding = self._session.io_binding()
+        sizes: dict[str, int] = {}
+        keep = []  # the bound tensors must outlive the run
+        for spec in self.inputs:
+            tensor = feeds[spec.name].to(device).contiguous()
+            keep.append(tensor)
+            sizes.update({d: n for d, n in zip(spec.shape, tensor.shape, strict=True) if isinstance(d, str)})
+            binding.bind_input(
+                spec.name, "cuda", self._device_id, _numpy_dtype(tensor.dtype), tuple(tensor.shape), tensor.data_ptr()
+            )
+        outputs: dict[str, torch.Tensor] = {}
+        known = all(all(not isinstance(d, str) or d in sizes for d in s.shape) for s in self.outputs)
+        for spec in self.outputs:
+            if known:  # preallocate on the device: onnxruntime writes there, nothing is copied back
+                out = torch.empty(spec.concrete_shape(sizes), dtype=torch_dtype(spec.dtype), device=device)
+                outputs[spec.name] = out
+                binding.bind_output(
+                    spec.name, "cuda", self._device_id, _numpy_dtype(out.dtype), tuple(out.shape), out.data_ptr()
+                )
+            else:
+                binding.bind_output(spec.name, "cpu")
+        torch.cuda.current_stream(device).synchronize()  # onnxruntime reads the inputs on its own stream
+        self._session.run_with_iobinding(binding)
+        if known:
+            return outputs
+        return dict(zip(self._out_names, binding.copy_outputs_to_cpu(), strict=True))
+
+    def _close(self) -> None:
+        del self._session
+
+
+def _numpy_dtype(dtype: torch.dtype) -> Any:
+    if dtype not in _NUMPY_DTYPES:
+        raise UsageError(f"engine 'onnx': I/O binding does not support {dtype}")
+    return _NUMPY_DTYPES[dtype]
