@@ -1,12 +1,25 @@
-"""Shared fixtures and the one hardware gate every GPU/TensorRT test uses."""
+"""Shared fixtures and the one hardware gate every GPU/TensorRT test uses.
+
+Tiny artifacts are exported once per test session (AOTInductor compiles take 10-50 s each on two
+cores) under the session's base temporary directory; tests that alter an artifact copy it first.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+
+from tk.export import ExportOptions, export
+from tk.manifest import Manifest, read_manifest
+from tk.models import ModelSpec, build_model, entries
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -31,3 +44,96 @@ def requires(**kwargs: object) -> pytest.MarkDecorator:
     """``@requires(cuda=True, tensorrt=True)``: skip with every missing requirement in the reason."""
     missing = missing_requirements(**kwargs)  # type: ignore[arg-type]
     return pytest.mark.skipif(bool(missing), reason="needs " + "; ".join(missing) if missing else "")
+
+
+MODELS = ("transformer", "mlp", "linear", "resnet18")
+
+
+@dataclass
+class Exported:
+    spec: ModelSpec  # the model as exported (float32, eval mode, the artifact's weights)
+    root: Path
+    manifest: Manifest
+
+
+def shared_artifact_dir(
+    tmp_path_factory: pytest.TempPathFactory, name: str, formats: tuple[str, ...], dynamic: bool
+) -> Path:
+    """Where this session keeps the tiny ``name`` exported in ``formats`` (tests/runtime uses the same place)."""
+    kind = "dynamic" if dynamic else "static"
+    return tmp_path_factory.getbasetemp() / "tk-artifacts" / f"{name}-{'-'.join(formats)}-{kind}"
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Exported]:
+    """``exported(name, formats, dynamic=True)``: the tiny model exported (and checked) once per session."""
+    cache: dict[tuple[str, tuple[str, ...], bool], Exported] = {}
+
+    def get(name: str, formats: tuple[str, ...], dynamic: bool = True) -> Exported:
+        key = (name, formats, dynamic)
+        if key not in cache:
+            entry = entries()[name]
+            if not entry.available():
+                pytest.skip(f"model {name!r} needs {entry.requires}")
+            torch.manual_seed(0)
+            spec = build_model(name, size="tiny")
+            root = shared_artifact_dir(tmp_path_factory, name, formats, dynamic)
+            if (root / "manifest.json").is_file():
+                from tk.models.checkpoint import load_weights
+
+                load_weights(spec.module, root / "weights.safetensors")
+            else:
+                export(spec, root, ExportOptions(formats=formats, dynamic=dynamic))
+            spec.module.eval()
+            cache[key] = Exported(spec, root, read_manifest(root))
+        return cache[key]
+
+    return get
+
+
+def _eager_outputs(spec: ModelSpec, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    args = [torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs]
+    with torch.inference_mode():
+        out = spec.module(*args)
+    values = out if isinstance(out, (tuple, list)) else [out]
+    return {s.name: v.numpy() for s, v in zip(spec.signature.outputs, values, strict=True)}
+
+
+def _other_sizes(spec: ModelSpec) -> dict[str, int]:
+    picks = {"batch": 3, "seq": 7}
+    sizes = {}
+    for name, dim in spec.signature.dims.items():
+        size = picks.get(name, dim.min + 1)
+        assert dim.min <= size <= dim.max and size != dim.opt, (name, dim)
+        sizes[name] = size
+    return sizes
+
+
+@pytest.fixture(scope="session")
+def eager_outputs() -> Callable[[ModelSpec, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """``eager_outputs(spec, feeds)``: the PyTorch model's outputs on NumPy feeds, keyed by output name."""
+    return _eager_outputs
+
+
+@pytest.fixture(scope="session")
+def other_sizes() -> Callable[[ModelSpec], dict[str, int]]:
+    """``other_sizes(spec)``: dimension sizes unlike the example's (batch 3, seq 7), inside every range."""
+    return _other_sizes
+
+
+def assert_close(actual: dict[str, Any], expected: dict[str, np.ndarray], rtol: float, atol: float) -> dict[str, float]:
+    """Every output within ``atol + rtol * |expected|``; returns the max abs error per output."""
+    assert sorted(actual) == sorted(expected)
+    errors = {}
+    for name, want in expected.items():
+        got = np.asarray(actual[name])
+        assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+        errors[name] = float(np.abs(got.astype(np.float64) - want).max()) if want.size else 0.0
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"output {name!r}")
+    return errors
+
+
+@pytest.fixture(scope="session")
+def close() -> Callable[..., dict[str, float]]:
+    """``close(actual, expected, rtol, atol)``: assert every output is within tolerance."""
+    return assert_close

@@ -23,21 +23,10 @@ from tk.runtime.tensorrt import TensorRTEngine
 from tk.spec import random_feeds
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    """``artifact(name, formats)``: the tiny model exported once per session.
-
-    Artifacts live where tests/export/conftest.py keeps them, so a full run compiles each once.
-    """
-
-    def get(name, formats):
-        root = tmp_path_factory.getbasetemp() / "tk-artifacts" / f"{name}-{'-'.join(formats)}-dynamic"
-        if not (root / "manifest.json").is_file():
-            torch.manual_seed(0)
-            export(build_model(name, size="tiny"), root, ExportOptions(formats=formats))
-        return root
-
-    return get
+@pytest.fixture
+def artifact(exported):
+    """``artifact(name, formats)``: the tiny model's shared session artifact."""
+    return lambda name, formats: exported(name, tuple(formats)).root
 
 
 @pytest.fixture

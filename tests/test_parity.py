@@ -1,0 +1,111 @@
+"""Parity in CI: every built-in model through every engine, compared with PyTorch eager the way
+``tk check`` compares them, at several batch sizes and sequence lengths.
+
+Adding a model to the registry or an engine to the runtime without a case here fails
+``test_every_model_and_engine_has_parity_cases``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import requires
+from tk.check import check_engines
+from tk.export import ExportOptions, export
+from tk.models import build_model, entries
+from tk.runtime import ENGINES, load
+from tk.tolerances import MIN_SQNR_DB, tolerance_for
+
+MODELS = ["transformer", "mlp", "linear", "resnet18"]
+
+# engine -> (format its artifact needs, marks); eager is the reference itself
+ENGINE_CASES = {
+    "compile": ("onnx", [pytest.mark.slow]),
+    "torch": ("torch", []),
+    "onnx": ("onnx", []),
+    "aoti": ("aoti", [pytest.mark.slow]),
+    "trt": ("trt", [pytest.mark.trt, requires(cuda=True, tensorrt=True, min_compute_capability=(8, 0))]),
+}
+
+SHAPES = [{"batch": 1, "seq": 1}, {"batch": 3, "seq": 7}, {"batch": 8, "seq": 16}, {"batch": 5, "seq": 64}]
+
+
+def shapes_for(dims) -> list[dict[str, int]]:
+    """The shapes above, restricted to the model's dimensions and clamped into their ranges."""
+    shapes = []
+    for shape in SHAPES:
+        sizes = {name: min(max(shape.get(name, dim.opt), dim.min), dim.max) for name, dim in dims.items()}
+        if sizes not in shapes:
+            shapes.append(sizes)
+    return shapes
+
+
+def run_parity(root, engine_name: str, device: str = "cpu"):
+    with load(root, "eager", device=device) as reference, load(root, engine_name, device=device) as candidate:
+        manifest = candidate.manifest
+        overrides = {p: tuple(t) for p, t in manifest.model.get("tolerances", {}).items()}
+        rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides)
+        return check_engines(
+            reference,
+            candidate,
+            shapes_for(manifest.signature.dims),
+            precision=manifest.precision,
+            rtol=rtol,
+            atol=atol,
+            min_sqnr_db=MIN_SQNR_DB.get(manifest.precision),
+        )
+
+
+def test_every_model_and_engine_has_parity_cases():
+    assert sorted(MODELS) == sorted(entries()), "a registered model has no parity test"
+    assert sorted([*ENGINE_CASES, "eager"]) == sorted(ENGINES), "an engine has no parity test"
+
+
+CASES = [
+    pytest.param(model, engine, marks=marks, id=f"{model}-{engine}")
+    for engine, (_, marks) in ENGINE_CASES.items()
+    for model in MODELS
+]
+
+
+@pytest.mark.parametrize("model, engine", CASES)
+def test_parity_on_cpu(exported, model, engine):
+    fmt, _ = ENGINE_CASES[engine]
+    if engine == "trt":
+        pytest.skip("TensorRT runs on CUDA only; see test_parity_on_cuda")
+    report = run_parity(exported(model, (fmt,)).root, engine)
+    assert report.passed, report.failures()
+    assert report.batch_invariance is not None and report.batch_invariance.passed
+    for output in report.outputs:
+        assert output.max_abs <= report.atol + report.rtol * 10, (output.name, output.max_abs)
+        assert output.nan == 0 and output.inf == 0
+
+
+CUDA_ENGINES = ["eager", "torch", "onnx", "aoti", "trt"]
+
+
+@pytest.fixture(scope="module")
+def cuda_artifacts(tmp_path_factory):
+    cache = {}
+
+    def get(model: str, engine: str):
+        fmt = "torch" if engine == "eager" else ENGINE_CASES[engine][0]
+        key = (model, fmt)
+        if key not in cache:
+            root = tmp_path_factory.mktemp("cuda") / f"{model}-{fmt}"
+            export(build_model(model, size="tiny"), root, ExportOptions(formats=(fmt,), device="cuda"))
+            cache[key] = root
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.gpu
+@requires(cuda=True)
+@pytest.mark.parametrize("engine", CUDA_ENGINES)
+@pytest.mark.parametrize("model", MODELS)
+def test_parity_on_cuda(cuda_artifacts, model, engine):
+    if engine == "trt":
+        pytest.importorskip("tensorrt", reason="needs the tensorrt package (pip install 'tk[gpu]')")
+    report = run_parity(cuda_artifacts(model, engine), engine, device="cuda")
+    assert report.passed, report.failures()
