@@ -69,7 +69,7 @@ def _setup_logging(debug: bool) -> None:
     tk_log.setLevel(logging.DEBUG if debug else logging.INFO)
     tk_log.propagate = False
     if not debug:
-        for noisy in ("torch", "onnxscript", "onnx_ir"):
+        for noisy in ("torch", "torch.utils.cpp_extension", "onnxscript", "onnx_ir"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
         import warnings
 
@@ -580,7 +580,14 @@ def _engine_list(text: str, manifest: Any, device: str, *, include_baselines: bo
 
 @cli.command("infer")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--engine", "engine_name", type=click.Choice(ENGINE_NAMES), default="onnx", show_default=True)
+@click.option(
+    "--engine",
+    "engine_name",
+    type=click.Choice([*ENGINE_NAMES, "auto"]),
+    default="onnx",
+    show_default=True,
+    help="Engine to run; auto picks the fastest one here whose parity passes.",
+)
 @click.option(
     "--inputs",
     "inputs_path",
@@ -624,6 +631,21 @@ def infer_cmd(
         raise UsageError(f"--random: expected 1 or more samples, got {random_samples}")
     manifest = verify_artifact(artifact)
     opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    if engine_name == "auto":
+        from tk.runtime import available_engines
+        from tk.runtime.auto import choose_engine
+
+        batch_dim = manifest.signature.dims.get("batch")
+        batch = batch_size or (batch_dim.opt if batch_dim else 1)
+        choice = choose_engine(
+            artifact,
+            manifest,
+            batch_size=batch,
+            device=device,
+            engine_options={n: _engine_kwargs(n, **opts) for n in available_engines(manifest, device)},
+        )
+        click.echo(f"auto: chose {choice.engine}, the {choice.reason}", err=True)
+        engine_name = choice.engine
     with _open(artifact, engine_name, device, allow_failed, manifest, **opts) as engine:
         with Progress(
             TextColumn(f"infer {engine_name}"),
@@ -778,7 +800,7 @@ def check_cmd(
     "engine_text",
     default="all",
     show_default=True,
-    help="Comma-separated engines, or all; eager and compile are always added as baselines.",
+    help="Comma-separated engines, all, or auto (all whose parity passes, and which one auto picks); eager and compile are always added as baselines.",
 )
 @click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
@@ -837,10 +859,20 @@ def bench_cmd(
     names = _engine_list(engine_text, manifest, device, include_baselines=True)
     other_sizes = {"seq": seq} if seq is not None else None
     opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    choices = []
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(_open(artifact, name, device, allow_failed, manifest, **opts)) for name in names
         }
+        candidates = None
+        if engine_text == "auto":  # only engines whose parity passes compete
+            from tk.runtime.auto import check_candidates, default_shape
+
+            shape = default_shape(
+                manifest, manifest.signature.dims["batch"].opt if "batch" in manifest.signature.dims else 1, other_sizes
+            )
+            candidates = check_candidates(engines["eager"], engines, manifest, shape)
+            engines = {c.engine: engines[c.engine] for c in candidates if c.passed}
         report = measure(
             engines,
             sizes_list,
@@ -849,7 +881,16 @@ def bench_cmd(
             sizes=other_sizes,
             progress=lambda line: click.echo(line, err=True),
         )
+        report.settings["engines"] = {name: engine.settings() for name, engine in engines.items()}
     _console().print(render_table(report))
+    if candidates is not None:
+        from tk.runtime.auto import pick
+
+        for batch in sorted({row.batch_size for row in report.rows}):
+            choice = pick(candidates, report.rows, batch)
+            choices.append(choice.to_json())
+            click.echo(f"auto at batch {batch}: {choice.reason}")
+        report.settings["auto"] = choices
     if json_path:
         save_json(report, json_path)
         click.echo(f"json: {json_path}")

@@ -102,6 +102,10 @@ class Engine(ABC):
         outputs = self._run(native)
         return {name: _convert(value, as_torch) for name, value in outputs.items()}
 
+    def settings(self) -> dict[str, Any]:
+        """The settings this engine runs with (recorded in benchmark JSON); subclasses add theirs."""
+        return {"device": self.device, "torch_threads": torch.get_num_threads(), **self.options}
+
     def close(self) -> None:
         if self._loaded:
             self._close()

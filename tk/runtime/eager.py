@@ -95,6 +95,12 @@ class CompiledEngine(EagerEngine):
         with inductor_config.patch(freezing=self._freezing):
             self.compiled = torch.compile(self.module, mode=None if mode == "default" else mode, dynamic=dynamic)
 
+    def settings(self) -> dict[str, Any]:
+        out = super().settings()
+        if self._loaded:
+            out.update(mode=self.options.get("mode") or "default", freezing=self._freezing, precision=self._precision)
+        return out
+
     def _call(self, *args: torch.Tensor) -> Any:
         import torch._inductor.config as inductor_config
 

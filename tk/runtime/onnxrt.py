@@ -125,6 +125,19 @@ class OnnxRuntimeEngine(Engine):
         options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
         return options
 
+    def settings(self) -> dict[str, Any]:
+        out = super().settings()
+        if self._loaded:
+            options = self._session.get_session_options()
+            out.update(
+                providers=self._session.get_providers(),
+                intra_op_threads=options.intra_op_num_threads,
+                graph_optimization_level=str(options.graph_optimization_level).rsplit(".", 1)[-1],
+                cpu_memory_arena=options.enable_cpu_mem_arena,
+                io_binding=self._bind,
+            )
+        return out
+
     def _verified_model_path(self) -> Path:
         """The ONNX file, after it and its external data (if any) match the manifest."""
         path = verify_file(self.root, self.manifest.file("onnx"))

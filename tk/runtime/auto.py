@@ -1,0 +1,128 @@
+"""``--engine auto``: the fastest engine on this machine whose parity passes at the artifact's precision.
+
+Every engine this machine can run is checked against eager on the same valid random inputs,
+then the ones that pass are timed side by side (interleaved) at the batch size asked for.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tk.check import check_engines
+from tk.manifest import Manifest
+from tk.runtime.registry import available_engines, load
+from tk.tolerances import MIN_SQNR_DB, tolerance_for
+
+
+@dataclass
+class Candidate:
+    engine: str
+    passed: bool
+    max_rel: float
+    p50_ms: float | None = None
+    note: str = ""
+
+
+@dataclass
+class AutoChoice:
+    engine: str
+    batch_size: int
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        chosen = next(c for c in self.candidates if c.engine == self.engine)
+        others = [
+            f"{c.engine} {c.p50_ms:.3g} ms" if c.passed and c.p50_ms is not None else f"{c.engine} {c.note}"
+            for c in self.candidates
+            if c.engine != self.engine
+        ]
+        return (
+            f"fastest of the engines that pass parity at batch {self.batch_size}: {self.engine} "
+            f"{chosen.p50_ms:.3g} ms (max rel error {chosen.max_rel:.1e})"
+            + (f"; {', '.join(others)}" if others else "")
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "batch_size": self.batch_size,
+            "reason": self.reason,
+            "candidates": [c.__dict__ for c in self.candidates],
+        }
+
+
+def check_candidates(
+    reference: Any, engines: dict[str, Any], manifest: Manifest, shape: dict[str, int]
+) -> list[Candidate]:
+    """Each engine's parity against ``reference`` at ``shape``, under the artifact's precision tolerances."""
+    overrides = {p: (t[0], t[1]) for p, t in manifest.model.get("tolerances", {}).items()}
+    rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides)
+    candidates = []
+    for name, engine in engines.items():
+        if name == "eager":
+            candidates.append(Candidate(name, True, 0.0))
+            continue
+        report = check_engines(
+            reference,
+            engine,
+            [shape],
+            precision=manifest.precision,
+            rtol=rtol,
+            atol=atol,
+            min_sqnr_db=MIN_SQNR_DB.get(manifest.precision),
+            batch_invariance=False,
+        )
+        worst = max((o.max_rel for o in report.outputs), default=0.0)
+        candidates.append(Candidate(name, report.passed, worst, note="" if report.passed else "fails parity"))
+    return candidates
+
+
+def pick(candidates: list[Candidate], rows: list[Any], batch_size: int) -> AutoChoice:
+    """The fastest passing candidate at ``batch_size`` among benchmark ``rows``."""
+    p50 = {row.engine: row.p50_ms for row in rows if row.batch_size == batch_size}
+    timed = [Candidate(c.engine, c.passed, c.max_rel, p50.get(c.engine), c.note) for c in candidates]
+    best = min((c for c in timed if c.passed and c.p50_ms is not None), key=lambda c: c.p50_ms)
+    return AutoChoice(best.engine, batch_size, timed)
+
+
+def default_shape(manifest: Manifest, batch_size: int, sizes: dict[str, int] | None = None) -> dict[str, int]:
+    shape = {name: dim.opt for name, dim in manifest.signature.dims.items()}
+    shape.update(sizes or {})
+    if "batch" in shape:
+        shape["batch"] = batch_size
+    return shape
+
+
+def choose_engine(
+    root: str | Path,
+    manifest: Manifest,
+    *,
+    batch_size: int,
+    device: str = "cpu",
+    sizes: dict[str, int] | None = None,
+    seconds: float = 0.5,
+    engine_options: dict[str, dict[str, Any]] | None = None,
+) -> AutoChoice:
+    """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
+
+    ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per engine.
+    """
+    from tk.bench import measure
+
+    engine_options = engine_options or {}
+    shape = default_shape(manifest, batch_size, sizes)
+    with ExitStack() as stack:
+        engines = {
+            name: stack.enter_context(
+                load(root, name, device=device, manifest=manifest, **engine_options.get(name, {}))
+            )
+            for name in available_engines(manifest, device)
+        }
+        candidates = check_candidates(engines["eager"], engines, manifest, shape)
+        passing = {c.engine: engines[c.engine] for c in candidates if c.passed}
+        bench = measure(passing, [batch_size], seconds=seconds, sizes={k: v for k, v in shape.items() if k != "batch"})
+    return pick(candidates, bench.rows, batch_size)
