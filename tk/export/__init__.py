@@ -23,7 +23,7 @@ from tk.errors import BackendUnavailableError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
-from tk.fileio import sha256_file
+from tk.fileio import current_umask, sha256_file
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes
 from tk.models import ModelSpec
 from tk.spec import Dim
@@ -151,7 +151,7 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-        os.chmod(staging, 0o777 & ~_umask())
+        os.chmod(staging, 0o777 & ~current_umask())
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
@@ -210,12 +210,6 @@ def _quantize_onnx(ctx: ExportContext) -> None:
     int8_onnx_from_onnx(path, quantized)
     os.replace(quantized, path)
     ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_weights(ctx: ExportContext) -> None:

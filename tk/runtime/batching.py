@@ -10,8 +10,6 @@ samples), runs it and writes the outputs as ``.npz``.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -21,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import InputError, UsageError
+from tk.fileio import atomic_open
 from tk.runtime.base import Engine
 from tk.runtime.inputs import check_arrays, count_nonfinite, random_inputs, read_inputs, sample_dim
 from tk.spec import Dim, TensorSpec, numpy_dtype
@@ -228,19 +227,6 @@ def infer_file(
 
 
 def save_npz(path: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write ``arrays`` as ``.npz`` to a temporary file beside ``path``, flush it, then rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``arrays`` as ``.npz``, atomically (a temporary file beside ``path``, then a rename)."""
+    with atomic_open(path) as f:
+        np.savez(f, **arrays)
