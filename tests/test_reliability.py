@@ -141,3 +141,25 @@ def test_killed_exports_leave_a_complete_artifact_or_an_incomplete_one(tmp_path)
     # the staging directories of killed runs are never taken for the artifact
     assert all(p.name.startswith(".art.") for p in tmp_path.iterdir() if p.name != "art")
     assert os.path.isdir(out) or outcomes["incomplete"] > 0
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_the_old_artifact(tmp_path, monkeypatch):
+    import errno
+
+    from tk.export import ExportOptions, export, torch_writer
+    from tk.models import build_model
+
+    out = tmp_path / "art"
+    export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))
+    before = verify_artifact(out).files
+
+    def no_space(program, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(torch_writer, "save_exported_program", no_space)
+    with pytest.raises(
+        UsageError, match=r"cannot write .*program.pt2 \(No space left on device\); nothing was replaced"
+    ):
+        export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))
+    assert verify_artifact(out).files == before
+    assert [p.name for p in tmp_path.iterdir()] == ["art"], "the staging directory is removed"

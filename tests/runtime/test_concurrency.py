@@ -24,11 +24,12 @@ def artifact(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("engine_name", ["eager", "torch", "onnx"])
-def test_threads_match_sequential_calls(artifact, engine_name):
-    if engine_name not in available_engines(read_manifest(artifact)):
+@pytest.mark.parametrize("engine_name", ["eager", "torch", "onnx", pytest.param("aoti", marks=pytest.mark.slow)])
+def test_threads_match_sequential_calls(artifact, exported, engine_name):
+    root = exported("transformer", ("aoti",)).root if engine_name == "aoti" else artifact
+    if engine_name not in available_engines(read_manifest(root)):
         pytest.skip(f"engine {engine_name} cannot run here")
-    with load(artifact, engine_name) as engine:
+    with load(root, engine_name) as engine:
         # every call gets its own input, with varied shapes, so a shared buffer would show
         feeds = [random_feeds(engine.inputs, {"batch": 1 + i % 5, "seq": 3 + i % 11}, seed=i) for i in range(CALLS)]
         sequential = [engine.run(f)["logits"] for f in feeds]
