@@ -8,7 +8,7 @@ from pathlib import Path
 from tk.check import check_engines
 from tk.export.context import ExportContext
 from tk.manifest import Manifest
-from tk.spec import Dim
+from tk.spec import Dim, random_feeds
 from tk.tolerances import MIN_SQNR_DB, tolerance_for
 
 log = logging.getLogger("tk.export")
@@ -38,7 +38,7 @@ def _odd_inside(dim: Dim) -> int:
 
 def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: ExportContext) -> None:
     """Fill ``manifest.check`` with one parity report per format and set ``manifest.status``."""
-    from tk.runtime import load
+    from tk.runtime import load, unavailable_reason
 
     rtol, atol = tolerance_for(
         manifest.precision, model_overrides=ctx.spec.tolerances, rtol=ctx.options.rtol, atol=ctx.options.atol
@@ -47,8 +47,8 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     shapes = shapes_to_check(manifest.signature.dims)
     device = ctx.options.device
     with load(root, "eager", device=device, manifest=manifest, allow_failed=True) as reference:
-        from tk.runtime import unavailable_reason
-
+        feeds = [random_feeds(reference.inputs, sizes, seed=i) for i, sizes in enumerate(shapes)]
+        expected = [reference.run(f) for f in feeds]  # once, for every format
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
@@ -62,6 +62,8 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                     rtol=rtol,
                     atol=atol,
                     min_sqnr_db=min_sqnr,
+                    feeds=feeds,
+                    reference_outputs=expected,
                 )
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
