@@ -422,8 +422,6 @@ def export_cmd(
 
         _print_check_reports(read_manifest(out).check)
         raise
-    for fmt, reason in result.skipped.items():
-        click.echo(f"skipped {fmt}: {reason}")
     if result.manifest.check:
         _print_check_reports(result.manifest.check)
     click.echo(f"artifact: {out} ({result.manifest.status})")
