@@ -66,3 +66,14 @@ def test_dim_sizes_to_check_cover_the_range_with_an_odd_size():
     sizes = Dim("batch", 1, 8, 64).sizes_to_check()
     assert sizes[0] == 1 and sizes[-1] == 64 and 8 in sizes
     assert any(s % 2 == 1 and 1 < s < 64 for s in sizes)
+
+
+def test_nan_and_inf_must_sit_where_the_reference_has_them():
+    ref = np.array([np.nan, 1.0, np.inf, 2.0])
+    assert compare_output("y", ref, ref.copy(), rtol=1e-4, atol=1e-5).passed
+    moved = np.array([1.0, np.nan, np.inf, 2.0])
+    assert not compare_output("y", ref, moved, rtol=1e-4, atol=1e-5).passed
+    flipped = np.array([np.nan, 1.0, -np.inf, 2.0])
+    assert not compare_output("y", ref, flipped, rtol=1e-4, atol=1e-5).passed
+    finite = np.array([0.0, 1.0, 5.0, 2.0])
+    assert not compare_output("y", ref, finite, rtol=1e-4, atol=1e-5).passed

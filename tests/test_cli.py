@@ -108,3 +108,13 @@ def test_import_tk_cli_stays_light():
     code = "import sys, tk, tk.cli, tk.errors; print(sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'tensorrt') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path):
+    out = tmp_path / "scorer"
+    assert invoke("export", "examples.user_model:scorer", "--format", "torch", "--out", str(out)).exit_code == 0
+    refused = invoke("check", str(out), "--engine", "torch")
+    assert_one_line_error(refused, 2, "user code", "--trust-model-code")
+    trusted = invoke("check", str(out), "--engine", "torch", "--trust-model-code")
+    assert trusted.exit_code == 0, trusted.output
+    assert "parity passed for torch" in trusted.stdout

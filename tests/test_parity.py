@@ -81,7 +81,7 @@ def test_parity_on_cpu(exported, model, engine):
         assert output.nan == 0 and output.inf == 0
 
 
-CUDA_ENGINES = ["eager", "torch", "onnx", "aoti", "trt"]
+CUDA_ENGINES = ["compile", "torch", "onnx", "aoti", "trt"]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def cuda_artifacts(tmp_path_factory):
     cache = {}
 
     def get(model: str, engine: str):
-        fmt = "torch" if engine == "eager" else ENGINE_CASES[engine][0]
+        fmt = ENGINE_CASES[engine][0]
         key = (model, fmt)
         if key not in cache:
             root = tmp_path_factory.mktemp("cuda") / f"{model}-{fmt}"

@@ -104,10 +104,15 @@ def compare_output(
     result.nan = int(np.isnan(cand).sum())
     result.inf = int(np.isinf(cand).sum())
     ref_bad = int((~np.isfinite(ref)).sum())
-    if result.nan or result.inf:
-        if result.nan + result.inf != ref_bad:
+    if result.nan or result.inf or ref_bad:
+        same_nan = np.array_equal(np.isnan(cand), np.isnan(ref))
+        same_inf = np.array_equal(np.where(np.isinf(cand), np.sign(cand), 0), np.where(np.isinf(ref), np.sign(ref), 0))
+        if not (same_nan and same_inf):
             result.passed = False
-            result.problem = f"{result.nan} NaN and {result.inf} Inf, reference has {ref_bad} non-finite values"
+            result.problem = (
+                f"{result.nan} NaN and {result.inf} Inf where the reference has {ref_bad} non-finite values "
+                "(not at the same positions or signs)"
+            )
             return result
     finite = np.isfinite(ref) & np.isfinite(cand)
     ref, cand = ref[finite], cand[finite]

@@ -532,10 +532,17 @@ def engine_options(fn: Any) -> Any:
     )(fn)
     fn = click.option("--cuda-graph", is_flag=True, help="Replay TensorRT calls through a CUDA graph.")(fn)
     fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
+    fn = click.option(
+        "--trust-model-code",
+        is_flag=True,
+        help="Let eager/compile rebuild a user model (package.module:callable) named in the manifest: runs its code.",
+    )(fn)
     return fn
 
 
-def _engine_kwargs(name: str, provider: str | None, threads: int | None, mode: str, cuda_graph: bool) -> dict[str, Any]:
+def _engine_kwargs(
+    name: str, provider: str | None, threads: int | None, mode: str, cuda_graph: bool, trust_model_code: bool = False
+) -> dict[str, Any]:
     if threads is not None:
         if threads < 1:
             raise UsageError(f"--threads: expected 1 or more, got {threads}")
@@ -545,7 +552,9 @@ def _engine_kwargs(name: str, provider: str | None, threads: int | None, mode: s
     if name == "onnx":
         return {"provider": provider, "threads": threads}
     if name == "compile":
-        return {"mode": mode}
+        return {"mode": mode, "trust_model_code": trust_model_code}
+    if name == "eager":
+        return {"trust_model_code": trust_model_code}
     if name == "trt":
         return {"cuda_graph": cuda_graph}
     return {}
@@ -616,6 +625,7 @@ def infer_cmd(
     mode: str,
     cuda_graph: bool,
     allow_failed: bool,
+    trust_model_code: bool,
 ) -> None:
     """Run an artifact over every sample of an input file, in batches, and save the outputs."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -628,7 +638,13 @@ def infer_cmd(
     if random_samples is not None and random_samples < 1:
         raise UsageError(f"--random: expected 1 or more samples, got {random_samples}")
     manifest = verify_artifact(artifact)
-    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    opts = {
+        "provider": provider,
+        "threads": threads,
+        "mode": mode,
+        "cuda_graph": cuda_graph,
+        "trust_model_code": trust_model_code,
+    }
     if engine_name == "auto":
         from tk.runtime import available_engines
         from tk.runtime.auto import choose_engine
@@ -641,6 +657,7 @@ def infer_cmd(
             batch_size=batch,
             device=device,
             engine_options={n: _engine_kwargs(n, **opts) for n in available_engines(manifest, device)},
+            allow_failed=allow_failed,
         )
         click.echo(f"auto: chose {choice.engine}, the {choice.reason}", err=True)
         engine_name = choice.engine
@@ -720,6 +737,7 @@ def check_cmd(
     mode: str,
     cuda_graph: bool,
     allow_failed: bool,
+    trust_model_code: bool,
 ) -> None:
     """Compare an artifact's engines with the PyTorch model, output by output; exit 1 on a failure."""
     from tk.check import check_engines, report_from_outputs
@@ -740,7 +758,13 @@ def check_cmd(
     overrides = {p: (t[0], t[1]) for p, t in manifest.model.get("tolerances", {}).items()}
     rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides, rtol=rtol, atol=atol)
     min_sqnr = MIN_SQNR_DB.get(manifest.precision)
-    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    opts = {
+        "provider": provider,
+        "threads": threads,
+        "mode": mode,
+        "cuda_graph": cuda_graph,
+        "trust_model_code": trust_model_code,
+    }
     reports = {}
     with _open(artifact, "eager", device, allow_failed, manifest, **opts) as reference:
         feeds = None
@@ -836,6 +860,7 @@ def bench_cmd(
     mode: str,
     cuda_graph: bool,
     allow_failed: bool,
+    trust_model_code: bool,
 ) -> None:
     """Measure every engine side by side (interleaved) at several batch sizes."""
     from contextlib import ExitStack
@@ -856,7 +881,13 @@ def bench_cmd(
     manifest = verify_artifact(artifact)
     names = _engine_list(engine_text, manifest, device, include_baselines=True)
     other_sizes = {"seq": seq} if seq is not None else None
-    opts = {"provider": provider, "threads": threads, "mode": mode, "cuda_graph": cuda_graph}
+    opts = {
+        "provider": provider,
+        "threads": threads,
+        "mode": mode,
+        "cuda_graph": cuda_graph,
+        "trust_model_code": trust_model_code,
+    }
     choices = []
     with ExitStack() as stack:
         engines = {

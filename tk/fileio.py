@@ -57,9 +57,19 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """The process umask, read without changing it where the OS allows (Linux), so no thread sees 0."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return _IMPORT_UMASK
+
+
+_IMPORT_UMASK = os.umask(0)  # elsewhere: read once at import, before any thread of ours runs
+os.umask(_IMPORT_UMASK)
 
 
 def atomic_write_json(path: str | Path, data: Any) -> None:

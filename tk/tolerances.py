@@ -1,8 +1,9 @@
 """One table of parity tolerances, keyed by precision; models and the command line may override.
 
 Each entry is (rtol, atol): an output passes when |candidate - reference| <= atol + rtol * |reference|
-everywhere, with no NaN or Inf that the reference lacks. Int8 is also judged by the
-signal-to-quantization-noise ratio in dB (``min_sqnr_db``).
+everywhere, with NaN and Inf only where the reference has them. Reduced precisions (fp16, bf16,
+int8) are also judged by the signal-to-quantization-noise ratio in dB (``MIN_SQNR_DB``), which
+--rtol/--atol do not change.
 """
 
 from __future__ import annotations

@@ -147,6 +147,7 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     dims = resolve_dims(spec, options.dims, options.dynamic)
     example = spec.example_inputs({n: d.opt for n, d in dims.items()})
     device = torch.device(options.device)
+    _refuse_foreign_dir(out)  # before any work: never replace a directory tk did not write
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -250,11 +251,24 @@ def _write_manifest(staging: Path, manifest: Manifest) -> None:
 def _replace_dir(staging: Path, out: Path) -> None:
     """Put ``staging`` at ``out``; an old ``out`` is moved aside first and removed after."""
     old = None
+    _refuse_foreign_dir(out)
     if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
         os.replace(out, old / "artifact")
     os.replace(staging, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _refuse_foreign_dir(out: Path) -> None:
+    """``out`` may be absent, empty, or a previous artifact (it has a manifest); nothing else is replaced."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
+    if (out / MANIFEST).is_file() or not any(out.iterdir()):
+        return
+    raise UsageError(
+        f"--out {out}: this directory holds files and no {MANIFEST}, so it is not a tk artifact and export "
+        "will not replace (delete) it; choose another --out, or empty it first"
+    )

@@ -106,6 +106,7 @@ def choose_engine(
     sizes: dict[str, int] | None = None,
     seconds: float = 0.5,
     engine_options: dict[str, dict[str, Any]] | None = None,
+    allow_failed: bool = False,
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
@@ -118,7 +119,14 @@ def choose_engine(
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(
-                load(root, name, device=device, manifest=manifest, **engine_options.get(name, {}))
+                load(
+                    root,
+                    name,
+                    device=device,
+                    manifest=manifest,
+                    allow_failed=allow_failed,
+                    **engine_options.get(name, {}),
+                )
             )
             for name in available_engines(manifest, device)
         }

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from tk.errors import BackendUnavailableError
+from tk.errors import BackendUnavailableError, IntegrityError
 from tk.manifest import verify_file
 from tk.runtime.base import Engine
 
 
-def module_from_manifest(root: Any, manifest: Any) -> nn.Module:
-    """The float32 PyTorch model the artifact was exported from, with its weights, in eval mode."""
+def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = False) -> nn.Module:
+    """The float32 PyTorch model the artifact was exported from, with its weights, in eval mode.
+
+    A user model (``package.module:callable``) is rebuilt by importing and calling that code, so it
+    is refused unless ``trust_model_code`` is set or the manifest's signature was verified.
+    """
+    from tk.manifest import SIGNING_ENV
     from tk.models import build_model
     from tk.models.checkpoint import load_weights
 
     model = manifest.model
+    if ":" in str(model.get("name", "")) and not (trust_model_code or os.environ.get(SIGNING_ENV)):
+        raise IntegrityError(
+            f"{root}: the reference model is user code ({model['name']!r}) and rebuilding it runs that code; "
+            f"pass --trust-model-code if you trust this artifact, or sign artifacts with {SIGNING_ENV}"
+        )
     spec = build_model(
         model["name"],
         size=model.get("size"),
@@ -51,7 +62,8 @@ class EagerEngine(Engine):
         return cuda_reason(device)
 
     def _load(self) -> None:
-        self.module = module_from_manifest(self.root, self.manifest).to(self.device)
+        trust = bool(self.options.get("trust_model_code"))
+        self.module = module_from_manifest(self.root, self.manifest, trust_model_code=trust).to(self.device)
         self._order = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
 
@@ -81,9 +93,9 @@ class CompiledEngine(EagerEngine):
 
     def _load(self) -> None:
         super()._load()
-        import torch._inductor.config as inductor_config
+        from torch._inductor import list_mode_options
 
-        mode = self.options.get("mode") or None
+        mode = self.options.get("mode") or "default"
         dynamic = self.options.get("dynamic", True)
         self._freezing = bool(self.options.get("freezing", True))
         artifact_precision = self.manifest.precision if self.manifest.precision in ("bf16", "fp16") else "fp32"
@@ -92,8 +104,11 @@ class CompiledEngine(EagerEngine):
             raise BackendUnavailableError(
                 f"engine 'compile': expected precision fp32, bf16 or fp16, got {self._precision!r}"
             )
-        with inductor_config.patch(freezing=self._freezing):
-            self.compiled = torch.compile(self.module, mode=None if mode == "default" else mode, dynamic=dynamic)
+        self._autocast_dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
+        # torch.compile takes a mode or options, not both: the mode's options plus freezing, compiled in
+        options = dict(list_mode_options(mode, dynamic)) if mode != "default" else {}
+        options["freezing"] = self._freezing
+        self.compiled = torch.compile(self.module, dynamic=dynamic, options=options)
 
     def settings(self) -> dict[str, Any]:
         out = super().settings()
@@ -102,13 +117,9 @@ class CompiledEngine(EagerEngine):
         return out
 
     def _call(self, *args: torch.Tensor) -> Any:
-        import torch._inductor.config as inductor_config
-
-        with inductor_config.patch(freezing=self._freezing):
-            if self._precision == "fp32":
-                return self.compiled(*args)
-            dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
-            with torch.autocast(device_type=self.device, dtype=dtype):
-                out = self.compiled(*args)
-            values = list(out) if isinstance(out, (tuple, list)) else [out]
-            return [v.float() if v.is_floating_point() else v for v in values]
+        if self._precision == "fp32":
+            return self.compiled(*args)
+        with torch.autocast(device_type=self.device, dtype=self._autocast_dtype):
+            out = self.compiled(*args)
+        values = list(out) if isinstance(out, (tuple, list)) else [out]
+        return [v.float() if v.is_floating_point() else v for v in values]
