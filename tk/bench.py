@@ -1,8 +1,8 @@
 """Latency and throughput of engines, compared in one run on the same inputs.
 
 ``measure`` gives every engine the same valid random NumPy feeds at each batch size, warms each
-one up, then times them interleaved (one call of each engine in turn, the starting engine
-rotating each round), so machine noise hits all of them alike. It reports percentiles of the
+one up, then times them interleaved (one call of each engine in turn, in a new seeded random
+order each round), so machine noise hits all of them alike. It reports percentiles of the
 per-call latency, never the mean alone. ``render_table``, ``save_json`` and ``save_plot`` show
 the same numbers to people and to machines.
 """
@@ -14,6 +14,7 @@ import importlib.metadata as metadata
 import io
 import os
 import platform
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -185,6 +186,7 @@ def _interleaved(
     """Per-call seconds of each engine, timed round-robin until ``iters`` or the budget is reached."""
     times: dict[str, list[float]] = {label: [] for label in engines}
     order = list(engines.items())
+    shuffle = random.Random(0).shuffle
     budget = None if seconds is None else seconds * len(order)
     spent = 0.0
     rounds = 0
@@ -197,8 +199,10 @@ def _interleaved(
                 break
             if budget is not None and spent >= budget and rounds >= min(MIN_ROUNDS, iters or MIN_ROUNDS):
                 break
-            shift = rounds % len(order)
-            for label, engine in order[shift:] + order[:shift]:
+            # A new order every round: a rotated fixed order keeps each engine behind the same
+            # neighbour, and on few cores an engine pays for its predecessor's threads going idle.
+            shuffle(order)
+            for label, engine in order:
                 sync()
                 start = time.perf_counter()
                 engine.run(feeds)

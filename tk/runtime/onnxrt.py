@@ -2,7 +2,9 @@
 
 Options: ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name; default: the best
 one installed for the device), ``threads`` (intra-op threads; default: every core this process
-may use), ``optimization`` (all, extended, basic or disable; default all). One session serves
+may use), ``optimization`` (all, extended, basic or disable; default all), ``spinning`` (whether
+idle worker threads spin for the next run: lower latency, but they keep the cores from anything
+else in the process, torch or another session; default True, onnxruntime's own). One session serves
 every thread (onnxruntime's ``run`` is thread-safe). On CUDA, inputs and outputs are bound to
 device memory, so torch CUDA tensors go in and come out without a trip through the host.
 """
@@ -110,6 +112,11 @@ class OnnxRuntimeEngine(Engine):
         self._bind = self.device == "cuda"
         self._device_id = torch.cuda.current_device() if self._bind else 0
 
+    @property
+    def session(self) -> Any:
+        """The onnxruntime InferenceSession, loaded on first use (to time or inspect it directly)."""
+        return self.load()._session
+
     def _session_options(self, ort: Any) -> Any:
         options = ort.SessionOptions()
         level = self.options.get("optimization") or "all"
@@ -122,6 +129,10 @@ class OnnxRuntimeEngine(Engine):
         if not isinstance(threads, int) or threads < 1:
             raise UsageError(f"engine 'onnx': threads must be a positive integer, got {threads!r}")
         options.intra_op_num_threads = threads
+        spinning = self.options.get("spinning", True)
+        if not isinstance(spinning, bool):
+            raise UsageError(f"engine 'onnx': spinning must be True or False, got {spinning!r}")
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
         return options
 
@@ -132,6 +143,7 @@ class OnnxRuntimeEngine(Engine):
             out.update(
                 providers=self._session.get_providers(),
                 intra_op_threads=options.intra_op_num_threads,
+                spinning=options.get_session_config_entry("session.intra_op.allow_spinning") == "1",
                 graph_optimization_level=str(options.graph_optimization_level).rsplit(".", 1)[-1],
                 cpu_memory_arena=options.enable_cpu_mem_arena,
                 io_binding=self._bind,
