@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The main job: set up, then train the Transformer briefly, export it to every format this machine
 # supports, check each against PyTorch, benchmark them side by side, and print the tables.
-#   SIZE=small (default) | tiny | base     STEPS=200     OUT=runs/pipeline
+#   SIZE=small (default) | tiny | base     STEPS=100     OUT=runs/pipeline
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 SIZE=${SIZE:-small}
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-100}
 OUT=${OUT:-runs/pipeline}
 TK=".venv/bin/python -m tk"
 mkdir -p "$OUT"

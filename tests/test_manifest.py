@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -38,10 +39,24 @@ def test_hashes_match_the_files(artifact):
     assert manifest.check["torch"]["passed"]
 
 
+FORMAT_FILES = [
+    ("torch", "program.pt2", []),
+    ("onnx", "model.onnx", []),
+    ("aoti", "model.aoti.pt2", [pytest.mark.slow]),
+    ("weights", "weights.safetensors", []),
+]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_damaged_files_are_refused_with_their_name(artifact, tmp_path, damage):
-    root = copy_of(artifact, tmp_path)
-    target = root / "program.pt2"
+@pytest.mark.parametrize("fmt, filename", [pytest.param(f, n, marks=m, id=f) for f, n, m in FORMAT_FILES])
+def test_damaged_files_are_refused_with_their_name(exported, tmp_path, fmt, filename, damage):
+    """Every format that runs here: a truncated, altered or missing file is refused by every command."""
+    import shutil
+
+    source = exported("mlp", ("onnx",) if fmt == "weights" else (fmt,)).root
+    root = tmp_path / "copy"
+    shutil.copytree(source, root)
+    target = root / filename
     data = target.read_bytes()
     if damage == "truncate":
         target.write_bytes(data[:-100])
@@ -49,10 +64,18 @@ def test_damaged_files_are_refused_with_their_name(artifact, tmp_path, damage):
         target.write_bytes(data[:500] + bytes([data[500] ^ 0xFF]) + data[501:])
     else:
         target.unlink()
-    with pytest.raises(IntegrityError, match=r"program\.pt2"):
+    with pytest.raises(IntegrityError, match=re.escape(filename)):
         verify_artifact(root)
-    result = CliRunner().invoke(cli, ["inspect", str(root)])
-    assert result.exit_code == 2 and "program.pt2" in result.stderr and "Traceback" not in result.output
+    engine = "eager" if fmt == "weights" else fmt
+    for args in (
+        ["inspect", str(root)],
+        ["check", str(root), "--engine", engine],
+        ["infer", str(root), "--engine", engine, "--random", "2", "--out", str(tmp_path / "o.npz")],
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert filename in result.stderr and "Traceback" not in result.output
+        assert not (tmp_path / "o.npz").exists()
 
 
 def test_edited_manifest_shape_is_refused_when_signed(artifact, tmp_path, monkeypatch):
