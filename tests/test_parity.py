@@ -14,7 +14,7 @@ from tk.check import check_engines
 from tk.export import ExportOptions, export
 from tk.models import build_model, entries
 from tk.runtime import ENGINES, load
-from tk.tolerances import MIN_SQNR_DB, tolerance_for
+from tk.tolerances import artifact_tolerance
 
 MODELS = ["transformer", "mlp", "linear", "resnet18"]
 
@@ -43,8 +43,7 @@ def shapes_for(dims) -> list[dict[str, int]]:
 def run_parity(root, engine_name: str, device: str = "cpu"):
     with load(root, "eager", device=device) as reference, load(root, engine_name, device=device) as candidate:
         manifest = candidate.manifest
-        overrides = {p: tuple(t) for p, t in manifest.model.get("tolerances", {}).items()}
-        rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides)
+        rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model)
         return check_engines(
             reference,
             candidate,
@@ -52,7 +51,7 @@ def run_parity(root, engine_name: str, device: str = "cpu"):
             precision=manifest.precision,
             rtol=rtol,
             atol=atol,
-            min_sqnr_db=MIN_SQNR_DB.get(manifest.precision),
+            min_sqnr_db=min_sqnr,
         )
 
 

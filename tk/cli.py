@@ -753,7 +753,7 @@ def check_cmd(
     from tk.manifest import verify_artifact
     from tk.runtime.batching import BatchRunner
     from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
-    from tk.tolerances import MIN_SQNR_DB, tolerance_for
+    from tk.tolerances import artifact_tolerance
 
     if inputs_path is not None and samples is not None:
         raise UsageError("expected at most one of --inputs FILE and --samples N")
@@ -761,9 +761,7 @@ def check_cmd(
     names = [n for n in _engine_list(engine_text, manifest, device, include_baselines=False) if n != "eager"]
     if not names:
         raise UsageError(f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}")
-    overrides = {p: (t[0], t[1]) for p, t in manifest.model.get("tolerances", {}).items()}
-    rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides, rtol=rtol, atol=atol)
-    min_sqnr = MIN_SQNR_DB.get(manifest.precision)
+    rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
     opts = {
         "provider": provider,
         "threads": threads,
@@ -785,18 +783,25 @@ def check_cmd(
                 if count:
                     click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
             ref_out = BatchRunner(reference, batch_size).run(feeds)
+        else:  # random inputs across the ranges; the reference runs once for every engine
+            from tk.spec import random_feeds
+
+            shapes = shapes_to_check(manifest.signature.dims)
+            shape_feeds = [random_feeds(reference.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
+            expected = [reference.run(f) for f in shape_feeds]
         for name in names:
             with _open(artifact, name, device, allow_failed, manifest, **opts) as candidate:
                 if feeds is None:
                     report = check_engines(
                         reference,
                         candidate,
-                        shapes_to_check(manifest.signature.dims),
+                        shapes,
                         precision=manifest.precision,
                         rtol=rtol,
                         atol=atol,
                         min_sqnr_db=min_sqnr,
-                        seed=seed,
+                        feeds=shape_feeds,
+                        reference_outputs=expected,
                     )
                 else:
                     cand_out = BatchRunner(candidate, batch_size).run(feeds)

@@ -8,6 +8,8 @@ int8) are also judged by the signal-to-quantization-noise ratio in dB (``MIN_SQN
 
 from __future__ import annotations
 
+from typing import Any
+
 from tk.errors import UsageError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
@@ -34,3 +36,13 @@ def tolerance_for(
         raise UsageError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
     base_rtol, base_atol = (model_overrides or {}).get(precision, TOLERANCES[precision])
     return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
+
+
+def artifact_tolerance(
+    precision: str, model_reference: dict[str, Any], *, rtol: float | None = None, atol: float | None = None
+) -> tuple[float, float, float | None]:
+    """(rtol, atol, min SQNR dB) for an artifact: its precision's row, the overrides its manifest
+    recorded for the model (``model_reference["tolerances"]``), then explicit values."""
+    overrides = {p: (t[0], t[1]) for p, t in model_reference.get("tolerances", {}).items()}
+    rtol, atol = tolerance_for(precision, model_overrides=overrides, rtol=rtol, atol=atol)
+    return rtol, atol, MIN_SQNR_DB.get(precision)

@@ -11,7 +11,7 @@ from tk.errors import CaptureError, TkError
 from tk.export.context import ExportContext
 from tk.manifest import Manifest
 from tk.spec import Dim, random_feeds
-from tk.tolerances import MIN_SQNR_DB, tolerance_for
+from tk.tolerances import artifact_tolerance
 
 log = logging.getLogger("tk.export")
 
@@ -42,10 +42,9 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     """Fill ``manifest.check`` with one parity report per format and set ``manifest.status``."""
     from tk.runtime import load, unavailable_reason
 
-    rtol, atol = tolerance_for(
-        manifest.precision, model_overrides=ctx.spec.tolerances, rtol=ctx.options.rtol, atol=ctx.options.atol
+    rtol, atol, min_sqnr = artifact_tolerance(
+        manifest.precision, manifest.model, rtol=ctx.options.rtol, atol=ctx.options.atol
     )
-    min_sqnr = MIN_SQNR_DB.get(manifest.precision)
     shapes = shapes_to_check(manifest.signature.dims)
     device = ctx.options.device
     # the model was just built from the user's own command line, so its code is trusted here

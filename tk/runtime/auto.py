@@ -14,7 +14,7 @@ from typing import Any
 from tk.check import check_engines
 from tk.manifest import Manifest
 from tk.runtime.registry import available_engines, load
-from tk.tolerances import MIN_SQNR_DB, tolerance_for
+from tk.tolerances import artifact_tolerance
 
 
 @dataclass
@@ -59,8 +59,7 @@ def check_candidates(
     reference: Any, engines: dict[str, Any], manifest: Manifest, shape: dict[str, int]
 ) -> list[Candidate]:
     """Each engine's parity against ``reference`` at ``shape``, under the artifact's precision tolerances."""
-    overrides = {p: (t[0], t[1]) for p, t in manifest.model.get("tolerances", {}).items()}
-    rtol, atol = tolerance_for(manifest.precision, model_overrides=overrides)
+    rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model)
     candidates = []
     for name, engine in engines.items():
         if name == "eager":
@@ -73,7 +72,7 @@ def check_candidates(
             precision=manifest.precision,
             rtol=rtol,
             atol=atol,
-            min_sqnr_db=MIN_SQNR_DB.get(manifest.precision),
+            min_sqnr_db=min_sqnr,
             batch_invariance=False,
         )
         worst = max((o.max_rel for o in report.outputs), default=0.0)
