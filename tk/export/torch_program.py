@@ -14,7 +14,6 @@ from tk.errors import CaptureError
 from tk.spec import Dim, Signature
 
 _SPECIALIZED = re.compile(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)")
-_SPECIALIZED_OLD = re.compile(r"Not all values of (\w+) .* satisfy the generated guard|specialized (\w+) to")
 
 
 def dynamic_shapes_for(signature: Signature, dims: dict[str, Dim]) -> tuple[dict[int, torch.export.Dim], ...]:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -138,7 +137,3 @@ def import_callable(path: str) -> Callable[..., Any]:
     if not callable(target):
         raise UsageError(f"model {path!r}: expected a callable, found {type(target).__name__}")
     return target
-
-
-def as_numpy_feeds(spec: ModelSpec, tensors: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
-    return {s.name: t.numpy() for s, t in zip(spec.signature.inputs, tensors, strict=True)}
