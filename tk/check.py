@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tk.errors import CaptureError, TkError
 from tk.spec import random_feeds
 
 INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
@@ -170,6 +171,37 @@ def compare(
     return results
 
 
+@dataclass
+class ReferenceRuns:
+    """Valid random inputs at each shape and the reference's outputs on them, computed once."""
+
+    shapes: list[dict[str, int]]
+    feeds: list[dict[str, np.ndarray]]
+    outputs: list[dict[str, np.ndarray]]
+
+
+def reference_runs(reference: Any, shapes: Sequence[dict[str, int]], *, seed: int = 0) -> ReferenceRuns:
+    """Run ``reference`` once per shape (seed ``seed + i``) so every candidate is compared on the same data.
+
+    A model that fails at a size inside the artifact's ranges is reported as the user's range
+    (``CaptureError``), not as a crash.
+    """
+    feeds = [random_feeds(reference.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
+    outputs = []
+    for sizes, run_feeds in zip(shapes, feeds, strict=True):
+        try:
+            outputs.append(reference.run(run_feeds))
+        except TkError:
+            raise
+        except Exception as exc:  # the model itself fails (an embedding too short for the sequence, say)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CaptureError(
+                f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
+                f"({type(exc).__name__}: {first}); narrow --batch/--seq/--dim to what the model supports"
+            ) from exc
+    return ReferenceRuns(list(shapes), feeds, outputs)
+
+
 def check_engines(
     reference: Any,
     candidate: Any,
@@ -180,27 +212,22 @@ def check_engines(
     atol: float,
     min_sqnr_db: float | None = None,
     seed: int = 0,
-    feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
-    reference_outputs: Sequence[Mapping[str, np.ndarray]] | None = None,
+    runs: ReferenceRuns | None = None,
     batch_invariance: bool = True,
 ) -> ParityReport:
     """Run both engines (``tk.runtime.Engine``s) on the same inputs and report the worst per output.
 
-    Inputs are ``feeds`` when given, else valid random inputs at each of ``shapes``;
-    ``reference_outputs`` (one per feed) spares re-running the reference for each candidate. The batch
+    Inputs are valid random inputs at each of ``shapes``, or ``runs`` (from ``reference_runs``),
+    which spares re-running the reference for each candidate. The batch
     invariance probe re-runs the first samples of the largest batch alone through the candidate
     and compares them with the candidate's own batched outputs.
     """
     report = ParityReport(candidate.name, reference.name, precision, rtol, atol, min_sqnr_db)
     merged: dict[str, OutputParity] = {}
-    runs = (
-        list(feeds)
-        if feeds is not None
-        else [random_feeds(candidate.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
-    )
+    if runs is None:
+        runs = reference_runs(reference, shapes, seed=seed)
     largest: tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]] | None = None
-    for i, run_feeds in enumerate(runs):
-        ref_out = reference_outputs[i] if reference_outputs is not None else reference.run(run_feeds)
+    for run_feeds, ref_out in zip(runs.feeds, runs.outputs, strict=True):
         cand_out = candidate.run(run_feeds)
         report.shapes.append(candidate.check_feeds(run_feeds))
         for result in compare(ref_out, cand_out, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db):

@@ -746,7 +746,7 @@ def check_cmd(
     trust_model_code: bool,
 ) -> None:
     """Compare an artifact's engines with the PyTorch model, output by output; exit 1 on a failure."""
-    from tk.check import check_engines, report_from_outputs
+    from tk.check import check_engines, reference_runs, report_from_outputs
     from tk.errors import ParityError
     from tk.export.check import shapes_to_check
     from tk.fileio import atomic_write_json
@@ -784,11 +784,8 @@ def check_cmd(
                     click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
             ref_out = BatchRunner(reference, batch_size).run(feeds)
         else:  # random inputs across the ranges; the reference runs once for every engine
-            from tk.spec import random_feeds
-
             shapes = shapes_to_check(manifest.signature.dims)
-            shape_feeds = [random_feeds(reference.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
-            expected = [reference.run(f) for f in shape_feeds]
+            runs = reference_runs(reference, shapes, seed=seed)
         for name in names:
             with _open(artifact, name, device, allow_failed, manifest, **opts) as candidate:
                 if feeds is None:
@@ -800,8 +797,7 @@ def check_cmd(
                         rtol=rtol,
                         atol=atol,
                         min_sqnr_db=min_sqnr,
-                        feeds=shape_feeds,
-                        reference_outputs=expected,
+                        runs=runs,
                     )
                 else:
                     cand_out = BatchRunner(candidate, batch_size).run(feeds)

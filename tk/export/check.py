@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
-from tk.check import check_engines
-from tk.errors import CaptureError, TkError
+from tk.check import check_engines, reference_runs
 from tk.export.context import ExportContext
 from tk.manifest import Manifest
-from tk.spec import Dim, random_feeds
+from tk.spec import Dim
 from tk.tolerances import artifact_tolerance
 
 log = logging.getLogger("tk.export")
@@ -49,8 +47,7 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     device = ctx.options.device
     # the model was just built from the user's own command line, so its code is trusted here
     with load(root, "eager", device=device, manifest=manifest, allow_failed=True, trust_model_code=True) as reference:
-        feeds = [random_feeds(reference.inputs, sizes, seed=i) for i, sizes in enumerate(shapes)]
-        expected = [_reference_run(reference, f, sizes) for f, sizes in zip(feeds, shapes, strict=True)]
+        runs = reference_runs(reference, shapes)
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
@@ -64,8 +61,7 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                     rtol=rtol,
                     atol=atol,
                     min_sqnr_db=min_sqnr,
-                    feeds=feeds,
-                    reference_outputs=expected,
+                    runs=runs,
                 )
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
@@ -77,18 +73,3 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                 len(shapes),
             )
     manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"
-
-
-def _reference_run(reference: Any, feeds: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
-    """The PyTorch model's outputs, computed once for every format; a model that cannot run at a size
-    inside the requested ranges is the user's range, not a bug."""
-    try:
-        return reference.run(feeds)
-    except TkError:
-        raise
-    except Exception as exc:  # the model itself fails (an embedding too short for the sequence, say)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CaptureError(
-            f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
-            f"({type(exc).__name__}: {first}); narrow --batch/--seq/--dim to what the model supports"
-        ) from exc
