@@ -137,3 +137,23 @@ def assert_close(actual: dict[str, Any], expected: dict[str, np.ndarray], rtol: 
 def close() -> Callable[..., dict[str, float]]:
     """``close(actual, expected, rtol, atol)``: assert every output is within tolerance."""
     return assert_close
+
+
+def run_in_threads(work: Callable[[], None], threads: int = 4) -> list[BaseException]:
+    """Run ``work`` in ``threads`` threads at once; return what any of them raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            work()
+        except Exception as exc:  # collected, so a failure in a thread fails the test
+            errors.append(exc)
+
+    started = [threading.Thread(target=guarded) for _ in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    return errors

@@ -125,6 +125,20 @@ class Signature:
         )
 
 
+def require_names(expected: list[str], got: list[str], what: str) -> None:
+    """Raise ``InputError`` naming the missing and unexpected names when ``got`` differs from ``expected``."""
+    missing = [n for n in expected if n not in got]
+    extra = [n for n in got if n not in expected]
+    if missing or extra:
+        from tk.errors import InputError
+
+        raise InputError(
+            f"{what}: expected {expected}, got {got}"
+            + (f" (missing {missing})" if missing else "")
+            + (f" (unexpected {extra})" if extra else "")
+        )
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     if dtype == "bfloat16":
         import ml_dtypes

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 import tk.export.tensorrt as trt_writer
-from tests.conftest import requires
+from tests.conftest import requires, run_in_threads
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.export import ExportOptions, export
 from tk.models import build_model
@@ -119,20 +118,12 @@ def test_cuda_graph_and_threads_give_the_same_outputs(trt_artifact):
         for _ in range(2):  # capture, then replay
             for feeds, want in zip(runs, expected, strict=True):
                 np.testing.assert_allclose(graphed.run(feeds)["logits"], want, rtol=0, atol=1e-6)
-        errors = []
 
         def worker():
-            try:
-                for feeds, want in zip(runs * 3, expected * 3, strict=True):
-                    np.testing.assert_allclose(plain.run(feeds)["logits"], want, rtol=0, atol=1e-6)
-            except Exception as exc:  # collected, so a failure in a thread fails the test
-                errors.append(exc)
+            for feeds, want in zip(runs * 3, expected * 3, strict=True):
+                np.testing.assert_allclose(plain.run(feeds)["logits"], want, rtol=0, atol=1e-6)
 
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(worker, 4)
         assert not errors, errors
         assert len(plain._states) == 5  # the main thread's context and one per worker
 

@@ -124,7 +124,7 @@ def test_a_damaged_safetensors_file_is_refused(tmp_path):
         load_weights(build_model("mlp", size="tiny").module, path)
 
 
-def test_training_does_not_change_a_copy():
+def test_training_updates_the_weights_in_place():
     spec = build_model("linear", size="tiny")
     before = copy.deepcopy(spec.module.state_dict())
     train(spec, steps=3)

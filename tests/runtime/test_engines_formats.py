@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 import shutil
 import sys
-import threading
 import types
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import run_in_threads
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.export import ExportOptions, export
 from tk.manifest import FileEntry, read_manifest
@@ -83,21 +83,13 @@ def test_onnx_one_session_serves_many_threads(linear_onnx):
     with load(linear_onnx, "onnx") as engine:
         runs = [random_feeds(engine.inputs, {"batch": b}, seed=b) for b in (1, 7, 64)]
         expected = [engine.run(f)["y"] for f in runs]
-        errors = []
 
         def worker():
-            try:
-                for _ in range(20):
-                    for feeds, want in zip(runs, expected, strict=True):
-                        np.testing.assert_allclose(engine.run(feeds)["y"], want, rtol=1e-6, atol=1e-7)
-            except Exception as exc:  # collected, so a failure in a thread fails the test
-                errors.append(exc)
+            for _ in range(20):
+                for feeds, want in zip(runs, expected, strict=True):
+                    np.testing.assert_allclose(engine.run(feeds)["y"], want, rtol=1e-6, atol=1e-7)
 
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(worker, 4)
         assert not errors, errors
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tk.errors import InputError
 from tk.manifest import Manifest
-from tk.spec import Dim, TensorSpec
+from tk.spec import Dim, TensorSpec, require_names
 
 Array = np.ndarray | torch.Tensor
 
@@ -129,15 +129,7 @@ class Engine(ABC):
     # -- input checks --------------------------------------------------------------------------
     def check_feeds(self, feeds: Mapping[str, Array]) -> dict[str, int]:
         """Check names, dtypes, ranks and sizes against the specs; return the dimension sizes."""
-        expected = [s.name for s in self.inputs]
-        missing = [n for n in expected if n not in feeds]
-        extra = [n for n in feeds if n not in expected]
-        if missing or extra:
-            raise InputError(
-                f"inputs: expected {expected}, got {list(feeds)}"
-                + (f" (missing {missing})" if missing else "")
-                + (f" (unexpected {extra})" if extra else "")
-            )
+        require_names([s.name for s in self.inputs], list(feeds), "inputs")
         sizes: dict[str, int] = {}
         for spec in self.inputs:
             value = feeds[spec.name]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tk.errors import InputError, UsageError
-from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds
+from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds, require_names
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -64,15 +64,7 @@ def check_arrays(
     their range (except the ``free`` ones, which the caller checks itself). ``source`` starts
     each message (a file name). Raises ``InputError`` with what was expected and what was found.
     """
-    expected = [s.name for s in specs]
-    missing = [n for n in expected if n not in arrays]
-    extra = [n for n in arrays if n not in expected]
-    if missing or extra:
-        raise InputError(
-            f"{source}: expected arrays {expected}, found {list(arrays)}"
-            + (f" (missing {missing})" if missing else "")
-            + (f" (unexpected {extra})" if extra else "")
-        )
+    require_names([s.name for s in specs], list(arrays), f"{source}: arrays")
     batch = sample_dim(specs)
     sizes: dict[str, tuple[int, str]] = {}
     for spec in specs:
