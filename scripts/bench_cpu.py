@@ -38,19 +38,20 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tk.bench import BenchReport, machine_description, measure, save_plot
-from tk.check import compare_output
 from tk.errors import TkError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.fileio import atomic_write_json
 from tk.models import ModelSpec, build_model
 from tk.models.train import CompileOptions, train
 from tk.models.transformer import SIZES, TransformerConfig
+from tk.parity import compare_output
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs
 from tk.tolerances import MIN_SQNR_DB, tolerance_for
+from tk.workflows.bench import BenchReport, machine_description, measure, save_plot
+from tk.workflows.export import export
 
 MODEL = "transformer"
 PARITY_BATCH = 8  # parity is measured on one batch of this size at the benchmark's sequence length

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import Manifest, read_manifest
 from tk.models import ModelSpec, build_model, entries
+from tk.workflows.export import export
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from tk.bench import BenchReport, machine_description, measure, render_table, save_json, save_plot
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.models import build_model
 from tk.runtime import load
+from tk.workflows.bench import BenchReport, machine_description, measure, render_table, save_json, save_plot
+from tk.workflows.export import export
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

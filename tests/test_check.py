@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tk.check import compare, compare_output
+from tk.parity import compare, compare_output
 from tk.spec import Dim
 from tk.tolerances import tolerance_for
 

@@ -11,9 +11,10 @@ from click.testing import CliRunner
 
 from tk.cli import cli
 from tk.errors import IntegrityError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import _canonical, read_manifest, verify_artifact
 from tk.models import build_model
+from tk.workflows.export import export
 
 
 @pytest.fixture(scope="module")

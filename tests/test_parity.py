@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import requires
-from tk.check import check_engines
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.models import build_model, entries
+from tk.parity import check_engines
 from tk.runtime import ENGINES, load
 from tk.tolerances import artifact_tolerance
+from tk.workflows.export import export
 
 MODELS = ["transformer", "mlp", "linear", "resnet18"]
 

@@ -11,11 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tk.errors import InputError, TkError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import FileEntry, manifest_bytes, read_manifest
 from tk.models import build_model
 from tk.runtime import available_engines, load
 from tk.spec import random_feeds
+from tk.workflows.export import export
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

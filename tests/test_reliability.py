@@ -150,8 +150,9 @@ def test_killed_exports_leave_a_complete_artifact_or_an_incomplete_one(tmp_path)
 def test_a_full_disk_is_one_clear_error_and_keeps_the_old_artifact(tmp_path, monkeypatch):
     import errno
 
-    from tk.export import ExportOptions, export, torch_writer
+    from tk.export import ExportOptions, torch_writer
     from tk.models import build_model
+    from tk.workflows.export import export
 
     out = tmp_path / "art"
     export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))

@@ -40,3 +40,35 @@ class ParityError(TkError):
     """An artifact's outputs differ from PyTorch's beyond tolerance."""
 
     exit_code = 1
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message that says something (not blank, not a ``#`` banner),
+    or its type's name: what a one-line error quotes."""
+    for line in str(exc).splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            return line.strip()
+    return type(exc).__name__
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` reports memory running out (host or GPU), whatever the library that raised it."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "failed to allocate" in text or "bad_alloc" in text
+
+
+class ResourceError(TkError):
+    """The machine ran out of something the command needed (memory, GPU memory)."""
+
+
+def load_failure(exc: BaseException, what: str, fix: str) -> TkError:
+    """The error for a file that failed to load: out of memory and missing libraries say so;
+    anything else is a damaged or foreign file (``what``: the file; ``fix``: the next step)."""
+    if is_out_of_memory(exc):
+        return ResourceError(f"{what}: out of memory while loading it ({first_line(exc)}); free memory and retry")
+    text = str(exc)
+    if isinstance(exc, ImportError) or "cannot open shared object" in text or "undefined symbol" in text:
+        return BackendUnavailableError(f"{what}: a library it needs cannot be loaded ({first_line(exc)})")
+    return IntegrityError(f"{what}: cannot load it ({type(exc).__name__}: {first_line(exc)}); {fix}")

@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,7 +32,7 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = exclusive_temp_file(path.parent, f".{path.name}.", ".tmp")
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from exc
     try:
@@ -40,7 +40,6 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -56,20 +55,33 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         f.write(data)
 
 
-def current_umask() -> int:
-    """The process umask, read without changing it where the OS allows (Linux), so no thread sees 0."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return _IMPORT_UMASK
+def exclusive_temp_file(directory: Path, prefix: str, suffix: str) -> tuple[int, str]:
+    """A new file with a random name in ``directory``, opened for writing, with the usual mode.
+
+    Unlike ``tempfile.mkstemp`` (mode 0600), the file is created 0666 and the kernel applies the
+    process umask, so the finished file gets the mode any other new file would, without reading
+    (or changing) the umask.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        name = os.path.join(directory, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(name, flags, 0o666), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {directory}")
 
 
-_IMPORT_UMASK = os.umask(0)  # elsewhere: read once at import, before any thread of ours runs
-os.umask(_IMPORT_UMASK)
+def exclusive_temp_dir(directory: Path, prefix: str, suffix: str) -> Path:
+    """A new directory with a random name in ``directory``, with the usual mode (0777 less the umask)."""
+    for _ in range(100):
+        path = Path(directory) / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            path.mkdir(mode=0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name in {directory}")
 
 
 def atomic_write_json(path: str | Path, data: Any) -> None:

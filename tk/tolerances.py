@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tk.errors import UsageError
-
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+from tk.registries import PRECISIONS
 
 TOLERANCES: dict[str, tuple[float, float]] = {
     "fp32": (1e-4, 1e-5),  # whole-model float32: reordered sums stay near 1e-6 relative

@@ -9,16 +9,17 @@ import onnx
 import pytest
 import torch
 
-from tk.check import check_engines
 from tk.errors import ConversionError, InputError, IntegrityError, UsageError
-from tk.export import ExportOptions, export
-from tk.export.check import shapes_to_check
+from tk.export import ExportOptions
 from tk.export.torch_program import exported_program_from_module
 from tk.manifest import MANIFEST, FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
+from tk.parity import check_engines
 from tk.runtime import load
 from tk.spec import random_feeds
 from tk.tolerances import tolerance_for
+from tk.workflows.check import shapes_to_check
+from tk.workflows.export import export
 
 MODELS = ("transformer", "mlp", "linear", "resnet18")
 ONNX = ("onnx",)

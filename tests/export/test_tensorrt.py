@@ -9,35 +9,37 @@ import pytest
 import torch
 
 import tk.export.tensorrt as trt_writer
+import tk.formats.tensorrt as trt_format
 from tests.conftest import requires, run_in_threads
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.models import build_model
 from tk.runtime import load
 from tk.spec import random_feeds
 from tk.tolerances import tolerance_for
+from tk.workflows.export import export
 
 requires_trt = requires(cuda=True, tensorrt=True, min_compute_capability=(8, 0))  # tests/conftest.py's one gate
 
 
 # -- what runs everywhere -----------------------------------------------------------------------
 def test_unavailable_reason_names_every_missing_requirement(monkeypatch):
-    monkeypatch.setattr(trt_writer, "_import_error", lambda: "tensorrt is not installed (pip install 'tk[gpu]')")
+    monkeypatch.setattr(trt_format, "_import_error", lambda: "tensorrt is not installed (pip install 'tk[gpu]')")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    reason = trt_writer.unavailable_reason("cuda")
+    reason = trt_format.unavailable_reason("cuda")
     assert reason == "tensorrt is not installed (pip install 'tk[gpu]'); TensorRT needs a CUDA GPU; none found"
 
 
 def test_unavailable_reason_names_old_gpus_and_the_cpu_device(monkeypatch):
-    monkeypatch.setattr(trt_writer, "_import_error", lambda: None)
+    monkeypatch.setattr(trt_format, "_import_error", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    reason = trt_writer.unavailable_reason("cpu")
+    reason = trt_format.unavailable_reason("cpu")
     assert "compute capability 8.0 or newer" in reason and "Tesla T4 has 7.5" in reason
     assert reason.endswith("use --device cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert trt_writer.unavailable_reason("cuda") is None
+    assert trt_format.unavailable_reason("cuda") is None
 
 
 def test_profile_spans_each_dimension_range():
@@ -47,11 +49,11 @@ def test_profile_spans_each_dimension_range():
     assert shapes == {"input_ids": expected, "attention_mask": expected}
 
 
-@pytest.mark.skipif(not trt_writer.missing_requirements("cuda"), reason="this machine can build TensorRT engines")
+@pytest.mark.skipif(not trt_format.missing_requirements("cuda"), reason="this machine can build TensorRT engines")
 def test_export_refuses_trt_here_with_the_reason(tmp_path):
     with pytest.raises(BackendUnavailableError, match="--format trt: ") as info:
         export(build_model("linear", size="tiny"), tmp_path / "a", ExportOptions(formats=("trt",)))
-    assert str(info.value) == "--format trt: " + "; ".join(trt_writer.missing_requirements("cpu"))
+    assert str(info.value) == "--format trt: " + "; ".join(trt_format.missing_requirements("cpu"))
 
 
 # -- what needs TensorRT and a GPU ----------------------------------------------------------------

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from tk.check import check_engines
 from tk.errors import CaptureError, InputError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
+from tk.parity import check_engines
 from tk.runtime import load
 from tk.spec import random_feeds
+from tk.workflows.export import export
 
 MODELS = ["transformer", "mlp", "linear", "resnet18"]
 OTHER_SIZES = {"batch": 3, "seq": 7}

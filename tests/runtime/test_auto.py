@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import shutil
 
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import FileEntry, manifest_bytes, read_manifest
 from tk.models import build_model
-from tk.runtime.auto import choose_engine
+from tk.workflows.auto import choose_engine
+from tk.workflows.export import export
 
 
 def test_auto_picks_the_fastest_passing_engine(exported):

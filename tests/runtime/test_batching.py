@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from tk.errors import InputError, UsageError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import Manifest
 from tk.models import build_model
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.batching import BatchRunner, infer_file
 from tk.spec import Dim, Signature, TensorSpec
+from tk.workflows.export import export
 
 SAMPLES = 37
 BATCH = 8

@@ -7,11 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.runtime import available_engines, load
 from tk.spec import random_feeds
+from tk.workflows.export import export
 
 THREADS = 8
 CALLS = 50

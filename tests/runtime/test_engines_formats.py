@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import run_in_threads
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
-from tk.export import ExportOptions, export
+from tk.export import ExportOptions
 from tk.manifest import FileEntry, read_manifest
 from tk.models import build_model
 from tk.runtime import load
@@ -21,6 +21,7 @@ from tk.runtime.aoti import AOTInductorEngine
 from tk.runtime.onnxrt import OnnxRuntimeEngine, usable_cores
 from tk.runtime.tensorrt import TensorRTEngine
 from tk.spec import random_feeds
+from tk.workflows.export import export
 
 
 @pytest.fixture
@@ -177,7 +178,7 @@ def test_aoti_refuses_an_altered_package(mlp_aoti, tmp_path):
 
 # -- trt (what runs without TensorRT; GPU tests live in tests/export/test_tensorrt.py) -------------
 def test_trt_unavailable_reason_comes_from_the_writer():
-    from tk.export.tensorrt import unavailable_reason
+    from tk.formats.tensorrt import unavailable_reason
 
     assert TensorRTEngine.unavailable_reason("cuda") == unavailable_reason("cuda")
 

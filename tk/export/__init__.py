@@ -1,13 +1,16 @@
-"""Turn a model into static-graph artifacts, each checked against PyTorch before it is called done.
+"""Turn a model into static-graph artifacts: the writers of every format.
 
-``export()`` captures once with torch.export, writes each requested format into a staging
-directory, writes the manifest last, runs the export-time parity check, and renames the staging
-directory into place, so ``out`` holds either the previous artifact or the new complete one.
+``write_artifact()`` captures once with torch.export, writes each requested format into a
+staging directory, writes the manifest last, runs the check it is given (the export-time parity
+check of ``tk.workflows.export``, which opens the files through the same engines users get), and
+renames the staging directory into place, so ``out`` holds either the previous artifact or the
+new complete one. This layer never imports ``tk.runtime``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import logging
 import os
 import shutil
@@ -16,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -23,18 +27,22 @@ from tk.errors import BackendUnavailableError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
-from tk.fileio import current_umask, sha256_file
+from tk.fileio import exclusive_temp_dir, sha256_file
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes
 from tk.models import ModelSpec
+from tk.registries import FORMATS as FORMAT_MODULES
 from tk.spec import Dim
 from tk.versions import library_versions
 
 log = logging.getLogger("tk.export")
 
-FORMATS = ("torch", "onnx", "aoti", "trt")
+FORMATS = tuple(FORMAT_MODULES)
 WEIGHTS = "weights.safetensors"
 
-__all__ = ["FORMATS", "ExportOptions", "ExportResult", "export"]
+# (staging directory, manifest, formats written, context): fills manifest.check and manifest.status
+Checker = Callable[[Path, Manifest, list[str], ExportContext], None]
+
+__all__ = ["FORMATS", "Checker", "ExportOptions", "ExportResult", "write_artifact"]
 
 
 @dataclass
@@ -92,13 +100,8 @@ def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") ->
     return reason_fn(device) if reason_fn else None
 
 
-def _writer_module(fmt: str):
-    import importlib
-
-    return importlib.import_module(f"tk.export.{_WRITER_MODULES[fmt]}")
-
-
-_WRITER_MODULES = {"torch": "torch_writer", "onnx": "onnx", "aoti": "aoti", "trt": "tensorrt"}
+def _writer_module(fmt: str) -> ModuleType:
+    return importlib.import_module(FORMAT_MODULES[fmt])
 
 
 def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> dict[str, Dim]:
@@ -120,10 +123,13 @@ def _timed(ctx: ExportContext, step: str, fn: Callable[[], object]) -> object:
     return result
 
 
-def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = None) -> ExportResult:
-    """Export ``spec`` to ``out`` in ``options.formats`` and check each format against PyTorch.
+def write_artifact(
+    spec: ModelSpec, out: str | Path, options: ExportOptions | None = None, *, check: Checker | None = None
+) -> ExportResult:
+    """Export ``spec`` to ``out`` in ``options.formats``; with ``check`` (and ``options.check``), check them.
 
-    Raises ``ParityError`` (after writing the artifact, marked failed) when a check fails.
+    Raises ``ParityError`` (after writing the artifact, marked failed) when a check fails. Without
+    a checker the manifest says ``unchecked``: ``tk.workflows.export.export`` is the checked export.
     """
     options = options or ExportOptions()
     out = Path(out)
@@ -151,8 +157,7 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-        os.chmod(staging, 0o777 & ~current_umask())
+        staging = exclusive_temp_dir(out.parent, f".{out.name}.", ".partial")
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
@@ -171,10 +176,8 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
                 _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
-        if options.check:
-            from tk.export.check import run_export_check
-
-            _timed(ctx, "check", lambda: run_export_check(staging, manifest, formats, ctx))
+        if options.check and check is not None:
+            _timed(ctx, "check", lambda: check(staging, manifest, formats, ctx))
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
         _replace_dir(staging, out)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from tk.errors import ConversionError
+from tk.errors import ConversionError, first_line
 from tk.export.context import ExportContext
-
-FILE = "model.aoti.pt2"
+from tk.formats.aoti import FILE, cpu_vector_isa
 
 
 def unavailable_reason(device: str) -> str | None:
@@ -45,29 +44,7 @@ def aoti_package_from_exported_program(program: torch.export.ExportedProgram, pa
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     except Exception as exc:  # Inductor and the C++ toolchain raise many types
-        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        cause = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
         raise ConversionError(
-            f"AOTInductor could not compile the program ({cause}); check that `g++ --version` works, "
+            f"AOTInductor could not compile the program ({type(exc).__name__}: {first_line(exc)}); check that `g++ --version` works, "
             "or export --format torch or onnx instead"
         ) from exc
-
-
-def cpu_vector_isa() -> str | None:
-    """The vector instruction set Inductor compiles CPU code for here (``avx512``, ``avx2``…), if it says."""
-    try:
-        from torch._inductor import cpu_vec_isa
-
-        return str(cpu_vec_isa.pick_vec_isa()) or None
-    except Exception:  # a private API: no answer is not an error
-        return None
-
-
-def supported_vector_isas() -> list[str] | None:
-    """Every vector instruction set this CPU runs, as Inductor names them; None when it cannot tell."""
-    try:
-        from torch._inductor import cpu_vec_isa
-
-        return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    except Exception:
-        return None

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tk.errors import ConversionError, UsageError
+from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import ExportContext
 from tk.spec import Dim, Signature
 
@@ -98,7 +98,7 @@ def onnx_from_exported_program(
             )
     except Exception as exc:  # the exporter raises many types; each is a conversion failure
         raise ConversionError(
-            f"torch.onnx could not convert the exported program (opset {opset}): {_first_line(exc)}; "
+            f"torch.onnx could not convert the exported program (opset {opset}): {type(exc).__name__}: {first_line(exc)}; "
             "try another --opset, or export --format torch or aoti instead"
         ) from exc
     model = onnx_program.model
@@ -110,7 +110,9 @@ def onnx_from_exported_program(
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as exc:  # ValidationError, InferenceError, or a protobuf error
-        raise ConversionError(f"{path.name}: the exported ONNX model fails onnx.checker: {_first_line(exc)}") from exc
+        raise ConversionError(
+            f"{path.name}: the exported ONNX model fails onnx.checker: {type(exc).__name__}: {first_line(exc)}"
+        ) from exc
     return OnnxFile(path, model.opset_imports.get("", opset), data_path, model.ir_version)
 
 
@@ -202,10 +204,3 @@ def _rename_shape(value: Any, mapping: dict[str, str]) -> None:
 
 def _initializer_bytes(model: Any) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-
-
-def _first_line(exc: BaseException) -> str:
-    for line in str(exc).splitlines():
-        if line.strip() and not line.strip().startswith("#"):
-            return f"{type(exc).__name__}: {line.strip()}"
-    return type(exc).__name__

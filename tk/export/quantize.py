@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from tk.errors import ConversionError
+from tk.errors import ConversionError, first_line
 
 QUANTIZED_OPS = ["MatMul", "Gemm"]
 
@@ -23,13 +23,10 @@ def unavailable_reason() -> str | None:
 
 def int8_onnx_from_onnx(source: Path, target: Path) -> None:
     """Write ``source`` dynamically quantized to int8 at ``target`` (same inputs and outputs)."""
-    import logging
-
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quant_log = logging.getLogger()  # the quantizer logs every skipped node on the root logger
-    level = quant_log.level
-    quant_log.setLevel(logging.ERROR)
+    # the quantizer logs every skipped node on the root logger: the application decides whether
+    # that is shown (the tk command line shows errors only without --debug)
     try:
         quantize_dynamic(
             str(source),
@@ -38,7 +35,4 @@ def int8_onnx_from_onnx(source: Path, target: Path) -> None:
             op_types_to_quantize=QUANTIZED_OPS,
         )
     except Exception as exc:  # the quantizer raises many types; each is a conversion failure
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConversionError(f"onnxruntime could not quantize {source.name} to int8: {first}") from exc
-    finally:
-        quant_log.setLevel(level)
+        raise ConversionError(f"onnxruntime could not quantize {source.name} to int8: {first_line(exc)}") from exc

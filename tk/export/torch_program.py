@@ -5,12 +5,11 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from tk.errors import CaptureError
+from tk.errors import CaptureError, first_line
 from tk.spec import Dim, Signature
 
 _SPECIALIZED = re.compile(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)")
@@ -38,8 +37,7 @@ def capture_error_message(exc: BaseException) -> str:
             f"dimension {special[1]!r} was meant to be dynamic but the model specialized it to the constant "
             f"{special[2]}; export it with --static, or change the model so the size is not fixed" + _where(text)
         )
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    cause = lines[0] if lines else type(exc).__name__
+    cause = first_line(exc)
     return f"torch.export could not capture the model as one graph ({type(exc).__name__}): {cause}{_where(text)}"
 
 
@@ -78,11 +76,3 @@ def exported_program_from_module(
 def _takes_var_positional(module: nn.Module) -> bool:
     params = inspect.signature(module.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-
-
-def save_exported_program(program: torch.export.ExportedProgram, path: Path) -> None:
-    torch.export.save(program, str(path))
-
-
-def load_exported_program(path: Path) -> torch.export.ExportedProgram:
-    return torch.export.load(str(path))

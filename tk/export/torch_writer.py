@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from tk.export.context import ExportContext
-from tk.export.torch_program import save_exported_program
-
-FILE = "program.pt2"
+from tk.formats.torch_program import FILE, save_exported_program
 
 
 def write(ctx: ExportContext) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import IntegrityError, UsageError
+from tk.errors import IntegrityError, UsageError, first_line
 from tk.fileio import atomic_write_bytes, atomic_write_json
 
 SIDECAR_SUFFIX = ".json"
@@ -62,7 +62,7 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # the unpickler's refusal comes in several types
         raise IntegrityError(
             f"checkpoint {path}: expected safetensors or a weights-only torch file; refused to load it "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'})"
+            f"({type(exc).__name__}: {first_line(exc)})"
         ) from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise IntegrityError(f"checkpoint {path}: expected a state_dict of tensors, found {type(state).__name__}")

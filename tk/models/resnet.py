@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tk.models.registry import ModelEntry, ModelSpec, TrainingTask
+from tk.models.base import ModelEntry, ModelSpec, TrainingTask
 from tk.spec import Dim, Signature, TensorSpec
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import CaptureError, UsageError
-from tk.models.registry import ModelSpec, TrainingTask
+from tk.errors import CaptureError, UsageError, first_line
+from tk.models.base import ModelSpec, TrainingTask
 
 WARMUP_STEPS = 3  # steps left out of the steady-state rate (compilation, allocator warm-up)
 
@@ -69,7 +70,7 @@ def _dynamo_counters() -> dict[str, int]:
 def _break_reasons() -> list[str]:
     from torch._dynamo.utils import counters
 
-    return [str(reason).splitlines()[0] for reason in counters["graph_break"]]
+    return [first_line(Exception(reason)) for reason in counters["graph_break"]]
 
 
 def _compile(module: nn.Module, options: CompileOptions) -> Callable[..., torch.Tensor]:
@@ -84,7 +85,7 @@ def _compile(module: nn.Module, options: CompileOptions) -> Callable[..., torch.
 def capture_error_from(exc: Exception) -> CaptureError:
     """One line from a Dynamo error: its cause and the user's source line when it names one."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    cause = lines[0] if lines else type(exc).__name__
+    cause = first_line(exc)
     where = next((ln for ln in lines if ln.startswith("File ") or ("line " in ln and ".py" in ln)), "")
     message = f"graph break under --fullgraph: {cause}"
     if where:
@@ -130,8 +131,10 @@ def train(
     steps = task.steps if steps is None else steps
     batch_size = task.batch_size if batch_size is None else batch_size
     lr = task.lr if lr is None else lr
-    if steps < 1 or batch_size < 1 or lr <= 0:
-        raise UsageError(f"expected --steps >= 1, --batch-size >= 1 and --lr > 0; got {steps}, {batch_size}, {lr}")
+    if steps < 1 or batch_size < 1 or not math.isfinite(lr) or lr <= 0:
+        raise UsageError(
+            f"expected --steps >= 1, --batch-size >= 1 and a finite --lr > 0; got {steps}, {batch_size}, {lr}"
+        )
     dev = resolve_device(device)
     torch.manual_seed(seed)
     module = spec.module.to(dev)
@@ -141,11 +144,11 @@ def train(
     val_batch = _to(task.make_batch(torch.Generator().manual_seed(seed + 1_000_003), max(batch_size, 64)), dev)
 
     model: Callable[..., torch.Tensor] = module
+    # Dynamo's counters are process-wide: this run's numbers are the change over the run, and
+    # other compiled code in the process (an engine, another training) keeps its caches.
+    counts_before = _dynamo_counters()
+    breaks_before = set(_break_reasons())
     if compile_options is not None:
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
-
-        counters.clear()
         model = _compile(module, compile_options)
 
     losses: list[float] = []
@@ -170,7 +173,7 @@ def train(
         if step == 0:
             first_step_s = time.perf_counter() - t0
             if compile_options is not None:
-                frames_after_first = _dynamo_counters()["frames"]
+                frames_after_first = _dynamo_counters()["frames"] - counts_before["frames"]
         if step + 1 == min(WARMUP_STEPS, steps):
             steady_start = time.perf_counter()
         losses.append(loss_value)
@@ -200,11 +203,11 @@ def train(
         losses=losses,
     )
     if compile_options is not None:
-        counts = _dynamo_counters()
+        counts = {key: value - counts_before[key] for key, value in _dynamo_counters().items()}
         result.graphs = counts["graphs"]
         result.graph_breaks = counts["breaks"]
         result.recompilations = counts["frames"] - frames_after_first
-        result.graph_break_reasons = _break_reasons()
+        result.graph_break_reasons = [r for r in _break_reasons() if r not in breaks_before]
     return result
 
 
@@ -213,3 +216,45 @@ def _to(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     inputs, target = batch
     return tuple(t.to(device) for t in inputs), target.to(device)
+
+
+@dataclass
+class TrainComparison:
+    """Eager and compiled training of the same model from the same weights, on the same data."""
+
+    model: dict[str, Any]
+    eager: TrainResult
+    compiled: TrainResult
+
+    @property
+    def speedup(self) -> float:
+        """Compiled over eager steps per second, after warm-up."""
+        return self.compiled.steps_per_s / self.eager.steps_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "eager": self.eager.summary(),
+            "compiled": self.compiled.summary(),
+            "speedup": self.speedup,
+        }
+
+
+def compare_training(
+    build: Callable[[], ModelSpec],
+    compile_options: CompileOptions,
+    *,
+    on_start: Callable[[ModelSpec, bool], Callable[[int, float], None] | None] | None = None,
+    **train_kwargs: Any,
+) -> TrainComparison:
+    """Train two copies of ``build()`` from the same weights, eager then compiled, and compare speed.
+
+    ``on_start(spec, compiled)`` may return an ``on_step`` callback for that run (a progress bar).
+    """
+    eager_spec, compiled_spec = build(), build()
+    compiled_spec.module.load_state_dict(eager_spec.module.state_dict())
+    runs = []
+    for spec, options in ((eager_spec, None), (compiled_spec, compile_options)):
+        on_step = on_start(spec, options is not None) if on_start is not None else None
+        runs.append(train(spec, compile_options=options, on_step=on_step, **train_kwargs))
+    return TrainComparison(eager_spec.reference(), runs[0], runs[1])

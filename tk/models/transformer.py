@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tk.models.registry import ModelEntry, ModelSpec, TrainingTask
+from tk.models.base import ModelEntry, ModelSpec, TrainingTask
 from tk.spec import Dim, Signature, TensorSpec
 
 

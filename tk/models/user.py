@@ -6,15 +6,17 @@ described on the command line with ``--input``) or a ``UserModel`` with example 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tk.errors import UsageError
-from tk.models.registry import ModelSpec, import_callable
+from tk.errors import UsageError, first_line
+from tk.models.base import ModelSpec, import_callable
 from tk.spec import Dim, Signature, TensorSpec, parse_input_description
 
 DEFAULT_MAX = {"batch": 64}  # largest size of a user model's dynamic dimension, by name
@@ -86,14 +88,31 @@ def _output_specs(
     return specs
 
 
+@contextlib.contextmanager
+def _working_directory_importable() -> Iterator[None]:
+    """The working directory on ``sys.path`` while the user's module is imported, then removed.
+
+    It goes last, so the user's own files are importable (as under ``python -m``) but a stray
+    file of the working directory never shadows an installed package (``./onnxruntime.py``).
+    """
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def build_user_model(path: str, input_descriptions: tuple[str, ...] = ()) -> ModelSpec:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like ``python -m``: the user's own files are importable
-    factory = import_callable(path)
+    with _working_directory_importable():
+        factory = import_callable(path)
     try:
         made = factory()
-    except Exception as exc:  # the user's code can fail in any way
-        raise UsageError(f"model {path!r}: calling it failed: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the user's code can fail (or exit) in any way
+        raise UsageError(f"model {path!r}: calling it failed: {type(exc).__name__}: {first_line(exc)}") from exc
     if isinstance(made, UserModel) and not input_descriptions:
         inputs, dims = _specs_from_examples(made)
         module, names = made.module, made.output_names
@@ -122,8 +141,8 @@ def build_user_model(path: str, input_descriptions: tuple[str, ...] = ()) -> Mod
         signature.outputs = _output_specs(module, spec.example_inputs(), names, batch)
     except UsageError:
         raise
-    except Exception as exc:  # the user's forward can fail in any way
+    except (Exception, SystemExit) as exc:  # the user's forward can fail (or exit) in any way
         raise UsageError(
-            f"model {path!r}: forward failed on the described inputs: {type(exc).__name__}: {exc}"
+            f"model {path!r}: forward failed on the described inputs: {type(exc).__name__}: {first_line(exc)}"
         ) from exc
     return spec

@@ -1,7 +1,17 @@
 """One engine interface over PyTorch eager and compiled, exported programs, AOTInductor,
 onnxruntime and TensorRT."""
 
-from tk.runtime.base import Engine
-from tk.runtime.registry import ENGINES, available_engines, engine_class, load, unavailable_reason
+from tk.registries import ENGINES
+from tk.runtime.base import Engine, EngineOptions
+from tk.runtime.registry import available_engines, engine_class, engine_options, load, unavailable_reason
 
-__all__ = ["ENGINES", "Engine", "available_engines", "engine_class", "load", "unavailable_reason"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "EngineOptions",
+    "available_engines",
+    "engine_class",
+    "engine_options",
+    "load",
+    "unavailable_reason",
+]

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from tk.errors import BackendUnavailableError, IntegrityError
+from tk.errors import BackendUnavailableError, load_failure
+from tk.formats.aoti import supported_vector_isas, torch_minor
 from tk.manifest import verify_file
 from tk.runtime.base import Engine, rebuild_command
 from tk.runtime.eager import cuda_reason, outputs_by_name
@@ -30,11 +31,8 @@ class AOTInductorEngine(Engine):
         try:
             self._model = torch._inductor.aoti_load_package(str(path))
         except Exception as exc:  # a RuntimeError from the C++ loader, mostly
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise IntegrityError(
-                f"{path}: AOTInductor cannot load it ({first}); rebuild it with "
-                f"`{rebuild_command(self.manifest, 'aoti', self.device)}`"
-            ) from exc
+            fix = f"rebuild it with `{rebuild_command(self.manifest, 'aoti', self.device)}`"
+            raise load_failure(exc, f"{path} (AOTInductor)", fix) from exc
         self._device = torch.device(self.device)
         self._order = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
@@ -49,15 +47,13 @@ class AOTInductorEngine(Engine):
                 f"requested; run it with --device {built_for}, or rebuild it with `{rebuild}`"
             )
         built_torch = str(self.manifest.versions.get("torch", ""))
-        if built_torch and _minor(built_torch) != _minor(torch.__version__):
+        if built_torch and torch_minor(built_torch) != torch_minor(torch.__version__):
             raise BackendUnavailableError(
                 f"{self.root}: the AOTInductor package was compiled by torch {built_torch}, this is torch "
                 f"{torch.__version__}; packages only load under the torch version that built them: rebuild it with `{rebuild}`"
             )
         isa = settings.get("cpu_isa")
         if self.device == "cpu" and isa:
-            from tk.export.aoti import supported_vector_isas
-
             here = supported_vector_isas()
             if here is not None and isa not in here:
                 raise BackendUnavailableError(
@@ -75,7 +71,3 @@ class AOTInductorEngine(Engine):
         del self._model
         if self.device == "cuda":
             torch.cuda.empty_cache()
-
-
-def _minor(version: str) -> tuple[str, ...]:
-    return tuple(version.split("+")[0].split(".")[:2])

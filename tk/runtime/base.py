@@ -1,54 +1,68 @@
 """The contract every engine keeps: specs, input checks, NumPy/torch in and out, and release.
 
 Subclasses implement ``_load`` (open the session, load the program) and ``_run`` (one call of
-the backend on feeds of its native kind). Loading happens on first use, not in ``__init__``.
+the backend on feeds of its native kind), and declare their options as a frozen dataclass
+(``Options``); unknown options are refused when the engine is opened. Loading happens on first
+use, not in ``__init__``.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from tk.errors import InputError
+from tk.errors import UsageError
 from tk.manifest import Manifest
-from tk.spec import Dim, TensorSpec, require_names
-
-Array = np.ndarray | torch.Tensor
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-}
+from tk.runtime.dtypes import Array
+from tk.runtime.inputs import check_arrays
+from tk.spec import Dim, TensorSpec
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
+@dataclass(frozen=True)
+class EngineOptions:
+    """Options every engine takes. ``None`` means the default."""
+
+    # intra-op threads: torch engines set torch's thread count for each call and restore it after,
+    # onnxruntime gives its session this many; default: torch's current count / every usable core
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise UsageError(f"engine option: threads must be a positive integer, got {self.threads!r}")
 
 
-_TORCH_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+def make_options(cls: type[EngineOptions], engine: str, values: Mapping[str, Any]) -> EngineOptions:
+    """``cls(**values)``, refusing a name ``cls`` does not declare with the list of those it does."""
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise UsageError(
+            f"engine {engine!r}: unknown option(s) {', '.join(unknown)}; it takes {', '.join(valid) or 'none'}"
+        )
+    return cls(**values)
 
 
-def dtype_name(array: Array) -> str:
-    if isinstance(array, torch.Tensor):
-        return _TORCH_NAMES.get(array.dtype) or str(array.dtype).removeprefix("torch.")
-    return _numpy_dtype_name(array.dtype)
-
-
-@functools.cache
-def _numpy_dtype_name(dtype: np.dtype) -> str:
-    return dtype.name  # NumPy builds the name in Python on every access (4 us, twice per input per call)
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` inside the block, restored after (no-op for None)."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Engine(ABC):
@@ -56,12 +70,24 @@ class Engine(ABC):
 
     name: ClassVar[str]
     native: ClassVar[str] = "torch"  # the kind of arrays ``_run`` takes and returns: torch or numpy
+    Options: ClassVar[type[EngineOptions]] = EngineOptions
 
-    def __init__(self, root: str | Path, manifest: Manifest, *, device: str = "cpu", **options: Any) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        manifest: Manifest,
+        *,
+        device: str = "cpu",
+        options: EngineOptions | Mapping[str, Any] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.manifest = manifest
         self.device = device
-        self.options = options
+        if not isinstance(options, EngineOptions):
+            options = make_options(self.Options, self.name, options or {})
+        elif not isinstance(options, self.Options):
+            raise UsageError(f"engine {self.name!r}: expected {self.Options.__name__}, got {type(options).__name__}")
+        self.options: Any = options
         self._loaded = False
         self._load_lock = threading.Lock()
 
@@ -101,19 +127,29 @@ class Engine(ABC):
                     self._loaded = True
         return self
 
-    def run(self, feeds: Mapping[str, Array]) -> dict[str, Array]:
-        """Run one batch. NumPy in gives NumPy out; torch in gives torch out."""
-        self.check_feeds(feeds)
+    def run(self, feeds: Mapping[str, Array], *, check: bool = True) -> dict[str, Array]:
+        """Run one batch. NumPy in gives NumPy out; torch in gives torch out (on the engine's device).
+
+        ``check=False`` skips the input checks, for a caller that already checked feeds of this
+        shape and dtype (``check_feeds``); a wrong feed then fails inside the backend.
+        """
+        if check:
+            self.check_feeds(feeds)
         if not self._loaded:
             self.load()
         as_torch = isinstance(next(iter(feeds.values())), torch.Tensor) if feeds else False
         native = {name: self._to_native(value) for name, value in feeds.items()}
-        outputs = self._run(native)
+        if self.native == "torch":
+            with torch_threads(self.options.threads):
+                outputs = self._run(native)
+        else:
+            outputs = self._run(native)
         return {name: _convert(value, as_torch) for name, value in outputs.items()}
 
     def settings(self) -> dict[str, Any]:
         """The settings this engine runs with (recorded in benchmark JSON); subclasses add theirs."""
-        return {"device": self.device, "torch_threads": torch.get_num_threads(), **self.options}
+        threads = self.options.threads or torch.get_num_threads()
+        return {"device": self.device, **dataclasses.asdict(self.options), "torch_threads": threads}
 
     def close(self) -> None:
         if self._loaded:
@@ -128,41 +164,8 @@ class Engine(ABC):
 
     # -- input checks --------------------------------------------------------------------------
     def check_feeds(self, feeds: Mapping[str, Array]) -> dict[str, int]:
-        """Check names, dtypes, ranks and sizes against the specs; return the dimension sizes."""
-        require_names([s.name for s in self.inputs], list(feeds), "inputs")
-        sizes: dict[str, int] = {}
-        for spec in self.inputs:
-            value = feeds[spec.name]
-            if not isinstance(value, (np.ndarray, torch.Tensor)):
-                raise InputError(
-                    f"input {spec.name!r}: expected a NumPy array or torch tensor, got {type(value).__name__}"
-                )
-            got_dtype = dtype_name(value)
-            if got_dtype != spec.dtype:
-                raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {got_dtype}")
-            shape = tuple(value.shape)
-            if len(shape) != len(spec.shape):
-                raise InputError(
-                    f"input {spec.name!r}: expected rank {len(spec.shape)} {_shape_text(spec)}, got shape {shape}"
-                )
-            for axis, (want, got) in enumerate(zip(spec.shape, shape, strict=True)):
-                if isinstance(want, int):
-                    if got != want:
-                        raise InputError(
-                            f"input {spec.name!r}: expected size {want} on axis {axis} {_shape_text(spec)}, got shape {shape}"
-                        )
-                    continue
-                dim = self.dims.get(want)
-                if dim is not None and not dim.min <= got <= dim.max:
-                    raise InputError(
-                        f"input {spec.name!r}: dimension {want!r} (axis {axis}) must be in [{dim.min}, {dim.max}] "
-                        f"for this artifact, got {got}"
-                    )
-                if sizes.setdefault(want, got) != got:
-                    raise InputError(
-                        f"inputs disagree on dimension {want!r}: {sizes[want]} and {got} (input {spec.name!r})"
-                    )
-        return sizes
+        """Check names, dtypes, ranks, sizes and values against the specs; return the dimension sizes."""
+        return check_arrays(feeds, self.inputs, dims=self.dims, source=None, exact_dtype=True, check_batch_range=True)
 
     def _to_native(self, value: Array) -> Any:
         if self.native == "numpy":
@@ -179,10 +182,6 @@ def rebuild_command(manifest: Manifest, fmt: str, device: str) -> str:
     size = f" --size {model['size']}" if model.get("size") else ""
     inputs = "".join(f" --input {d}" for d in model.get("input_descriptions") or ())
     return f"tk export {model['name']}{size}{inputs} --format {fmt} --device {device}"
-
-
-def _shape_text(spec: TensorSpec) -> str:
-    return "(" + ", ".join(str(d) for d in spec.shape) + ")"
 
 
 def _convert(value: Any, as_torch: bool) -> Array:

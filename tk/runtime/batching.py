@@ -21,7 +21,7 @@ import numpy as np
 from tk.errors import InputError, UsageError
 from tk.fileio import atomic_open
 from tk.runtime.base import Engine
-from tk.runtime.inputs import check_arrays, count_nonfinite, random_inputs, read_inputs, sample_dim
+from tk.runtime.inputs import count_nonfinite, file_samples, random_inputs, read_inputs, sample_dim
 from tk.spec import Dim, TensorSpec, numpy_dtype
 
 DEFAULT_BATCH = 8  # batch size when the engine names no range for its batch dimension
@@ -73,7 +73,7 @@ class BatchRunner:
         """
         specs = self.engine.inputs
         free = (self.seq_dim,) if self.seq_dim else ()
-        samples = check_arrays(inputs, specs, dims=self.engine.dims, free=free)
+        samples = file_samples(inputs, specs, dims=self.engine.dims, free=free)
         lengths, file_seq = self._lengths(inputs) if self.seq_dim else (None, None)
         rows = max(self.batch_size, self.min_batch)
         buffers = {s.name: np.empty(rows * math.prod(inputs[s.name].shape[1:]), numpy_dtype(s.dtype)) for s in specs}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from tk.errors import BackendUnavailableError, IntegrityError
 from tk.manifest import verify_file
-from tk.runtime.base import Engine
+from tk.runtime.base import Engine, EngineOptions
 
 
 def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = False) -> nn.Module:
@@ -52,17 +53,32 @@ def outputs_by_name(out: Any, names: list[str]) -> dict[str, torch.Tensor]:
     return dict(zip(names, values, strict=True))
 
 
+@dataclass(frozen=True)
+class EagerOptions(EngineOptions):
+    # rebuild a user model (package.module:callable) named in the manifest: runs its code
+    trust_model_code: bool = False
+
+
+@dataclass(frozen=True)
+class CompileOptions(EagerOptions):
+    mode: str | None = None  # torch.compile mode: default, reduce-overhead, max-autotune; default: default
+    dynamic: bool = True  # compile for dynamic shapes (one graph for every batch size)
+    freezing: bool = True  # Inductor's constant folding of weights: what makes compile fast on the CPU
+    precision: str | None = None  # fp32, bf16 or fp16 (autocast); default: the artifact's precision
+
+
 class EagerEngine(Engine):
     """The PyTorch model itself: the reference every other engine is compared with."""
 
     name = "eager"
+    Options = EagerOptions
 
     @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:
         return cuda_reason(device)
 
     def _load(self) -> None:
-        trust = bool(self.options.get("trust_model_code"))
+        trust = self.options.trust_model_code
         self.module = module_from_manifest(self.root, self.manifest, trust_model_code=trust).to(self.device)
         self._order = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
@@ -83,23 +99,24 @@ class EagerEngine(Engine):
 
 
 class CompiledEngine(EagerEngine):
-    """The same model under ``torch.compile``; options: ``mode``, ``dynamic``, ``freezing``, ``precision``.
+    """The same model under ``torch.compile`` (options: ``CompileOptions``).
 
     ``freezing`` (Inductor's constant folding of weights, default on for inference) is what
     makes compile faster on the CPU; ``precision="bf16"`` runs under bfloat16 autocast.
     """
 
     name = "compile"
+    Options = CompileOptions
 
     def _load(self) -> None:
         super()._load()
         from torch._inductor import list_mode_options
 
-        mode = self.options.get("mode") or "default"
-        dynamic = self.options.get("dynamic", True)
-        self._freezing = bool(self.options.get("freezing", True))
+        mode = self.options.mode or "default"
+        dynamic = self.options.dynamic
+        self._freezing = self.options.freezing
         artifact_precision = self.manifest.precision if self.manifest.precision in ("bf16", "fp16") else "fp32"
-        self._precision = self.options.get("precision") or artifact_precision
+        self._precision = self.options.precision or artifact_precision
         if self._precision not in ("fp32", "bf16", "fp16"):
             raise BackendUnavailableError(
                 f"engine 'compile': expected precision fp32, bf16 or fp16, got {self._precision!r}"
@@ -113,7 +130,7 @@ class CompiledEngine(EagerEngine):
     def settings(self) -> dict[str, Any]:
         out = super().settings()
         if self._loaded:
-            out.update(mode=self.options.get("mode") or "default", freezing=self._freezing, precision=self._precision)
+            out.update(mode=self.options.mode or "default", precision=self._precision)
         return out
 
     def _call(self, *args: torch.Tensor) -> Any:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tk.errors import IntegrityError
+from tk.errors import load_failure
+from tk.formats.torch_program import load_exported_program
 from tk.manifest import verify_file
 from tk.runtime.base import Engine
 from tk.runtime.eager import cuda_reason, outputs_by_name
@@ -18,15 +19,11 @@ class ExportedProgramEngine(Engine):
         return cuda_reason(device)
 
     def _load(self) -> None:
-        from tk.export.torch_program import load_exported_program
-
         path = verify_file(self.root, self.manifest.file("torch"))
         try:
             program = load_exported_program(path)
-        except Exception as exc:  # a damaged archive fails in zipfile, pickle-free deserialization or torch
-            raise IntegrityError(
-                f"{path}: not a loadable torch.export program ({type(exc).__name__}); re-export it"
-            ) from exc
+        except Exception as exc:  # a damaged archive fails in zipfile, deserialization or torch
+            raise load_failure(exc, f"{path} (torch.export program)", "re-export it") from exc
         self.module = program.module().to(self.device)
         self._order = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]

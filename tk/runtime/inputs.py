@@ -20,10 +20,13 @@ import math
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from tk.errors import InputError, UsageError
+from tk.runtime.dtypes import dtype_name
 from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds, require_names
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -51,59 +54,127 @@ def castable(found: np.dtype, expected: np.dtype) -> bool:
 
 
 def check_arrays(
-    arrays: Mapping[str, np.ndarray],
+    arrays: Mapping[str, Any],
     specs: list[TensorSpec],
     *,
     dims: dict[str, Dim] | None = None,
     free: tuple[str, ...] = (),
-    source: str = "inputs",
-) -> int:
-    """Check names, dtypes, ranks and sizes of whole-file arrays; return the number of samples.
+    source: str | None = "inputs",
+    exact_dtype: bool = False,
+    check_batch_range: bool = False,
+) -> dict[str, int]:
+    """Check names, dtypes, ranks, sizes and valid values; return each named dimension's size.
 
-    Named dimensions other than the batch must agree across inputs and, given ``dims``, lie in
-    their range (except the ``free`` ones, which the caller checks itself). ``source`` starts
-    each message (a file name). Raises ``InputError`` with what was expected and what was found.
+    The one validator of ``tk``: engines call it on every batch (``exact_dtype``, ``check_batch_range``:
+    torch tensors or NumPy arrays that must match the specs exactly), input files on the whole
+    file (NumPy arrays whose dtype may widen safely; the batch is the sample count). Named
+    dimensions must agree across inputs and, given ``dims``, lie in their range (except the
+    ``free`` ones, which the caller checks itself). Token ids must lie in their ``[low, high)``
+    and attention masks hold 0/1 with at least one 1 per row. ``source`` (a file name) starts
+    each message; None for an engine's feeds. Raises ``InputError`` with what was expected and
+    what was received.
     """
-    require_names([s.name for s in specs], list(arrays), f"{source}: arrays")
-    batch = sample_dim(specs)
-    sizes: dict[str, tuple[int, str]] = {}
+    got = "found" if source else "got"
+    require_names([s.name for s in specs], list(arrays), f"{source}: arrays" if source else "inputs")
+    batch = specs[0].shape[0] if specs and specs[0].shape and isinstance(specs[0].shape[0], str) else None
+    sizes: dict[str, int] = {}
+    first_input: dict[str, str] = {}
     for spec in specs:
         value = arrays[spec.name]
-        if not isinstance(value, np.ndarray):
-            raise InputError(f"{source}: input {spec.name!r}: expected a NumPy array, found {type(value).__name__}")
-        want = numpy_dtype(spec.dtype)
-        if not castable(value.dtype, want):
-            raise InputError(
-                f"{source}: input {spec.name!r}: expected dtype {spec.dtype} (or a narrower type of the same kind), "
-                f"found {value.dtype}; convert it with .astype(np.{spec.dtype}) if that is what you mean"
-            )
-        shape_text = "(" + ", ".join(str(d) for d in spec.shape) + ")"
-        if value.ndim != len(spec.shape):
-            raise InputError(
-                f"{source}: input {spec.name!r}: expected rank {len(spec.shape)} {shape_text}, found shape {value.shape}"
-            )
-        for axis, (dim, got) in enumerate(zip(spec.shape, value.shape, strict=True)):
-            if isinstance(dim, int):
-                if got != dim:
+        prefix = f"{source}: input {spec.name!r}" if source else f"input {spec.name!r}"
+        if not isinstance(value, (np.ndarray, torch.Tensor)):
+            raise InputError(f"{prefix}: expected a NumPy array or torch tensor, {got} {type(value).__name__}")
+        found = dtype_name(value)
+        if found != spec.dtype:
+            if exact_dtype or isinstance(value, torch.Tensor):
+                raise InputError(f"{prefix}: expected dtype {spec.dtype}, {got} {found}")
+            if not castable(value.dtype, numpy_dtype(spec.dtype)):
+                raise InputError(
+                    f"{prefix}: expected dtype {spec.dtype} (or a narrower type of the same kind), found {found}; "
+                    f"convert it with .astype(np.{spec.dtype}) if that is what you mean"
+                )
+        shape = tuple(value.shape)
+        if len(shape) != len(spec.shape):
+            raise InputError(f"{prefix}: expected rank {len(spec.shape)} {_shape_text(spec)}, {got} shape {shape}")
+        for axis, (want, size) in enumerate(zip(spec.shape, shape, strict=True)):
+            if isinstance(want, int):
+                if size != want:
                     raise InputError(
-                        f"{source}: input {spec.name!r}: expected size {dim} on axis {axis} {shape_text}, "
-                        f"found shape {value.shape}"
+                        f"{prefix}: expected size {want} on axis {axis} {_shape_text(spec)}, {got} shape {shape}"
                     )
                 continue
-            first = sizes.setdefault(dim, (got, spec.name))
-            if first[0] != got:
-                what = "sample counts" if dim == batch else f"dimension {dim!r}"
-                raise InputError(f"{source}: {what} differ: {first[1]!r} has {first[0]}, {spec.name!r} has {got}")
-            limits = (dims or {}).get(dim)
-            if dim != batch and dim not in free and limits is not None and not limits.min <= got <= limits.max:
+            if sizes.setdefault(want, size) != size:
+                if not source:
+                    raise InputError(
+                        f"inputs disagree on dimension {want!r}: {sizes[want]} and {size} (input {spec.name!r})"
+                    )
+                what = "sample counts" if want == batch else f"dimension {want!r}"
                 raise InputError(
-                    f"{source}: input {spec.name!r}: dimension {dim!r} (axis {axis}) must be in "
-                    f"[{limits.min}, {limits.max}] for this artifact, found {got}"
+                    f"{source}: {what} differ: {first_input[want]!r} has {sizes[want]}, {spec.name!r} has {size}"
                 )
-    samples = sizes[batch][0]
-    if samples < 1:
-        raise InputError(f"{source}: expected at least one sample, found 0 along dimension {batch!r}")
-    return samples
+            first_input.setdefault(want, spec.name)
+            limits = (dims or {}).get(want)
+            in_range = want not in free and (check_batch_range or want != batch)
+            if in_range and limits is not None and not limits.min <= size <= limits.max:
+                raise InputError(
+                    f"{prefix}: dimension {want!r} (axis {axis}) must be in [{limits.min}, {limits.max}] "
+                    f"for this artifact, {got} {size}"
+                )
+        if 0 in shape:
+            raise InputError(f"{prefix}: expected every size to be at least 1, {got} shape {shape}")
+        _check_values(value, spec, prefix)
+    return sizes
+
+
+def _check_values(value: Any, spec: TensorSpec, prefix: str) -> None:
+    """Token ids inside ``[low, high)``; masks of 0 and 1 with at least one 1 per row."""
+    if spec.kind == "ids" and (spec.low is not None or spec.high is not None):
+        low, high = _min_max(value)
+        if (spec.low is not None and low < spec.low) or (spec.high is not None and high >= spec.high):
+            bad = low if spec.low is not None and low < spec.low else high
+            raise InputError(
+                f"{prefix}: token id {bad} is outside the valid range [{spec.low}, {spec.high}) of this model"
+            )
+    elif spec.kind == "mask":
+        low, high = _min_max(value)
+        if low < 0 or high > 1:
+            raise InputError(f"{prefix}: expected an attention mask of 0 and 1, found values in [{low}, {high}]")
+        rows = value.reshape(-1, value.shape[-1]) if value.ndim >= 2 else value.reshape(1, -1)
+        empty = _first_empty_row(rows)
+        if empty is not None:
+            raise InputError(
+                f"{prefix}: row {empty} of the attention mask is all 0; every sample needs at least one token "
+                "(an all-padding sample has no defined output)"
+            )
+
+
+def _min_max(value: Any) -> tuple[int, int]:
+    if isinstance(value, torch.Tensor):
+        return int(value.min()), int(value.max())
+    return int(value.min()), int(value.max())
+
+
+def _first_empty_row(rows: Any) -> int | None:
+    if isinstance(rows, torch.Tensor):
+        empty = ~(rows != 0).any(dim=-1)
+        return int(empty.nonzero()[0, 0]) if bool(empty.any()) else None
+    step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[-1]))
+    for start in range(0, rows.shape[0], step):
+        empty = ~np.any(rows[start : start + step] != 0, axis=-1)
+        if empty.any():
+            return start + int(np.argmax(empty))
+    return None
+
+
+def _shape_text(spec: TensorSpec) -> str:
+    return "(" + ", ".join(str(d) for d in spec.shape) + ")"
+
+
+def file_samples(arrays: Mapping[str, np.ndarray], specs: list[TensorSpec], **kwargs: Any) -> int:
+    """``check_arrays`` for a whole file of samples: the number of samples (at least one)."""
+    sizes = check_arrays(arrays, specs, **kwargs)
+    batch = sample_dim(specs)
+    return sizes[batch]
 
 
 def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
@@ -135,7 +206,7 @@ def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarr
         else:
             found = "an empty file" if not magic else f"a file starting with {magic[:8]!r}"
             raise UsageError(f"{path}: expected a NumPy .npz or .npy file, found {found}")
-    check_arrays(arrays, specs, source=str(path))
+    file_samples(arrays, specs, source=str(path))
     return {s.name: _as_dtype(arrays[s.name], numpy_dtype(s.dtype)) for s in specs}
 
 

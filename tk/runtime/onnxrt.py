@@ -1,10 +1,11 @@
 """The ``onnx`` engine: onnxruntime on the artifact's ONNX file.
 
-Options: ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name; default: the best
-one installed for the device), ``threads`` (intra-op threads; default: every core this process
-may use), ``optimization`` (all, extended, basic or disable; default all), ``spinning`` (whether
-idle worker threads spin for the next run: lower latency, but they keep the cores from anything
-else in the process, torch or another session; default True, onnxruntime's own). One session serves
+Options (``OnnxOptions``): ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name;
+default: the best one installed for the device), ``threads`` (intra-op threads; default: every
+core this process may use), ``optimization`` (all, extended, basic or disable; default all),
+``spinning`` (whether idle worker threads spin for the next run: lower latency, but they keep the
+cores from anything else in the process, torch or another session; default True, onnxruntime's
+own). One session serves
 every thread (onnxruntime's ``run`` is thread-safe). On CUDA, inputs and outputs are bound to
 device memory, so torch CUDA tensors go in and come out without a trip through the host.
 """
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tk.errors import BackendUnavailableError, IntegrityError, UsageError
+from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first_line, load_failure
 from tk.manifest import verify_file
-from tk.runtime.base import Engine, torch_dtype
+from tk.runtime.base import Engine, EngineOptions
+from tk.runtime.dtypes import torch_dtype
 from tk.runtime.eager import cuda_reason
 
 PROVIDERS = {
@@ -56,9 +59,26 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass(frozen=True)
+class OnnxOptions(EngineOptions):
+    provider: str | None = None  # cpu, cuda, tensorrt or a provider name; default: the best for the device
+    optimization: str = "all"  # graph optimization level: all, extended, basic, disable
+    spinning: bool = True  # idle intra-op threads spin (onnxruntime's default); off when interleaving engines
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.optimization not in OPTIMIZATION_LEVELS:
+            raise UsageError(
+                f"engine 'onnx': optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {self.optimization!r}"
+            )
+        if not isinstance(self.spinning, bool):
+            raise UsageError(f"engine 'onnx': spinning must be True or False, got {self.spinning!r}")
+
+
 class OnnxRuntimeEngine(Engine):
     name = "onnx"
     native = "numpy"
+    Options = OnnxOptions
 
     @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:
@@ -86,14 +106,14 @@ class OnnxRuntimeEngine(Engine):
         try:
             self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own pybind types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             if "NOT_IMPLEMENTED" in first:  # a valid graph with an op or dtype these providers lack
                 names = ", ".join(p[0] for p in providers)
                 hint = ""
                 if self.manifest.precision == "bf16":
                     hint = "; onnxruntime's CPU kernels lack bfloat16: export --precision fp16, or use the aoti engine"
                 raise BackendUnavailableError(f"onnxruntime ({names}) cannot run {path.name}: {first}{hint}") from exc
-            raise IntegrityError(f"{path}: onnxruntime cannot load it ({first}); re-export the artifact") from exc
+            raise load_failure(exc, f"{path} (onnxruntime)", "re-export the artifact") from exc
         wanted = providers[0][0]
         if wanted not in self._session.get_providers():
             raise BackendUnavailableError(
@@ -119,20 +139,10 @@ class OnnxRuntimeEngine(Engine):
 
     def _session_options(self, ort: Any) -> Any:
         options = ort.SessionOptions()
-        level = self.options.get("optimization") or "all"
-        if level not in OPTIMIZATION_LEVELS:
-            raise UsageError(
-                f"engine 'onnx': optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}, got {level!r}"
-            )
-        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[level])
-        threads = self.options.get("threads") or usable_cores()
-        if not isinstance(threads, int) or threads < 1:
-            raise UsageError(f"engine 'onnx': threads must be a positive integer, got {threads!r}")
-        options.intra_op_num_threads = threads
-        spinning = self.options.get("spinning", True)
-        if not isinstance(spinning, bool):
-            raise UsageError(f"engine 'onnx': spinning must be True or False, got {spinning!r}")
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        level = OPTIMIZATION_LEVELS[self.options.optimization]
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        options.intra_op_num_threads = self.options.threads or usable_cores()
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.options.spinning else "0")
         options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
         return options
 
@@ -166,7 +176,7 @@ class OnnxRuntimeEngine(Engine):
 
     def _providers(self, ort: Any) -> list[Any]:
         available = ort.get_available_providers()
-        requested = self.options.get("provider")
+        requested = self.options.provider
         if requested:
             name = PROVIDERS.get(str(requested).lower(), str(requested))
             if name not in available:

@@ -1,36 +1,22 @@
-"""Engine names to classes. Adding a backend is adding a module and one line here.
+"""Engine names to classes (the names live in ``tk.registries``), and ``load``.
 
-Modules are imported on first use, so ``import tk.runtime`` stays light.
+Modules are imported on first use, so ``import tk.runtime.registry`` stays light.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.manifest import Manifest, verify_artifact
-from tk.runtime.base import Engine
+from tk.registries import ENGINE_FILE_ROLE, ENGINES
 
-ENGINES: dict[str, str] = {
-    "eager": "tk.runtime.eager:EagerEngine",
-    "compile": "tk.runtime.eager:CompiledEngine",
-    "torch": "tk.runtime.exported:ExportedProgramEngine",
-    "aoti": "tk.runtime.aoti:AOTInductorEngine",
-    "onnx": "tk.runtime.onnxrt:OnnxRuntimeEngine",
-    "trt": "tk.runtime.tensorrt:TensorRTEngine",
-}
-
-# The artifact file each engine needs (eager and compile rebuild the model from its weights).
-ENGINE_FILE_ROLE: dict[str, str] = {
-    "eager": "weights",
-    "compile": "weights",
-    "torch": "torch",
-    "aoti": "aoti",
-    "onnx": "onnx",
-    "trt": "trt",
-}
+if TYPE_CHECKING:
+    from tk.runtime.base import Engine, EngineOptions
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -56,6 +42,15 @@ def available_engines(manifest: Manifest | None = None, device: str = "cpu") -> 
     return names
 
 
+def engine_options(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``values`` that engine ``name`` declares, ``None`` values left out (the default).
+
+    The command line has one set of flags for every engine; this picks each engine's own.
+    """
+    declared = {f.name for f in dataclasses.fields(engine_class(name).Options)}
+    return {key: value for key, value in values.items() if key in declared and value is not None}
+
+
 def load(
     root: str | Path,
     engine: str = "onnx",
@@ -63,16 +58,23 @@ def load(
     device: str = "cpu",
     allow_failed: bool = False,
     manifest: Manifest | None = None,
-    **options: Any,
+    options: EngineOptions | Mapping[str, Any] | None = None,
+    **option_values: Any,
 ) -> Engine:
     """Open the artifact at ``root`` with ``engine``, after verifying every file's size and sha256.
 
-    An artifact whose export-time check failed is refused unless ``allow_failed`` is set.
+    Options come as the engine's ``Options`` dataclass, a mapping, or keywords; a name the engine
+    does not declare is refused with the list of those it does. An artifact whose export-time
+    check failed is refused unless ``allow_failed`` is set.
     """
     cls = engine_class(engine)
     reason = cls.unavailable_reason(device)
     if reason is not None:
         raise BackendUnavailableError(f"engine {engine!r} cannot run here: {reason}")
+    if option_values:
+        if options is not None:
+            raise UsageError("load: give engine options either as options= or as keywords, not both")
+        options = option_values
     if manifest is None:
         manifest = verify_artifact(root)
     if manifest.status == "failed" and not allow_failed:
@@ -81,4 +83,4 @@ def load(
             "re-export it, or pass --allow-failed to inspect it anyway"
         )
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
-    return cls(root, manifest, device=device, **options)
+    return cls(root, manifest, device=device, options=options)

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
+from tk.formats.tensorrt import trt_logger, unavailable_reason
 from tk.manifest import verify_file
-from tk.runtime.base import Engine, rebuild_command
+from tk.runtime.base import Engine, EngineOptions, rebuild_command
 
 log = logging.getLogger("tk.runtime")
 
@@ -45,21 +46,23 @@ class _ThreadState:
     graphs: dict[tuple[tuple[int, ...], ...], torch.cuda.CUDAGraph | None] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TensorRTOptions(EngineOptions):
+    cuda_graph: bool = False  # capture each input shape into a CUDA graph, then replay it
+
+
 class TensorRTEngine(Engine):
-    """Options: ``cuda_graph`` (capture each input shape into a CUDA graph; default False)."""
+    """A TensorRT plan on the GPU (options: ``TensorRTOptions``)."""
 
     name = "trt"
+    Options = TensorRTOptions
 
     @classmethod
     def unavailable_reason(cls, device: str = "cuda") -> str | None:
-        from tk.export.tensorrt import unavailable_reason
-
         return unavailable_reason(device)
 
     def _load(self) -> None:
         import tensorrt as trt
-
-        from tk.export.tensorrt import trt_logger
 
         self._refuse_foreign_engine(trt)
         path = verify_file(self.root, self.manifest.file("trt"))
@@ -84,7 +87,7 @@ class TensorRTEngine(Engine):
         self._out_names = want_out
         self._profile = {n: self._engine.get_tensor_profile_shape(n, 0) for n in self._in_names}  # (min, opt, max)
         self._dtypes = {n: _torch_dtype(trt, self._engine.get_tensor_dtype(n)) for n in names}
-        self._cuda_graph = bool(self.options.get("cuda_graph", False))
+        self._cuda_graph = self.options.cuda_graph
         self._local = threading.local()
         self._states: list[_ThreadState] = []
         self._states_lock = threading.Lock()

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tk.check import check_engines
 from tk.manifest import Manifest
-from tk.runtime.registry import available_engines, load
+from tk.parity import check_engines
+from tk.runtime import available_engines, engine_options, load
 from tk.tolerances import artifact_tolerance
+from tk.workflows.bench import measure
 
 
 @dataclass
@@ -104,16 +105,15 @@ def choose_engine(
     device: str = "cpu",
     sizes: dict[str, int] | None = None,
     seconds: float = 0.5,
-    engine_options: dict[str, dict[str, Any]] | None = None,
+    options: dict[str, Any] | None = None,
     allow_failed: bool = False,
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
-    ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per engine.
+    ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per
+    engine; ``options`` holds engine options by name (each engine takes the ones it declares).
     """
-    from tk.bench import measure
-
-    engine_options = engine_options or {}
+    values = options or {}
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
         engines = {
@@ -124,7 +124,7 @@ def choose_engine(
                     device=device,
                     manifest=manifest,
                     allow_failed=allow_failed,
-                    **engine_options.get(name, {}),
+                    options=engine_options(name, values),
                 )
             )
             for name in available_engines(manifest, device)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import CaptureError, TkError
+from tk.errors import CaptureError, TkError, first_line
 from tk.spec import random_feeds
 
 INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
@@ -194,10 +194,9 @@ def reference_runs(reference: Any, shapes: Sequence[dict[str, int]], *, seed: in
         except TkError:
             raise
         except Exception as exc:  # the model itself fails (an embedding too short for the sequence, say)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CaptureError(
                 f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
-                f"({type(exc).__name__}: {first}); narrow --batch/--seq/--dim to what the model supports"
+                f"({type(exc).__name__}: {first_line(exc)}); narrow --batch/--seq/--dim to what the model supports"
             ) from exc
     return ReferenceRuns(list(shapes), feeds, outputs)
 

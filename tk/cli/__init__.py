@@ -1,0 +1,91 @@
+"""The ``tk`` command line: parse options, call one library function per command, print.
+
+Every error a user can cause is a ``TkError``: it ends as one line on stderr and a non-zero exit
+code (2, or 1 for a failed parity check). ``--debug`` shows the traceback instead. Each command
+lives in a module of this package; this one holds the group and registers them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Any
+
+import click
+
+from tk.errors import TkError
+
+
+class TkGroup(click.Group):
+    """Turns ``TkError`` and click's usage errors into one line and an exit code.
+
+    ``--debug`` keeps the traceback of a ``TkError``.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as exc:  # bad option values, missing arguments, unknown commands
+            click.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            with warnings.catch_warnings():  # torch's and onnx's warnings stay out of tk's output
+                warnings.simplefilter("ignore")  # (``--debug`` turns them back on, inside this block)
+                return super().invoke(ctx)
+        except TkError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("error: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=TkGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks and torch's own logs.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """tk: export PyTorch models to static graphs, prove parity, make them fast."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+    _setup_logging(debug)
+    if debug:
+        warnings.simplefilter("default")
+
+
+def _setup_logging(debug: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    tk_log = logging.getLogger("tk")
+    tk_log.handlers[:] = [handler]
+    tk_log.setLevel(logging.DEBUG if debug else logging.INFO)
+    tk_log.propagate = False
+    if not debug:  # the command line is the application: it decides what libraries may print
+        for noisy in ("torch", "torch.utils.cpp_extension", "onnxscript", "onnx_ir"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+        logging.getLogger().setLevel(logging.ERROR)  # onnxruntime's quantizer logs every node on the root logger
+
+
+def main() -> None:
+    cli(obj={})
+
+
+def _register() -> None:
+    from tk.cli import artifact, run, train
+
+    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS):
+        cli.add_command(command)
+
+
+_register()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""``tk export`` and ``tk inspect``: write an artifact, read its manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.cli.common import build, model_options, print_check_reports, size_text
+from tk.errors import UsageError
+from tk.registries import DEVICES, FORMATS, PRECISIONS
+
+
+def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> dict[str, Any]:
+    from tk.spec import Dim
+
+    parsed = {}
+    if batch:
+        parsed["batch"] = Dim.parse("batch", batch)
+    if seq:
+        parsed["seq"] = Dim.parse("seq", seq)
+    for item in dims:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--dim: expected NAME=MIN:OPT:MAX such as seq=1:128:512, got {item!r}")
+        parsed[name] = Dim.parse(name, value)
+    return parsed
+
+
+@click.command("export")
+@click.argument("model")
+@model_options
+@click.option(
+    "--format",
+    "formats",
+    multiple=True,
+    type=click.Choice([*FORMATS, "all"]),
+    help="torch, onnx, aoti, trt or all (repeatable; default onnx).",
+)
+@click.option(
+    "--checkpoint", type=click.Path(path_type=Path), default=None, help="Weights from `tk train` (safetensors)."
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Artifact directory (default: artifacts/MODEL-SIZE)."
+)
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option(
+    "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
+)
+@click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64.")
+@click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Range of the sequence dimension, e.g. 1:128:512.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other named dimension.")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default 20; at least 18).")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--no-check", is_flag=True, help="Skip the export-time parity check (the manifest says unchecked).")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance of the check (default: by precision).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance of the check (default: by precision).")
+@click.option("--trt-workspace", type=float, default=4.0, show_default=True, help="TensorRT workspace limit, GiB.")
+@click.option(
+    "--trt-opt-level",
+    type=click.IntRange(0, 5),
+    default=3,
+    show_default=True,
+    help="TensorRT builder optimization level.",
+)
+@click.option(
+    "--trt-hardware-compat",
+    type=click.Choice(["ampere+", "same-compute-capability", "none"]),
+    default="ampere+",
+    show_default=True,
+)
+@click.option(
+    "--trt-timing-cache",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="TensorRT timing cache file, reused across builds (default: ~/.cache/tk/trt-timing.cache).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the manifest's check as JSON here.",
+)
+def export_cmd(
+    model: str,
+    size: str | None,
+    inputs: tuple[str, ...],
+    formats: tuple[str, ...],
+    checkpoint: Path | None,
+    out: Path | None,
+    precision: str,
+    dynamic: bool,
+    batch: str | None,
+    seq: str | None,
+    dims: tuple[str, ...],
+    opset: int | None,
+    device: str,
+    no_check: bool,
+    rtol: float | None,
+    atol: float | None,
+    trt_workspace: float,
+    trt_opt_level: int,
+    trt_hardware_compat: str,
+    trt_timing_cache: Path | None,
+    json_path: Path | None,
+) -> None:
+    """Export MODEL to static-graph artifacts and check each against PyTorch."""
+    from tk.export import ExportOptions
+    from tk.workflows.export import export
+
+    if opset is not None and opset < 18:
+        raise UsageError(f"--opset: expected 18 or newer, got {opset}")
+    spec = build(model, size, inputs)
+    options = ExportOptions(
+        formats=formats or ("onnx",),
+        precision=precision,
+        dynamic=dynamic,
+        dims=_parse_dims(batch, seq, dims),
+        opset=opset,
+        device=device,
+        check=not no_check,
+        rtol=rtol,
+        atol=atol,
+        checkpoint=checkpoint,
+        trt_workspace_gb=trt_workspace,
+        trt_optimization_level=trt_opt_level,
+        trt_hardware_compatibility=trt_hardware_compat,
+        trt_timing_cache=trt_timing_cache,
+    )
+    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
+    from tk.errors import ParityError
+
+    try:
+        result = export(spec, out, options)
+    except ParityError:
+        from tk.manifest import read_manifest
+
+        print_check_reports(read_manifest(out).check)
+        raise
+    if result.manifest.check:
+        print_check_reports(result.manifest.check)
+    click.echo(f"artifact: {out} ({result.manifest.status})")
+    if json_path:
+        from tk.fileio import atomic_write_json
+
+        atomic_write_json(json_path, result.manifest.check)
+
+
+# --------------------------------------------------------------------------------------- inspect
+@click.command("inspect")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+def inspect_cmd(artifact: Path, as_json: bool) -> None:
+    """Summarize an artifact's manifest (and verify every file's hash)."""
+    from tk.manifest import manifest_bytes, verify_artifact
+
+    manifest = verify_artifact(artifact)
+    if as_json:
+        click.echo(manifest_bytes(manifest).decode().rstrip())
+        return
+    model = manifest.model
+    click.echo(f"artifact   {artifact}  status: {manifest.status}  (files verified)")
+    click.echo(
+        f"model      {model['name']}"
+        + (f" size {model['size']}" if model.get("size") else "")
+        + f"  precision {manifest.precision}  device {manifest.device}"
+    )
+    if model.get("checkpoint_sha256"):
+        click.echo(f"checkpoint sha256 {model['checkpoint_sha256'][:16]}…")
+    dims = ", ".join(f"{d.name} {d.min}:{d.opt}:{d.max}" for d in manifest.signature.dims.values())
+    click.echo(f"dims       {dims or 'none'}")
+    for label, specs in (("input", manifest.signature.inputs), ("output", manifest.signature.outputs)):
+        for s in specs:
+            click.echo(f"{label:<10} {s.name}: {s.dtype}[{', '.join(map(str, s.shape))}]")
+    for entry in manifest.files:
+        click.echo(
+            f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
+        )
+    for fmt, info in manifest.formats.items():
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k != "file")
+        click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
+    click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+    if manifest.timings:
+        click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
+    for fmt, report in manifest.check.items():
+        worst_abs = max((o["max_abs"] for o in report["outputs"]), default=0.0)
+        worst_rel = max((o["max_rel"] for o in report["outputs"]), default=0.0)
+        verdict = "passed" if report["passed"] else "FAILED"
+        click.echo(
+            f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
+        )
+
+
+COMMANDS = (export_cmd, inspect_cmd)

@@ -1,0 +1,123 @@
+"""What several commands share: the console, model and engine options, the parity table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from tk.errors import UsageError
+from tk.registries import DEVICES
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    out = Console()
+    return out if out.is_terminal else Console(width=140)  # pipes and CI logs get whole rows
+
+
+def model_options(fn: Any) -> Any:
+    fn = click.option("--size", default=None, help="Model size: tiny, small or base (default: small).")(fn)
+    fn = click.option(
+        "--input",
+        "inputs",
+        multiple=True,
+        metavar="NAME:DTYPE:SHAPE[:LOW-HIGH]",
+        help="Describe an input of a user model, e.g. input_ids:int64:2x128:0-30522 (repeatable).",
+    )(fn)
+    return fn
+
+
+def build(name: str, size: str | None, inputs: tuple[str, ...]) -> Any:
+    from tk.models import build_model
+
+    if ":" in name and size:
+        raise UsageError(f"--size applies to built-in models, not to {name!r}")
+    if ":" not in name and inputs:
+        raise UsageError(f"--input describes a user model's inputs; {name!r} is a built-in model with its own")
+    return build_model(name, size=size, input_descriptions=inputs)
+
+
+def size_text(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_check_reports(reports: dict[str, dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="parity against PyTorch eager")
+    for column in ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", "NaN", "Inf", "result"):
+        table.add_column(column, justify="right" if column not in ("engine", "output", "result") else "left")
+    for engine, report in reports.items():
+        rows = list(report["outputs"])
+        if report.get("batch_invariance"):
+            rows.append(report["batch_invariance"])
+        for o in rows:
+            sqnr = "inf" if o["sqnr_db"] is None else f"{o['sqnr_db']:.1f}"
+            result = "pass" if o["passed"] else f"FAIL: {o['problem']}"
+            table.add_row(
+                engine,
+                o["name"],
+                f"{o['max_abs']:.2e}",
+                f"{o['max_rel']:.2e}",
+                f"{o['cosine']:.6f}",
+                sqnr,
+                str(o["nan"]),
+                str(o["inf"]),
+                result,
+            )
+    console().print(table)
+    tol = next(iter(reports.values()), None)
+    if tol:
+        click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
+
+
+def engine_options(fn: Any) -> Any:
+    fn = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)(fn)
+    fn = click.option(
+        "--provider",
+        default=None,
+        help="onnxruntime execution provider, e.g. CPUExecutionProvider (default: the best available).",
+    )(fn)
+    fn = click.option(
+        "--threads", type=int, default=None, help="Threads for onnxruntime and torch (default: all cores)."
+    )(fn)
+    fn = click.option(
+        "--mode",
+        type=click.Choice(["default", "reduce-overhead", "max-autotune"]),
+        default="default",
+        show_default=True,
+        help="torch.compile mode of the compile engine.",
+    )(fn)
+    fn = click.option("--cuda-graph", is_flag=True, help="Replay TensorRT calls through a CUDA graph.")(fn)
+    fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
+    fn = click.option(
+        "--trust-model-code",
+        is_flag=True,
+        help="Let eager/compile rebuild a user model (package.module:callable) named in the manifest: runs its code.",
+    )(fn)
+    return fn
+
+
+def engine_option_values(
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    trust_model_code: bool,
+) -> dict[str, Any]:
+    """The engine flags as one mapping of option values; each engine takes the ones it declares."""
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads: expected 1 or more, got {threads}")
+    return {
+        "provider": provider,
+        "threads": threads,
+        "mode": mode,
+        "cuda_graph": cuda_graph or None,
+        "trust_model_code": trust_model_code or None,
+    }

@@ -1,0 +1,259 @@
+"""``tk infer``, ``tk check`` and ``tk bench``: run an artifact's engines, compare them, time them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.cli.common import console, engine_option_values, engine_options, print_check_reports
+from tk.registries import ENGINES
+
+
+@click.command("infer")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--engine",
+    "engine_name",
+    type=click.Choice([*ENGINES, "auto"]),
+    default="onnx",
+    show_default=True,
+    help="Engine to run; auto picks the fastest one here whose parity passes.",
+)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=".npz (one array per input) or .npy (single-input models).",
+)
+@click.option(
+    "--random", "random_samples", type=int, default=None, help="Make N valid random samples instead of reading a file."
+)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Where to write the outputs (.npz).")
+@click.option(
+    "--batch-size", type=int, default=None, help="Samples per engine call (default: the batch dimension's opt size)."
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random.")
+@engine_options
+def infer_cmd(
+    artifact: Path,
+    engine_name: str,
+    inputs_path: Path | None,
+    random_samples: int | None,
+    out: Path,
+    batch_size: int | None,
+    seed: int,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+    trust_model_code: bool,
+) -> None:
+    """Run an artifact over every sample of an input file, in batches, and save the outputs."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tk.workflows.infer import infer_artifact
+
+    options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
+    label = {"name": engine_name}
+
+    def on_choice(choice: Any) -> None:
+        click.echo(f"auto: chose {choice.engine}, the {choice.reason}", err=True)
+        label["name"] = choice.engine
+
+    progress = Progress(
+        TextColumn("infer {task.fields[engine]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(),
+    )
+    task_id = None
+
+    def on_progress(done: int, total: int) -> None:
+        nonlocal task_id
+        if task_id is None:
+            progress.start()
+            task_id = progress.add_task("infer", total=total, engine=label["name"])
+        progress.update(task_id, completed=done, total=total)
+
+    try:
+        result = infer_artifact(
+            artifact,
+            engine_name,
+            out,
+            inputs=inputs_path,
+            random=random_samples,
+            batch_size=batch_size,
+            seed=seed,
+            device=device,
+            options=options,
+            allow_failed=allow_failed,
+            on_choice=on_choice,
+            progress=on_progress,
+        )
+    finally:
+        progress.stop()
+    rate = result.samples / result.seconds if result.seconds else float("inf")
+    click.echo(
+        f"{result.samples} samples in {result.batches} batches, {result.seconds:.2f} s ({rate:.1f} samples/s) -> {result.out}"
+    )
+    for label_text, counts in (("input", result.nonfinite_inputs), ("output", result.nonfinite_outputs)):
+        for name, count in counts.items():
+            if count:
+                click.echo(f"warning: {count} NaN/Inf values in {label_text} {name!r}", err=True)
+
+
+@click.command("check")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--engine",
+    "engine_text",
+    default="all",
+    show_default=True,
+    help="Engine to compare with eager, or all that this machine can run.",
+)
+@click.option(
+    "--inputs",
+    "inputs_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Compare on this file's samples (.npz/.npy).",
+)
+@click.option(
+    "--samples",
+    type=int,
+    default=None,
+    help="Compare on N random samples (default: random inputs at min, opt, max and an odd size).",
+)
+@click.option("--batch-size", type=int, default=None, help="Samples per call with --inputs/--samples.")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the artifact's precision).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the reports as JSON.")
+@engine_options
+def check_cmd(
+    artifact: Path,
+    engine_text: str,
+    inputs_path: Path | None,
+    samples: int | None,
+    batch_size: int | None,
+    rtol: float | None,
+    atol: float | None,
+    seed: int,
+    json_path: Path | None,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+    trust_model_code: bool,
+) -> None:
+    """Compare an artifact's engines with the PyTorch model, output by output; exit 1 on a failure."""
+    from tk.fileio import atomic_write_json
+    from tk.workflows.check import check_artifact
+
+    result = check_artifact(
+        artifact,
+        engine_text,
+        inputs=inputs_path,
+        samples=samples,
+        batch_size=batch_size,
+        rtol=rtol,
+        atol=atol,
+        seed=seed,
+        device=device,
+        options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
+        allow_failed=allow_failed,
+    )
+    for name, count in result.nonfinite_inputs.items():
+        if count:
+            click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
+    reports = result.to_json()
+    print_check_reports(reports)
+    if json_path:
+        atomic_write_json(json_path, reports)
+    result.raise_if_failed()
+    click.echo(f"parity passed for {', '.join(reports)}")
+
+
+@click.command("bench")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--engine",
+    "engine_text",
+    default="all",
+    show_default=True,
+    help="Comma-separated engines, all, or auto (all whose parity passes, and which one auto picks); eager and compile are always added as baselines.",
+)
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
+@click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
+@click.option(
+    "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the results and the machine's description as JSON.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a PNG of latency and throughput against batch size.",
+)
+@engine_options
+def bench_cmd(
+    artifact: Path,
+    engine_text: str,
+    batch_sizes: str,
+    seconds: float | None,
+    iters: int | None,
+    seq: int | None,
+    json_path: Path | None,
+    plot_path: Path | None,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+    trust_model_code: bool,
+) -> None:
+    """Measure every engine side by side (interleaved) at several batch sizes."""
+    from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
+    from tk.workflows.bench import render_table, save_json, save_plot
+
+    report, choices = bench_artifact(
+        artifact,
+        engine_text,
+        batch_sizes=parse_batch_sizes(batch_sizes),
+        seconds=seconds,
+        iters=iters,
+        sizes={"seq": seq} if seq is not None else None,
+        device=device,
+        options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
+        allow_failed=allow_failed,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    console().print(render_table(report))
+    for choice in choices:
+        click.echo(f"auto at batch {choice.batch_size}: {choice.reason}")
+    if json_path:
+        save_json(report, json_path)
+        click.echo(f"json: {json_path}")
+    if plot_path:
+        save_plot(report, plot_path)
+        click.echo(f"plot: {plot_path}")
+
+
+COMMANDS = (infer_cmd, check_cmd, bench_cmd)

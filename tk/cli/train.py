@@ -1,0 +1,222 @@
+"""``tk models`` and ``tk train``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.cli.common import build, console, model_options
+from tk.registries import DEVICES
+
+
+@click.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def models_cmd(as_json: bool) -> None:
+    """List the built-in models with their inputs and sizes."""
+    from rich.table import Table
+
+    from tk.models import entries
+
+    rows = []
+    for entry in entries().values():
+        if entry.available():
+            spec = entry.build("tiny")
+            inputs = "\n".join(f"{s.name} {s.dtype} ({', '.join(map(str, s.shape))})" for s in spec.signature.inputs)
+        else:
+            inputs = entry.requires or "unavailable"
+        rows.append(
+            {"name": entry.name, "sizes": list(entry.sizes), "inputs": inputs, "description": entry.description}
+        )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="tk models (any package.module:callable works too)")
+    for column in ("model", "sizes", "inputs (size tiny)", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], ", ".join(row["sizes"]), row["inputs"], row["description"])
+    console().print(table)
+
+
+# ----------------------------------------------------------------------------------------- train
+@click.command("train")
+@click.argument("model")
+@model_options
+@click.option("--steps", type=int, default=None, help="Optimizer steps (default: the task's, e.g. 300).")
+@click.option("--batch-size", type=int, default=None, help="Samples per step (default: the task's).")
+@click.option("--lr", type=float, default=None, help="Learning rate (default: the task's).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and data.")
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--compile", "use_compile", is_flag=True, help="Train under torch.compile.")
+@click.option(
+    "--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune"]), default="default", show_default=True
+)
+@click.option("--dynamic/--no-dynamic", default=None, help="torch.compile dynamic shapes (default: torch decides).")
+@click.option("--fullgraph", is_flag=True, help="Fail on any graph break instead of splitting the graph.")
+@click.option("--backend", default="inductor", show_default=True, help="torch.compile backend.")
+@click.option("--compare", is_flag=True, help="Train eager and compiled from the same start and compare speed.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Checkpoint path (default: runs/MODEL-SIZE.safetensors).",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON."
+)
+def train_cmd(
+    model: str,
+    size: str | None,
+    inputs: tuple[str, ...],
+    steps: int | None,
+    batch_size: int | None,
+    lr: float | None,
+    seed: int,
+    device: str,
+    use_compile: bool,
+    mode: str,
+    dynamic: bool | None,
+    fullgraph: bool,
+    backend: str,
+    compare: bool,
+    out: Path | None,
+    json_path: Path | None,
+) -> None:
+    """Train MODEL on its synthetic task and save a safetensors checkpoint."""
+    from tk.models.train import CompileOptions
+
+    options = CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+    kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
+    if compare:
+        _train_compare(model, size, inputs, options, kwargs, json_path)
+        return
+    spec = build(model, size, inputs)
+    result = _train_with_progress(spec, kwargs, options if use_compile else None)
+    from tk.fileio import atomic_write_json
+    from tk.models.checkpoint import save_checkpoint
+    from tk.versions import library_versions
+
+    out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
+    meta = {**spec.reference(), "train": result.summary(), "versions": library_versions()}
+    save_checkpoint(spec.module, out, meta)
+    _print_train([result])
+    click.echo(f"checkpoint: {out} (+ {out.name}.json)")
+    if json_path:
+        atomic_write_json(json_path, meta)
+
+
+class _ProgressBar:
+    """A rich progress bar for one training run; entering it gives the ``on_step`` callback."""
+
+    def __init__(self, spec: Any, kwargs: dict[str, Any], compiled: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.total = kwargs["steps"] or (spec.task.steps if spec.task else 1)
+        self.progress = Progress(
+            TextColumn(f"train {spec.name} ({'compiled' if compiled else 'eager'})"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:.1f} steps/s"),
+            TimeElapsedColumn(),
+            console=console(),
+            transient=False,
+        )
+
+    def __enter__(self) -> Callable[[int, float], None]:
+        self.progress.__enter__()
+        task_id = self.progress.add_task("train", total=self.total, loss=float("nan"), rate=0.0)
+        start = time.perf_counter()
+
+        def on_step(step: int, loss: float) -> None:
+            elapsed = time.perf_counter() - start
+            self.progress.update(task_id, completed=step, loss=loss, rate=step / elapsed if elapsed else 0.0)
+
+        return on_step
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(None, None, None)
+
+
+def _train_with_progress(spec: Any, kwargs: dict[str, Any], options: Any) -> Any:
+    from tk.models.train import train
+
+    bar = _ProgressBar(spec, kwargs, options is not None)
+    on_step = bar.__enter__()
+    try:
+        return train(spec, compile_options=options, on_step=on_step, **kwargs)
+    finally:
+        bar.__exit__(None, None, None)
+
+
+def _print_train(results: list[Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="training")
+    for column in (
+        "loop",
+        "steps",
+        "first loss",
+        "final loss",
+        "val loss",
+        "val acc",
+        "first step s",
+        "steps/s",
+        "graphs",
+        "breaks",
+        "recompiles",
+    ):
+        table.add_column(column, justify="right")
+    for r in results:
+        acc = "-" if r.val_accuracy is None else f"{r.val_accuracy:.3f}"
+        compiled = [str(r.graphs), str(r.graph_breaks), str(r.recompilations)] if r.compiled else ["-", "-", "-"]
+        table.add_row(
+            "compiled" if r.compiled else "eager",
+            str(r.steps),
+            f"{r.first_loss:.4f}",
+            f"{r.final_loss:.4f}",
+            f"{r.val_loss:.4f}",
+            acc,
+            f"{r.first_step_s:.2f}",
+            f"{r.steps_per_s:.1f}",
+            *compiled,
+        )
+    console().print(table)
+    for r in results:
+        for reason in r.graph_break_reasons:
+            click.echo(f"graph break: {reason}")
+
+
+def _train_compare(
+    model: str, size: str | None, inputs: tuple[str, ...], options: Any, kwargs: dict[str, Any], json_path: Path | None
+) -> None:
+    from tk.fileio import atomic_write_json
+    from tk.models.train import compare_training
+
+    bars: list[_ProgressBar] = []
+
+    def on_start(spec: Any, compiled: bool) -> Callable[[int, float], None]:
+        if bars:
+            bars[-1].__exit__()  # one live display at a time
+        bars.append(_ProgressBar(spec, kwargs, compiled))
+        return bars[-1].__enter__()
+
+    try:
+        comparison = compare_training(lambda: build(model, size, inputs), options, on_start=on_start, **kwargs)
+    finally:
+        if bars:
+            bars[-1].__exit__()
+    _print_train([comparison.eager, comparison.compiled])
+    click.echo(
+        f"compiled over eager after warm-up: {comparison.speedup:.2f}x steps/s "
+        f"(compile and first step took {comparison.compiled.first_step_s:.1f} s)"
+    )
+    if json_path:
+        atomic_write_json(json_path, comparison.to_json())
+
+
+COMMANDS = (models_cmd, train_cmd)

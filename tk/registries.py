@@ -1,0 +1,39 @@
+"""The names of engines, export formats and precisions, and where each one's code lives.
+
+This module is the registry the command line, the loaders and the tests all read, and it imports
+nothing heavy, so ``tk --help`` stays fast. Adding an engine or a format is one file plus one
+line here.
+"""
+
+from __future__ import annotations
+
+# engine name -> "module:Class" (imported on first use by tk.runtime.registry.engine_class)
+ENGINES: dict[str, str] = {
+    "eager": "tk.runtime.eager:EagerEngine",
+    "compile": "tk.runtime.eager:CompiledEngine",
+    "torch": "tk.runtime.exported:ExportedProgramEngine",
+    "aoti": "tk.runtime.aoti:AOTInductorEngine",
+    "onnx": "tk.runtime.onnxrt:OnnxRuntimeEngine",
+    "trt": "tk.runtime.tensorrt:TensorRTEngine",
+}
+
+# engine name -> the artifact file role it runs (eager and compile rebuild the model from its weights)
+ENGINE_FILE_ROLE: dict[str, str] = {
+    "eager": "weights",
+    "compile": "weights",
+    "torch": "torch",
+    "aoti": "aoti",
+    "onnx": "onnx",
+    "trt": "trt",
+}
+
+# export format -> the module under tk.export that writes it (``write(ctx)``, ``unavailable_reason(device)``)
+FORMATS: dict[str, str] = {
+    "torch": "tk.export.torch_writer",
+    "onnx": "tk.export.onnx",
+    "aoti": "tk.export.aoti",
+    "trt": "tk.export.tensorrt",
+}
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+DEVICES = ("cpu", "cuda")

@@ -1,0 +1,83 @@
+"""``tk bench`` as a library call: open an artifact's engines, optionally keep the ones whose parity
+passes (``auto``), time them interleaved, and say which one ``auto`` would pick at each batch size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from tk.errors import UsageError
+from tk.manifest import verify_artifact
+from tk.runtime import engine_options, load
+from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
+from tk.workflows.bench import BenchReport, measure
+from tk.workflows.check import engines_to_check
+
+BASELINES = ("eager", "compile")  # always timed beside the engines asked for
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``1,8,32`` as a list of positive integers."""
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise UsageError(f"--batch-sizes: expected comma-separated integers such as 1,8,32, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--batch-sizes: expected positive integers, got {text!r}")
+    return sizes
+
+
+def bench_artifact(
+    root: str | Path,
+    engines: str = "all",
+    *,
+    batch_sizes: list[int],
+    seconds: float | None = None,
+    iters: int | None = None,
+    sizes: dict[str, int] | None = None,
+    device: str = "cpu",
+    options: dict[str, Any] | None = None,
+    allow_failed: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[BenchReport, list[AutoChoice]]:
+    """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and compile.
+
+    With ``auto`` only engines whose parity passes at the opt shape compete, and the choice at
+    each batch size comes back with the report. ``options`` holds engine options by name; the
+    onnxruntime threads' spinning is turned off when several engines are interleaved (spinning
+    threads keep the cores from the engine timed next).
+    """
+    if seconds is not None and iters is not None:
+        raise UsageError("expected at most one of --seconds and --iters")
+    manifest = verify_artifact(root)
+    names = engines_to_check(engines, manifest, device, baselines=BASELINES)
+    values = {"spinning": len(names) == 1, **(options or {})}
+    with ExitStack() as stack:
+        opened = {
+            name: stack.enter_context(
+                load(
+                    root,
+                    name,
+                    device=device,
+                    allow_failed=allow_failed,
+                    manifest=manifest,
+                    options=engine_options(name, values),
+                )
+            )
+            for name in names
+        }
+        candidates = None
+        if engines == "auto":
+            batch_dim = manifest.signature.dims.get("batch")
+            shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
+            candidates = check_candidates(opened["eager"], opened, manifest, shape)
+            opened = {c.engine: opened[c.engine] for c in candidates if c.passed}
+        report = measure(opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, progress=progress)
+        report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
+    choices: list[AutoChoice] = []
+    if candidates is not None:
+        choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
+        report.settings["auto"] = [choice.to_json() for choice in choices]
+    return report, choices

@@ -1,0 +1,213 @@
+"""Checking an artifact's engines against the PyTorch model, with the artifact's own tolerances.
+
+``check_artifact`` is what ``tk check`` runs; ``run_export_check`` is the export-time check that
+``tk.workflows.export.export`` hands to the writers. Both run the reference once per shape (or
+once over the user's samples) and compare every engine with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import ParityError, UsageError
+from tk.export.context import ExportContext
+from tk.manifest import Manifest, verify_artifact
+from tk.parity import ParityReport, check_engines, reference_runs, report_from_outputs
+from tk.registries import ENGINES
+from tk.runtime import available_engines, engine_options, load, unavailable_reason
+from tk.runtime.batching import BatchRunner
+from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
+from tk.spec import Dim
+from tk.tolerances import artifact_tolerance
+
+log = logging.getLogger("tk.export")
+
+
+def shapes_to_check(dims: dict[str, Dim]) -> list[dict[str, int]]:
+    """All-min, all-opt, an odd size of each, then each dimension at its max with the others at opt.
+
+    Every bound is exercised without running every dimension at its max at once (batch 64 x
+    sequence 512 would dominate the check's time and prove nothing more).
+    """
+    opt = {name: dim.opt for name, dim in dims.items()}
+    candidates = [{name: dim.min for name, dim in dims.items()}, opt]
+    candidates.append({name: _odd_inside(dim) for name, dim in dims.items()})
+    candidates += [{**opt, name: dim.max} for name, dim in dims.items()]
+    shapes: list[dict[str, int]] = []
+    for sizes in candidates:
+        if sizes not in shapes:
+            shapes.append(sizes)
+    return shapes
+
+
+def _odd_inside(dim: Dim) -> int:
+    inside = [s for s in dim.sizes_to_check() if s not in (dim.min, dim.opt, dim.max)]
+    return inside[0] if inside else dim.opt
+
+
+def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: ExportContext) -> None:
+    """Fill ``manifest.check`` with one parity report per format and set ``manifest.status``."""
+    rtol, atol, min_sqnr = artifact_tolerance(
+        manifest.precision, manifest.model, rtol=ctx.options.rtol, atol=ctx.options.atol
+    )
+    shapes = shapes_to_check(manifest.signature.dims)
+    device = ctx.options.device
+    # the model was just built from the user's own command line, so its code is trusted here
+    with load(root, "eager", device=device, manifest=manifest, allow_failed=True, trust_model_code=True) as reference:
+        runs = reference_runs(reference, shapes)
+        for fmt in formats:
+            fmt_device = device
+            if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
+                fmt_device = "cpu"  # the ONNX file is device-free; check it where onnxruntime runs
+            with load(root, fmt, device=fmt_device, manifest=manifest, allow_failed=True) as candidate:
+                report = check_engines(
+                    reference,
+                    candidate,
+                    shapes,
+                    precision=manifest.precision,
+                    rtol=rtol,
+                    atol=atol,
+                    min_sqnr_db=min_sqnr,
+                    runs=runs,
+                )
+            manifest.check[fmt] = report.to_json()
+            worst = max((o.max_abs for o in report.outputs), default=0.0)
+            log.info(
+                "check  %-6s %s max abs error %.2e over %d shapes",
+                fmt,
+                "ok" if report.passed else "FAILED",
+                worst,
+                len(shapes),
+            )
+    manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"
+
+
+@dataclass
+class CheckResult:
+    """One parity report per engine, and the tolerances they were judged by."""
+
+    reports: dict[str, ParityReport]
+    rtol: float
+    atol: float
+    nonfinite_inputs: dict[str, int] = field(default_factory=dict)  # NaN/Inf per input of a user's file
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: report.to_json() for name, report in self.reports.items()}
+
+    def raise_if_failed(self) -> None:
+        failed = [name for name, r in self.reports.items() if not r.passed]
+        if failed:
+            raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g})")
+
+
+def engines_to_check(text: str, manifest: Manifest, device: str, *, baselines: tuple[str, ...] = ()) -> list[str]:
+    """``all`` (every engine this machine runs for the artifact) or a comma-separated list.
+
+    Without ``baselines``, eager (the reference) is left out and an empty list is an error; with
+    them, the baselines come first and the rest follow.
+    """
+    if text in ("all", "auto"):
+        names = available_engines(manifest, device)
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in ENGINES]
+        if unknown:
+            raise UsageError(
+                f"--engine: unknown {', '.join(unknown)}; expected names from {', '.join(ENGINES)}, or all"
+            )
+    if baselines:
+        return [b for b in baselines if b not in names] + names
+    names = [n for n in names if n != "eager"]
+    if not names:
+        raise UsageError(f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}")
+    return names
+
+
+def check_artifact(
+    root: str | Path,
+    engines: str | list[str] = "all",
+    *,
+    inputs: str | Path | None = None,
+    samples: int | None = None,
+    batch_size: int | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    options: Mapping[str, Any] | None = None,
+    allow_failed: bool = False,
+    on_report: Callable[[str, ParityReport], None] | None = None,
+) -> CheckResult:
+    """Compare each engine of the artifact at ``root`` with its PyTorch model (eager).
+
+    Inputs: the samples of the file ``inputs``, ``samples`` random samples, or by default valid
+    random inputs at the min, opt, max and an odd size of every dimension plus a batch-invariance
+    probe (what the export check runs). Tolerances: the artifact's precision row and model
+    overrides, then ``rtol``/``atol``. ``options`` holds engine options by name (each engine takes
+    the ones it declares). Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
+    """
+    if inputs is not None and samples is not None:
+        raise UsageError("expected at most one of --inputs FILE and --samples N")
+    if samples is not None and samples < 1:
+        raise UsageError(f"--samples: expected 1 or more, got {samples}")
+    manifest = verify_artifact(root)
+    names = engines if isinstance(engines, list) else engines_to_check(engines, manifest, device)
+    rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
+    values = dict(options or {})
+
+    def open_engine(name: str) -> Any:
+        opts = engine_options(name, values)
+        return load(root, name, device=device, allow_failed=allow_failed, manifest=manifest, options=opts)
+
+    result = CheckResult({}, rtol, atol)
+    with open_engine("eager") as reference:
+        feeds: dict[str, np.ndarray] | None = None
+        if inputs is not None:
+            feeds = read_inputs(inputs, reference.inputs)
+        elif samples is not None:
+            feeds = random_inputs(reference.inputs, reference.dims, samples, seed=seed)
+        if feeds is not None:
+            result.nonfinite_inputs = count_nonfinite(feeds)
+            ref_out = BatchRunner(reference, batch_size).run(feeds)
+        else:  # random inputs across the ranges; the reference runs once for every engine
+            shapes = shapes_to_check(manifest.signature.dims)
+            runs = reference_runs(reference, shapes, seed=seed)
+        for name in names:
+            with open_engine(name) as candidate:
+                if feeds is None:
+                    report = check_engines(
+                        reference,
+                        candidate,
+                        shapes,
+                        precision=manifest.precision,
+                        rtol=rtol,
+                        atol=atol,
+                        min_sqnr_db=min_sqnr,
+                        runs=runs,
+                    )
+                else:
+                    cand_out = BatchRunner(candidate, batch_size).run(feeds)
+                    report = report_from_outputs(
+                        name,
+                        ref_out,
+                        cand_out,
+                        precision=manifest.precision,
+                        rtol=rtol,
+                        atol=atol,
+                        min_sqnr_db=min_sqnr,
+                        shapes=[{"samples": int(next(iter(feeds.values())).shape[0])}],
+                    )
+            result.reports[name] = report
+            if on_report is not None:
+                on_report(name, report)
+    return result
