@@ -25,7 +25,16 @@ def artifact(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("engine_name", ["eager", "torch", "onnx", pytest.param("aoti", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "engine_name",
+    [
+        "eager",
+        "torch",
+        "onnx",
+        pytest.param("compile", marks=pytest.mark.slow),
+        pytest.param("aoti", marks=pytest.mark.slow),
+    ],
+)
 def test_threads_match_sequential_calls(artifact, exported, engine_name):
     root = exported("transformer", ("aoti",)).root if engine_name == "aoti" else artifact
     if engine_name not in available_engines(read_manifest(root)):

@@ -1,0 +1,60 @@
+"""Reduced-precision exports pass the check with their own tolerance rows; int8 is judged by its SQNR floor.
+
+The tiny Transformer is exported under fp16 and bf16 autocast (torch and aoti formats) and as int8
+ONNX; each report must carry its precision's (rtol, atol) and SQNR floor from tk.tolerances, and
+the verdict must follow from the numbers it reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tk.export import ExportOptions
+from tk.models import build_model
+from tk.tolerances import MIN_SQNR_DB, TOLERANCES
+from tk.workflows.export import export
+
+
+def _export(tmp_path, precision, formats):
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    return export(spec, tmp_path / precision, ExportOptions(formats=formats, precision=precision))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precision):
+    result = _export(tmp_path, precision, ("torch", "aoti"))
+    rtol, atol = TOLERANCES[precision]
+    assert result.manifest.precision == precision and result.manifest.status == "passed"
+    for fmt in ("torch", "aoti"):
+        report = result.manifest.check[fmt]
+        assert (report["rtol"], report["atol"], report["min_sqnr_db"]) == (rtol, atol, MIN_SQNR_DB[precision])
+        for output in report["outputs"]:
+            assert output["passed"], output
+            # reduced precision really ran: not bit-exact with float32, yet well inside the row
+            assert 0 < output["max_abs"] <= atol + rtol * 10, output
+            assert output["sqnr_db"] >= MIN_SQNR_DB[precision], output
+
+
+def test_int8_verdict_follows_its_sqnr_floor(tmp_path):
+    from tk.errors import ParityError
+    from tk.manifest import read_manifest
+
+    try:
+        _export(tmp_path, "int8", ("onnx",))
+    except ParityError:
+        pass  # a failed check keeps the artifact, marked failed: the verdict is checked below
+    manifest = read_manifest(tmp_path / "int8")
+    report = manifest.check["onnx"]
+    assert report["min_sqnr_db"] == MIN_SQNR_DB["int8"]
+    worst = min(o["sqnr_db"] if o["sqnr_db"] is not None else math.inf for o in report["outputs"])
+    rtol, atol = TOLERANCES["int8"]
+    within_bounds = all(o["max_abs"] <= atol + rtol * 1e9 for o in report["outputs"])  # elementwise bounds are loose
+    assert within_bounds
+    assert 10.0 < worst < 80.0, "int8 is quantized: its SQNR is finite and far above noise"
+    assert report["passed"] == (worst >= MIN_SQNR_DB["int8"])
+    assert manifest.status == ("passed" if report["passed"] else "failed")
