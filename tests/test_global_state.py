@@ -39,8 +39,8 @@ def test_export_train_and_load_leave_process_state_alone(tmp_path, monkeypatch):
     import onnxruntime.quantization  # noqa: F401  # libraries add their own filters at first import
     import onnxscript  # noqa: F401
     import sympy  # noqa: F401
-    import torch.onnx  # noqa: F401
-    import torch.utils.cpp_extension  # noqa: F401
+    import torch.onnx
+    import torch.utils.cpp_extension
 
     before = snapshot()
     compiled = torch.compile(lambda x: x * 2 + 1)
