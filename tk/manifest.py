@@ -11,12 +11,15 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tk.errors import IntegrityError, UsageError
 from tk.fileio import sha256_file
+from tk.registries import DEVICES, PRECISIONS
+from tk.safefiles import read_inside, sha256_bytes
 from tk.spec import Signature
 
 FORMAT_VERSION = 1
@@ -116,12 +119,13 @@ def read_manifest(root: str | Path) -> Manifest:
     path = root / MANIFEST
     if not root.is_dir():
         raise UsageError(f"expected an artifact directory written by `tk export`, found no directory at {root}")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise IntegrityError(
             f"{root}: no {MANIFEST}; not a complete artifact (an export was interrupted or this is another directory)"
         )
+    raw = read_inside(root, MANIFEST)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"{path}: expected JSON, found damaged text ({exc})") from exc
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
@@ -137,40 +141,117 @@ def read_manifest(root: str | Path) -> Manifest:
         if not hmac.compare_digest(str(data.get("hmac", "")), expected):
             what = "no signature" if "hmac" not in data else "a signature that does not match"
             raise IntegrityError(f"{path}: {SIGNING_ENV} is set, and the manifest has {what}; refusing to load it")
+    problem = schema_problem(data)
+    if problem:
+        raise IntegrityError(f"{path}: malformed manifest: {problem}")
     try:
-        manifest = Manifest.from_json(data)
-        for key in ("model", "formats", "versions", "check", "timings"):
-            value = getattr(manifest, key)
-            if not isinstance(value, dict):
-                raise TypeError(f"{key} is a {type(value).__name__}, expected an object")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
         raise IntegrityError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
-    if manifest.status not in STATUSES:
-        raise IntegrityError(f"{path}: expected status in {STATUSES}, found {manifest.status!r}")
-    return manifest
 
 
-_VERIFIED: dict[tuple[str, int, int, int], str] = {}  # (path, size, mtime_ns, inode) -> sha256 already computed
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def verify_file(root: str | Path, entry: FileEntry) -> Path:
-    """The file's path, once its size and sha256 match the manifest."""
+def schema_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a manifest's structure (field: expected, found), or None; checked before any use."""
+
+    def kind(value: Any) -> str:
+        return type(value).__name__
+
+    def need(ok: bool, field: str, expected: str, value: Any) -> None:
+        if not ok:
+            raise _SchemaError(f"{field}: expected {expected}, found {kind(value)} {str(value)[:60]!r}")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    try:
+        for key in ("model", "signature", "formats", "versions", "check", "timings"):
+            need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
+        need(isinstance(data.get("files"), list), "files", "a list", data.get("files"))
+        need(data.get("status", "unchecked") in STATUSES, "status", f"one of {STATUSES}", data.get("status"))
+        need(data.get("precision") in PRECISIONS, "precision", f"one of {PRECISIONS}", data.get("precision"))
+        need(data.get("device") in DEVICES, "device", f"one of {DEVICES}", data.get("device"))
+        model = data["model"]
+        need(isinstance(model.get("name"), str) and bool(model.get("name")), "model.name", "a name", model.get("name"))
+        need(model.get("size") is None or isinstance(model.get("size"), str), "model.size", "a string", model.get("size"))
+        need(model.get("config") is None or isinstance(model.get("config"), dict), "model.config", "an object", model.get("config"))
+        descriptions = model.get("input_descriptions", [])
+        need(isinstance(descriptions, list) and all(isinstance(d, str) for d in descriptions),
+             "model.input_descriptions", "a list of strings", descriptions)  # fmt: skip
+        for precision, pair in (model.get("tolerances") or {}).items():
+            need(isinstance(pair, list) and len(pair) == 2 and all(number(v) and v >= 0 for v in pair),
+                 f"model.tolerances.{precision}", "[rtol, atol] of non-negative numbers", pair)  # fmt: skip
+        signature = data["signature"]
+        dims = signature.get("dims")
+        need(isinstance(dims, dict), "signature.dims", "an object", dims)
+        for name, dim in dims.items():
+            need(isinstance(dim, dict) and set(dim) == {"name", "min", "opt", "max"}
+                 and all(isinstance(dim[k], int) and not isinstance(dim[k], bool) for k in ("min", "opt", "max"))
+                 and dim["name"] == name, f"signature.dims.{name}", "{name, min, opt, max} integers", dim)  # fmt: skip
+        for side in ("inputs", "outputs"):
+            specs = signature.get(side)
+            need(isinstance(specs, list) and (side == "outputs" or bool(specs)), f"signature.{side}", "a list", specs)
+            for i, spec in enumerate(specs):
+                where = f"signature.{side}[{i}]"
+                need(isinstance(spec, dict) and isinstance(spec.get("name"), str), where, "an object with a name", spec)
+                need(isinstance(spec.get("shape"), list), f"{where}.shape", "a list", spec.get("shape"))
+                for d in spec["shape"]:
+                    ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (isinstance(d, str) and d in dims)
+                    need(ok, f"{where}.shape", "sizes >= 1 or names of signature.dims", d)
+                for bound in ("low", "high"):
+                    value = spec.get(bound)
+                    need(value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                         f"{where}.{bound}", "an integer or null", value)  # fmt: skip
+        for i, entry in enumerate(data["files"]):
+            where = f"files[{i}]"
+            need(isinstance(entry, dict) and set(entry) == {"path", "role", "size", "sha256"}, where,
+                 "{path, role, size, sha256}", entry)  # fmt: skip
+            need(isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry)
+            need(isinstance(entry["size"], int) and entry["size"] >= 0, f"{where}.size", "a byte count", entry["size"])
+            need(isinstance(entry["sha256"], str) and bool(_HEX64.fullmatch(entry["sha256"])), f"{where}.sha256",
+                 "64 hex digits", entry["sha256"])  # fmt: skip
+        for fmt, info in data.get("formats", {}).items():
+            need(isinstance(info, dict), f"formats.{fmt}", "an object", info)
+        for fmt, report in data.get("check", {}).items():
+            where = f"check.{fmt}"
+            need(isinstance(report, dict) and isinstance(report.get("passed"), bool)
+                 and isinstance(report.get("outputs"), list) and isinstance(report.get("shapes"), list)
+                 and number(report.get("rtol")) and number(report.get("atol")), where,
+                 "a parity report (passed, outputs, shapes, rtol, atol)", report)  # fmt: skip
+            for out in report["outputs"]:
+                need(isinstance(out, dict) and isinstance(out.get("passed"), bool) and number(out.get("max_abs"))
+                     and number(out.get("max_rel")), f"{where}.outputs", "per-output results", out)  # fmt: skip
+        for step, seconds in data.get("timings", {}).items():
+            need(number(seconds), f"timings.{step}", "seconds", seconds)
+    except _SchemaError as exc:
+        return str(exc)
+    return None
+
+
+class _SchemaError(Exception):
+    pass
+
+
+def read_verified(root: str | Path, entry: FileEntry) -> bytes:
+    """The bytes of ``entry``, read once from inside ``root`` (no links, no special files) and
+    checked against its size and sha256; load from these bytes, never from the path again."""
     path = Path(root) / entry.path
-    if Path(entry.path).is_absolute() or ".." in Path(entry.path).parts:
-        raise IntegrityError(f"manifest names {entry.path!r}: expected a path inside the artifact")
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise IntegrityError(f"{path}: missing; the manifest lists it as the {entry.role} file")
-    stat = path.stat()
-    size = stat.st_size
-    if size != entry.size:
-        raise IntegrityError(f"{path}: {size} bytes, the manifest expects {entry.size} (truncated or replaced)")
-    # a command verifies the artifact, then each engine its file: hash a large file once per process
-    key = (str(path.resolve()), size, stat.st_mtime_ns, stat.st_ino)
-    digest = _VERIFIED.get(key) or sha256_file(path)
-    _VERIFIED[key] = digest
+    data = read_inside(root, entry.path)
+    if len(data) != entry.size:
+        raise IntegrityError(f"{path}: {len(data)} bytes, the manifest expects {entry.size} (truncated or replaced)")
+    digest = sha256_bytes(data)
     if digest != entry.sha256:
         raise IntegrityError(f"{path}: sha256 {digest[:12]}…, the manifest expects {entry.sha256[:12]}… (altered)")
-    return path
+    return data
+
+
+def verify_file(root: str | Path, entry: FileEntry) -> None:
+    """Check ``entry``'s size and sha256 (engines re-read and re-check what they load)."""
+    read_verified(root, entry)
 
 
 def verify_artifact(root: str | Path) -> Manifest:

@@ -74,9 +74,24 @@ def _looks_like_safetensors(path: Path, head: bytes) -> bool:
     return 2 <= header_len <= path.stat().st_size - 8 and header_len < 100_000_000
 
 
-def load_weights(module: nn.Module, path: str | Path) -> None:
-    """Load a checkpoint into ``module``; every key must match."""
-    state = load_state_dict(path)
+def state_dict_from_safetensors(data: bytes, source: str) -> dict[str, torch.Tensor]:
+    """Weights from the bytes of a safetensors file (already read and verified by the caller)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, OSError) as exc:
+        raise IntegrityError(f"{source}: damaged safetensors data ({first_line(exc)})") from exc
+
+
+def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | None = None) -> None:
+    """Load a checkpoint (a path, or the verified bytes of a safetensors file) into ``module``; every key must match."""
+    if isinstance(path, bytes):
+        state = state_dict_from_safetensors(path, source or "weights")
+        path = source or "weights"
+    else:
+        state = load_state_dict(path)
     missing, unexpected = [], []
     own = original_module(module).state_dict()
     missing = sorted(set(own) - set(state))

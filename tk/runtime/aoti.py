@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from tk.errors import BackendUnavailableError, load_failure
-from tk.formats.aoti import supported_vector_isas, torch_minor
-from tk.manifest import verify_file
+from tk.formats.aoti import FILE, supported_vector_isas, torch_minor
+from tk.manifest import read_verified
 from tk.runtime.base import Engine, rebuild_command
 from tk.runtime.eager import cuda_reason, outputs_by_name
+from tk.safefiles import private_copy
 
 
 class AOTInductorEngine(Engine):
@@ -27,9 +28,12 @@ class AOTInductorEngine(Engine):
 
     def _load(self) -> None:
         self._refuse_foreign_package()
-        path = verify_file(self.root, self.manifest.file("aoti"))
+        entry = self.manifest.file("aoti")
+        path = self.root / entry.path
+        data = read_verified(self.root, entry)
         try:
-            self._model = torch._inductor.aoti_load_package(str(path))
+            with private_copy({FILE: data}) as copy:  # the package loader takes a path: the verified bytes
+                self._model = torch._inductor.aoti_load_package(str(copy / FILE))
         except Exception as exc:  # a RuntimeError from the C++ loader, mostly
             fix = f"rebuild it with `{rebuild_command(self.manifest, 'aoti', self.device)}`"
             raise load_failure(exc, f"{path} (AOTInductor)", fix) from exc

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, IntegrityError
-from tk.manifest import verify_file
+from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions
 
 
@@ -36,7 +37,8 @@ def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = F
         config=model.get("config") or None,
         input_descriptions=tuple(model.get("input_descriptions", ())),
     )
-    load_weights(spec.module, verify_file(root, manifest.file("weights")))
+    entry = manifest.file("weights")
+    load_weights(spec.module, read_verified(root, entry), source=str(Path(root) / entry.path))
     return spec.module.eval()
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tk.errors import load_failure
+from tk.errors import TkError, load_failure
 from tk.formats.torch_program import load_exported_program
-from tk.manifest import verify_file
+from tk.manifest import read_verified
 from tk.runtime.base import Engine
 from tk.runtime.eager import cuda_reason, outputs_by_name
 
@@ -19,9 +19,13 @@ class ExportedProgramEngine(Engine):
         return cuda_reason(device)
 
     def _load(self) -> None:
-        path = verify_file(self.root, self.manifest.file("torch"))
+        entry = self.manifest.file("torch")
+        path = self.root / entry.path
+        data = read_verified(self.root, entry)
         try:
-            program = load_exported_program(path)
+            program = load_exported_program(data, str(path))
+        except TkError:
+            raise
         except Exception as exc:  # a damaged archive fails in zipfile, deserialization or torch
             raise load_failure(exc, f"{path} (torch.export program)", "re-export it") from exc
         self.module = program.module().to(self.device)

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first_line, load_failure
-from tk.manifest import verify_file
+from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions
 from tk.runtime.dtypes import torch_dtype
 from tk.runtime.eager import cuda_reason
+from tk.safefiles import private_copy
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -100,11 +101,18 @@ class OnnxRuntimeEngine(Engine):
     def _load(self) -> None:
         import onnxruntime as ort
 
-        path = self._verified_model_path()
+        path = self.root / self.manifest.file("onnx").path
+        files = self._verified_files()
         providers = self._providers(ort)
         options = self._session_options(ort)
         try:
-            self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+            if len(files) == 1:  # weights inside the graph: load the verified bytes themselves
+                self._session = ort.InferenceSession(files[path.name], sess_options=options, providers=providers)
+            else:  # external data is read relative to the model's path: a private copy of the verified bytes
+                with private_copy(files) as copy:
+                    self._session = ort.InferenceSession(
+                        str(copy / path.name), sess_options=options, providers=providers
+                    )
         except Exception as exc:  # onnxruntime raises its own pybind types
             first = first_line(exc)
             if "NOT_IMPLEMENTED" in first:  # a valid graph with an op or dtype these providers lack
@@ -160,19 +168,32 @@ class OnnxRuntimeEngine(Engine):
             )
         return out
 
-    def _verified_model_path(self) -> Path:
-        """The ONNX file, after it and its external data (if any) match the manifest."""
-        path = verify_file(self.root, self.manifest.file("onnx"))
-        data_files = [e for e in self.manifest.files if e.role == "onnx-data"]
+    def _verified_files(self) -> dict[str, bytes]:
+        """The ONNX file and its external data (if any), by name, read once and checked against the manifest.
+
+        The graph may name only external data files the manifest lists, beside the model file.
+        """
+        model = self.manifest.file("onnx")
+        if "/" in model.path:
+            raise IntegrityError(f"{self.root}: expected the ONNX file at the artifact's top level, found {model.path!r}")
+        files = {model.path: read_verified(self.root, model)}
+        data_files = {e.path: e for e in self.manifest.files if e.role == "onnx-data"}
         external = self.manifest.formats.get("onnx", {}).get("external_data")
-        if external and external not in {e.path for e in data_files}:
+        if external and external not in data_files:
             raise IntegrityError(
                 f"{self.root}: the ONNX model keeps its weights in {external}, and the manifest lists no such "
                 "onnx-data file; the artifact is incomplete, re-export it"
             )
-        for entry in data_files:
-            verify_file(self.root, entry)
-        return path
+        named = _external_locations(files[model.path])
+        unknown = sorted(named - set(data_files))
+        if unknown:
+            raise IntegrityError(
+                f"{self.root / model.path}: the graph reads external data from {unknown[:3]}, which the manifest does "
+                "not list; refusing to load it"
+            )
+        for name in named:
+            files[name] = read_verified(self.root, data_files[name])
+        return files
 
     def _providers(self, ort: Any) -> list[Any]:
         available = ort.get_available_providers()
@@ -267,3 +288,19 @@ def _numpy_dtype(dtype: torch.dtype) -> Any:
     if dtype not in _NUMPY_DTYPES:
         raise UsageError(f"engine 'onnx': I/O binding does not support {dtype}")
     return _NUMPY_DTYPES[dtype]
+
+
+def _external_locations(model_bytes: bytes) -> set[str]:
+    """The external data files an ONNX model's initializers name (read without loading them)."""
+    import onnx
+
+    try:
+        model = onnx.ModelProto.FromString(model_bytes)
+    except Exception as exc:  # protobuf raises DecodeError and others for damaged bytes
+        raise IntegrityError(f"damaged ONNX file ({type(exc).__name__}: {first_line(exc)}); re-export the artifact") from exc
+    locations = set()
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {item.key: item.value for item in tensor.external_data}
+            locations.add(info.get("location", ""))
+    return locations

@@ -18,7 +18,7 @@ import torch
 
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.formats.tensorrt import trt_logger, unavailable_reason
-from tk.manifest import verify_file
+from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions, rebuild_command
 
 log = logging.getLogger("tk.runtime")
@@ -65,11 +65,13 @@ class TensorRTEngine(Engine):
         import tensorrt as trt
 
         self._refuse_foreign_engine(trt)
-        path = verify_file(self.root, self.manifest.file("trt"))
+        entry = self.manifest.file("trt")
+        path = self.root / entry.path
+        plan = read_verified(self.root, entry)
         self._device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(self._device):
             self._runtime = trt.Runtime(trt_logger())
-            self._engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+            self._engine = self._runtime.deserialize_cuda_engine(plan)
         if self._engine is None:
             raise IntegrityError(
                 f"{path}: TensorRT {trt.__version__} cannot deserialize it (see its log); rebuild it with "
