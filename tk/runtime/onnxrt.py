@@ -191,8 +191,8 @@ class OnnxRuntimeEngine(Engine):
                 f"{self.root / model.path}: the graph reads external data from {unknown[:3]}, which the manifest does "
                 "not list; refusing to load it"
             )
-        for name in named:
-            files[name] = read_verified(self.root, data_files[name])
+        for name, entry in data_files.items():
+            files[name] = read_verified(self.root, entry)
         return files
 
     def _providers(self, ort: Any) -> list[Any]:
