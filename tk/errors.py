@@ -36,6 +36,10 @@ class IntegrityError(TkError):
     """An artifact or checkpoint is missing, truncated, altered or unsafe to load."""
 
 
+class EngineError(TkError):
+    """A backend failed while running feeds that passed the input checks (its message is quoted)."""
+
+
 class ParityError(TkError):
     """An artifact's outputs differ from PyTorch's beyond tolerance."""
 
@@ -72,3 +76,12 @@ def load_failure(exc: BaseException, what: str, fix: str) -> TkError:
     if isinstance(exc, ImportError) or "cannot open shared object" in text or "undefined symbol" in text:
         return BackendUnavailableError(f"{what}: a library it needs cannot be loaded ({first_line(exc)})")
     return IntegrityError(f"{what}: cannot load it ({type(exc).__name__}: {first_line(exc)}); {fix}")
+
+
+def run_failure(exc: BaseException, engine: str) -> TkError:
+    """The error for a backend that failed while running: out of memory says so."""
+    if is_out_of_memory(exc):
+        return ResourceError(
+            f"engine {engine!r} ran out of memory ({first_line(exc)}); use a smaller --batch-size or free memory"
+        )
+    return EngineError(f"engine {engine!r} failed while running ({type(exc).__name__}: {first_line(exc)})")

@@ -97,6 +97,14 @@ class Manifest:
         )
 
 
+def signing_key() -> str | None:
+    """``TK_SIGNING_KEY``, or None when unset; set but empty is an error, never a silent unsigned export."""
+    key = os.environ.get(SIGNING_ENV)
+    if key is not None and not key.strip():
+        raise UsageError(f"{SIGNING_ENV} is set but empty: set it to a secret key to sign and verify, or unset it")
+    return key
+
+
 def _canonical(data: dict[str, Any]) -> bytes:
     unsigned = {k: v for k, v in data.items() if k not in ("hmac", "checksum")}
     return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
@@ -107,7 +115,7 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     corruption), plus an HMAC-SHA256 when ``TK_SIGNING_KEY`` is set (which catches deliberate ones)."""
     data = manifest.to_json()
     data["checksum"] = hashlib.sha256(_canonical(data)).hexdigest()
-    key = os.environ.get(SIGNING_ENV)
+    key = signing_key()
     if key:
         data["hmac"] = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()
     return (json.dumps(data, indent=2) + "\n").encode()
@@ -135,7 +143,7 @@ def read_manifest(root: str | Path) -> Manifest:
         raise IntegrityError(
             f"{path}: edited or damaged after export (its checksum does not match its content); re-export the artifact"
         )
-    key = os.environ.get(SIGNING_ENV)
+    key = signing_key()
     if key:
         expected = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(str(data.get("hmac", "")), expected):
@@ -175,8 +183,15 @@ def schema_problem(data: dict[str, Any]) -> str | None:
         need(data.get("device") in DEVICES, "device", f"one of {DEVICES}", data.get("device"))
         model = data["model"]
         need(isinstance(model.get("name"), str) and bool(model.get("name")), "model.name", "a name", model.get("name"))
-        need(model.get("size") is None or isinstance(model.get("size"), str), "model.size", "a string", model.get("size"))
-        need(model.get("config") is None or isinstance(model.get("config"), dict), "model.config", "an object", model.get("config"))
+        need(
+            model.get("size") is None or isinstance(model.get("size"), str), "model.size", "a string", model.get("size")
+        )
+        need(
+            model.get("config") is None or isinstance(model.get("config"), dict),
+            "model.config",
+            "an object",
+            model.get("config"),
+        )
         descriptions = model.get("input_descriptions", [])
         need(isinstance(descriptions, list) and all(isinstance(d, str) for d in descriptions),
              "model.input_descriptions", "a list of strings", descriptions)  # fmt: skip
@@ -198,7 +213,9 @@ def schema_problem(data: dict[str, Any]) -> str | None:
                 need(isinstance(spec, dict) and isinstance(spec.get("name"), str), where, "an object with a name", spec)
                 need(isinstance(spec.get("shape"), list), f"{where}.shape", "a list", spec.get("shape"))
                 for d in spec["shape"]:
-                    ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (isinstance(d, str) and d in dims)
+                    ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (
+                        isinstance(d, str) and d in dims
+                    )
                     need(ok, f"{where}.shape", "sizes >= 1 or names of signature.dims", d)
                 for bound in ("low", "high"):
                     value = spec.get(bound)
@@ -208,7 +225,9 @@ def schema_problem(data: dict[str, Any]) -> str | None:
             where = f"files[{i}]"
             need(isinstance(entry, dict) and set(entry) == {"path", "role", "size", "sha256"}, where,
                  "{path, role, size, sha256}", entry)  # fmt: skip
-            need(isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry)
+            need(
+                isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry
+            )
             need(isinstance(entry["size"], int) and entry["size"] >= 0, f"{where}.size", "a byte count", entry["size"])
             need(isinstance(entry["sha256"], str) and bool(_HEX64.fullmatch(entry["sha256"])), f"{where}.sha256",
                  "64 hex digits", entry["sha256"])  # fmt: skip

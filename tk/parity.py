@@ -238,6 +238,7 @@ def check_engines(
         if largest is None or batch > _batch_size(largest[0]):
             largest = (run_feeds, cand_out)
     report.outputs = list(merged.values())
+    _fail_where_the_reference_is_nan(report.outputs, runs.outputs)
     if batch_invariance and largest is not None and _batch_size(largest[0]) > 1 and _batch_dim_is_dynamic(candidate):
         report.batch_invariance = _batch_invariance(candidate, *largest, rtol=rtol, atol=atol)
     return report
@@ -288,4 +289,22 @@ def report_from_outputs(
     """A ``ParityReport`` for outputs already computed (a whole input file run through both engines)."""
     report = ParityReport(engine, "eager", precision, rtol, atol, min_sqnr_db, shapes=shapes or [])
     report.outputs = compare(reference, candidate, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db)
+    _fail_where_the_reference_is_nan(report.outputs, [reference])
     return report
+
+
+def _fail_where_the_reference_is_nan(results: list[OutputParity], references: Sequence[Mapping[str, Any]]) -> None:
+    """An artifact is never called equal to a reference that produces NaN: a NaN matching a NaN
+    proves nothing (a diverged checkpoint would pass every check)."""
+    for result in results:
+        count = sum(
+            int(np.isnan(np.asarray(ref[result.name], dtype=np.float64)).sum())
+            for ref in references
+            if result.name in ref
+        )
+        if count:
+            result.passed = False
+            result.problem = (
+                f"the PyTorch reference itself produces {count} NaN values, so parity cannot be judged "
+                "(a diverged or damaged checkpoint?)"
+            )

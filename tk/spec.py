@@ -8,6 +8,7 @@ are valid, so random inputs made from specs are always inputs the model accepts.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import UsageError
+from tk.limits import require_within_budget
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 
@@ -165,8 +167,17 @@ def random_array(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Genera
     return rng.standard_normal(shape).astype(numpy_dtype(spec.dtype))
 
 
+def feeds_nbytes(inputs: list[TensorSpec], sizes: dict[str, int]) -> int:
+    """Bytes that inputs of ``inputs`` take at ``sizes`` (every size checked to be at least 1)."""
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise UsageError(f"dimension {name!r}: expected a size of at least 1, got {size!r}")
+    return sum(math.prod(s.concrete_shape(sizes)) * numpy_dtype(s.dtype).itemsize for s in inputs)
+
+
 def random_feeds(inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0) -> dict[str, np.ndarray]:
-    """Valid random inputs for every spec, with dynamic dimensions set by ``sizes``."""
+    """Valid random inputs for every spec, with dynamic dimensions set by ``sizes`` (within the memory budget)."""
+    require_within_budget(feeds_nbytes(inputs, sizes), f"inputs at sizes {sizes}")
     rng = np.random.default_rng(seed)
     return {s.name: random_array(s, s.concrete_shape(sizes), rng) for s in inputs}
 

@@ -8,6 +8,7 @@ int8) are also judged by the signal-to-quantization-noise ratio in dB (``MIN_SQN
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tk.errors import UsageError
@@ -33,6 +34,9 @@ def tolerance_for(
     """(rtol, atol) for ``precision``: the table, then the model's override, then explicit values."""
     if precision not in TOLERANCES:
         raise UsageError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    for name, value in (("--rtol", rtol), ("--atol", atol)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise UsageError(f"{name}: expected a finite tolerance of 0 or more, got {value}")
     base_rtol, base_atol = (model_overrides or {}).get(precision, TOLERANCES[precision])
     return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
 

@@ -8,6 +8,7 @@ lives in a module of this package; this one holds the group and registers them.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from typing import Any
@@ -47,15 +48,32 @@ class TkGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)
+        except OSError as exc:  # a path the user gave that the OS refuses (too long, no permission, …)
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            ctx.exit(2)
 
 
 @click.group(cls=TkGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks and torch's own logs.")
+@click.option(
+    "--max-memory",
+    default=None,
+    metavar="SIZE",
+    help="Memory tk may allocate for inputs, shapes and models it is handed, e.g. 8G "
+    "(default: $TK_MAX_MEMORY, else half the machine's memory).",
+)
 @click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(ctx: click.Context, debug: bool, max_memory: str | None) -> None:
     """tk: export PyTorch models to static graphs, prove parity, make them fast."""
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if max_memory is not None:
+        from tk.limits import ENV, parse_size
+
+        os.environ[ENV] = str(parse_size(max_memory))  # the command line is the process: its budget
     _setup_logging(debug)
     if debug:
         warnings.simplefilter("default")

@@ -110,8 +110,6 @@ def export_cmd(
     from tk.export import ExportOptions
     from tk.workflows.export import export
 
-    if opset is not None and opset < 18:
-        raise UsageError(f"--opset: expected 18 or newer, got {opset}")
     spec = build(model, size, inputs)
     options = ExportOptions(
         formats=formats or ("onnx",),

@@ -14,7 +14,6 @@ import importlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +26,12 @@ from tk.errors import BackendUnavailableError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
-from tk.fileio import exclusive_temp_dir, sha256_file
-from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes
+from tk.fileio import exchange_paths, exclusive_temp_dir, sha256_file
+from tk.limits import require_within_budget
+from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
 from tk.models import ModelSpec
 from tk.registries import FORMATS as FORMAT_MODULES
-from tk.spec import Dim
+from tk.spec import Dim, feeds_nbytes
 from tk.versions import library_versions
 
 log = logging.getLogger("tk.export")
@@ -111,7 +111,14 @@ def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> d
             raise UsageError(f"--{name}: this model has no dimension {name!r}; it has {', '.join(dims) or 'none'}")
         dims[name] = dim
     if not dynamic:
-        dims = {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}
+        return {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}
+    for name, dim in dims.items():
+        if dim.opt == 1 and not dim.static:
+            raise UsageError(
+                f"--{name} {dim.min}:{dim.opt}:{dim.max}: torch.export traces at the opt size and specializes a "
+                f"size of 1 to a constant; give {name} an opt of 2 or more (such as {dim.min}:2:{max(dim.max, 2)}), "
+                "or export it --static"
+            )
     return dims
 
 
@@ -142,7 +149,12 @@ def write_artifact(
         )
     from tk.tolerances import tolerance_for
 
-    tolerance_for(options.precision)  # an unknown precision fails before any work
+    tolerance_for(options.precision, rtol=options.rtol, atol=options.atol)  # bad values fail before any work
+    signing_key()  # an empty key is an error now, not after the export
+    if any(f in formats for f in ("onnx", "trt")):
+        from tk.export.onnx import resolve_opset
+
+        resolve_opset(options.opset)
     checkpoint_sha = None
     if options.checkpoint is not None:
         from tk.models.checkpoint import load_weights
@@ -151,8 +163,13 @@ def write_artifact(
         checkpoint_sha = sha256_file(options.checkpoint)
     spec.module.eval()
     dims = resolve_dims(spec, options.dims, options.dynamic)
+    opt = {n: d.opt for n, d in dims.items()}
+    for name, dim in dims.items():  # the check runs each dimension at its max: size that before any work
+        sizes = {**opt, name: dim.max}
+        require_within_budget(feeds_nbytes(spec.signature.inputs, sizes), f"inputs at sizes {sizes}")
     example = spec.example_inputs({n: d.opt for n, d in dims.items()})
     device = torch.device(options.device)
+    recover_interrupted(out)
     _refuse_foreign_dir(out)  # before any work: never replace a directory tk did not write
 
     try:
@@ -252,14 +269,35 @@ def _write_manifest(staging: Path, manifest: Manifest) -> None:
 
 
 def _replace_dir(staging: Path, out: Path) -> None:
-    """Put ``staging`` at ``out``; an old ``out`` is moved aside first and removed after."""
-    old = None
+    """Put ``staging`` at ``out`` with no moment at which ``out`` is missing.
+
+    Where the OS can, the two directories are exchanged in one step and the old one (now at the
+    staging name) removed. Elsewhere the old one is first moved aside into a ``.old`` directory,
+    which ``recover_interrupted`` puts back if a kill lands between the two renames.
+    """
     _refuse_foreign_dir(out)
-    if out.exists() or out.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-        os.replace(out, old / "artifact")
+    if not (out.exists() or out.is_symlink()):
+        os.replace(staging, out)
+        return
+    if exchange_paths(staging, out):
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    old = exclusive_temp_dir(out.parent, f".{out.name}.", ".old")
+    os.replace(out, old / "artifact")
     os.replace(staging, out)
-    if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted(out: Path) -> None:
+    """Undo what a killed export left: put a moved-aside artifact back where ``out`` is missing, and
+    remove leftover ``.old`` directories of a complete ``out`` (staging ``.partial`` ones are
+    another export's, possibly running, and stay)."""
+    leftovers = sorted(out.parent.glob(f".{out.name}.*.old")) if out.parent.is_dir() else []
+    for old in leftovers:
+        moved = old / "artifact"
+        if not (out.exists() or out.is_symlink()) and (moved / MANIFEST).is_file():
+            os.replace(moved, out)
+            log.info("export: restored the previous artifact at %s from an interrupted export", out)
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -44,6 +44,17 @@ def unavailable_reason(device: str) -> str | None:
     return None
 
 
+def resolve_opset(opset: int | None) -> int:
+    """``opset`` (default 20) once it is one this onnx knows and the exporter supports (18 or newer)."""
+    import onnx
+
+    opset = DEFAULT_OPSET if opset is None else opset
+    newest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= newest:
+        raise UsageError(f"--opset: expected {MIN_OPSET} to {newest} (the newest this onnx knows), got {opset}")
+    return opset
+
+
 def write(ctx: ExportContext) -> None:
     assert ctx.program is not None
     result = onnx_from_exported_program(
@@ -79,9 +90,7 @@ def onnx_from_exported_program(
     import onnx
     import onnx_ir as ir
 
-    opset = DEFAULT_OPSET if opset is None else opset
-    if opset < MIN_OPSET:
-        raise UsageError(f"--opset: expected {MIN_OPSET} or newer, got {opset}")
+    opset = resolve_opset(opset)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter warns about every axis that shares a name
@@ -102,6 +111,12 @@ def onnx_from_exported_program(
             "try another --opset, or export --format torch or aoti instead"
         ) from exc
     model = onnx_program.model
+    written = model.opset_imports.get("", opset)
+    if written != opset:
+        raise ConversionError(
+            f"--opset {opset}: the exporter wrote opset {written} instead (torch.onnx converts only to the opsets it "
+            "has rules for); choose another --opset"
+        )
     _check_io_names(model, signature)
     _name_dynamic_axes(model, signature, dims)
     external = _initializer_bytes(model) > SINGLE_FILE_LIMIT

@@ -76,6 +76,12 @@ class ModelEntry:
         if not self.available():
             raise UsageError(f"model {self.name!r} needs an optional package: {self.requires}")
         if config is not None:
+            known = {f.name for f in dataclasses.fields(self.config_cls)}
+            unknown = sorted(set(config) - known)
+            if unknown:
+                raise UsageError(
+                    f"model {self.name!r}: unknown config key(s) {', '.join(unknown)}; expected some of {', '.join(sorted(known))}"
+                )
             cfg = self.config_cls(**config)
         else:
             size = size or "small"

@@ -169,6 +169,11 @@ def train(
         loss.backward()
         optimizer.step()
         loss_value = loss.detach().item()  # synchronizes the device, so the clock below is honest
+        if not math.isfinite(loss_value):
+            raise UsageError(
+                f"training diverged: the loss is {loss_value} at step {step + 1} (learning rate {lr:g}); "
+                "no checkpoint was saved: lower --lr"
+            )
         steps_done = step + 1
         if step == 0:
             first_step_s = time.perf_counter() - t0

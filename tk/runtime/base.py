@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tk.errors import UsageError
+from tk.errors import TkError, UsageError, run_failure
 from tk.manifest import Manifest
 from tk.runtime.dtypes import Array
 from tk.runtime.inputs import check_arrays
@@ -139,11 +139,16 @@ class Engine(ABC):
             self.load()
         as_torch = isinstance(next(iter(feeds.values())), torch.Tensor) if feeds else False
         native = {name: self._to_native(value) for name, value in feeds.items()}
-        if self.native == "torch":
-            with torch_threads(self.options.threads):
+        try:
+            if self.native == "torch":
+                with torch_threads(self.options.threads):
+                    outputs = self._run(native)
+            else:
                 outputs = self._run(native)
-        else:
-            outputs = self._run(native)
+        except TkError:
+            raise
+        except Exception as exc:  # any backend failure (onnxruntime's pybind errors, torch's) is one line
+            raise run_failure(exc, self.name) from exc
         return {name: _convert(value, as_torch) for name, value in outputs.items()}
 
     def settings(self) -> dict[str, Any]:

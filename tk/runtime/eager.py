@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import BackendUnavailableError, IntegrityError
+from tk.errors import BackendUnavailableError, IntegrityError, first_line
+from tk.limits import require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions
 
@@ -21,22 +21,36 @@ def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = F
     A user model (``package.module:callable``) is rebuilt by importing and calling that code, so it
     is refused unless ``trust_model_code`` is set or the manifest's signature was verified.
     """
-    from tk.manifest import SIGNING_ENV
+    from tk.manifest import SIGNING_ENV, signing_key
     from tk.models import build_model
     from tk.models.checkpoint import load_weights
 
     model = manifest.model
-    if ":" in str(model.get("name", "")) and not (trust_model_code or os.environ.get(SIGNING_ENV)):
+    if ":" in str(model.get("name", "")) and not (trust_model_code or signing_key()):
         raise IntegrityError(
             f"{root}: the reference model is user code ({model['name']!r}) and rebuilding it runs that code; "
             f"pass --trust-model-code if you trust this artifact, or sign artifacts with {SIGNING_ENV}"
         )
-    spec = build_model(
-        model["name"],
-        size=model.get("size"),
-        config=model.get("config") or None,
-        input_descriptions=tuple(model.get("input_descriptions", ())),
-    )
+
+    def build() -> Any:
+        return build_model(
+            model["name"],
+            size=model.get("size"),
+            config=model.get("config") or None,
+            input_descriptions=tuple(model.get("input_descriptions", ())),
+        )
+
+    if ":" not in model["name"]:  # a built-in model's size comes from the manifest's config: measure it first
+        try:
+            with torch.device("meta"):
+                probe = build().module
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise IntegrityError(
+                f"{root}: the manifest's model config cannot build {model['name']!r} ({first_line(exc)})"
+            ) from exc
+        tensors = [*probe.parameters(), *probe.buffers()]
+        require_within_budget(sum(t.numel() * t.element_size() for t in tensors), f"the model {root} describes")
+    spec = build()
     entry = manifest.file("weights")
     load_weights(spec.module, read_verified(root, entry), source=str(Path(root) / entry.path))
     return spec.module.eval()

@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tk.errors import InputError, UsageError
+from tk.errors import InputError, UsageError, first_line
+from tk.limits import require_within_budget
 from tk.runtime.dtypes import dtype_name
+from tk.safefiles import require_regular_file
 from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds, require_names
 
 NPY_MAGIC = b"\x93NUMPY"
@@ -186,7 +188,12 @@ def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarr
     """
     path = Path(path)
     if path.is_dir():
-        arrays = {p.stem: _load_npy(p) for p in sorted(path.glob("*.npy"))}
+        arrays = {}
+        for p in sorted(path.glob("*.npy")):
+            if p.is_symlink():
+                raise UsageError(f"{p}: a symbolic link; the arrays of an input directory must be regular files in it")
+            require_regular_file(p, "a .npy file")
+            arrays[p.stem] = _load_npy(p)
         if not arrays:
             raise UsageError(
                 f"{path}: expected a .npz or .npy file, or a directory of <input>.npy files; found no .npy file"
@@ -252,6 +259,7 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def _magic(path: Path) -> bytes:
+    require_regular_file(path, "a .npz or .npy file of inputs")
     try:
         with open(path, "rb") as f:
             return f.read(8)
@@ -274,10 +282,32 @@ def _load_npy(path: Path) -> np.ndarray:
         raise UsageError(f"{path}: cannot read it as .npy ({exc})") from exc
 
 
+def _npz_declared_bytes(archive: Any, path: Path) -> int:
+    """Bytes the arrays of an open ``.npz`` declare in their headers, read before any is decompressed."""
+    total = 0
+    for info in archive.zip.infolist():
+        with archive.zip.open(info) as member:
+            try:
+                version = np.lib.format.read_magic(member)
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(member, max_header_size=1 << 16)
+            except (ValueError, EOFError) as exc:
+                raise UsageError(f"{path}: array {info.filename!r} has a damaged header ({first_line(exc)})") from exc
+        if dtype.hasobject:
+            raise UsageError(
+                f"{path}: array {info.filename!r} holds Python objects; tk never unpickles input files: save numeric arrays"
+            )
+        total += math.prod(shape) * dtype.itemsize
+    return total
+
+
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     try:
         with np.load(path, allow_pickle=False) as archive:
+            require_within_budget(_npz_declared_bytes(archive, path), f"{path} (the sizes its arrays declare)")
             for key in archive.files:
                 try:
                     arrays[key] = archive[key]

@@ -175,7 +175,9 @@ class OnnxRuntimeEngine(Engine):
         """
         model = self.manifest.file("onnx")
         if "/" in model.path:
-            raise IntegrityError(f"{self.root}: expected the ONNX file at the artifact's top level, found {model.path!r}")
+            raise IntegrityError(
+                f"{self.root}: expected the ONNX file at the artifact's top level, found {model.path!r}"
+            )
         files = {model.path: read_verified(self.root, model)}
         data_files = {e.path: e for e in self.manifest.files if e.role == "onnx-data"}
         external = self.manifest.formats.get("onnx", {}).get("external_data")
@@ -297,7 +299,9 @@ def _external_locations(model_bytes: bytes) -> set[str]:
     try:
         model = onnx.ModelProto.FromString(model_bytes)
     except Exception as exc:  # protobuf raises DecodeError and others for damaged bytes
-        raise IntegrityError(f"damaged ONNX file ({type(exc).__name__}: {first_line(exc)}); re-export the artifact") from exc
+        raise IntegrityError(
+            f"damaged ONNX file ({type(exc).__name__}: {first_line(exc)}); re-export the artifact"
+        ) from exc
     locations = set()
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:

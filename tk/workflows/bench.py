@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata as metadata
 import io
+import math
 import os
 import platform
 import random
@@ -123,6 +124,8 @@ def measure(
         raise UsageError("bench: expected at least one engine")
     if iters is not None and iters < 1:
         raise UsageError(f"--iters: expected at least 1, got {iters}")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"--seconds: expected a finite time budget above 0, got {seconds}")
     if seconds is None and iters is None:
         seconds = DEFAULT_SECONDS
     first = next(iter(engines.values()))
