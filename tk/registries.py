@@ -35,5 +35,5 @@ FORMATS: dict[str, str] = {
     "trt": "tk.export.tensorrt",
 }
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8")
 DEVICES = ("cpu", "cuda")

@@ -27,6 +27,7 @@ from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
 from tk.fileio import exchange_paths, exclusive_temp_dir, sha256_file
+from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
 from tk.models import ModelSpec
@@ -178,19 +179,22 @@ def write_artifact(
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
-        module = module_at_precision(spec.module.to(device), options.precision, options.device)
-        ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
-        ctx.versions = library_versions(options.device)
-        _write_weights(ctx)
-        if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
-            ctx.program = _timed(
-                ctx, "capture", lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims)
-            )
-        for fmt in formats:
-            writer = _writer_module(fmt)
-            _timed(ctx, fmt, lambda w=writer: w.write(ctx))
-            if fmt == "onnx" and options.precision == "int8":
-                _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
+        with matmul_precision(options.precision == "tf32"):  # compiles bake TF32 in or out
+            module = module_at_precision(spec.module.to(device), options.precision, options.device)
+            ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
+            ctx.versions = library_versions(options.device)
+            _write_weights(ctx)
+            if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
+                ctx.program = _timed(
+                    ctx,
+                    "capture",
+                    lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims),
+                )
+            for fmt in formats:
+                writer = _writer_module(fmt)
+                _timed(ctx, fmt, lambda w=writer: w.write(ctx))
+                if fmt == "onnx" and options.precision == "int8":
+                    _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
         if options.check and check is not None:

@@ -34,7 +34,8 @@ class MixedPrecision(nn.Module):
 
 
 def module_at_precision(module: nn.Module, precision: str, device: str = "cpu") -> nn.Module:
-    """``module`` itself for fp32 (and int8, which is quantized after export); wrapped in autocast otherwise."""
-    if precision in ("fp32", "int8"):
+    """``module`` itself for fp32 and tf32 (float32 weights; tf32 only lets cuBLAS/cuDNN round inside
+    matrix products) and int8 (quantized after export); wrapped in autocast otherwise."""
+    if precision in ("fp32", "tf32", "int8"):
         return module
     return MixedPrecision(module, DTYPES[precision], device).eval()

@@ -14,19 +14,15 @@ import torch
 from tk.errors import BackendUnavailableError, load_failure
 from tk.formats.aoti import FILE, supported_vector_isas, torch_minor
 from tk.manifest import read_verified
-from tk.runtime.base import Engine, rebuild_command
-from tk.runtime.eager import cuda_reason, outputs_by_name
+from tk.runtime.base import rebuild_command
+from tk.runtime.torch_engine import TorchEngine
 from tk.safefiles import private_copy
 
 
-class AOTInductorEngine(Engine):
+class AOTInductorEngine(TorchEngine):
     name = "aoti"
 
-    @classmethod
-    def unavailable_reason(cls, device: str = "cpu") -> str | None:
-        return cuda_reason(device)
-
-    def _load(self) -> None:
+    def _load_model(self) -> None:
         self._refuse_foreign_package()
         entry = self.manifest.file("aoti")
         path = self.root / entry.path
@@ -37,9 +33,6 @@ class AOTInductorEngine(Engine):
         except Exception as exc:  # a RuntimeError from the C++ loader, mostly
             fix = f"rebuild it with `{rebuild_command(self.manifest, 'aoti', self.device)}`"
             raise load_failure(exc, f"{path} (AOTInductor)", fix) from exc
-        self._device = torch.device(self.device)
-        self._order = [s.name for s in self.inputs]
-        self._out_names = [s.name for s in self.outputs]
 
     def _refuse_foreign_package(self) -> None:
         settings = self.manifest.formats.get("aoti", {})
@@ -65,11 +58,8 @@ class AOTInductorEngine(Engine):
                     f"(it has {', '.join(here) or 'none'}); rebuild it here with `{rebuild}`"
                 )
 
-    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, Any]:
-        args = [feeds[n].to(self._device).contiguous() for n in self._order]
-        with torch.inference_mode():
-            out = self._model(*args)
-        return outputs_by_name(out, self._out_names)
+    def _forward(self, *args: torch.Tensor) -> Any:
+        return self._model(*args)
 
     def _close(self) -> None:
         del self._model

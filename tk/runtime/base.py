@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tk.errors import TkError, UsageError, run_failure
+from tk.formats.precision import matmul_precision
 from tk.manifest import Manifest
 from tk.runtime.dtypes import Array
 from tk.runtime.inputs import check_arrays
@@ -38,6 +39,14 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise UsageError(f"engine option: threads must be a positive integer, got {self.threads!r}")
+
+
+@dataclass(frozen=True)
+class GraphOptions(EngineOptions):
+    """Options of the torch engines that can replay CUDA graphs."""
+
+    cuda_graph: bool = False  # on CUDA: capture each input shape once into a CUDA graph, then replay it
+    max_graphs: int = 8  # shapes captured at most; further shapes run without a graph
 
 
 def make_options(cls: type[EngineOptions], engine: str, values: Mapping[str, Any]) -> EngineOptions:
@@ -141,7 +150,7 @@ class Engine(ABC):
         native = {name: self._to_native(value) for name, value in feeds.items()}
         try:
             if self.native == "torch":
-                with torch_threads(self.options.threads):
+                with torch_threads(self.options.threads), matmul_precision(self.manifest.precision == "tf32"):
                     outputs = self._run(native)
             else:
                 outputs = self._run(native)

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import BackendUnavailableError, IntegrityError, first_line
+from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first_line
 from tk.limits import require_within_budget
 from tk.manifest import read_verified
-from tk.runtime.base import Engine, EngineOptions
+from tk.runtime.base import GraphOptions
+from tk.runtime.torch_engine import TorchEngine
 
 
 def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = False) -> nn.Module:
@@ -56,21 +57,8 @@ def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = F
     return spec.module.eval()
 
 
-def cuda_reason(device: str) -> str | None:
-    if device == "cuda" and not torch.cuda.is_available():
-        return "no CUDA GPU found (torch.cuda.is_available() is False)"
-    if device not in ("cpu", "cuda"):
-        return f"unknown device {device!r} (expected cpu or cuda)"
-    return None
-
-
-def outputs_by_name(out: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    values = list(out) if isinstance(out, (tuple, list)) else [out]
-    return dict(zip(names, values, strict=True))
-
-
 @dataclass(frozen=True)
-class EagerOptions(EngineOptions):
+class EagerOptions(GraphOptions):
     # rebuild a user model (package.module:callable) named in the manifest: runs its code
     trust_model_code: bool = False
 
@@ -83,30 +71,18 @@ class CompileOptions(EagerOptions):
     precision: str | None = None  # fp32, bf16 or fp16 (autocast); default: the artifact's precision
 
 
-class EagerEngine(Engine):
+class EagerEngine(TorchEngine):
     """The PyTorch model itself: the reference every other engine is compared with."""
 
     name = "eager"
     Options = EagerOptions
 
-    @classmethod
-    def unavailable_reason(cls, device: str = "cpu") -> str | None:
-        return cuda_reason(device)
-
-    def _load(self) -> None:
+    def _load_model(self) -> None:
         trust = self.options.trust_model_code
         self.module = module_from_manifest(self.root, self.manifest, trust_model_code=trust).to(self.device)
-        self._order = [s.name for s in self.inputs]
-        self._out_names = [s.name for s in self.outputs]
 
-    def _call(self, *args: torch.Tensor) -> Any:
+    def _forward(self, *args: torch.Tensor) -> Any:
         return self.module(*args)
-
-    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        args = [feeds[n].to(self.device) for n in self._order]
-        with torch.inference_mode():
-            out = self._call(*args)
-        return outputs_by_name(out, self._out_names)
 
     def _close(self) -> None:
         del self.module
@@ -119,18 +95,24 @@ class CompiledEngine(EagerEngine):
 
     ``freezing`` (Inductor's constant folding of weights, default on for inference) is what
     makes compile faster on the CPU; ``precision="bf16"`` runs under bfloat16 autocast.
+    ``cuda_graph`` means Inductor's own CUDA graphs (mode ``reduce-overhead``); whether they were
+    used, or skipped and why, and how often Dynamo recompiled are in ``settings()``.
     """
 
     name = "compile"
     Options = CompileOptions
 
-    def _load(self) -> None:
-        super()._load()
+    def _graphs_apply(self) -> bool:
+        return False  # Inductor captures its own graphs under reduce-overhead
+
+    def _load_model(self) -> None:
+        super()._load_model()
         from torch._inductor import list_mode_options
 
-        mode = self.options.mode or "default"
-        dynamic = self.options.dynamic
-        self._freezing = self.options.freezing
+        mode = self.options.mode or ("reduce-overhead" if self.options.cuda_graph else "default")
+        if self.options.cuda_graph and mode != "reduce-overhead":
+            raise UsageError(f"engine 'compile': CUDA graphs come with --mode reduce-overhead, not --mode {mode}")
+        self._mode = mode
         artifact_precision = self.manifest.precision if self.manifest.precision in ("bf16", "fp16") else "fp32"
         self._precision = self.options.precision or artifact_precision
         if self._precision not in ("fp32", "bf16", "fp16"):
@@ -139,20 +121,39 @@ class CompiledEngine(EagerEngine):
             )
         self._autocast_dtype = torch.bfloat16 if self._precision == "bf16" else torch.float16
         # torch.compile takes a mode or options, not both: the mode's options plus freezing, compiled in
-        options = dict(list_mode_options(mode, dynamic)) if mode != "default" else {}
-        options["freezing"] = self._freezing
-        self.compiled = torch.compile(self.module, dynamic=dynamic, options=options)
+        options = dict(list_mode_options(mode, self.options.dynamic)) if mode != "default" else {}
+        options["freezing"] = self.options.freezing
+        self.compiled = torch.compile(self.module, dynamic=self.options.dynamic, options=options)
+        self._counters_at_load = compile_counters()
 
     def settings(self) -> dict[str, Any]:
         out = super().settings()
         if self._loaded:
-            out.update(mode=self.options.mode or "default", precision=self._precision)
+            now = compile_counters()
+            since = {key: now[key] - self._counters_at_load.get(key, 0) for key in now}
+            uses_graphs = self._mode == "reduce-overhead" and self.device == "cuda"
+            out.update(
+                mode=self._mode,
+                precision=self._precision,
+                frames_compiled=since["frames"],
+                recompilations=max(0, since["frames"] - 1),
+                cuda_graphs="not asked for" if not uses_graphs
+                else "used" if since["cudagraph_skips"] == 0
+                else f"skipped {since['cudagraph_skips']} time(s): TORCH_LOGS=cudagraphs prints Inductor's reasons",
+            )  # fmt: skip
         return out
 
-    def _call(self, *args: torch.Tensor) -> Any:
+    def _forward(self, *args: torch.Tensor) -> Any:
         if self._precision == "fp32":
             return self.compiled(*args)
         with torch.autocast(device_type=self.device, dtype=self._autocast_dtype):
             out = self.compiled(*args)
         values = list(out) if isinstance(out, (tuple, list)) else [out]
         return [v.float() if v.is_floating_point() else v for v in values]
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo frames compiled and Inductor's CUDA-graph skips so far in this process (process-wide counters)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["frames"]["ok"]), "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}

@@ -25,7 +25,7 @@ from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first
 from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions
 from tk.runtime.dtypes import torch_dtype
-from tk.runtime.eager import cuda_reason
+from tk.runtime.torch_engine import cuda_reason
 from tk.safefiles import private_copy
 
 PROVIDERS = {
@@ -220,8 +220,9 @@ class OnnxRuntimeEngine(Engine):
         return [(p, self._provider_options(p)) for p in chain]
 
     def _provider_options(self, provider: str) -> dict[str, str]:
-        if provider == "CUDAExecutionProvider":
-            return {"device_id": str(torch.cuda.current_device())}
+        if provider == "CUDAExecutionProvider":  # onnxruntime's CUDA provider uses TF32 unless told not to
+            tf32 = "1" if self.manifest.precision == "tf32" else "0"
+            return {"device_id": str(torch.cuda.current_device()), "use_tf32": tf32}
         if provider != "TensorrtExecutionProvider":
             return {}
         cache = TRT_CACHE.expanduser()
