@@ -50,8 +50,10 @@ def resolve_opset(opset: int | None) -> int:
 
     opset = DEFAULT_OPSET if opset is None else opset
     newest = onnx.defs.onnx_opset_version()
-    if not MIN_OPSET <= opset <= newest:
-        raise UsageError(f"--opset: expected {MIN_OPSET} to {newest} (the newest this onnx knows), got {opset}")
+    if opset < MIN_OPSET:
+        raise UsageError(f"--opset: expected {MIN_OPSET} or newer, got {opset}")
+    if opset > newest:
+        raise UsageError(f"--opset: expected at most {newest} (the newest this onnx knows), got {opset}")
     return opset
 
 
