@@ -104,3 +104,37 @@ def test_table_warns_about_a_busy_machine():
     console = Console(record=True, width=160)
     console.print(render_table(BenchReport([], machine, {})))
     assert "busy machine: load average 5.0 on 2 cores" in console.export_text()
+
+
+@pytest.mark.parametrize("io", ["host", "device"])
+def test_io_modes_time_the_cold_call_apart_and_record_it(engines, io):
+    calls = []
+    engine = engines["torch"]
+    inner = engine.run
+
+    def counting_run(feeds, check=True):
+        calls.append((type(next(iter(feeds.values()))).__name__, check))
+        return inner(feeds, check=check)
+
+    engine.run = counting_run
+    try:
+        result = measure({"torch": engine}, [2], iters=4, warmup=2, io=io)
+    finally:
+        del engine.run
+    (row,) = result.rows
+    assert row.io == io and result.settings["io"] == io and result.settings["warmup"] == 2
+    assert row.iters == 4 and row.cold_ms is not None and row.cold_ms > 0
+    # on the CPU there are no copies to split out and no GPU memory
+    assert row.h2d_ms is row.compute_ms is row.d2h_ms is row.peak_gpu_mb is None
+    # 1 cold + 2 warm-up + 4 timed calls, all with the checks skipped (the feeds were checked once)
+    assert calls == [("Tensor" if io == "device" else "ndarray", False)] * 7
+    assert json.loads(json.dumps(result.to_json()))["rows"][0]["cold_ms"] == row.cold_ms
+
+
+def test_bad_io_or_warmup_is_refused(engines):
+    from tk.errors import UsageError
+
+    with pytest.raises(UsageError, match="--io: expected one of host, device"):
+        measure({"torch": engines["torch"]}, [1], iters=1, io="pinned")
+    with pytest.raises(UsageError, match="--warmup: expected 0 or more"):
+        measure({"torch": engines["torch"]}, [1], iters=1, warmup=-1)

@@ -94,7 +94,12 @@ def engine_options(fn: Any) -> Any:
         show_default=True,
         help="torch.compile mode of the compile engine.",
     )(fn)
-    fn = click.option("--cuda-graph", is_flag=True, help="Replay TensorRT calls through a CUDA graph.")(fn)
+    fn = click.option(
+        "--cuda-graph",
+        is_flag=True,
+        help="On CUDA, capture each input shape once into a CUDA graph and replay it (eager, torch, aoti, trt; "
+        "compile: Inductor's own graphs under reduce-overhead).",
+    )(fn)
     fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
     fn = click.option(
         "--trust-model-code",

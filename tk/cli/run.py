@@ -194,6 +194,15 @@ def check_cmd(
 @click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
 @click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls per engine and batch size.")
+@click.option(
+    "--io",
+    type=click.Choice(["host", "device"]),
+    default="host",
+    show_default=True,
+    help="host: inputs start in (pinned) host memory and outputs are copied back, copies timed; "
+    "device: inputs already on the engine's device and outputs stay there (like trtexec --noDataTransfers).",
+)
 @click.option(
     "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
 )
@@ -218,6 +227,8 @@ def bench_cmd(
     batch_sizes: str,
     seconds: float | None,
     iters: int | None,
+    warmup: int,
+    io: str,
     seq: int | None,
     json_path: Path | None,
     plot_path: Path | None,
@@ -239,6 +250,8 @@ def bench_cmd(
         batch_sizes=parse_batch_sizes(batch_sizes),
         seconds=seconds,
         iters=iters,
+        warmup=warmup,
+        io=io,
         sizes={"seq": seq} if seq is not None else None,
         device=device,
         options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),

@@ -37,6 +37,8 @@ def bench_artifact(
     seconds: float | None = None,
     iters: int | None = None,
     sizes: dict[str, int] | None = None,
+    warmup: int = 3,
+    io: str = "host",
     device: str = "cpu",
     options: dict[str, Any] | None = None,
     allow_failed: bool = False,
@@ -74,7 +76,9 @@ def bench_artifact(
             shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
             candidates = check_candidates(opened["eager"], opened, manifest, shape)
             opened = {c.engine: opened[c.engine] for c in candidates if c.passed}
-        report = measure(opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, progress=progress)
+        report = measure(
+            opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, warmup=warmup, io=io, progress=progress
+        )
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
     choices: list[AutoChoice] = []
     if candidates is not None:

@@ -16,7 +16,6 @@ import math
 import os
 import platform
 import random
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from tk.errors import BackendUnavailableError, InputError, UsageError
 from tk.fileio import atomic_write_bytes, atomic_write_json
 from tk.runtime.base import Engine
 from tk.runtime.inputs import random_inputs, sample_dim
+from tk.workflows.timing import IO_MODES, CallTime, CallTimer, peak_gpu_memory_mb, peak_gpu_memory_reset
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -48,6 +48,12 @@ class BenchRow:
     mean_ms: float
     throughput: float  # samples per second at the median latency
     speedup: float | None  # eager p50 / this p50 at the same batch size; None without eager
+    io: str = "host"  # host: copies to and from the device included; device: inputs and outputs stay on it
+    cold_ms: float | None = None  # the first call at this batch size (loads, compiles, captures), apart
+    h2d_ms: float | None = None  # median host-to-device copy per call (CUDA, --io host)
+    compute_ms: float | None = None  # median engine time per call by CUDA events (CUDA)
+    d2h_ms: float | None = None  # median device-to-host copy per call (CUDA, --io host)
+    peak_gpu_mb: float | None = None  # peak GPU memory allocated while warming this engine up (CUDA)
 
 
 @dataclass
@@ -111,6 +117,7 @@ def measure(
     sizes: dict[str, int] | None = None,
     warmup: int = 3,
     seed: int = 0,
+    io: str = "host",
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Time every engine at every batch size on the same random feeds.
@@ -118,8 +125,14 @@ def measure(
     Timing stops after ``iters`` calls per engine or once the time budget (``seconds`` per engine
     per batch size) is spent, whichever comes first. An engine that does not accept a batch size
     (outside its range) is skipped there, with the reason in ``report.skipped``. Defaults: a
-    2.0 s budget, 3 warm-up calls, other dimensions at ``sizes`` or their opt size, seed 0.
+    2.0 s budget, 3 warm-up calls, other dimensions at ``sizes`` or their opt size, seed 0, ``io``
+    host (see ``tk.workflows.timing``). Each engine's first call at each batch size is timed apart
+    (``cold_ms``); on CUDA each row also has its copy and compute times and peak GPU memory.
     """
+    if io not in IO_MODES:
+        raise UsageError(f"--io: expected one of {', '.join(IO_MODES)}, got {io!r}")
+    if warmup < 0:
+        raise UsageError(f"--warmup: expected 0 or more calls, got {warmup}")
     if not engines:
         raise UsageError("bench: expected at least one engine")
     if iters is not None and iters < 1:
@@ -137,7 +150,6 @@ def measure(
                 f"bench: engine {label!r} takes inputs {[s.name for s in engine.inputs]}, expected {names}"
             )
     cuda = any(getattr(e, "device", "cpu") == "cuda" for e in engines.values())
-    sync = _cuda_sync if cuda else _no_sync
     batch = sample_dim(specs)
     machine = machine_description()  # before timing, so the load average is not the benchmark's own
     say = progress or (lambda _: None)
@@ -145,22 +157,25 @@ def measure(
     skipped: list[dict[str, Any]] = []
     for size in batch_sizes:
         feeds = random_inputs(specs, dims, size, seed=seed, sizes=sizes)
-        active: dict[str, Engine] = {}
+        active: dict[str, CallTimer] = {}
+        extra: dict[str, dict[str, Any]] = {}
         for label, engine in engines.items():
             try:
-                engine.check_feeds(feeds)
+                engine.load()
+                timer = CallTimer(engine, feeds, io)
             except InputError as exc:
                 skipped.append({"engine": label, "batch_size": size, "reason": str(exc)})
                 say(f"batch {size}: {label} skipped: {exc}")
                 continue
             say(f"batch {size}: {label} warm-up")
-            engine.load()
+            peak_gpu_memory_reset(cuda)
+            cold = timer()
             for _ in range(warmup):
-                engine.run(feeds)
-            sync()
-            active[label] = engine
-        times = _interleaved(active, feeds, seconds, iters, sync)
-        batch_rows = [_row(label, size, t) for label, t in times.items()]
+                timer()
+            extra[label] = {"io": io, "cold_ms": cold.total_s * 1e3, "peak_gpu_mb": peak_gpu_memory_mb(cuda)}
+            active[label] = timer
+        times = _interleaved(active, seconds, iters)
+        batch_rows = [_row(label, size, t, extra[label]) for label, t in times.items()]
         reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
         for row in batch_rows:
             row.speedup = reference.p50_ms / row.p50_ms if reference is not None and row.p50_ms > 0 else None
@@ -173,22 +188,17 @@ def measure(
         "sizes": {n: d.opt for n, d in dims.items() if n != batch} | (sizes or {}),  # besides the batch
         "warmup": warmup,
         "seed": seed,
+        "io": io,
         "engines": list(engines),
         "reference": REFERENCE if REFERENCE in engines else None,
     }
     return BenchReport(rows, machine, settings, skipped)
 
 
-def _interleaved(
-    engines: dict[str, Engine],
-    feeds: dict[str, np.ndarray],
-    seconds: float | None,
-    iters: int | None,
-    sync: Callable[[], None],
-) -> dict[str, list[float]]:
-    """Per-call seconds of each engine, timed round-robin until ``iters`` or the budget is reached."""
-    times: dict[str, list[float]] = {label: [] for label in engines}
-    order = list(engines.items())
+def _interleaved(timers: dict[str, CallTimer], seconds: float | None, iters: int | None) -> dict[str, list[CallTime]]:
+    """Each engine's call times, timed round-robin until ``iters`` or the budget is reached."""
+    times: dict[str, list[CallTime]] = {label: [] for label in timers}
+    order = list(timers.items())
     shuffle = random.Random(0).shuffle
     budget = None if seconds is None else seconds * len(order)
     spent = 0.0
@@ -205,14 +215,10 @@ def _interleaved(
             # A new order every round: a rotated fixed order keeps each engine behind the same
             # neighbour, and on few cores an engine pays for its predecessor's threads going idle.
             shuffle(order)
-            for label, engine in order:
-                sync()
-                start = time.perf_counter()
-                engine.run(feeds)
-                sync()
-                elapsed = time.perf_counter() - start
-                times[label].append(elapsed)
-                spent += elapsed
+            for label, timer in order:
+                call = timer()
+                times[label].append(call)
+                spent += call.total_s
             rounds += 1
     finally:
         if gc_was_enabled:
@@ -220,21 +226,19 @@ def _interleaved(
     return times
 
 
-def _row(label: str, batch_size: int, seconds: list[float]) -> BenchRow:
-    ms = np.asarray(seconds) * 1e3
+def _row(label: str, batch_size: int, calls: list[CallTime], extra: dict[str, Any]) -> BenchRow:
+    ms = np.asarray([c.total_s for c in calls]) * 1e3
     p50, p90, p99 = (float(v) for v in np.percentile(ms, [50, 90, 99]))
     throughput = batch_size / (p50 / 1e3) if p50 > 0 else float("inf")
-    return BenchRow(label, batch_size, len(ms), p50, p90, p99, float(ms.mean()), throughput, None)
 
+    def median(field: str) -> float | None:
+        values = [getattr(c, field) for c in calls if getattr(c, field) is not None]
+        return float(np.median(values)) if values else None
 
-def _cuda_sync() -> None:
-    import torch
-
-    torch.cuda.synchronize()
-
-
-def _no_sync() -> None:
-    pass
+    return BenchRow(
+        label, batch_size, len(ms), p50, p90, p99, float(ms.mean()), throughput, None,
+        h2d_ms=median("h2d_ms"), compute_ms=median("compute_ms"), d2h_ms=median("d2h_ms"), **extra,
+    )  # fmt: skip
 
 
 def render_table(report: BenchReport) -> Table:
@@ -246,21 +250,20 @@ def render_table(report: BenchReport) -> Table:
         f"latency per call, {machine.get('gpu') or machine.get('cpu')}, {machine.get('torch_threads')} torch threads"
     )
     table = Table(title=title)
-    for header in ("engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up"):
+    gpu_columns = any(r.compute_ms is not None for r in report.rows)
+    headers = ["engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up", "cold ms"]
+    if gpu_columns:
+        headers += ["H2D ms", "compute ms", "D2H ms", "peak MiB"]
+    for header in headers:
         table.add_column(header, justify="left" if header == "engine" else "right")
     for r in report.rows:
         speedup = "—" if r.speedup is None else f"{r.speedup:.2f}×"
-        table.add_row(
-            r.engine,
-            str(r.batch_size),
-            str(r.iters),
-            _ms(r.p50_ms),
-            _ms(r.p90_ms),
-            _ms(r.p99_ms),
-            _ms(r.mean_ms),
-            f"{r.throughput:,.0f}",
-            speedup,
-        )
+        cells = [r.engine, str(r.batch_size), str(r.iters), _ms(r.p50_ms), _ms(r.p90_ms), _ms(r.p99_ms)]
+        cells += [_ms(r.mean_ms), f"{r.throughput:,.0f}", speedup, _maybe_ms(r.cold_ms)]
+        if gpu_columns:
+            peak = "—" if r.peak_gpu_mb is None else f"{r.peak_gpu_mb:,.0f}"
+            cells += [_maybe_ms(r.h2d_ms), _maybe_ms(r.compute_ms), _maybe_ms(r.d2h_ms), peak]
+        table.add_row(*cells)
     notes = []
     load, cores = machine.get("load_average"), machine.get("usable_cores")
     if load and cores and load[0] > cores:
@@ -269,6 +272,10 @@ def render_table(report: BenchReport) -> Table:
         notes.append("skipped: " + "; ".join(f"{s['engine']} at batch {s['batch_size']}" for s in report.skipped))
     table.caption = "\n".join(notes) or None
     return table
+
+
+def _maybe_ms(value: float | None) -> str:
+    return "—" if value is None else _ms(value)
 
 
 def _ms(value: float) -> str:
