@@ -196,6 +196,12 @@ def check_cmd(
 @click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls per engine and batch size.")
 @click.option(
+    "--baselines/--no-baselines",
+    default=True,
+    show_default=True,
+    help="Add eager and compile beside the engines asked for.",
+)
+@click.option(
     "--io",
     type=click.Choice(["host", "device"]),
     default="host",
@@ -228,6 +234,7 @@ def bench_cmd(
     seconds: float | None,
     iters: int | None,
     warmup: int,
+    baselines: bool,
     io: str,
     seq: int | None,
     json_path: Path | None,
@@ -252,6 +259,7 @@ def bench_cmd(
         iters=iters,
         warmup=warmup,
         io=io,
+        baselines=baselines,
         sizes={"seq": seq} if seq is not None else None,
         device=device,
         options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),

@@ -39,12 +39,14 @@ def bench_artifact(
     sizes: dict[str, int] | None = None,
     warmup: int = 3,
     io: str = "host",
+    baselines: bool = True,
     device: str = "cpu",
     options: dict[str, Any] | None = None,
     allow_failed: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[BenchReport, list[AutoChoice]]:
-    """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and compile.
+    """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and
+    compile (unless ``baselines`` is off).
 
     With ``auto`` only engines whose parity passes at the opt shape compete, and the choice at
     each batch size comes back with the report. ``options`` holds engine options by name; the
@@ -54,7 +56,7 @@ def bench_artifact(
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
     manifest = verify_artifact(root)
-    names = engines_to_check(engines, manifest, device, baselines=BASELINES)
+    names = engines_to_check(engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True)
     values = {"spinning": len(names) == 1, **(options or {})}
     with ExitStack() as stack:
         opened = {

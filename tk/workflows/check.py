@@ -110,11 +110,13 @@ class CheckResult:
             raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g})")
 
 
-def engines_to_check(text: str, manifest: Manifest, device: str, *, baselines: tuple[str, ...] = ()) -> list[str]:
+def engines_to_check(
+    text: str, manifest: Manifest, device: str, *, baselines: tuple[str, ...] = (), keep_eager: bool = False
+) -> list[str]:
     """``all`` (every engine this machine runs for the artifact) or a comma-separated list.
 
-    Without ``baselines``, eager (the reference) is left out and an empty list is an error; with
-    them, the baselines come first and the rest follow.
+    ``baselines`` come first. Eager (the reference of a check) is left out unless ``keep_eager``
+    or it is a baseline; an empty list is an error.
     """
     if text in ("all", "auto"):
         names = available_engines(manifest, device)
@@ -125,9 +127,9 @@ def engines_to_check(text: str, manifest: Manifest, device: str, *, baselines: t
             raise UsageError(
                 f"--engine: unknown {', '.join(unknown)}; expected names from {', '.join(ENGINES)}, or all"
             )
-    if baselines:
-        return [b for b in baselines if b not in names] + names
-    names = [n for n in names if n != "eager"]
+    names = [b for b in baselines if b not in names] + names
+    if not (keep_eager or "eager" in baselines):
+        names = [n for n in names if n != "eager"]
     if not names:
         raise UsageError(f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}")
     return names
