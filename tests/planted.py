@@ -60,3 +60,38 @@ class Planted(nn.Module):
 def build() -> UserModel:
     torch.manual_seed(0)
     return UserModel(Planted(), {"x": torch.randn(4, 16)}, output_names=["logits"])
+
+
+class DataDependent(nn.Module):
+    """Branches on a tensor's value: no single static graph holds both branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (B, 4)
+        if h.sum() > 0:  # planted: a Python branch on data
+            return h * 2
+        return h - 1
+
+
+class FixedBatch(nn.Module):
+    """Reshapes with a literal batch size, so a dynamic batch dimension specialises to 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).reshape(4, -1).sum(1)  # planted: the batch size written as 4
+
+
+def data_dependent() -> UserModel:
+    torch.manual_seed(0)
+    return UserModel(DataDependent(), {"x": torch.randn(4, 8)})
+
+
+def fixed_batch() -> UserModel:
+    torch.manual_seed(0)
+    return UserModel(FixedBatch(), {"x": torch.randn(4, 8)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -112,6 +113,20 @@ def write_capture_report(
         f"**Error:** {error}",
         "",
     ]
+    special = _SPECIALIZED.search(str(cause))
+    if special:
+        name, value = special[1], int(special[2])
+        flag = f"--{name} " if name in ("batch", "seq") else f"--dim {name}="
+        lines += [
+            "## Fix",
+            "",
+            f"- the model's code fixes dimension `{name}` to {value} (see the source line below): export with "
+            f"`{flag}{value}:{value}:{value}` (or `--static`), or change that line so it does not assume the size "
+            f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})",
+            "",
+        ]
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # draft_export logs every issue (and graphs) as warnings; the report has them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -119,10 +134,16 @@ def write_capture_report(
                 module, example_inputs, dynamic_shapes=_export_args(module, signature, dims), strict=False
             )
         failures = list(draft._report.failures)  # draft_export's report: its documented way to read failures
-        names = {v: k for k, v in draft._report.str_to_filename.items()}
+        from torch._logging.structured import INTERN_TABLE
+
+        # frames name files by an index into torch's process-wide string table; the report holds
+        # only the entries new to this call, so a second export in one process needs the table
+        names = {index: name for name, index in INTERN_TABLE.items()} | dict(draft._report.str_to_filename)
     except Exception as exc:  # draft_export fails in its own ways; the torch.export error below still explains
         failures, names = [], {}
         lines += [f"`torch.export.draft_export` failed as well: {type(exc).__name__}: {first_line(exc)}", ""]
+    finally:
+        logging.disable(previous)
     if failures:
         lines += [f"## What `torch.export.draft_export` found ({len(failures)} issue(s))", ""]
     for i, failure in enumerate(failures, 1):
