@@ -23,6 +23,10 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
     return format(x, fmt)
 
 
+def _abs(value: float, nonfinite: int) -> str:
+    return "NaN/Inf" if nonfinite else _num(value)  # the finite part's error would hide the NaN
+
+
 @debug_group.command("locate")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--engine", type=click.Choice(["torch", "aoti", "onnx"]), default="onnx", show_default=True)
@@ -71,7 +75,7 @@ def locate_cmd(
     else:
         click.echo(
             f"first divergence: {first.module} ({first.kind}), module {first.order + 1} of {len(result.rows)} "
-            f"in execution order: max abs {_num(first.max_abs)}, max rel {_num(first.max_rel)}, "
+            f"in execution order: max abs {_abs(first.max_abs, first.nonfinite)}, max rel {_num(first.max_rel)}, "
             f"{first.nonfinite} NaN/Inf"
         )
     table = Table(title=f"modules where the error grows most (rtol {result.rtol:g}, atol {result.atol:g})")
@@ -82,7 +86,7 @@ def locate_cmd(
             str(row.order + 1),
             row.module,
             row.kind,
-            _num(row.max_abs),
+            _abs(row.max_abs, row.nonfinite),
             _num(row.max_rel),
             _num(row.sqnr_db, ".1f"),
             str(row.nonfinite),
@@ -92,7 +96,7 @@ def locate_cmd(
     console().print(table)
     for out in result.engine_outputs:
         verdict = "pass" if out.passed else f"FAIL: {out.problem}"
-        click.echo(f"engine {engine} output {out.name}: max abs {_num(out.max_abs)}, {verdict}")
+        click.echo(f"engine {engine} output {out.name}: max abs {_abs(out.max_abs, out.nan + out.inf)}, {verdict}")
     if json_path:
         atomic_write_json(json_path, result.to_json())
         click.echo(f"json: {json_path}")

@@ -108,7 +108,9 @@ class CheckResult:
     def raise_if_failed(self) -> None:
         failed = [name for name, r in self.reports.items() if not r.passed]
         if failed:
-            raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g})")
+            per_output = {k: v for r in self.reports.values() for k, v in r.tolerances.items()}
+            extra = "".join(f"; {name} rtol {rt:g}, atol {at:g}" for name, (rt, at) in per_output.items())
+            raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g}{extra})")
 
 
 def engines_to_check(text: str, manifest: Manifest, device: str, *, baselines: tuple[str, ...] = ()) -> list[str]:
