@@ -95,3 +95,23 @@ def data_dependent() -> UserModel:
 def fixed_batch() -> UserModel:
     torch.manual_seed(0)
     return UserModel(FixedBatch(), {"x": torch.randn(4, 8)})
+
+
+@torch.library.custom_op("tkplanted::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    """An operator torch.export captures and torch.onnx cannot translate (no ONNX function for it)."""
+    return x * 2
+
+
+@mystery.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class NoOnnx(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mystery(x) + 1  # planted: a custom operator without an ONNX translation
+
+
+def no_onnx() -> UserModel:
+    return UserModel(NoOnnx(), {"x": torch.randn(4, 8)})

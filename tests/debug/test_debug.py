@@ -161,6 +161,10 @@ def test_minimize_finds_the_needed_pair() -> None:
             ["DATA_DEPENDENT_ERROR", "planted.py`, line", "if h.sum() > 0:", "torch.cond"],
         ),
         ("tests.planted:fixed_batch", ["GUARD_ADDED", "reshape(4, -1)", "--batch 4:4:4", "planted.py`, line"]),
+        (
+            "tests.planted:no_onnx",
+            ["torch.onnx could not convert", "tkplanted.mystery", "planted.py:", "mystery(x) + 1"],
+        ),
     ],
 )
 def test_failed_capture_writes_a_report(tmp_path: Path, model: str, fragments: list[str]) -> None:

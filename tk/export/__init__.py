@@ -163,6 +163,7 @@ def write_artifact(
     try:
         module = module_at_precision(spec.module.to(device), options.precision, options.device, options.keep_fp32)
         ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
+        ctx.report = options.report or out.parent / f"{out.name}.export-report.md"
         ctx.versions = library_versions(options.device)
         _write_weights(ctx)
         if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
@@ -211,7 +212,7 @@ def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
     try:
         return exported_program_from_module(ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
     except CaptureError as exc:
-        report = ctx.options.report or out.parent / f"{out.name}.export-report.md"
+        report = ctx.report or out.parent / f"{out.name}.export-report.md"
         written = write_capture_report(report, ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims, exc)
         raise CaptureError(f"{exc} (report: {written})") from exc
 

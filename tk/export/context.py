@@ -46,6 +46,7 @@ class ExportContext:
     staging: Path  # files are written here, then the directory is renamed into place
     example_inputs: tuple[torch.Tensor, ...]
     program: torch.export.ExportedProgram | None = None
+    report: Path | None = None  # where a failed capture or conversion writes its report
     files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, role)
     formats: dict[str, dict[str, Any]] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)
