@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, UsageError
+from tk.formats.torch_program import load_exported_program
 from tk.manifest import Manifest, verify_artifact, verify_file
 from tk.parity import OutputParity, compare, compare_output
 from tk.runtime import load
@@ -319,7 +320,7 @@ def locate(
     notes: list[str] = []
     wrapped = manifest.precision in REDUCED
     if engine == "torch":
-        program = torch.export.load(str(verify_file(root, manifest.file("torch"))))
+        program = load_exported_program(verify_file(root, manifest.file("torch")))
         values = _outputs_from_program(_program_values(program, args, wrapped), records)
         via = "the saved torch.export program, node by node"
     elif engine == "aoti":
