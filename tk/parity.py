@@ -33,9 +33,18 @@ class OutputParity:
     inf: int = 0  # Inf in the candidate
     passed: bool = True
     problem: str | None = None  # a mismatch of names, shapes or dtypes, or a tolerance miss
+    top1_agree: int | None = None  # (batch, classes) outputs: samples whose argmax matches the reference's
+    top1_total: int | None = None
+
+    @property
+    def top1_rate(self) -> float | None:
+        return None if not self.top1_total else (self.top1_agree or 0) / self.top1_total
 
     def merge(self, other: OutputParity) -> None:
-        """Keep the worst of both runs."""
+        """Keep the worst of both runs (top-1 agreement adds up)."""
+        if other.top1_total is not None:
+            self.top1_agree = (self.top1_agree or 0) + (other.top1_agree or 0)
+            self.top1_total = (self.top1_total or 0) + other.top1_total
         self.max_abs = max(self.max_abs, other.max_abs)
         self.max_rel = max(self.max_rel, other.max_rel)
         self.cosine = min(self.cosine, other.cosine)
@@ -58,6 +67,7 @@ class ParityReport:
     outputs: list[OutputParity] = field(default_factory=list)
     shapes: list[dict[str, int]] = field(default_factory=list)  # dimension sizes that were run
     batch_invariance: OutputParity | None = None
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per-output (rtol, atol) overrides
 
     @property
     def passed(self) -> bool:
@@ -75,6 +85,10 @@ class ParityReport:
             d = asdict(o)
             d["shape"] = list(o.shape) if o.shape else None
             d["sqnr_db"] = None if math.isinf(o.sqnr_db) else round(o.sqnr_db, 2)
+            if o.top1_total is None:
+                del d["top1_agree"], d["top1_total"]
+            else:
+                d["top1_rate"] = o.top1_rate
             return d
 
         return {
@@ -88,6 +102,7 @@ class ParityReport:
             "shapes": self.shapes,
             "outputs": [clean(o) for o in self.outputs],
             "batch_invariance": clean(self.batch_invariance) if self.batch_invariance else None,
+            **({"tolerances": {k: list(v) for k, v in self.tolerances.items()}} if self.tolerances else {}),
         }
 
 
@@ -100,6 +115,9 @@ def compare_output(
         result.passed = False
         result.problem = f"shape {tuple(candidate.shape)}, reference has {tuple(reference.shape)}"
         return result
+    if is_class_scores(reference):
+        result.top1_agree = int((np.argmax(reference, axis=1) == np.argmax(candidate, axis=1)).sum())
+        result.top1_total = int(reference.shape[0])
     ref = np.asarray(reference, dtype=np.float64)
     cand = np.asarray(candidate, dtype=np.float64)
     result.nan = int(np.isnan(cand).sum())
@@ -144,6 +162,11 @@ def compare_output(
     return result
 
 
+def is_class_scores(array: np.ndarray) -> bool:
+    """A (batch, classes) floating array, classes >= 2: a classifier's scores, judged by top-1 agreement too."""
+    return array.ndim == 2 and array.shape[1] >= 2 and array.shape[0] >= 1 and np.issubdtype(array.dtype, np.floating)
+
+
 def compare(
     reference: Mapping[str, np.ndarray],
     candidate: Mapping[str, np.ndarray],
@@ -151,8 +174,12 @@ def compare(
     rtol: float,
     atol: float,
     min_sqnr_db: float | None = None,
+    tolerances: Mapping[str, tuple[float, float]] | None = None,
 ) -> list[OutputParity]:
-    """Names first: a missing or extra output is a failure of its own; then each output."""
+    """Names first: a missing or extra output is a failure of its own; then each output.
+
+    ``tolerances``: (rtol, atol) for the outputs it names; the others use ``rtol``/``atol``.
+    """
     results = []
     for name in reference:
         if name not in candidate:
@@ -160,7 +187,8 @@ def compare(
                 OutputParity(name, None, passed=False, problem=f"missing; the candidate gave {list(candidate)}")
             )
             continue
-        results.append(compare_output(name, reference[name], candidate[name], rtol, atol, min_sqnr_db))
+        out_rtol, out_atol = (tolerances or {}).get(name, (rtol, atol))
+        results.append(compare_output(name, reference[name], candidate[name], out_rtol, out_atol, min_sqnr_db))
     for name in candidate:
         if name not in reference:
             results.append(
@@ -213,6 +241,7 @@ def check_engines(
     seed: int = 0,
     runs: ReferenceRuns | None = None,
     batch_invariance: bool = True,
+    tolerances: Mapping[str, tuple[float, float]] | None = None,
 ) -> ParityReport:
     """Run both engines (``tk.runtime.Engine``s) on the same inputs and report the worst per output.
 
@@ -221,7 +250,10 @@ def check_engines(
     invariance probe re-runs the first samples of the largest batch alone through the candidate
     and compares them with the candidate's own batched outputs.
     """
-    report = ParityReport(candidate.name, reference.name, precision, rtol, atol, min_sqnr_db)
+    ref_name = reference if isinstance(reference, str) else reference.name  # a name: ``runs`` came from a golden file
+    report = ParityReport(
+        candidate.name, ref_name, precision, rtol, atol, min_sqnr_db, tolerances=dict(tolerances or {})
+    )
     merged: dict[str, OutputParity] = {}
     if runs is None:
         runs = reference_runs(reference, shapes, seed=seed)
@@ -229,7 +261,7 @@ def check_engines(
     for run_feeds, ref_out in zip(runs.feeds, runs.outputs, strict=True):
         cand_out = candidate.run(run_feeds)
         report.shapes.append(candidate.check_feeds(run_feeds))
-        for result in compare(ref_out, cand_out, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db):
+        for result in compare(ref_out, cand_out, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db, tolerances=tolerances):
             if result.name in merged:
                 merged[result.name].merge(result)
             else:
@@ -285,10 +317,21 @@ def report_from_outputs(
     atol: float,
     min_sqnr_db: float | None = None,
     shapes: list[dict[str, int]] | None = None,
+    reference_name: str = "eager",
+    tolerances: Mapping[str, tuple[float, float]] | None = None,
 ) -> ParityReport:
     """A ``ParityReport`` for outputs already computed (a whole input file run through both engines)."""
-    report = ParityReport(engine, "eager", precision, rtol, atol, min_sqnr_db, shapes=shapes or [])
-    report.outputs = compare(reference, candidate, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db)
+    report = ParityReport(
+        engine,
+        reference_name,
+        precision,
+        rtol,
+        atol,
+        min_sqnr_db,
+        shapes=shapes or [],
+        tolerances=dict(tolerances or {}),
+    )
+    report.outputs = compare(reference, candidate, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db, tolerances=tolerances)
     _fail_where_the_reference_is_nan(report.outputs, [reference])
     return report
 

@@ -97,9 +97,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from tk.cli import artifact, run, train
+    from tk.cli import artifact, debug, run, train
 
-    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS):
+    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS, *debug.COMMANDS):
         cli.add_command(command)
 
 

@@ -83,6 +83,18 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     default=None,
     help="Also write the manifest's check as JSON here.",
 )
+@click.option(
+    "--keep-fp32",
+    default=None,
+    metavar="MODULE[,MODULE...]",
+    help="Module paths kept in float32 under --precision fp16/bf16/int8 (what `tk debug precision` prints).",
+)
+@click.option(
+    "--report",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where a failed capture's report goes (default: OUT.export-report.md beside OUT).",
+)
 def export_cmd(
     model: str,
     size: str | None,
@@ -105,6 +117,8 @@ def export_cmd(
     trt_hardware_compat: str,
     trt_timing_cache: Path | None,
     json_path: Path | None,
+    keep_fp32: str | None,
+    report: Path | None,
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
     from tk.export import ExportOptions
@@ -126,6 +140,8 @@ def export_cmd(
         trt_optimization_level=trt_opt_level,
         trt_hardware_compatibility=trt_hardware_compat,
         trt_timing_cache=trt_timing_cache,
+        keep_fp32=tuple(m.strip() for m in (keep_fp32 or "").split(",") if m.strip()),
+        report=report,
     )
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
     from tk.errors import ParityError

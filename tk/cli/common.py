@@ -47,10 +47,10 @@ def size_text(n: int) -> str:
     return str(n)
 
 
-def print_check_reports(reports: dict[str, dict[str, Any]]) -> None:
+def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity against PyTorch eager") -> None:
     from rich.table import Table
 
-    table = Table(title="parity against PyTorch eager")
+    table = Table(title=title)
     for column in ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", "NaN", "Inf", "result"):
         table.add_column(column, justify="right" if column not in ("engine", "output", "result") else "left")
     for engine, report in reports.items():
@@ -75,6 +75,8 @@ def print_check_reports(reports: dict[str, dict[str, Any]]) -> None:
     tol = next(iter(reports.values()), None)
     if tol:
         click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
+        for name, (rtol, atol) in tol.get("tolerances", {}).items():
+            click.echo(f"tolerance of {name}: rtol {rtol:g}, atol {atol:g}")
 
 
 def engine_options(fn: Any) -> Any:

@@ -135,6 +135,28 @@ def infer_cmd(
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the reports as JSON.")
+@click.option(
+    "--reference",
+    default="eager",
+    show_default=True,
+    type=click.Choice(list(ENGINES)),
+    help="Engine the others are compared with (eager: the PyTorch model).",
+)
+@click.option(
+    "--golden",
+    "golden_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Compare with this golden file's inputs and outputs instead (the model is not rebuilt).",
+)
+@click.option(
+    "--save-golden",
+    "save_golden_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Save the inputs, the reference's outputs and the tolerances here (.npz with JSON meta).",
+)
+@click.option("--tol", "tols", multiple=True, metavar="NAME=RTOL:ATOL", help="Tolerance of one output (repeatable).")
 @engine_options
 def check_cmd(
     artifact: Path,
@@ -146,6 +168,10 @@ def check_cmd(
     atol: float | None,
     seed: int,
     json_path: Path | None,
+    reference: str,
+    golden_path: Path | None,
+    save_golden_path: Path | None,
+    tols: tuple[str, ...],
     device: str,
     provider: str | None,
     threads: int | None,
@@ -154,9 +180,10 @@ def check_cmd(
     allow_failed: bool,
     trust_model_code: bool,
 ) -> None:
-    """Compare an artifact's engines with the PyTorch model, output by output; exit 1 on a failure."""
+    """Compare an artifact's engines with the PyTorch model (or --reference, --golden), output by output; exit 1 on a failure."""
     from tk.fileio import atomic_write_json
     from tk.workflows.check import check_artifact
+    from tk.workflows.golden import parse_tolerances
 
     result = check_artifact(
         artifact,
@@ -170,12 +197,23 @@ def check_cmd(
         device=device,
         options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
         allow_failed=allow_failed,
+        reference=reference,
+        golden=golden_path,
+        save_golden=save_golden_path,
+        tolerances=parse_tolerances(tols),
     )
     for name, count in result.nonfinite_inputs.items():
         if count:
             click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
     reports = result.to_json()
-    print_check_reports(reports)
+    against = next(iter(result.reports.values())).reference
+    print_check_reports(reports, title=f"parity against {'PyTorch eager' if against == 'eager' else against}")
+    for engine, report in result.reports.items():
+        for out in report.outputs:
+            if out.top1_rate is not None:
+                click.echo(f"top-1 agreement {engine} {out.name}: {out.top1_rate:.1%} of {out.top1_total} samples")
+    if save_golden_path:
+        click.echo(f"golden: {save_golden_path}")
     if json_path:
         atomic_write_json(json_path, reports)
     result.raise_if_failed()

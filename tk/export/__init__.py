@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from tk.errors import BackendUnavailableError, ParityError, UsageError
+from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
@@ -180,16 +180,13 @@ def write_artifact(
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
         with matmul_precision(options.precision == "tf32"):  # compiles bake TF32 in or out
-            module = module_at_precision(spec.module.to(device), options.precision, options.device)
+            module = module_at_precision(spec.module.to(device), options.precision, options.device, options.keep_fp32)
             ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
+            ctx.report = options.report or out.parent / f"{out.name}.export-report.md"
             ctx.versions = library_versions(options.device)
             _write_weights(ctx)
             if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
-                ctx.program = _timed(
-                    ctx,
-                    "capture",
-                    lambda: exported_program_from_module(module, ctx.example_inputs, spec.signature, dims),
-                )
+                ctx.program = _timed(ctx, "capture", lambda: _capture(ctx, out))
             for fmt in formats:
                 writer = _writer_module(fmt)
                 _timed(ctx, fmt, lambda w=writer: w.write(ctx))
@@ -227,14 +224,36 @@ def _failures(report: dict) -> list[str]:
     return lines
 
 
+def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
+    """``exported_program_from_module``; on a failure, a report beside ``out`` that the error names."""
+    from tk.export.torch_program import write_capture_report
+
+    try:
+        return exported_program_from_module(ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
+    except CaptureError as exc:
+        report = ctx.report or out.parent / f"{out.name}.export-report.md"
+        written = write_capture_report(report, ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims, exc)
+        raise CaptureError(f"{exc} (report: {written})") from exc
+
+
 def _quantize_onnx(ctx: ExportContext) -> None:
     from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
 
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
-    int8_onnx_from_onnx(path, quantized)
+    excluded: list[str] = []
+    if ctx.options.keep_fp32:
+        import onnx
+
+        from tk.formats.onnx_scopes import nodes_in_modules
+
+        excluded = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
+        excluded += [f"{name}_MatMul" for name in excluded]  # the quantizer splits a Gemm into NAME_MatMul + Add
+    int8_onnx_from_onnx(path, quantized, nodes_to_exclude=excluded)
     os.replace(quantized, path)
     ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
+    if excluded:
+        ctx.formats["onnx"]["int8_excluded_nodes"] = len(excluded) // 2
 
 
 def _write_weights(ctx: ExportContext) -> None:
@@ -246,6 +265,8 @@ def _write_weights(ctx: ExportContext) -> None:
 
 def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
     model = {**ctx.spec.reference(), "checkpoint_sha256": checkpoint_sha}
+    if ctx.options.keep_fp32:
+        model["keep_fp32"] = list(ctx.options.keep_fp32)  # modules left in float32 (tk export --keep-fp32)
     if ctx.spec.tolerances:
         model["tolerances"] = {p: list(t) for p, t in ctx.spec.tolerances.items()}
     signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)

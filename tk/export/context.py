@@ -28,6 +28,7 @@ class ExportOptions:
     atol: float | None = None
     checkpoint: Path | None = None  # safetensors state_dict from `tk train`
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
+    report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     trt_workspace_gb: float = 4.0  # TensorRT builder workspace limit, GiB
     trt_optimization_level: int = 3  # TensorRT builder optimization level, 0-5
     trt_hardware_compatibility: str = "ampere+"  # none | ampere+ | same-compute-capability
@@ -45,6 +46,7 @@ class ExportContext:
     staging: Path  # files are written here, then the directory is renamed into place
     example_inputs: tuple[torch.Tensor, ...]
     program: torch.export.ExportedProgram | None = None
+    report: Path | None = None  # where a failed capture or conversion writes its report
     files: list[tuple[str, str]] = field(default_factory=list)  # (relative path, role)
     formats: dict[str, dict[str, Any]] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)

@@ -60,7 +60,12 @@ def resolve_opset(opset: int | None) -> int:
 def write(ctx: ExportContext) -> None:
     assert ctx.program is not None
     result = onnx_from_exported_program(
-        ctx.program, ctx.add_file(FILE, "onnx"), ctx.spec.signature, ctx.dims, opset=ctx.options.opset
+        ctx.program,
+        ctx.add_file(FILE, "onnx"),
+        ctx.spec.signature,
+        ctx.dims,
+        opset=ctx.options.opset,
+        report_path=ctx.report,
     )
     if result.external_data is not None:
         ctx.add_file(result.external_data.name, "onnx-data")
@@ -84,10 +89,12 @@ def onnx_from_exported_program(
     dims: dict[str, Dim],
     *,
     opset: int | None = None,
+    report_path: Path | None = None,
 ) -> OnnxFile:
     """Write ``program`` as ONNX at ``path`` and validate it with ``onnx.checker`` (full check).
 
-    ``opset`` defaults to 20 and must be at least 18.
+    ``opset`` defaults to 20 and must be at least 18. When the conversion fails and
+    ``report_path`` is given, the exporter's own error report is written there.
     """
     import onnx
     import onnx_ir as ir
@@ -108,10 +115,12 @@ def onnx_from_exported_program(
                 verbose=False,
             )
     except Exception as exc:  # the exporter raises many types; each is a conversion failure
-        raise ConversionError(
+        message = (
             f"torch.onnx could not convert the exported program (opset {opset}): {type(exc).__name__}: {first_line(exc)}; "
             "try another --opset, or export --format torch or aoti instead"
-        ) from exc
+        )
+        written = _exporter_report(program, report_path, message, opset) if report_path is not None else None
+        raise ConversionError(message + (f" (report: {written})" if written else "")) from exc
     model = onnx_program.model
     written = model.opset_imports.get("", opset)
     if written != opset:
@@ -221,3 +230,30 @@ def _rename_shape(value: Any, mapping: dict[str, str]) -> None:
 
 def _initializer_bytes(model: Any) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _exporter_report(program: torch.export.ExportedProgram, path: Path, message: str, opset: int) -> Path | None:
+    """Run the exporter again with ``report=True`` and keep its Markdown report at ``path``.
+
+    The report names the operator that failed to translate, the program with the user's source
+    lines, and the exporter's analysis of unsupported operators. None if it wrote no report.
+    """
+    import tempfile
+
+    from tk.fileio import atomic_write_bytes
+
+    with tempfile.TemporaryDirectory(prefix="tk-onnx-report-") as tmp:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.onnx.export(
+                    program, (), dynamo=True, opset_version=opset, report=True, artifacts_dir=tmp, verbose=False
+                )
+        except Exception:  # expected: the same failure, now with a report in tmp
+            pass
+        reports = sorted(Path(tmp).glob("*.md"))
+        if not reports:
+            return None
+        header = f"# tk export: torch.onnx could not convert the program\n\n**Error:** {message}\n\n"
+        atomic_write_bytes(path, header.encode() + reports[-1].read_bytes())
+    return path

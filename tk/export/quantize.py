@@ -21,8 +21,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def int8_onnx_from_onnx(source: Path, target: Path) -> None:
-    """Write ``source`` dynamically quantized to int8 at ``target`` (same inputs and outputs)."""
+def int8_onnx_from_onnx(source: Path, target: Path, *, nodes_to_exclude: list[str] | None = None) -> None:
+    """Write ``source`` dynamically quantized to int8 at ``target`` (same inputs and outputs).
+
+    ``nodes_to_exclude``: ONNX node names left in float32 (the nodes of ``--keep-fp32`` modules).
+    """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     # the quantizer logs every skipped node on the root logger: the application decides whether
@@ -33,6 +36,7 @@ def int8_onnx_from_onnx(source: Path, target: Path) -> None:
             str(target),
             weight_type=QuantType.QInt8,
             op_types_to_quantize=QUANTIZED_OPS,
+            nodes_to_exclude=list(nodes_to_exclude or []),
         )
     except Exception as exc:  # the quantizer raises many types; each is a conversion failure
         raise ConversionError(f"onnxruntime could not quantize {source.name} to int8: {first_line(exc)}") from exc

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +56,13 @@ def _where(text: str) -> str:
     return f" at {where}" + (f": {code}" if code else "")
 
 
+def _export_args(module: nn.Module, signature: Signature, dims: dict[str, Dim]) -> tuple:
+    dynamic_shapes: tuple = dynamic_shapes_for(signature, dims)
+    if _takes_var_positional(module):
+        dynamic_shapes = (dynamic_shapes,)  # forward(*args): the shapes of args form one entry
+    return dynamic_shapes
+
+
 def exported_program_from_module(
     module: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
@@ -61,9 +71,7 @@ def exported_program_from_module(
 ) -> torch.export.ExportedProgram:
     """Capture ``module`` (in eval mode) with torch.export; dimensions in ``dims`` keep their ranges."""
     module.eval()
-    dynamic_shapes: tuple = dynamic_shapes_for(signature, dims)
-    if _takes_var_positional(module):
-        dynamic_shapes = (dynamic_shapes,)  # forward(*args): the shapes of args form one entry
+    dynamic_shapes = _export_args(module, signature, dims)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -76,3 +84,155 @@ def exported_program_from_module(
 def _takes_var_positional(module: nn.Module) -> bool:
     params = inspect.signature(module.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+# ------------------------------------------------------------------------------ capture reports
+_SOURCE = re.compile(r"L\['(\w+)'\]\.size\(\)\[(\d+)\]")
+_BOUND = re.compile(r"^(Eq|Ne)\((\w+), (-?\d+)\)$|^(\w+) (<=|<|>=|>) (-?\d+)$|^(-?\d+) (<=|<|>=|>) (\w+)$")
+
+
+def write_capture_report(
+    path: Path,
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    signature: Signature,
+    dims: dict[str, Dim],
+    error: BaseException,
+) -> Path:
+    """Run ``torch.export.draft_export`` on the model that failed to export and write what it found.
+
+    The report (Markdown) names each failing operator or guard, the user's source line, and for
+    a dimension the code specialised, the ``Dim`` range or change that fixes it. Returns ``path``.
+    """
+    from tk.fileio import atomic_write_bytes
+
+    cause = error.__cause__ or error
+    lines = [
+        "# tk export: torch.export could not capture the model",
+        "",
+        f"**Error:** {error}",
+        "",
+    ]
+    special = _SPECIALIZED.search(str(cause))
+    if special:
+        name, value = special[1], int(special[2])
+        flag = f"--{name} " if name in ("batch", "seq") else f"--dim {name}="
+        lines += [
+            "## Fix",
+            "",
+            f"- the model's code fixes dimension `{name}` to {value} (see the source line below): export with "
+            f"`{flag}{value}:{value}:{value}` (or `--static`), or change that line so it does not assume the size "
+            f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})",
+            "",
+        ]
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # draft_export logs every issue (and graphs) as warnings; the report has them
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            draft = torch.export.draft_export(
+                module, example_inputs, dynamic_shapes=_export_args(module, signature, dims), strict=False
+            )
+        failures = list(draft._report.failures)  # draft_export's report: its documented way to read failures
+        from torch._logging.structured import INTERN_TABLE
+
+        # frames name files by an index into torch's process-wide string table; the report holds
+        # only the entries new to this call, so a second export in one process needs the table
+        names = {index: name for name, index in INTERN_TABLE.items()} | dict(draft._report.str_to_filename)
+    except Exception as exc:  # draft_export fails in its own ways; the torch.export error below still explains
+        failures, names = [], {}
+        lines += [f"`torch.export.draft_export` failed as well: {type(exc).__name__}: {first_line(exc)}", ""]
+    finally:
+        logging.disable(previous)
+    if failures:
+        lines += [f"## What `torch.export.draft_export` found ({len(failures)} issue(s))", ""]
+    for i, failure in enumerate(failures, 1):
+        lines += _failure_section(i, failure, names, signature)
+    lines += ["## torch.export's own message", "", "```", *str(cause).strip().splitlines()[:60], "```", ""]
+    atomic_write_bytes(path, "\n".join(lines).encode())
+    return path
+
+
+def _failure_section(i: int, failure: Any, filenames: dict[Any, str], signature: Signature) -> list[str]:
+    data = failure.data
+    kind = failure.failure_type.name if hasattr(failure.failure_type, "name") else str(failure.failure_type)
+    title = {
+        "DATA_DEPENDENT_ERROR": "a branch or size that depends on the input's values",
+        "GUARD_ADDED": "a guard on a dimension's size",
+        "CONSTRAINT_VIOLATION_ERROR": "a dimension marked dynamic that the code fixes",
+        "MISMATCHED_FAKE_KERNEL": "an operator whose fake (meta) kernel disagrees with the real one",
+    }.get(kind, kind.lower().replace("_", " "))
+    out = [f"### {i}. {kind}: {title}", ""]
+    if data.get("op"):
+        out.append(f"- operator: `{data['op']}`")
+    if data.get("expr"):
+        out.append(f"- expression torch could not decide or had to assume: `{data['expr']}`")
+    where = _user_frame(data.get("user_stack"), filenames)
+    if where:
+        out.append(f"- source: {where}")
+    sources = {
+        sym: (m[1], int(m[2]))
+        for sym, src in dict(data.get("symbol_to_sources") or {}).items()
+        if (m := _SOURCE.search(str(src)))
+    }
+    for fix in _dim_fixes(str(data.get("expr", "")), sources, signature):
+        out.append(f"- fix: {fix}")
+    if kind == "DATA_DEPENDENT_ERROR":
+        out.append(
+            "- fix: a Python `if` on a tensor's value cannot be one static graph; use `torch.where` (both "
+            "branches computed), `torch.cond`, or move the decision out of `forward`"
+        )
+    out.append("")
+    return out
+
+
+def _user_frame(stack: Any, filenames: dict[Any, str]) -> str:
+    """The innermost frame of the user's code: ``file:line in function: code``."""
+    frames = [f for f in (stack or []) if isinstance(f, dict)]
+    torch_dir = str(Path(torch.__file__).parent)
+    for frame in reversed(frames):
+        name = filenames.get(frame.get("filename"), str(frame.get("filename")))
+        if name.startswith(torch_dir):
+            continue
+        return f"`{name}`, line {frame.get('line')}, in `{frame.get('name')}`: `{str(frame.get('loc', '')).strip()}`"
+    return ""
+
+
+def _dim_fixes(expr: str, sources: dict[str, tuple[str, int]], signature: Signature) -> list[str]:
+    """For a guard on a named dimension: the range (``--batch``/``--dim``) or change that satisfies it."""
+    m = _BOUND.match(expr.strip())
+    if not m:
+        return []
+    if m[1]:
+        op, sym, value = ("==" if m[1] == "Eq" else "!="), m[2], int(m[3])
+    elif m[4]:
+        op, sym, value = m[5], m[4], int(m[6])
+    else:
+        flip = {"<=": ">=", "<": ">", ">=": "<=", ">": "<"}
+        op, sym, value = flip[m[8]], m[9], int(m[7])
+    if sym not in sources:
+        return []
+    input_name, axis = sources[sym]
+    spec = next((s for s in signature.inputs if s.name == input_name), None)
+    dim = spec.shape[axis] if spec is not None and axis < len(spec.shape) else None
+    if not isinstance(dim, str):
+        return []
+    flag = f"--{dim}" if dim in ("batch", "seq") else f"--dim {dim}="
+    sep = "" if flag.endswith("=") else " "
+    if op == "==":
+        return [
+            f"the code fixes dimension {dim!r} (axis {axis} of input {input_name!r}) to {value}: export with "
+            f"{flag}{sep}{value}:{value}:{value} (or --static), or change that line so it does not assume the size "
+            f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})"
+        ]
+    if op in ("<=", "<"):
+        top = value if op == "<=" else value - 1
+        return [
+            f"dimension {dim!r} must stay at most {top} for this code: export with {flag}{sep}1:{min(top, 8)}:{top}"
+        ]
+    if op in (">=", ">"):
+        low = value if op == ">=" else value + 1
+        return [
+            f"dimension {dim!r} must be at least {low} for this code: export with {flag}{sep}{low}:{low}:{max(low, 64)}"
+        ]
+    return [f"the code cannot handle dimension {dim!r} equal to {value}: choose a range that excludes it"]

@@ -7,6 +7,7 @@ once over the user's samples) and compare every engine with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import numpy as np
 from tk.errors import ParityError, UsageError
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
-from tk.parity import ParityReport, check_engines, reference_runs, report_from_outputs
+from tk.parity import ParityReport, ReferenceRuns, check_engines, reference_runs, report_from_outputs
 from tk.registries import ENGINES
 from tk.runtime import available_engines, engine_options, load, unavailable_reason
 from tk.runtime.batching import BatchRunner
@@ -107,7 +108,9 @@ class CheckResult:
     def raise_if_failed(self) -> None:
         failed = [name for name, r in self.reports.items() if not r.passed]
         if failed:
-            raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g})")
+            per_output = {k: v for r in self.reports.values() for k, v in r.tolerances.items()}
+            extra = "".join(f"; {name} rtol {rt:g}, atol {at:g}" for name, (rt, at) in per_output.items())
+            raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g}{extra})")
 
 
 def engines_to_check(
@@ -149,21 +152,55 @@ def check_artifact(
     options: Mapping[str, Any] | None = None,
     allow_failed: bool = False,
     on_report: Callable[[str, ParityReport], None] | None = None,
+    reference: str = "eager",
+    golden: str | Path | None = None,
+    save_golden: str | Path | None = None,
+    tolerances: Mapping[str, tuple[float, float]] | None = None,
 ) -> CheckResult:
-    """Compare each engine of the artifact at ``root`` with its PyTorch model (eager).
+    """Compare each engine of the artifact at ``root`` with a reference: its PyTorch model (eager), another engine, or a golden file.
 
     Inputs: the samples of the file ``inputs``, ``samples`` random samples, or by default valid
     random inputs at the min, opt, max and an odd size of every dimension plus a batch-invariance
     probe (what the export check runs). Tolerances: the artifact's precision row and model
-    overrides, then ``rtol``/``atol``. ``options`` holds engine options by name (each engine takes
-    the ones it declares). Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
+    overrides, then ``rtol``/``atol``; ``tolerances`` sets (rtol, atol) per output name.
+    ``options`` holds engine options by name (each engine takes the ones it declares).
+
+    ``reference``: the engine the others are compared with (default eager, the PyTorch model).
+    ``golden``: a file from ``save_golden``; its inputs and outputs are the reference, so the
+    model is not rebuilt, and its tolerances apply when its precision is the artifact's (else the
+    artifact's own). ``save_golden``: write the inputs, the reference's outputs and the
+    tolerances there. Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
     """
+    from tk.workflows.golden import Golden, load_golden
+    from tk.workflows.golden import save_golden as write_golden
+
     if inputs is not None and samples is not None:
         raise UsageError("expected at most one of --inputs FILE and --samples N")
+    if golden is not None and (inputs is not None or samples is not None or save_golden is not None):
+        raise UsageError("--golden brings its own inputs: expected no --inputs, --samples or --save-golden with it")
+    if golden is not None and reference != "eager":
+        raise UsageError("expected one reference: --golden FILE or --reference ENGINE, not both")
     if samples is not None and samples < 1:
         raise UsageError(f"--samples: expected 1 or more, got {samples}")
+    if reference not in ENGINES:
+        raise UsageError(f"--reference: unknown engine {reference!r}; expected one of {', '.join(ENGINES)}")
     manifest = verify_artifact(root)
     names = engines if isinstance(engines, list) else engines_to_check(engines, manifest, device)
+    names = [n for n in names if n != reference]
+    if golden is not None and engines in ("all", "auto"):
+        names = [n for n in names if n not in ("eager", "compile")]  # both rebuild the model the golden file replaces
+    if not names:
+        raise UsageError(f"no engine to compare with the reference {reference}")
+    per_output = dict(tolerances or {})
+    stored = load_golden(golden, manifest.signature) if golden is not None else None
+    if stored is not None and stored.precision == manifest.precision:
+        per_output = {**stored.tolerances, **per_output}
+        rtol = stored.rtol if rtol is None else rtol
+        atol = stored.atol if atol is None else atol
+    unknown = sorted(set(per_output) - {s.name for s in manifest.signature.outputs})
+    if unknown:
+        have = ", ".join(s.name for s in manifest.signature.outputs)
+        raise UsageError(f"--tol: no output named {', '.join(unknown)}; the outputs are {have}")
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
     values = dict(options or {})
 
@@ -172,42 +209,65 @@ def check_artifact(
         return load(root, name, device=device, allow_failed=allow_failed, manifest=manifest, options=opts)
 
     result = CheckResult({}, rtol, atol)
-    with open_engine("eager") as reference:
+    with contextlib.ExitStack() as stack:
+        ref_engine = stack.enter_context(open_engine(reference)) if stored is None else None
         feeds: dict[str, np.ndarray] | None = None
-        if inputs is not None:
-            feeds = read_inputs(inputs, reference.inputs)
+        runs: ReferenceRuns | None = None
+        if stored is not None:
+            runs = ReferenceRuns(stored.shapes, stored.feeds, stored.outputs)
+        elif inputs is not None:
+            feeds = read_inputs(inputs, ref_engine.inputs)
         elif samples is not None:
-            feeds = random_inputs(reference.inputs, reference.dims, samples, seed=seed)
+            feeds = random_inputs(ref_engine.inputs, ref_engine.dims, samples, seed=seed)
         if feeds is not None:
             result.nonfinite_inputs = count_nonfinite(feeds)
-            ref_out = BatchRunner(reference, batch_size).run(feeds)
-        else:  # random inputs across the ranges; the reference runs once for every engine
-            shapes = shapes_to_check(manifest.signature.dims)
-            runs = reference_runs(reference, shapes, seed=seed)
+            ref_out = BatchRunner(ref_engine, batch_size).run(feeds)
+            runs = ReferenceRuns([{"samples": int(next(iter(feeds.values())).shape[0])}], [feeds], [ref_out])
+        elif runs is None:  # random inputs across the ranges; the reference runs once for every engine
+            runs = reference_runs(ref_engine, shapes_to_check(manifest.signature.dims), seed=seed)
+        if save_golden is not None:
+            golden_file = Golden(
+                runs.feeds,
+                runs.outputs,
+                runs.shapes,
+                manifest.precision,
+                rtol,
+                atol,
+                min_sqnr,
+                reference,
+                {k: manifest.model.get(k) for k in ("name", "size", "config")},
+                per_output,
+                manifest.signature.to_json(),
+            )
+            write_golden(save_golden, golden_file)
+        ref_name = f"golden {Path(golden).name} ({stored.reference})" if stored is not None else reference
         for name in names:
             with open_engine(name) as candidate:
                 if feeds is None:
                     report = check_engines(
-                        reference,
+                        ref_engine if ref_engine is not None else ref_name,
                         candidate,
-                        shapes,
+                        runs.shapes,
                         precision=manifest.precision,
                         rtol=rtol,
                         atol=atol,
                         min_sqnr_db=min_sqnr,
                         runs=runs,
+                        tolerances=per_output,
                     )
                 else:
                     cand_out = BatchRunner(candidate, batch_size).run(feeds)
                     report = report_from_outputs(
                         name,
-                        ref_out,
+                        runs.outputs[0],
                         cand_out,
                         precision=manifest.precision,
                         rtol=rtol,
                         atol=atol,
                         min_sqnr_db=min_sqnr,
-                        shapes=[{"samples": int(next(iter(feeds.values())).shape[0])}],
+                        shapes=runs.shapes,
+                        reference_name=ref_name,
+                        tolerances=per_output,
                     )
             result.reports[name] = report
             if on_report is not None:

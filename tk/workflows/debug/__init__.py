@@ -1,0 +1,1 @@
+"""When parity fails: find where (``locate``) and what to keep in float32 (``precision``)."""

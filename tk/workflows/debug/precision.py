@@ -1,0 +1,302 @@
+"""``tk debug precision``: a small set of modules that, kept in float32, make the check pass.
+
+In the spirit of Polygraphy's ``debug precision``, but over the user's own modules: the modules
+that actually run (found with forward hooks) form a tree; a bisection over the top level finds a
+small set whose float32 keeps the check passing, then each chosen module is refined into its
+children while the check still passes. Each trial is judged like the export check (the
+artifact's tolerances and SQNR floor, on random inputs at the min, opt, max and an odd size of
+every dimension):
+- fp16/bf16: the model under tk's cast policy (``tk.export.precision``) with the trial's
+  modules kept, run eagerly. That is the computation the torch and aoti programs capture;
+  onnxruntime's CPU kernels compute float16 graphs in float32, so an ONNX fp16 check can pass
+  where this one fails.
+- int8: the float32 ONNX graph written once, then quantized per trial with the modules' nodes
+  excluded (``nodes_to_exclude``), run by onnxruntime.
+The result is what ``tk export --keep-fp32`` applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tk.errors import UsageError
+from tk.manifest import Manifest, verify_artifact
+from tk.parity import OutputParity, compare
+from tk.runtime.eager import module_from_manifest
+from tk.spec import random_feeds
+from tk.tolerances import artifact_tolerance
+from tk.workflows.check import shapes_to_check
+from tk.workflows.debug.locate import recording
+
+log = logging.getLogger("tk.debug")
+
+MAX_TRIALS = 200  # a bound on the search (each trial runs the model over every check shape)
+
+
+@dataclass
+class Trial:
+    keep: tuple[str, ...]
+    passed: bool
+    max_abs: float
+    sqnr_db: float | None
+    nonfinite: int
+
+
+@dataclass
+class PrecisionResult:
+    precision: str
+    keep: list[str]  # modules to keep in float32; empty when the check already passes
+    before: Trial  # nothing kept
+    after: Trial | None  # ``keep`` kept
+    trials: int
+    seconds: float
+    command: str  # the tk export command that applies ``keep``
+    judged_by: str
+    candidates: int  # modules that run in the model
+    history: list[Trial] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.after is not None and self.after.passed
+
+    def to_json(self) -> dict[str, Any]:
+        def trial(t: Trial | None) -> dict[str, Any] | None:
+            if t is None:
+                return None
+            return {
+                "keep": list(t.keep),
+                "passed": t.passed,
+                "max_abs": None if not math.isfinite(t.max_abs) else t.max_abs,
+                "sqnr_db": t.sqnr_db,
+                "nonfinite": t.nonfinite,
+            }
+
+        return {
+            "precision": self.precision,
+            "keep_fp32": self.keep,
+            "before": trial(self.before),
+            "after": trial(self.after),
+            "trials": self.trials,
+            "seconds": round(self.seconds, 2),
+            "command": self.command,
+            "judged_by": self.judged_by,
+            "candidates": self.candidates,
+            "history": [trial(t) for t in self.history],
+        }
+
+
+def _summary(keep: tuple[str, ...], results: list[OutputParity]) -> Trial:
+    finite = [o.max_abs for o in results if o.nan + o.inf == 0]
+    nonfinite = sum(o.nan + o.inf for o in results)
+    sqnr = min((o.sqnr_db for o in results), default=math.inf)
+    return Trial(
+        keep,
+        all(o.passed for o in results),
+        max(finite, default=0.0) if not nonfinite else math.inf,
+        None if math.isinf(sqnr) else round(sqnr, 2),
+        nonfinite,
+    )
+
+
+class _Judge:
+    """Runs one trial (a set of modules kept in float32) and caches the verdict."""
+
+    def __init__(
+        self,
+        run: Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]],
+        reference: list[dict[str, np.ndarray]],
+        tolerance: tuple[float, float, float | None],
+    ) -> None:
+        self.run = run
+        self.reference = reference
+        self.rtol, self.atol, self.min_sqnr = tolerance
+        self.cache: dict[frozenset[str], Trial] = {}
+        self.history: list[Trial] = []
+
+    def __call__(self, keep: Sequence[str]) -> Trial:
+        key = frozenset(keep)
+        if key not in self.cache:
+            if len(self.cache) >= MAX_TRIALS:
+                raise UsageError(f"tk debug precision: no answer within {MAX_TRIALS} trials")
+            outputs = self.run(tuple(sorted(key)))
+            results: list[OutputParity] = []
+            for ref, cand in zip(self.reference, outputs, strict=True):
+                results += compare(ref, cand, rtol=self.rtol, atol=self.atol, min_sqnr_db=self.min_sqnr)
+            trial = _summary(tuple(sorted(key)), results)
+            self.cache[key] = trial
+            self.history.append(trial)
+            log.info("debug  keep %-40s %s", ",".join(trial.keep) or "(none)", "pass" if trial.passed else "fail")
+        return self.cache[key]
+
+    def passes(self, keep: Sequence[str]) -> bool:
+        return self(keep).passed
+
+
+def minimize(items: list[str], fixed: list[str], passes: Callable[[list[str]], bool]) -> list[str]:
+    """A small subset S of ``items`` with ``passes(fixed + S)``, given ``passes(fixed + items)``.
+
+    Bisection: keep one half if it is enough, else each half with the other fixed.
+    """
+    if len(items) <= 1:
+        return list(items)
+    half = len(items) // 2
+    a, b = items[:half], items[half:]
+    if passes(fixed + a):
+        return minimize(a, fixed, passes)
+    if passes(fixed + b):
+        return minimize(b, fixed, passes)
+    kept_a = minimize(a, fixed + b, passes)
+    kept_b = minimize(b, fixed + kept_a, passes)
+    return kept_a + kept_b
+
+
+def refine(chosen: list[str], children: dict[str, list[str]], passes: Callable[[list[str]], bool]) -> list[str]:
+    """Replace each chosen module by a subset of its children while the check still passes."""
+    result = list(chosen)
+    for module in chosen:
+        kids = children.get(module, [])
+        others = [m for m in result if m != module]
+        if kids and passes(others + kids):
+            smaller = refine(minimize(kids, others, passes), children, passes)
+            result = others + smaller
+    return result
+
+
+def _tree(executed: list[str]) -> dict[str, list[str]]:
+    """Each executed module's executed children (nearest executed ancestor), in call order; root is ''."""
+    children: dict[str, list[str]] = {}
+    seen: set[str] = set()
+    for path in executed:
+        parent = path
+        while True:
+            parent = parent.rpartition(".")[0]
+            if parent in seen or parent == "":
+                break
+        children.setdefault(parent, []).append(path)
+        seen.add(path)
+    return children
+
+
+def export_command(manifest: Manifest, keep: list[str], root: str | Path) -> str:
+    model = manifest.model
+    size = f" --size {model['size']}" if model.get("size") else ""
+    inputs = "".join(f" --input {d}" for d in model.get("input_descriptions") or ())
+    formats = "".join(f" --format {f}" for f in manifest.formats)
+    return (
+        f"tk export {model['name']}{size}{inputs} --precision {manifest.precision}{formats} "
+        f"--device {manifest.device} --keep-fp32 {','.join(keep)} --out {root}"
+    )
+
+
+def find_fp32_modules(root: str | Path, *, seed: int = 0, trust_model_code: bool = False) -> PrecisionResult:
+    """Bisect over the model's modules for a small set that, kept in float32, passes the check (CPU)."""
+    start = time.perf_counter()
+    manifest = verify_artifact(root)
+    if manifest.precision == "fp32":
+        raise UsageError(f"{root}: a float32 artifact has nothing to keep in float32; expected fp16, bf16 or int8")
+    model = module_from_manifest(root, manifest, trust_model_code=trust_model_code)
+    tolerance = artifact_tolerance(manifest.precision, manifest.model)
+    shapes = shapes_to_check(manifest.signature.dims)
+    feeds = [random_feeds(manifest.signature.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
+    names = [s.name for s in manifest.signature.outputs]
+    with recording(model) as records:
+        reference = [_run_module(model, manifest, f, names) for f in feeds]
+    executed = [r.path for r in sorted(records.values(), key=lambda r: r.call)]
+    children = _tree(executed)
+    if manifest.precision == "int8":
+        run, judged_by = _int8_runner(model, manifest, feeds, names)
+    else:
+        run, judged_by = _mixed_runner(model, manifest, feeds, names)
+    judge = _Judge(run, reference, tolerance)
+    before = judge([])
+    keep: list[str] = []
+    after: Trial | None = before
+    if not before.passed:
+        top = children.get("", [])
+        if not judge.passes(top):
+            every = judge(executed)
+            if not every.passed:
+                raise UsageError(
+                    f"{root}: the check fails even with every module kept in float32 (max abs error "
+                    f"{every.max_abs:.3g}); the difference is not in the modules' precision"
+                )
+            top = executed
+        keep = refine(minimize(top, [], judge.passes), children, judge.passes)
+        after = judge(keep)
+    return PrecisionResult(
+        manifest.precision,
+        keep,
+        before,
+        after,
+        len(judge.cache),
+        time.perf_counter() - start,
+        export_command(manifest, keep, root) if keep else "",
+        judged_by,
+        len(executed),
+        judge.history,
+    )
+
+
+def _run_module(
+    module: nn.Module, manifest: Manifest, feeds: dict[str, np.ndarray], names: list[str]
+) -> dict[str, np.ndarray]:
+    args = [torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs]
+    with torch.inference_mode():
+        out = module(*args)
+    values = list(out) if isinstance(out, (tuple, list)) else [out]
+    return {n: v.float().numpy() for n, v in zip(names, values, strict=True)}
+
+
+def _mixed_runner(
+    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str]
+) -> tuple[Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]], str]:
+    from tk.export.precision import module_at_precision
+
+    def run(keep: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+        wrapped = module_at_precision(model, manifest.precision, "cpu", keep)
+        return [_run_module(wrapped, manifest, f, names) for f in feeds]
+
+    return run, f"the model under tk's {manifest.precision} cast policy, run eagerly (what torch and aoti capture)"
+
+
+def _int8_runner(
+    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str]
+) -> tuple[Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]], str]:
+    import onnx
+    import onnxruntime as ort
+
+    from tk.export.onnx import onnx_from_exported_program
+    from tk.export.quantize import int8_onnx_from_onnx
+    from tk.export.torch_program import exported_program_from_module
+    from tk.formats.onnx_scopes import nodes_in_modules
+
+    tmp = Path(tempfile.mkdtemp(prefix="tk-debug-int8-"))
+    sig = manifest.signature
+    at_opt = random_feeds(sig.inputs, sig.opt_sizes())  # a size-1 example would fix the dimension
+    example = tuple(torch.from_numpy(at_opt[s.name]) for s in sig.inputs)
+    program = exported_program_from_module(model, example, sig, sig.dims)
+    opset = (manifest.formats.get("onnx") or {}).get("opset")
+    fp32 = tmp / "fp32.onnx"
+    onnx_from_exported_program(program, fp32, sig, sig.dims, opset=opset)
+    graph = onnx.load(str(fp32))
+
+    def run(keep: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+        excluded = nodes_in_modules(graph, keep) if keep else []
+        excluded += [f"{n}_MatMul" for n in excluded]
+        target = tmp / "int8.onnx"
+        int8_onnx_from_onnx(fp32, target, nodes_to_exclude=excluded)
+        session = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
+        return [dict(zip(names, session.run(names, f), strict=True)) for f in feeds]
+
+    return run, "the float32 ONNX graph quantized per trial (onnxruntime dynamic int8), on onnxruntime"

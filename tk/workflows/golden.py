@@ -1,0 +1,130 @@
+"""Golden files: inputs, reference outputs and tolerances, to check an engine without the model.
+
+One ``.npz`` (NumPy's zip of arrays, read with ``allow_pickle=False``: never unpickled) holds
+``in.<run>.<input>`` and ``out.<run>.<output>`` arrays for each run (one per checked shape, or
+one for the user's samples) and ``meta``: UTF-8 JSON as a uint8 array, with the format's name
+and version, the artifact's model and precision, the signature, the reference engine and the
+tolerances the reference was judged with. A CI job on another machine checks any engine against
+it (``tk check --golden FILE``) without rebuilding the PyTorch model.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import UsageError
+from tk.fileio import atomic_write_bytes
+from tk.runtime.inputs import _load_npz
+from tk.spec import Signature, require_names
+
+FORMAT = "tk-golden"
+VERSION = 1
+
+
+@dataclass
+class Golden:
+    feeds: list[dict[str, np.ndarray]]
+    outputs: list[dict[str, np.ndarray]]
+    shapes: list[dict[str, int]]
+    precision: str  # the precision of the artifact the tolerances were chosen for
+    rtol: float
+    atol: float
+    min_sqnr_db: float | None
+    reference: str  # the engine that produced ``outputs``
+    model: dict[str, Any] = field(default_factory=dict)  # name, size, config of the model (for people)
+    tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per-output (rtol, atol)
+    signature: dict[str, Any] = field(default_factory=dict)
+
+
+def save_golden(path: str | Path, golden: Golden) -> Path:
+    """Write ``golden`` atomically as one ``.npz``."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    for i, (feeds, outputs) in enumerate(zip(golden.feeds, golden.outputs, strict=True)):
+        arrays.update({f"in.{i}.{name}": np.asarray(v) for name, v in feeds.items()})
+        arrays.update({f"out.{i}.{name}": np.asarray(v) for name, v in outputs.items()})
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "runs": len(golden.feeds),
+        "shapes": golden.shapes,
+        "precision": golden.precision,
+        "rtol": golden.rtol,
+        "atol": golden.atol,
+        "min_sqnr_db": golden.min_sqnr_db,
+        "tolerances": {k: list(v) for k, v in golden.tolerances.items()},
+        "reference": golden.reference,
+        "model": golden.model,
+        "signature": golden.signature,
+    }
+    arrays["meta"] = np.frombuffer(json.dumps(meta, indent=1).encode(), dtype=np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def load_golden(path: str | Path, signature: Signature) -> Golden:
+    """Read a golden file and check that its inputs and outputs are ``signature``'s."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--golden {path}: no such file")
+    arrays = _load_npz(path)
+    if "meta" not in arrays:
+        raise UsageError(f"--golden {path}: expected a golden file written by `tk check --save-golden`, found no meta")
+    try:
+        meta = json.loads(arrays.pop("meta").tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--golden {path}: its meta is not JSON ({exc})") from exc
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise UsageError(
+            f"--golden {path}: expected format {FORMAT} version {VERSION}, found {meta.get('format')} {meta.get('version')}"
+        )
+    runs = int(meta["runs"])
+    feeds: list[dict[str, np.ndarray]] = [{} for _ in range(runs)]
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in range(runs)]
+    for key, value in arrays.items():
+        kind, _, rest = key.partition(".")
+        index, _, name = rest.partition(".")
+        if kind not in ("in", "out") or not index.isdigit() or int(index) >= runs:
+            raise UsageError(f"--golden {path}: unexpected array {key!r}")
+        (feeds if kind == "in" else outputs)[int(index)][name] = value
+    for i in range(runs):
+        require_names([s.name for s in signature.inputs], sorted(feeds[i]), f"--golden {path} run {i} inputs")
+        require_names([s.name for s in signature.outputs], sorted(outputs[i]), f"--golden {path} run {i} outputs")
+    return Golden(
+        feeds,
+        outputs,
+        [dict(s) for s in meta.get("shapes", [])],
+        meta["precision"],
+        float(meta["rtol"]),
+        float(meta["atol"]),
+        meta.get("min_sqnr_db"),
+        meta.get("reference", "eager"),
+        meta.get("model", {}),
+        {k: (float(v[0]), float(v[1])) for k, v in meta.get("tolerances", {}).items()},
+        meta.get("signature", {}),
+    )
+
+
+def parse_tolerances(items: tuple[str, ...] | list[str]) -> dict[str, tuple[float, float]]:
+    """``NAME=RTOL:ATOL`` items (``--tol logits=1e-3:1e-4``) as ``{name: (rtol, atol)}``."""
+    parsed: dict[str, tuple[float, float]] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        rtol_text, colon, atol_text = value.partition(":")
+        try:
+            if not (sep and colon and name):
+                raise ValueError
+            parsed[name] = (float(rtol_text), float(atol_text))
+        except ValueError:
+            raise UsageError(f"--tol: expected NAME=RTOL:ATOL such as logits=1e-3:1e-4, got {item!r}") from None
+        if min(parsed[name]) < 0:
+            raise UsageError(f"--tol {item}: tolerances must be zero or more")
+    return parsed
