@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first_line
+from tk.errors import BackendUnavailableError, IntegrityError, first_line
 from tk.limits import require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
@@ -109,9 +109,9 @@ class CompiledEngine(EagerEngine):
         super()._load_model()
         from torch._inductor import list_mode_options
 
-        mode = self.options.mode or ("reduce-overhead" if self.options.cuda_graph else "default")
-        if self.options.cuda_graph and mode != "reduce-overhead":
-            raise UsageError(f"engine 'compile': CUDA graphs come with --mode reduce-overhead, not --mode {mode}")
+        mode = self.options.mode or "default"
+        if self.options.cuda_graph and mode == "default":
+            mode = "reduce-overhead"  # Inductor's CUDA graphs (max-autotune has them too)
         self._mode = mode
         artifact_precision = self.manifest.precision if self.manifest.precision in ("bf16", "fp16") else "fp32"
         self._precision = self.options.precision or artifact_precision
