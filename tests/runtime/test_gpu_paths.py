@@ -109,3 +109,15 @@ def test_cuda_graph_engines_match_plain_calls(tmp_path, engine_name):
             feeds = {k: torch.from_numpy(v).cuda() for k, v in random_feeds(plain.inputs, sizes).items()}
             torch.testing.assert_close(graphed.run(feeds)["logits"], plain.run(feeds)["logits"], rtol=1e-5, atol=1e-5)
         assert graphed.settings()["cuda_graphs"]["graphs"] == 2
+
+
+@pytest.mark.slow
+def test_compile_reports_its_mode_graphs_and_recompilations(exported):
+    e = exported("mlp", ("torch",))
+    with load(e.root, "compile", mode="default") as engine:
+        for batch in (2, 5, 7):
+            engine.run(random_feeds(engine.inputs, {"batch": batch}))
+        settings = engine.settings()
+    assert settings["mode"] == "default" and settings["freezing"] is True
+    assert settings["cuda_graphs"] == "not asked for"  # and on the CPU never used
+    assert settings["frames_compiled"] >= 1 and settings["recompilations"] == settings["frames_compiled"] - 1
