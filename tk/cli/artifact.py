@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, model_options, print_check_reports, size_text
+from tk.cli.common import build, model_options, print_check_reports, size_text, task_option
 from tk.errors import UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 
@@ -31,6 +31,7 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 @click.command("export")
 @click.argument("model")
 @model_options
+@task_option
 @click.option(
     "--format",
     "formats",
@@ -87,6 +88,7 @@ def export_cmd(
     model: str,
     size: str | None,
     inputs: tuple[str, ...],
+    task: str | None,
     formats: tuple[str, ...],
     checkpoint: Path | None,
     out: Path | None,
@@ -112,7 +114,7 @@ def export_cmd(
 
     if opset is not None and opset < 18:
         raise UsageError(f"--opset: expected 18 or newer, got {opset}")
-    spec = build(model, size, inputs)
+    spec = build(model, size, inputs, task)
     options = ExportOptions(
         formats=formats or ("onnx",),
         precision=precision,
@@ -129,7 +131,8 @@ def export_cmd(
         trt_hardware_compatibility=trt_hardware_compat,
         trt_timing_cache=trt_timing_cache,
     )
-    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
+    default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
+    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)
     from tk.errors import ParityError
 
     try:
@@ -179,8 +182,14 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
             f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
         )
     for fmt, info in manifest.formats.items():
-        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k != "file")
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions"))
         click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
+        fusions = info.get("fusions")
+        if fusions:
+            ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
+            verdict = "applied" if fusions["applied"] else f"not applied: {fusions.get('reason')}"
+            nodes = f"{fusions.get('nodes_before')} -> {fusions.get('nodes_after')} nodes; " if fusions.get("nodes_before") else ""
+            click.echo(f"fused      {fmt}: {nodes}{ops} ({verdict})")
     click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
         click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))

@@ -38,6 +38,7 @@ log = logging.getLogger("tk.export")
 
 FORMATS = tuple(FORMAT_MODULES)
 WEIGHTS = "weights.safetensors"
+UNFUSED_ONNX = "model.unfused.onnx"
 
 # (staging directory, manifest, formats written, context): fills manifest.check and manifest.status
 Checker = Callable[[Path, Manifest, list[str], ExportContext], None]
@@ -172,6 +173,8 @@ def write_artifact(
         for fmt in formats:
             writer = _writer_module(fmt)
             _timed(ctx, fmt, lambda w=writer: w.write(ctx))
+            if fmt == "onnx" and options.onnx_fusions:
+                _timed(ctx, "fuse", lambda: _fuse_onnx(ctx))
             if fmt == "onnx" and options.precision == "int8":
                 _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
         manifest = _manifest(ctx, checkpoint_sha)
@@ -204,6 +207,24 @@ def _failures(report: dict) -> list[str]:
     if inv and not inv["passed"]:
         lines.append(inv["problem"])
     return lines
+
+
+def _fuse_onnx(ctx: ExportContext) -> None:
+    from tk.export.onnx_optimize import optimize_onnx_in_place
+
+    info = ctx.formats["onnx"]
+    if info.get("external_data"):
+        info["fusions"] = {"applied": False, "reason": "the graph has external data (over 2 GiB)"}
+        return
+    path = ctx.staging / info["file"]
+    if ctx.options.keep_unfused:
+        unfused = ctx.add_file(UNFUSED_ONNX, "onnx-unfused")
+        shutil.copyfile(path, unfused)
+    feeds = {s.name: t.cpu().numpy() for s, t in zip(ctx.spec.signature.inputs, ctx.example_inputs, strict=True)}
+    result = optimize_onnx_in_place(path, feeds)
+    info["fusions"] = result.to_json()
+    if result.applied:
+        log.info("export fuse   %d -> %d nodes: %s", result.nodes_before, result.nodes_after, result.fused_ops)
 
 
 def _quantize_onnx(ctx: ExportContext) -> None:

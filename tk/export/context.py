@@ -27,6 +27,8 @@ class ExportOptions:
     rtol: float | None = None  # override the precision's tolerance
     atol: float | None = None
     checkpoint: Path | None = None  # safetensors state_dict from `tk train`
+    onnx_fusions: bool = True  # onnxruntime's transformer fusions on the ONNX graph (tk.export.onnx_optimize)
+    keep_unfused: bool = False  # also ship the ONNX graph before fusion, as model.unfused.onnx
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     trt_workspace_gb: float = 4.0  # TensorRT builder workspace limit, GiB
     trt_optimization_level: int = 3  # TensorRT builder optimization level, 0-5
