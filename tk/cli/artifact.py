@@ -47,6 +47,29 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 )
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option(
+    "--int8-mode",
+    type=click.Choice(["static", "dynamic"]),
+    default="static",
+    show_default=True,
+    help="int8: calibrated QDQ graph (static) or activations quantized per call (dynamic).",
+)
+@click.option(
+    "--calibrate",
+    default=None,
+    metavar="FILE|random:N",
+    help="Static int8 calibration inputs: an .npz/.npy file like tk infer --inputs, or random:N (default random:32).",
+)
+@click.option(
+    "--calibration-method",
+    type=click.Choice(["minmax", "entropy", "percentile"]),
+    default="minmax",
+    show_default=True,
+)
+@click.option(
+    "--fuse/--no-fuse", default=True, show_default=True, help="onnxruntime's transformer fusions on the ONNX graph."
+)
+@click.option("--keep-unfused", is_flag=True, help="Also ship the ONNX graph before fusion (model.unfused.onnx).")
+@click.option(
     "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
 )
 @click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64.")
@@ -93,6 +116,11 @@ def export_cmd(
     checkpoint: Path | None,
     out: Path | None,
     precision: str,
+    int8_mode: str,
+    calibrate: str | None,
+    calibration_method: str,
+    fuse: bool,
+    keep_unfused: bool,
     dynamic: bool,
     batch: str | None,
     seq: str | None,
@@ -118,6 +146,11 @@ def export_cmd(
     options = ExportOptions(
         formats=formats or ("onnx",),
         precision=precision,
+        int8_mode=int8_mode,
+        calibrate=calibrate,
+        calibration_method=calibration_method,
+        onnx_fusions=fuse,
+        keep_unfused=keep_unfused,
         dynamic=dynamic,
         dims=_parse_dims(batch, seq, dims),
         opset=opset,
@@ -188,7 +221,11 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
         if fusions:
             ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
             verdict = "applied" if fusions["applied"] else f"not applied: {fusions.get('reason')}"
-            nodes = f"{fusions.get('nodes_before')} -> {fusions.get('nodes_after')} nodes; " if fusions.get("nodes_before") else ""
+            nodes = (
+                f"{fusions.get('nodes_before')} -> {fusions.get('nodes_after')} nodes; "
+                if fusions.get("nodes_before")
+                else ""
+            )
             click.echo(f"fused      {fmt}: {nodes}{ops} ({verdict})")
     click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:

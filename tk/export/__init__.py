@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from tk.errors import BackendUnavailableError, ParityError, UsageError
@@ -173,7 +174,7 @@ def write_artifact(
         for fmt in formats:
             writer = _writer_module(fmt)
             _timed(ctx, fmt, lambda w=writer: w.write(ctx))
-            if fmt == "onnx" and options.onnx_fusions:
+            if fmt == "onnx" and options.onnx_fusions and options.precision != "int8":
                 _timed(ctx, "fuse", lambda: _fuse_onnx(ctx))
             if fmt == "onnx" and options.precision == "int8":
                 _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
@@ -227,11 +228,66 @@ def _fuse_onnx(ctx: ExportContext) -> None:
         log.info("export fuse   %d -> %d nodes: %s", result.nodes_before, result.nodes_after, result.fused_ops)
 
 
-def _quantize_onnx(ctx: ExportContext) -> None:
-    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
+INT8_MODES = ("static", "dynamic")
+DEFAULT_CALIBRATION = "random:32"
 
+
+def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
+    """Static int8 calibration batches: ``options.calibration_data`` split into batches, else ``random:N``.
+
+    Random samples cycle through the sizes the export check uses (min, opt, max and an odd size of
+    every dimension but the batch), so the activation ranges cover the whole dynamic range.
+    """
+    from tk.export.static_int8 import CALIBRATION_BATCH, calibration_batches
+
+    if ctx.options.calibration_data is not None:
+        return calibration_batches(dict(ctx.options.calibration_data))
+    text = ctx.options.calibrate or DEFAULT_CALIBRATION
+    count = text.removeprefix("random:")
+    if not text.startswith("random:") or not count.isdigit() or int(count) < 1:
+        raise UsageError(f"--calibrate: expected random:N (N >= 1) or an inputs file, got {text!r}")
+    from tk.spec import random_feeds
+
+    inputs = ctx.spec.signature.inputs
+    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    others = [d for n, d in ctx.dims.items() if n != batch]
+    batches = []
+    left = int(count)
+    for i in range(-(-left // CALIBRATION_BATCH)):
+        sizes = {n: d.opt for n, d in ctx.dims.items()}
+        for d in others:
+            options = d.sizes_to_check()
+            sizes[d.name] = options[i % len(options)]
+        if batch is not None:
+            sizes[batch] = min(CALIBRATION_BATCH, left)
+        left -= CALIBRATION_BATCH
+        batches.append(random_feeds(inputs, sizes, seed=1234 + i))
+    return batches
+
+
+def _quantize_onnx(ctx: ExportContext) -> None:
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
+    mode = ctx.options.int8_mode
+    if mode not in INT8_MODES:
+        raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {mode!r}")
+    if mode == "static":
+        from tk.export.static_int8 import static_int8_onnx_from_onnx
+        from tk.tolerances import MIN_SQNR_DB
+
+        result = static_int8_onnx_from_onnx(
+            path,
+            quantized,
+            calibration_feeds(ctx),
+            method=ctx.options.calibration_method,
+            nodes_to_exclude=ctx.options.nodes_to_exclude,
+            min_sqnr_db=MIN_SQNR_DB["int8"],
+        )
+        os.replace(quantized, path)
+        ctx.formats["onnx"]["quantization"] = result.to_json()
+        return
+    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
+
     int8_onnx_from_onnx(path, quantized)
     os.replace(quantized, path)
     ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"

@@ -115,7 +115,9 @@ def _tokenizer_input_names(directory: Path) -> list[str] | None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # a damaged tokenizer: say which file, keep the model usable
-        raise UsageError(f"hf:{directory}: cannot read the tokenizer ({type(exc).__name__}: {first_line(exc)})") from exc
+        raise UsageError(
+            f"hf:{directory}: cannot read the tokenizer ({type(exc).__name__}: {first_line(exc)})"
+        ) from exc
     return list(tokenizer.model_input_names)
 
 
