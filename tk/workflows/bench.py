@@ -47,6 +47,8 @@ class BenchRow:
     mean_ms: float
     throughput: float  # samples per second at the median latency
     speedup: float | None  # eager p50 / this p50 at the same batch size; None without eager
+    gflops: float | None = None  # model FLOPs / p50 (with --roofline)
+    peak_share: float | None = None  # gflops / the measured matrix-product peak of its precision (--roofline)
 
 
 @dataclass
@@ -243,11 +245,13 @@ def render_table(report: BenchReport) -> Table:
         f"latency per call, {machine.get('gpu') or machine.get('cpu')}, {machine.get('torch_threads')} torch threads"
     )
     table = Table(title=title)
-    for header in ("engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up"):
+    roofline = report.settings.get("roofline")
+    headers = ["engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up"]
+    for header in headers + (["GFLOP/s", "of peak"] if roofline else []):
         table.add_column(header, justify="left" if header == "engine" else "right")
     for r in report.rows:
         speedup = "—" if r.speedup is None else f"{r.speedup:.2f}×"
-        table.add_row(
+        cells = [
             r.engine,
             str(r.batch_size),
             str(r.iters),
@@ -257,8 +261,16 @@ def render_table(report: BenchReport) -> Table:
             _ms(r.mean_ms),
             f"{r.throughput:,.0f}",
             speedup,
-        )
+        ]
+        if roofline:
+            cells += [_gflops(r.gflops), _share(r.peak_share)]
+        table.add_row(*cells)
     notes = []
+    if roofline:
+        peaks = ", ".join(f"{p} {v['gflops']:,.0f}" for p, v in roofline["peaks"].items())
+        notes.append(
+            f"roofline: {roofline['flops_per_sample'] / 1e9:.2f} GFLOP per sample; measured matmul peak GFLOP/s: {peaks}"
+        )
     load, cores = machine.get("load_average"), machine.get("usable_cores")
     if load and cores and load[0] > cores:
         notes.append(f"busy machine: load average {load[0]} on {cores} cores before timing; expect noise")
@@ -266,6 +278,14 @@ def render_table(report: BenchReport) -> Table:
         notes.append("skipped: " + "; ".join(f"{s['engine']} at batch {s['batch_size']}" for s in report.skipped))
     table.caption = "\n".join(notes) or None
     return table
+
+
+def _gflops(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
 
 
 def _ms(value: float) -> str:
