@@ -11,13 +11,13 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
-from tk.cli import cli  # noqa: E402
-from tk.errors import UsageError  # noqa: E402
-from tk.export import ExportOptions  # noqa: E402
-from tk.manifest import read_manifest  # noqa: E402
-from tk.models import build_model  # noqa: E402
-from tk.runtime import load  # noqa: E402
-from tk.workflows.export import export  # noqa: E402
+from tk.cli import cli
+from tk.errors import UsageError
+from tk.export import ExportOptions
+from tk.manifest import read_manifest
+from tk.models import build_model
+from tk.runtime import load
+from tk.workflows.export import export
 
 VOCAB = 100
 

@@ -265,6 +265,29 @@ def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     return batches
 
 
+JUDGE_SEEDS = 3  # random batches per shape that judge the int8 graph
+
+
+def _judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
+    """Held-out random batches at the shapes the export check uses (all min, all opt, an odd size
+    of each, each at its max), a few seeds each, to judge the int8 graph's SQNR."""
+    from tk.spec import random_feeds
+
+    opt = {n: d.opt for n, d in ctx.dims.items()}
+    shapes = [{n: d.min for n, d in ctx.dims.items()}, opt]
+    odd = {}
+    for n, d in ctx.dims.items():
+        inside = [s for s in d.sizes_to_check() if s not in (d.min, d.opt, d.max)]
+        odd[n] = inside[0] if inside else d.opt
+    shapes += [odd] + [{**opt, n: d.max} for n, d in ctx.dims.items()]
+    unique = [s for i, s in enumerate(shapes) if s not in shapes[:i]]
+    return [
+        random_feeds(ctx.spec.signature.inputs, sizes, seed=9000 + 10 * i + j)
+        for i, sizes in enumerate(unique)
+        for j in range(JUDGE_SEEDS)
+    ]
+
+
 def _quantize_onnx(ctx: ExportContext) -> None:
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
@@ -282,6 +305,7 @@ def _quantize_onnx(ctx: ExportContext) -> None:
             method=ctx.options.calibration_method,
             nodes_to_exclude=ctx.options.nodes_to_exclude,
             min_sqnr_db=MIN_SQNR_DB["int8"],
+            judge=_judge_feeds(ctx),
         )
         os.replace(quantized, path)
         ctx.formats["onnx"]["quantization"] = result.to_json()

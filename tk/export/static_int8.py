@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,14 +31,14 @@ log = logging.getLogger("tk.export")
 
 METHODS = ("minmax", "entropy", "percentile")
 QUANTIZED_OPS = ["MatMul", "Gemm"]
-MARGIN_DB = 1.0  # the calibration inputs must clear the floor by this much
+MARGIN_DB = 2.0  # the judged inputs must clear the floor by this much (the check draws fresh ones)
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
 CALIBRATION_BATCH = 8  # samples per calibration run
 
 
 @dataclass
 class StaticInt8Result:
-    sqnr_db: float  # min over outputs, on the calibration inputs, of the shipped graph
+    sqnr_db: float  # min over outputs, on the calibration and judged inputs, of the shipped graph
     excluded: list[str] = field(default_factory=list)  # nodes left in float32 (given + automatic)
     automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # node -> SQNR with only it quantized
@@ -49,7 +50,7 @@ class StaticInt8Result:
             "mode": "static",
             "method": self.method,
             "per_channel": True,
-            "sqnr_db_calibration": round(self.sqnr_db, 2),
+            "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_nodes": self.quantizable,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
@@ -108,17 +109,14 @@ def weight_matmul_nodes(path: Path) -> list[str]:
     ]
 
 
-def _quantize(
-    source: Path,
-    target: Path,
-    method: str,
-    cache: Path,
-    reader: _Reader | None,
-    exclude: list[str],
-    only: list[str] | None = None,
-) -> None:
+def _quantize(source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str]) -> None:
+    """Quantize the nodes ``only`` (weight MatMul/Gemm names: the quantizer would take attention's
+    activation products too, whatever ``MatMulConstBOnly`` says); the others stay float32."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
+    if not only:
+        shutil.copyfile(source, target)
+        return
     if reader is not None:
         reader.rewind()
     quantize_static(
@@ -132,7 +130,6 @@ def _quantize(
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         nodes_to_quantize=only,
-        nodes_to_exclude=exclude or None,
         calibrate_method=_method(method),
         extra_options={"MatMulConstBOnly": True, "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}},
         calibration_cache_path=str(cache),
@@ -158,16 +155,16 @@ class _Judge:
         return (session or self._session(path)).run(None, feeds)
 
     def sqnr_db(self, path: Path) -> float:
-        """Min over outputs of 10·log10(signal / noise), summed over every batch."""
+        """The worst SQNR (10·log10(signal / noise)) over batches and outputs, as the export check judges."""
         session = self._session(path)
-        signal: dict[int, float] = {}
-        noise: dict[int, float] = {}
+        worst = math.inf
         for feeds, ref in zip(self.batches, self.reference, strict=True):
-            for i, (r, c) in enumerate(zip(ref, self._run(path, feeds, session), strict=True)):
+            for r, c in zip(ref, self._run(path, feeds, session), strict=True):
                 r64 = r.astype(np.float64)
-                signal[i] = signal.get(i, 0.0) + float(np.sum(r64**2))
-                noise[i] = noise.get(i, 0.0) + float(np.sum((r64 - c.astype(np.float64)) ** 2))
-        return min(math.inf if noise[i] == 0 else 10 * math.log10(max(signal[i], 1e-300) / noise[i]) for i in signal)
+                noise = float(np.sum((r64 - c.astype(np.float64)) ** 2))
+                if noise > 0:
+                    worst = min(worst, 10 * math.log10(max(float(np.sum(r64**2)), 1e-300) / noise))
+        return worst
 
 
 def static_int8_onnx_from_onnx(
@@ -178,13 +175,16 @@ def static_int8_onnx_from_onnx(
     method: str = "minmax",
     nodes_to_exclude: Sequence[str] = (),
     min_sqnr_db: float | None = None,
+    judge: Sequence[dict[str, np.ndarray]] = (),
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
     With ``min_sqnr_db``, layers are excluded automatically (costliest first, measured one layer
     at a time) until the outputs' SQNR on the calibration batches reaches ``min_sqnr_db + MARGIN_DB``.
-    ``nodes_to_exclude`` are always left in float32. Default method: minmax.
+    ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
+    plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
     """
+    judge_batches = list(judge)
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     _method(method)
@@ -197,18 +197,19 @@ def static_int8_onnx_from_onnx(
         with tempfile.TemporaryDirectory(prefix="tk-int8-") as tmp:
             cache = Path(tmp) / "ranges.json"
             reader = _Reader(calibration)
-            _quantize(source, target, method, cache, reader, exclude)  # calibrates once, fills the cache
-            judge = _Judge(source, calibration)
+            keep = [n for n in candidates if n not in exclude]
+            _quantize(source, target, method, cache, reader, keep)  # calibrates once, fills the cache
+            judge = _Judge(source, [*calibration, *judge_batches])
             sqnr = judge.sqnr_db(target)
             result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method)
-            log.info("export int8   SQNR %.1f dB on %d calibration batches", sqnr, len(calibration))
+            log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
             if min_sqnr_db is None or sqnr >= min_sqnr_db + MARGIN_DB:
                 return result
             one = Path(tmp) / "one.onnx"
             for node in candidates:
                 if node in exclude:
                     continue
-                _quantize(source, one, method, cache, None, [], only=[node])
+                _quantize(source, one, method, cache, None, [node])
                 result.layer_sqnr_db[node] = judge.sqnr_db(one)
             ranked = sorted(result.layer_sqnr_db, key=lambda n: result.layer_sqnr_db[n])
             trial = Path(tmp) / "trial.onnx"
@@ -218,7 +219,7 @@ def static_int8_onnx_from_onnx(
                     break
                 take, ranked = ranked[:step], ranked[step:]
                 result.automatic.extend(take)
-                _quantize(source, trial, method, cache, None, exclude + result.automatic)
+                _quantize(source, trial, method, cache, None, [n for n in keep if n not in result.automatic])
                 sqnr = judge.sqnr_db(trial)
                 log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude + result.automatic), sqnr)
                 trial.replace(target)
