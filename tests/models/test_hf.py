@@ -153,3 +153,10 @@ def test_task_option_is_refused_for_builtin_models():
     result = CliRunner().invoke(cli, ["export", "mlp", "--task", "masked-lm"])
     assert result.exit_code == 2
     assert "--task applies to hf:DIR models" in result.output
+
+
+def test_the_command_lines_tasks_are_the_models_tasks():
+    from tk.models.hf import TASKS
+    from tk.registries import HF_TASKS
+
+    assert tuple(TASKS) == HF_TASKS

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from tk.errors import UsageError
-from tk.registries import DEVICES
+from tk.registries import DEVICES, HF_TASKS
 
 
 def console() -> Any:
@@ -30,11 +30,9 @@ def model_options(fn: Any) -> Any:
 
 
 def task_option(fn: Any) -> Any:
-    from tk.models.hf import TASKS
-
     return click.option(
         "--task",
-        type=click.Choice(list(TASKS)),
+        type=click.Choice(HF_TASKS),
         default=None,
         help="Task of an hf:DIR model (default: feature-extraction).",
     )(fn)

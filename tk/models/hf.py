@@ -32,7 +32,7 @@ from tk.models.base import ModelSpec
 from tk.spec import Dim, Signature, TensorSpec
 
 PREFIX = "hf:"
-# task -> (transformers Auto class, output name, output dims after (batch,): "seq", "hidden", "labels", "vocab")
+# task -> (transformers Auto class (tk.registries.HF_TASKS lists the same names for the command line), output name, output dims after (batch,): "seq", "hidden", "labels", "vocab")
 TASKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "feature-extraction": ("AutoModel", "last_hidden_state", ("seq", "hidden")),
     "sequence-classification": ("AutoModelForSequenceClassification", "logits", ("labels",)),
