@@ -76,74 +76,112 @@ def _sqnr(reference: np.ndarray, candidate: np.ndarray) -> float:
 
 
 def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespace, work: Path) -> list[dict]:
-    """int8 (always) and bf16 (when asked for this size) against eager float32 at batch x seq."""
+    """int8 and bf16 (each when asked for this size) against eager float32 at batch x seq."""
     rows: list[dict] = []
     torch.manual_seed(0)
     spec = build_model("transformer", size=size)
     shape = {"batch": args.batch, "seq": args.seq}
     feeds = random_feeds(spec.signature.inputs, shape, seed=42)
-    int8_root = work / f"{size}-int8"
-    start = time.perf_counter()
-    result = export(
-        spec, int8_root, ExportOptions(formats=("onnx",), precision="int8", checkpoint=checkpoint, check=False)
-    )
-    int8_export_s = time.perf_counter() - start
-    engines = {"eager fp32": load(int8_root, "eager"), "onnx int8": load(int8_root, "onnx")}
-    bf16 = size in args.bf16_sizes
+    int8, bf16 = size in args.int8_sizes, size in args.bf16_sizes
+    engines = {}
+    if int8:
+        int8_root = work / f"{size}-int8"
+        start = time.perf_counter()
+        result = export(
+            spec, int8_root, ExportOptions(formats=("onnx",), precision="int8", checkpoint=checkpoint, check=False)
+        )
+        int8_export_s = time.perf_counter() - start
+        engines = {"eager fp32": load(int8_root, "eager"), "onnx int8": load(int8_root, "onnx")}
     if bf16:
         bf16_root = work / f"{size}-bf16"
         export(
-            build_model("transformer", size=size),
+            spec,  # the same weights as the int8 row's
             bf16_root,
             ExportOptions(formats=("aoti",), precision="bf16", checkpoint=checkpoint, check=False),
         )
+        if not int8:
+            engines["eager fp32"] = load(bf16_root, "eager")
         engines["aoti bf16"] = load(bf16_root, "aoti")
     outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
     times = _interleaved({name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}, args.iters)
-    eager_ms = _ms(times["eager fp32"])
     flops = model_flops(
         engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
     )
-    quant = result.manifest.formats["onnx"]["quantization"]
-    sqnr = _sqnr(outputs["eager fp32"], outputs["onnx int8"])
-    rows.append(
-        {
-            "goal": f"int8 {size}",
-            "shape": f"{args.batch}x{args.seq}",
-            "checkpoint": str(checkpoint) if checkpoint else None,
-            "eager_fp32_ms": round(eager_ms, 2),
-            "ms": round(_ms(times["onnx int8"]), 2),
-            "speedup_vs_eager": round(eager_ms / _ms(times["onnx int8"]), 3),
-            "sqnr_db": round(sqnr, 2),
-            "excluded_layers": len(quant["excluded"]),
-            "quantizable_layers": quant["quantizable_nodes"],
-            "export_s": round(int8_export_s, 1),
-            "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times["onnx int8"]) >= INT8_SPEEDUP_GOAL),
-            "goal_text": f"SQNR >= {MIN_SQNR_DB['int8']:g} dB and >= {INT8_SPEEDUP_GOAL:g}x eager fp32",
-        }
-    )
+    if int8:
+        rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
     if bf16:
-        peak = matmul_peak("bf16", PEAK_SHAPE)
-        ms = _ms(times["aoti bf16"])
-        rate = flops / (ms / 1e3) / 1e9
-        rows.append(
-            {
-                "goal": f"bf16 {size}",
-                "shape": f"{args.batch}x{args.seq}",
-                "ms": round(ms, 2),
-                "eager_fp32_ms": round(eager_ms, 2),
-                "speedup_vs_eager": round(eager_ms / ms, 3),
-                "gflops": round(rate, 1),
-                "bf16_peak_gflops": round(peak.gflops, 1),
-                "peak_share": round(rate / peak.gflops, 3),
-                "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
-                "met": bool(rate / peak.gflops >= BF16_PEAK_GOAL),
-                "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
-            }
-        )
+        rows.append(_bf16_row(size, args, outputs, times, flops))
+        if args.profile_bf16:
+            rows[-1]["profile_top_ops"] = _profile(bf16_root, feeds)
     for engine in engines.values():
         engine.close()
     return rows
+
+
+def _profile(root: Path, feeds: dict[str, np.ndarray]) -> list[dict]:
+    """torch.profiler's top operators of the bf16 compile engine (Inductor + freezing under autocast)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with load(root, "compile") as engine:
+        for _ in range(2):
+            engine.run(feeds)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                engine.run(feeds)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    top = [
+        {
+            "op": e.key[:60],
+            "self_ms_per_call": round(e.self_cpu_time_total / 3e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls": e.count // 3,
+        }
+        for e in events
+    ]
+    for t in top:
+        print(f"  {t['op']:<60} {t['self_ms_per_call']:>9.2f} ms  {100 * t['share']:5.1f}%  x{t['calls']}")
+    return top
+
+
+def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
+    eager_ms = _ms(times["eager fp32"])
+    quant = result.manifest.formats["onnx"]["quantization"]
+    sqnr = _sqnr(outputs["eager fp32"], outputs["onnx int8"])
+    return {
+        "goal": f"int8 {size}",
+        "shape": f"{args.batch}x{args.seq}",
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "eager_fp32_ms": round(eager_ms, 2),
+        "ms": round(_ms(times["onnx int8"]), 2),
+        "speedup_vs_eager": round(eager_ms / _ms(times["onnx int8"]), 3),
+        "sqnr_db": round(sqnr, 2),
+        "excluded_layers": len(quant["excluded"]),
+        "quantizable_layers": quant["quantizable_nodes"],
+        "export_s": round(int8_export_s, 1),
+        "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times["onnx int8"]) >= INT8_SPEEDUP_GOAL),
+        "goal_text": f"SQNR >= {MIN_SQNR_DB['int8']:g} dB and >= {INT8_SPEEDUP_GOAL:g}x eager fp32",
+    }
+
+
+def _bf16_row(size, args, outputs, times, flops) -> dict:
+    eager_ms = _ms(times["eager fp32"])
+    peak = matmul_peak("bf16", PEAK_SHAPE)
+    ms = _ms(times["aoti bf16"])
+    rate = flops / (ms / 1e3) / 1e9
+    return {
+        "goal": f"bf16 {size}",
+        "shape": f"{args.batch}x{args.seq}",
+        "ms": round(ms, 2),
+        "eager_fp32_ms": round(eager_ms, 2),
+        "speedup_vs_eager": round(eager_ms / ms, 3),
+        "gflops": round(rate, 1),
+        "bf16_peak_gflops": round(peak.gflops, 1),
+        "peak_share": round(rate / peak.gflops, 3),
+        "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
+        "met": bool(rate / peak.gflops >= BF16_PEAK_GOAL),
+        "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
+    }
 
 
 def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -212,8 +250,9 @@ def render(rows: list[dict], machine: dict) -> Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="small", help="Transformer sizes for the int8 rows (comma-separated).")
-    parser.add_argument("--bf16-sizes", default="base", help="Sizes that also get the bf16 row.")
+    parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
+    parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
+    parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 compile engine (top ops).")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)
@@ -226,6 +265,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
+    args.int8_sizes = [s for s in args.int8_sizes.split(",") if s]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     machine = machine_description()
@@ -233,10 +273,10 @@ def main() -> None:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tk-goals-") as tmp:
         work = Path(tmp)
-        for size in [s for s in args.sizes.split(",") if s]:
+        for size in dict.fromkeys(args.int8_sizes + args.bf16_sizes):
             ckpt = Path(checkpoints[size]) if size in checkpoints else None
             rows += bench_transformer(size, ckpt, args, work)
-            Console().print(render(rows, machine))
+            Console(width=200).print(render(rows, machine))
         if not args.skip_hf:
             directory = args.hf_dir
             if directory is None:
