@@ -34,7 +34,8 @@ def export_planted(out: Path, precision: str, formats: tuple[str, ...], keep: tu
     """Export the planted model; a failed check still leaves the artifact (marked failed)."""
     spec = build_model(PLANTED)
     try:
-        export(spec, out, ExportOptions(formats=formats, precision=precision, keep_fp32=keep))
+        # int8 dynamically: the static quantizer would exclude the planted block by itself
+        export(spec, out, ExportOptions(formats=formats, precision=precision, keep_fp32=keep, int8_mode="dynamic"))
     except ParityError:
         pass
     return out
@@ -119,9 +120,11 @@ def test_precision_fp16_finds_the_block_and_keep_fp32_passes(fp16: Path, tmp_pat
 
 def test_precision_int8_finds_the_block_and_keep_fp32_passes(int8: Path, tmp_path: Path) -> None:
     found = find_fp32_modules(int8, trust_model_code=True)
-    assert found.keep == ["blocks.2.up"], found.keep
+    # the planted block first; dynamic int8 then needs a few more Linears kept to reach the 35 dB floor,
+    # still a small set out of the model's 22 modules and 10 quantized MatMuls
+    assert "blocks.2.up" in found.keep and len(found.keep) <= 5, found.keep
     assert found.before.sqnr_db is not None and found.before.sqnr_db < 10
-    assert found.after is not None and found.after.passed and found.after.sqnr_db > 30
+    assert found.after is not None and found.after.passed and found.after.sqnr_db >= 35
     fixed = export_planted(tmp_path / "fixed8", "int8", ("onnx",), tuple(found.keep))
     manifest = read_manifest(fixed)
     assert manifest.status == "passed", manifest.check
@@ -131,7 +134,7 @@ def test_precision_int8_finds_the_block_and_keep_fp32_passes(int8: Path, tmp_pat
         return sum(n.op_type == "MatMulInteger" for n in onnx.load(str(root / "model.onnx")).graph.node)
 
     assert quantized(int8) == 10  # embed, 4 blocks x (up, down), head
-    assert quantized(fixed) == 9  # all but blocks.2.up
+    assert quantized(fixed) == 10 - len(found.keep)  # all but the kept Linears
 
 
 def test_keep_fp32_unknown_module_is_one_line_error(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, model_options, print_check_reports, size_text
+from tk.cli.common import build, model_options, print_check_reports, size_text, task_option
 from tk.errors import UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 
@@ -31,6 +31,7 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 @click.command("export")
 @click.argument("model")
 @model_options
+@task_option
 @click.option(
     "--format",
     "formats",
@@ -45,6 +46,29 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "--out", type=click.Path(path_type=Path), default=None, help="Artifact directory (default: artifacts/MODEL-SIZE)."
 )
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option(
+    "--int8-mode",
+    type=click.Choice(["static", "dynamic"]),
+    default="static",
+    show_default=True,
+    help="int8: calibrated QDQ graph (static) or activations quantized per call (dynamic).",
+)
+@click.option(
+    "--calibrate",
+    default=None,
+    metavar="FILE|random:N",
+    help="Static int8 calibration inputs: an .npz/.npy file like tk infer --inputs, or random:N (default random:32).",
+)
+@click.option(
+    "--calibration-method",
+    type=click.Choice(["minmax", "entropy", "percentile"]),
+    default="minmax",
+    show_default=True,
+)
+@click.option(
+    "--fuse/--no-fuse", default=True, show_default=True, help="onnxruntime's transformer fusions on the ONNX graph."
+)
+@click.option("--keep-unfused", is_flag=True, help="Also ship the ONNX graph before fusion (model.unfused.onnx).")
 @click.option(
     "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
 )
@@ -99,10 +123,16 @@ def export_cmd(
     model: str,
     size: str | None,
     inputs: tuple[str, ...],
+    task: str | None,
     formats: tuple[str, ...],
     checkpoint: Path | None,
     out: Path | None,
     precision: str,
+    int8_mode: str,
+    calibrate: str | None,
+    calibration_method: str,
+    fuse: bool,
+    keep_unfused: bool,
     dynamic: bool,
     batch: str | None,
     seq: str | None,
@@ -124,10 +154,15 @@ def export_cmd(
     from tk.export import ExportOptions
     from tk.workflows.export import export
 
-    spec = build(model, size, inputs)
+    spec = build(model, size, inputs, task)
     options = ExportOptions(
         formats=formats or ("onnx",),
         precision=precision,
+        int8_mode=int8_mode,
+        calibrate=calibrate,
+        calibration_method=calibration_method,
+        onnx_fusions=fuse,
+        keep_unfused=keep_unfused,
         dynamic=dynamic,
         dims=_parse_dims(batch, seq, dims),
         opset=opset,
@@ -143,7 +178,8 @@ def export_cmd(
         keep_fp32=tuple(m.strip() for m in (keep_fp32 or "").split(",") if m.strip()),
         report=report,
     )
-    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else spec.name.replace(":", "-"))
+    default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
+    out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)
     from tk.errors import ParityError
 
     try:
@@ -193,8 +229,18 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
             f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
         )
     for fmt, info in manifest.formats.items():
-        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k != "file")
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions"))
         click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
+        fusions = info.get("fusions")
+        if fusions:
+            ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
+            verdict = "applied" if fusions["applied"] else f"not applied: {fusions.get('reason')}"
+            nodes = (
+                f"{fusions.get('nodes_before')} -> {fusions.get('nodes_after')} nodes; "
+                if fusions.get("nodes_before")
+                else ""
+            )
+            click.echo(f"fused      {fmt}: {nodes}{ops} ({verdict})")
     click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
         click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))

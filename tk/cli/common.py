@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from tk.errors import UsageError
-from tk.registries import DEVICES
+from tk.registries import DEVICES, HF_TASKS
 
 
 def console() -> Any:
@@ -29,9 +29,24 @@ def model_options(fn: Any) -> Any:
     return fn
 
 
-def build(name: str, size: str | None, inputs: tuple[str, ...]) -> Any:
+def task_option(fn: Any) -> Any:
+    return click.option(
+        "--task",
+        type=click.Choice(HF_TASKS),
+        default=None,
+        help="Task of an hf:DIR model (default: feature-extraction).",
+    )(fn)
+
+
+def build(name: str, size: str | None, inputs: tuple[str, ...], task: str | None = None) -> Any:
     from tk.models import build_model
 
+    if task and not name.startswith("hf:"):
+        raise UsageError(f"--task applies to hf:DIR models, not to {name!r}")
+    if name.startswith("hf:"):
+        if size or inputs:
+            raise UsageError(f"--size and --input do not apply to {name!r}: its config and tokenizer describe it")
+        return build_model(name, config={"task": task} if task else None)
     if ":" in name and size:
         raise UsageError(f"--size applies to built-in models, not to {name!r}")
     if ":" not in name and inputs:

@@ -264,6 +264,11 @@ def check_cmd(
     default=None,
     help="Write a PNG of latency and throughput against batch size.",
 )
+@click.option(
+    "--roofline",
+    is_flag=True,
+    help="Measure this machine's matrix-product peak (the artifact's precision) and show each engine's share.",
+)
 @engine_options
 def bench_cmd(
     artifact: Path,
@@ -277,6 +282,7 @@ def bench_cmd(
     seq: int | None,
     json_path: Path | None,
     plot_path: Path | None,
+    roofline: bool,
     device: str,
     provider: str | None,
     threads: int | None,
@@ -303,6 +309,7 @@ def bench_cmd(
         options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
         allow_failed=allow_failed,
         progress=lambda line: click.echo(line, err=True),
+        roofline=roofline,
     )
     console().print(render_table(report))
     for choice in choices:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageError
@@ -39,6 +40,7 @@ log = logging.getLogger("tk.export")
 
 FORMATS = tuple(FORMAT_MODULES)
 WEIGHTS = "weights.safetensors"
+UNFUSED_ONNX = "model.unfused.onnx"
 
 # (staging directory, manifest, formats written, context): fills manifest.check and manifest.status
 Checker = Callable[[Path, Manifest, list[str], ExportContext], None]
@@ -190,6 +192,8 @@ def write_artifact(
             for fmt in formats:
                 writer = _writer_module(fmt)
                 _timed(ctx, fmt, lambda w=writer: w.write(ctx))
+                if fmt == "onnx" and options.onnx_fusions and options.precision != "int8":
+                    _timed(ctx, "fuse", lambda: _fuse_onnx(ctx))
                 if fmt == "onnx" and options.precision == "int8":
                     _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
         manifest = _manifest(ctx, checkpoint_sha)
@@ -236,24 +240,124 @@ def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
         raise CaptureError(f"{exc} (report: {written})") from exc
 
 
+def _fuse_onnx(ctx: ExportContext) -> None:
+    from tk.export.onnx_optimize import optimize_onnx_in_place
+
+    info = ctx.formats["onnx"]
+    if info.get("external_data"):
+        info["fusions"] = {"applied": False, "reason": "the graph has external data (over 2 GiB)"}
+        return
+    path = ctx.staging / info["file"]
+    if ctx.options.keep_unfused:
+        unfused = ctx.add_file(UNFUSED_ONNX, "onnx-unfused")
+        shutil.copyfile(path, unfused)
+    feeds = {s.name: t.cpu().numpy() for s, t in zip(ctx.spec.signature.inputs, ctx.example_inputs, strict=True)}
+    result = optimize_onnx_in_place(path, feeds)
+    info["fusions"] = result.to_json()
+    if result.applied:
+        log.info("export fuse   %d -> %d nodes: %s", result.nodes_before, result.nodes_after, result.fused_ops)
+
+
+INT8_MODES = ("static", "dynamic")
+DEFAULT_CALIBRATION = "random:32"
+
+
+def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
+    """Static int8 calibration batches: ``options.calibration_data`` split into batches, else ``random:N``.
+
+    Random samples cycle through the sizes the export check uses (min, opt, max and an odd size of
+    every dimension but the batch), so the activation ranges cover the whole dynamic range.
+    """
+    from tk.export.static_int8 import CALIBRATION_BATCH, calibration_batches
+
+    if ctx.options.calibration_data is not None:
+        return calibration_batches(dict(ctx.options.calibration_data))
+    text = ctx.options.calibrate or DEFAULT_CALIBRATION
+    count = text.removeprefix("random:")
+    if not text.startswith("random:") or not count.isdigit() or int(count) < 1:
+        raise UsageError(f"--calibrate: expected random:N (N >= 1) or an inputs file, got {text!r}")
+    from tk.spec import random_feeds
+
+    inputs = ctx.spec.signature.inputs
+    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    others = [d for n, d in ctx.dims.items() if n != batch]
+    batches = []
+    left = int(count)
+    for i in range(-(-left // CALIBRATION_BATCH)):
+        sizes = {n: d.opt for n, d in ctx.dims.items()}
+        for d in others:
+            options = d.sizes_to_check()
+            sizes[d.name] = options[i % len(options)]
+        if batch is not None:
+            sizes[batch] = min(CALIBRATION_BATCH, left)
+        left -= CALIBRATION_BATCH
+        batches.append(random_feeds(inputs, sizes, seed=1234 + i))
+    return batches
+
+
+JUDGE_SEEDS = 3  # random batches per shape that judge the int8 graph
+
+
+def _judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
+    """Held-out random batches at the shapes the export check uses (all min, all opt, an odd size
+    of each, each at its max), a few seeds each, to judge the int8 graph's SQNR."""
+    from tk.spec import random_feeds
+
+    opt = {n: d.opt for n, d in ctx.dims.items()}
+    shapes = [{n: d.min for n, d in ctx.dims.items()}, opt]
+    odd = {}
+    for n, d in ctx.dims.items():
+        inside = [s for s in d.sizes_to_check() if s not in (d.min, d.opt, d.max)]
+        odd[n] = inside[0] if inside else d.opt
+    shapes += [odd] + [{**opt, n: d.max} for n, d in ctx.dims.items()]
+    unique = [s for i, s in enumerate(shapes) if s not in shapes[:i]]
+    return [
+        random_feeds(ctx.spec.signature.inputs, sizes, seed=9000 + 10 * i + j)
+        for i, sizes in enumerate(unique)
+        for j in range(JUDGE_SEEDS)
+    ]
+
+
 def _quantize_onnx(ctx: ExportContext) -> None:
     from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
 
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
-    excluded: list[str] = []
+    excluded: list[str] = list(ctx.options.nodes_to_exclude)
+    kept_modules: list[str] = []
     if ctx.options.keep_fp32:
         import onnx
 
         from tk.formats.onnx_scopes import nodes_in_modules
 
-        excluded = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
-        excluded += [f"{name}_MatMul" for name in excluded]  # the quantizer splits a Gemm into NAME_MatMul + Add
+        kept_modules = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
+        excluded += kept_modules + [f"{name}_MatMul" for name in kept_modules]  # a Gemm splits into NAME_MatMul + Add
+    mode = ctx.options.int8_mode
+    if mode not in INT8_MODES:
+        raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {mode!r}")
+    if mode == "static":
+        from tk.export.static_int8 import static_int8_onnx_from_onnx
+        from tk.tolerances import MIN_SQNR_DB
+
+        result = static_int8_onnx_from_onnx(
+            path,
+            quantized,
+            calibration_feeds(ctx),
+            method=ctx.options.calibration_method,
+            nodes_to_exclude=excluded,
+            min_sqnr_db=MIN_SQNR_DB["int8"],
+            judge=_judge_feeds(ctx),
+        )
+        os.replace(quantized, path)
+        ctx.formats["onnx"]["quantization"] = result.to_json()
+        if kept_modules:
+            ctx.formats["onnx"]["int8_excluded_nodes"] = len(kept_modules)
+        return
     int8_onnx_from_onnx(path, quantized, nodes_to_exclude=excluded)
     os.replace(quantized, path)
     ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
-    if excluded:
-        ctx.formats["onnx"]["int8_excluded_nodes"] = len(excluded) // 2
+    if kept_modules:
+        ctx.formats["onnx"]["int8_excluded_nodes"] = len(kept_modules)
 
 
 def _write_weights(ctx: ExportContext) -> None:

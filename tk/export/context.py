@@ -27,6 +27,13 @@ class ExportOptions:
     rtol: float | None = None  # override the precision's tolerance
     atol: float | None = None
     checkpoint: Path | None = None  # safetensors state_dict from `tk train`
+    onnx_fusions: bool = True  # onnxruntime's transformer fusions on the ONNX graph (tk.export.onnx_optimize)
+    keep_unfused: bool = False  # also ship the ONNX graph before fusion, as model.unfused.onnx
+    int8_mode: str = "static"  # static (calibrated QDQ) | dynamic (activations quantized per call)
+    calibrate: str | None = None  # static int8 calibration: "random:N" or an inputs file; default random:32
+    calibration_data: dict[str, Any] | None = None  # the calibration arrays, read by tk.workflows.export
+    calibration_method: str = "minmax"  # minmax | entropy | percentile
+    nodes_to_exclude: tuple[str, ...] = ()  # ONNX nodes kept in float32 by int8
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     trt_workspace_gb: float = 4.0  # TensorRT builder workspace limit, GiB

@@ -35,7 +35,14 @@ def build_model(
     config: dict[str, Any] | None = None,
     input_descriptions: tuple[str, ...] = (),
 ) -> ModelSpec:
-    """A built-in model by registry name, or a user model given as ``package.module:callable``."""
+    """A built-in model by registry name, a Hugging Face directory ``hf:DIR`` (``config["task"]``),
+    or a user model given as ``package.module:callable``."""
+    from tk.models.hf import is_hf_name
+
+    if is_hf_name(name):
+        from tk.models.hf import build_hf_model
+
+        return build_hf_model(name, (config or {}).get("task"))
     if ":" in name:
         from tk.models.user import build_user_model
 

@@ -27,7 +27,11 @@ def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = F
     from tk.models.checkpoint import load_weights
 
     model = manifest.model
-    if ":" in str(model.get("name", "")) and not (trust_model_code or signing_key()):
+    from tk.models.hf import is_hf_name
+
+    name = str(model.get("name", ""))
+    user_code = ":" in name and not is_hf_name(name)  # hf:DIR runs transformers' own classes only
+    if user_code and not (trust_model_code or signing_key()):
         raise IntegrityError(
             f"{root}: the reference model is user code ({model['name']!r}) and rebuilding it runs that code; "
             f"pass --trust-model-code if you trust this artifact, or sign artifacts with {SIGNING_ENV}"

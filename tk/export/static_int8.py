@@ -1,0 +1,237 @@
+"""Static int8: a QDQ graph calibrated on real (or random) inputs, with the costliest layers left in float32.
+
+onnxruntime's ``quantize_static`` quantizes the weight MatMul/Gemm layers (int8 weights per output
+channel, uint8 activations whose ranges come from calibration: minmax, entropy or percentile).
+Activation-by-activation products (attention's QK^T and AV) stay float32 (``MatMulConstBOnly``).
+
+Then the graph's signal is measured as the SQNR of its outputs against the float32 graph on the
+calibration inputs. While it is below the floor (``MIN_SQNR_DB["int8"]`` plus ``MARGIN_DB``, so
+the export check's fresh inputs also pass), layers are excluded from quantization: each layer's
+cost is measured one layer at a time (only that layer quantized, its output SQNR against float32),
+and the costliest are excluded first, a few more per round. Calibration runs once: its tensor
+ranges are cached and reused by every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import ConversionError, UsageError, first_line
+
+log = logging.getLogger("tk.export")
+
+METHODS = ("minmax", "entropy", "percentile")
+QUANTIZED_OPS = ["MatMul", "Gemm"]
+MARGIN_DB = 2.0  # the judged inputs must clear the floor by this much (the check draws fresh ones)
+MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
+CALIBRATION_BATCH = 8  # samples per calibration run
+
+
+@dataclass
+class StaticInt8Result:
+    sqnr_db: float  # min over outputs, on the calibration and judged inputs, of the shipped graph
+    excluded: list[str] = field(default_factory=list)  # nodes left in float32 (given + automatic)
+    automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
+    layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # node -> SQNR with only it quantized
+    quantizable: int = 0  # weight MatMul/Gemm nodes in the graph
+    method: str = "minmax"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": "static",
+            "method": self.method,
+            "per_channel": True,
+            "sqnr_db_export": round(self.sqnr_db, 2),
+            "quantizable_nodes": self.quantizable,
+            "excluded": self.excluded,
+            "automatic_exclusions": self.automatic,
+        }
+
+
+def calibration_batches(arrays: dict[str, np.ndarray], batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:
+    """Split samples (axis 0 of every array) into batches of at most ``batch``."""
+    counts = {a.shape[0] for a in arrays.values()}
+    if len(counts) != 1:
+        raise UsageError(f"calibration inputs: expected one sample count for every input, got {sorted(counts)}")
+    total = counts.pop()
+    return [{k: np.ascontiguousarray(v[i : i + batch]) for k, v in arrays.items()} for i in range(0, total, batch)]
+
+
+class _Reader:
+    """onnxruntime's ``CalibrationDataReader`` protocol over prepared batches."""
+
+    def __init__(self, batches: Sequence[dict[str, np.ndarray]]) -> None:
+        self._batches = list(batches)
+        self._it: Iterator[dict[str, np.ndarray]] = iter(self._batches)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+    def rewind(self) -> None:
+        self._it = iter(self._batches)
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._it = iter(self._batches[start_index:end_index])
+
+
+def _method(name: str) -> Any:
+    from onnxruntime.quantization import CalibrationMethod
+
+    if name not in METHODS:
+        raise UsageError(f"--calibration-method: expected one of {', '.join(METHODS)}, got {name!r}")
+    return {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[name]
+
+
+def weight_matmul_nodes(path: Path) -> list[str]:
+    """Names of the MatMul/Gemm nodes whose second input is a weight (an initializer)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    weights = {i.name for i in model.graph.initializer}
+    return [
+        n.name for n in model.graph.node if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] in weights
+    ]
+
+
+def _quantize(source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str]) -> None:
+    """Quantize the nodes ``only`` (weight MatMul/Gemm names: the quantizer would take attention's
+    activation products too, whatever ``MatMulConstBOnly`` says); the others stay float32."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    if not only:
+        shutil.copyfile(source, target)
+        return
+    if reader is not None:
+        reader.rewind()
+    quantize_static(
+        str(source),
+        str(target),
+        calibration_data_reader=reader,
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=QUANTIZED_OPS,
+        per_channel=True,
+        reduce_range=False,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        nodes_to_quantize=only,
+        calibrate_method=_method(method),
+        extra_options={"MatMulConstBOnly": True, "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}},
+        calibration_cache_path=str(cache),
+    )
+
+
+class _Judge:
+    """The float32 graph's outputs on the calibration batches, and the SQNR of a candidate against them."""
+
+    def __init__(self, source: Path, batches: Sequence[dict[str, np.ndarray]]) -> None:
+        self.batches = list(batches)
+        self.reference = [self._run(source, b) for b in self.batches]
+
+    @staticmethod
+    def _session(path: Path) -> Any:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+    def _run(self, path: Path, feeds: dict[str, np.ndarray], session: Any = None) -> list[np.ndarray]:
+        return (session or self._session(path)).run(None, feeds)
+
+    def sqnr_db(self, path: Path) -> float:
+        """The worst SQNR (10·log10(signal / noise)) over batches and outputs, as the export check judges."""
+        session = self._session(path)
+        worst = math.inf
+        for feeds, ref in zip(self.batches, self.reference, strict=True):
+            for r, c in zip(ref, self._run(path, feeds, session), strict=True):
+                r64 = r.astype(np.float64)
+                noise = float(np.sum((r64 - c.astype(np.float64)) ** 2))
+                if noise > 0:
+                    worst = min(worst, 10 * math.log10(max(float(np.sum(r64**2)), 1e-300) / noise))
+        return worst
+
+
+def static_int8_onnx_from_onnx(
+    source: Path,
+    target: Path,
+    calibration: Sequence[dict[str, np.ndarray]],
+    *,
+    method: str = "minmax",
+    nodes_to_exclude: Sequence[str] = (),
+    min_sqnr_db: float | None = None,
+    judge: Sequence[dict[str, np.ndarray]] = (),
+) -> StaticInt8Result:
+    """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
+
+    With ``min_sqnr_db``, layers are excluded automatically (costliest first, measured one layer
+    at a time) until the outputs' SQNR on the calibration batches reaches ``min_sqnr_db + MARGIN_DB``.
+    ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
+    plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
+    """
+    judge_batches = list(judge)
+    if not calibration:
+        raise UsageError("--calibrate: expected at least one calibration sample, got none")
+    _method(method)
+    exclude = list(nodes_to_exclude)
+    candidates = weight_matmul_nodes(source)
+    unknown = [n for n in exclude if n not in candidates]
+    if unknown:
+        log.info("int8: nodes_to_exclude names no weight MatMul/Gemm: %s", unknown[:5])
+    try:
+        with tempfile.TemporaryDirectory(prefix="tk-int8-") as tmp:
+            cache = Path(tmp) / "ranges.json"
+            reader = _Reader(calibration)
+            keep = [n for n in candidates if n not in exclude]
+            _quantize(source, target, method, cache, reader, keep)  # calibrates once, fills the cache
+            judge = _Judge(source, [*calibration, *judge_batches])
+            sqnr = judge.sqnr_db(target)
+            result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method)
+            log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
+            if min_sqnr_db is None or sqnr >= min_sqnr_db + MARGIN_DB:
+                return result
+            one = Path(tmp) / "one.onnx"
+            for node in candidates:
+                if node in exclude:
+                    continue
+                _quantize(source, one, method, cache, None, [node])
+                result.layer_sqnr_db[node] = judge.sqnr_db(one)
+            ranked = sorted(result.layer_sqnr_db, key=lambda n: result.layer_sqnr_db[n])
+            trial = Path(tmp) / "trial.onnx"
+            step = 1
+            for _ in range(MAX_ROUNDS):
+                if not ranked:
+                    break
+                take, ranked = ranked[:step], ranked[step:]
+                result.automatic.extend(take)
+                _quantize(source, trial, method, cache, None, [n for n in keep if n not in result.automatic])
+                sqnr = judge.sqnr_db(trial)
+                log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude + result.automatic), sqnr)
+                trial.replace(target)
+                result.sqnr_db = sqnr
+                if sqnr >= min_sqnr_db + MARGIN_DB:
+                    break
+                step *= 2
+            result.excluded = exclude + result.automatic
+            return result
+    except (UsageError, ConversionError):
+        raise
+    except Exception as exc:  # the quantizer raises many types; each is a conversion failure
+        raise ConversionError(
+            f"onnxruntime could not quantize {source.name} to static int8: {first_line(exc)}"
+        ) from exc
