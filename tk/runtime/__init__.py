@@ -3,7 +3,14 @@ onnxruntime and TensorRT."""
 
 from tk.registries import ENGINES
 from tk.runtime.base import Engine, EngineOptions
-from tk.runtime.registry import available_engines, engine_class, engine_options, load, unavailable_reason
+from tk.runtime.registry import (
+    available_engines,
+    engine_class,
+    engine_options,
+    load,
+    open_engines,
+    unavailable_reason,
+)
 
 __all__ = [
     "ENGINES",
@@ -13,5 +20,6 @@ __all__ = [
     "engine_class",
     "engine_options",
     "load",
+    "open_engines",
     "unavailable_reason",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,3 +85,29 @@ def load(
         )
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
     return cls(root, manifest, device=device, options=options)
+
+
+def open_engines(
+    stack: ExitStack,
+    root: str | Path,
+    names: list[str],
+    manifest: Manifest,
+    *,
+    device: str = "cpu",
+    values: Mapping[str, Any] | None = None,
+    allow_failed: bool = False,
+) -> dict[str, Engine]:
+    """Each engine of ``names`` loaded on ``stack`` (closed with it), given the options it declares of ``values``."""
+    return {
+        name: stack.enter_context(
+            load(
+                root,
+                name,
+                device=device,
+                manifest=manifest,
+                allow_failed=allow_failed,
+                options=engine_options(name, values or {}),
+            )
+        )
+        for name in names
+    }

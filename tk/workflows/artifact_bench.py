@@ -10,7 +10,7 @@ from typing import Any
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
-from tk.runtime import engine_options, load
+from tk.runtime import open_engines
 from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
@@ -61,19 +61,7 @@ def bench_artifact(
     names = engines_to_check(engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True)
     values = {"spinning": len(names) == 1, **(options or {})}
     with ExitStack() as stack:
-        opened = {
-            name: stack.enter_context(
-                load(
-                    root,
-                    name,
-                    device=device,
-                    allow_failed=allow_failed,
-                    manifest=manifest,
-                    options=engine_options(name, values),
-                )
-            )
-            for name in names
-        }
+        opened = open_engines(stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed)
         eager = opened["eager"]
         candidates = None
         if engines == "auto":

@@ -13,7 +13,7 @@ from typing import Any
 
 from tk.manifest import Manifest
 from tk.parity import check_engines
-from tk.runtime import available_engines, engine_options, load
+from tk.runtime import available_engines, open_engines
 from tk.tolerances import artifact_tolerance
 from tk.workflows.bench import measure
 
@@ -122,19 +122,8 @@ def choose_engine(
     values = options or {}
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
-        engines = {
-            name: stack.enter_context(
-                load(
-                    root,
-                    name,
-                    device=device,
-                    manifest=manifest,
-                    allow_failed=allow_failed,
-                    options=engine_options(name, values),
-                )
-            )
-            for name in available_engines(manifest, device)
-        }
+        names = available_engines(manifest, device)
+        engines = open_engines(stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed)
         candidates = check_candidates(engines["eager"], engines, manifest, shape)
         passing = {c.engine: engines[c.engine] for c in candidates if c.passed}
         bench = measure(passing, [batch_size], seconds=seconds, sizes={k: v for k, v in shape.items() if k != "batch"})
