@@ -99,7 +99,9 @@ def parse_infer_request(
         try:
             json_length = int(header_length)
         except ValueError:
-            raise InputError(f"header Inference-Header-Content-Length: expected an integer, got {header_length!r}")
+            raise InputError(
+                f"header Inference-Header-Content-Length: expected an integer, got {header_length!r}"
+            ) from None
         if not 0 < json_length <= len(body):
             raise InputError(
                 f"header Inference-Header-Content-Length is {json_length}, expected 1 to the body's {len(body)} bytes"
