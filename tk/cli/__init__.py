@@ -79,9 +79,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from tk.cli import artifact, run, train
+    from tk.cli import artifact, run, serve, train
 
-    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS):
+    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS, *serve.COMMANDS):
         cli.add_command(command)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -376,6 +377,7 @@ def serve_forever(
     except ImportError as exc:
         raise UsageError(f"tk serve needs Ray Serve: pip install 'tk[serve]' ({first_line(exc)})") from exc
     resolved = start(config, address=address)
+    previous = _stop_on_signals()
     try:
         if on_ready is not None:
             on_ready(resolved)
@@ -384,7 +386,24 @@ def serve_forever(
     except KeyboardInterrupt:
         pass
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         stop(shutdown_ray=address is None)
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt while serving (a shell's background job ignores
+    SIGINT, a service manager sends SIGTERM); returns the handlers to restore."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, interrupt)
+    return previous
 
 
 def serve_url(config: ServeConfig) -> str:
