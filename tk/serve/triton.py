@@ -136,8 +136,11 @@ def triton_config(
 
 
 def _warmup_sizes(dims: dict[str, Any], profile: Any, spec: TensorSpec, batch_name: str) -> dict[str, int]:
+    """Opt sizes, at batch 1 when Triton batches (a static batch keeps its one size)."""
     sizes = {n: d.opt for n, d in dims.items()}
-    sizes[batch_name] = 1
+    batch = dims.get(batch_name)
+    if batch is None or not batch.static:
+        sizes[batch_name] = 1
     if profile:  # the profile's opt shape, at batch 1
         for axis, dim in enumerate(spec.shape):
             if isinstance(dim, str) and dim != batch_name:
