@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import InputError, UsageError, first_line
+from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import verify_artifact
 from tk.runtime import engine_options, load
 from tk.runtime.batching import BatchRunner, infer_file, save_npz
@@ -176,9 +176,14 @@ def infer_ray(
             ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
             started_ray = True
     context = ray.data.DataContext.get_current()
-    saved = (context.execution_options.preserve_order, context.enable_progress_bars)
+    saved = (
+        context.execution_options.preserve_order,
+        context.enable_progress_bars,
+        context.raise_original_map_exception,
+    )
     context.execution_options.preserve_order = True  # rows come back in shard order
     context.enable_progress_bars = False  # the caller's progress callback is the one bar
+    context.raise_original_map_exception = True  # a bad shard's TkError, not Ray's wrapping of it
     started = time.perf_counter()
     samples = 0
     engine_seconds = 0.0
@@ -209,13 +214,33 @@ def infer_ray(
             done += 1
             if progress is not None:
                 progress(done, len(shards))
-    except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if isinstance(getattr(exc, "cause", None), Exception) else None
-        if isinstance(cause, (UsageError, InputError)):
-            raise type(cause)(str(cause)) from exc
+    except Exception as exc:
+        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
+        if cause is not None:
+            raise type(cause)(first_line(cause)) from exc
         raise
     finally:
-        context.execution_options.preserve_order, context.enable_progress_bars = saved
+        (
+            context.execution_options.preserve_order,
+            context.enable_progress_bars,
+            context.raise_original_map_exception,
+        ) = saved
         if started_ray:
             ray.shutdown()
     return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+def _tk_error_in(exc: BaseException) -> TkError | None:
+    """The first ``TkError`` in ``exc``'s chain of causes (Ray wraps an actor's exception in its own)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        inner = getattr(current, "cause", None)  # Ray's RayTaskError(InputError) keeps the original as .cause
+        if isinstance(current, TkError) and not isinstance(inner, TkError):
+            return current
+        todo.extend([getattr(current, "cause", None), current.__cause__, current.__context__])
+    return None
