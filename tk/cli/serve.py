@@ -24,6 +24,12 @@ from tk.registries import ENGINES
     "--max-batch", type=int, default=None, help="Samples per engine call (default: the artifact's batch max)."
 )
 @click.option(
+    "--batching/--no-batching",
+    default=True,
+    show_default=True,
+    help="Batch requests together; --no-batching runs each request alone.",
+)
+@click.option(
     "--max-delay-ms",
     type=float,
     default=5.0,
@@ -49,6 +55,7 @@ def serve_cmd(
     cpus_per_replica: float,
     gpus_per_replica: float,
     max_batch: int | None,
+    batching: bool,
     max_delay_ms: float,
     max_queue: int,
     address: str | None,
@@ -74,6 +81,7 @@ def serve_cmd(
         cpus_per_replica=cpus_per_replica,
         gpus_per_replica=gpus_per_replica,
         max_batch=max_batch,
+        batching=batching,
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
         device=device,
@@ -84,8 +92,13 @@ def serve_cmd(
     def on_ready(resolved: Any) -> None:
         url = serve_url(resolved)
         click.echo(
-            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), max batch "
-            f"{resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, max queue {resolved.max_queue}) "
+            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), "
+            + (
+                f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
+                if resolved.batching
+                else "no batching, "
+            )
+            + f"max queue {resolved.max_queue}) "
             f"at {url}/v2/models/{resolved.name}/infer; metrics at {url}/metrics; Ctrl-C stops",
             err=True,
         )

@@ -62,6 +62,7 @@ class ServeConfig:
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     max_batch: int | None = None  # samples per engine call (default: the artifact's batch max)
+    batching: bool = True  # False: each request runs alone, as soon as the engine is free
     max_delay_ms: float = 5.0  # longest wait for a batch to fill
     max_queue: int = 64  # requests waiting for a replica before 503s (-1: unbounded)
     max_ongoing: int | None = None  # requests a replica holds at once (default: 2 x max_batch, at least 8)
@@ -274,6 +275,7 @@ def deployment(config: ServeConfig) -> Any:
 
     max_batch = int(config.max_batch or 1)
     delay_s = config.max_delay_ms / 1000.0
+    batching = config.batching
 
     @serve.deployment(
         name="tk-model",
@@ -319,7 +321,10 @@ def deployment(config: ServeConfig) -> Any:
             except TkError as exc:
                 return self._error(400, first_line(exc))
             parsed.enqueued = time.perf_counter()
-            result = await self._batch(parsed)
+            if batching:
+                result = await self._batch(parsed)
+            else:
+                (result,) = await asyncio.to_thread(server.compute, [parsed])
             if isinstance(result, Exception):
                 return self._error(500, f"engine failed: {first_line(result)}")
             body, headers = encode_infer_response(server.name, parsed, result)
