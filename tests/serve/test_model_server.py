@@ -81,3 +81,53 @@ def test_import_tk_and_the_protocol_need_no_ray():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
+    """``tk serve`` in its own process (its own Ray instance): ready, answers, SIGINT ends it with exit 0."""
+    import json
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
+    art = exported("transformer", ("onnx",))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = open(tmp_path / "serve.err", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tk", "serve", str(art.root), "--port", str(port), "--threads", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops" not in (tmp_path / "serve.err").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
+            time.sleep(0.5)
+        body = json.dumps(
+            {
+                "inputs": [
+                    {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
+                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
+                ]
+            }
+        ).encode()
+        url = f"http://127.0.0.1:{port}/v2/models/transformer/infer"
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as reply:
+            assert json.loads(reply.read())["outputs"][0]["shape"] == [1, 2]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        assert "stopped" in (tmp_path / "serve.err").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
