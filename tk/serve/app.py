@@ -359,16 +359,18 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
     return config
 
 
-def stop(*, shutdown_ray: bool = True) -> None:
-    """Delete the app (waiting for in-flight requests), stop Serve, and Ray when this process started it."""
+def stop(*, local: bool = True) -> None:
+    """Delete the app (Serve waits for the requests in flight); with ``local`` (Ray was started by
+    this process) also stop Serve. Then disconnect from Ray (a joined cluster keeps running)."""
     import ray
     from ray import serve
 
     try:
         serve.delete(APP_NAME)
-        serve.shutdown()
+        if local:
+            serve.shutdown()
     finally:
-        if shutdown_ray and ray.is_initialized():
+        if ray.is_initialized():
             ray.shutdown()
 
 
@@ -393,7 +395,7 @@ def serve_forever(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        stop(shutdown_ray=address is None)
+        stop(local=address is None)
 
 
 def _stop_on_signals() -> dict[int, Any]:
