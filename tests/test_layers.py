@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("export", ("tk.export",)),
     ("runtime", ("tk.runtime",)),
     ("workflows", ("tk.workflows",)),
+    ("serve", ("tk.serve",)),
     ("cli", ("tk.cli", "tk.__main__")),
 ]
 PEERS = {"export": "runtime", "runtime": "export"}  # same height, neither imports the other

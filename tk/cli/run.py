@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from tk.cli.common import console, engine_option_values, engine_options, print_check_reports
+from tk.errors import UsageError
 from tk.registries import ENGINES
 
 
@@ -36,6 +37,9 @@ from tk.registries import ENGINES
     "--batch-size", type=int, default=None, help="Samples per engine call (default: the batch dimension's opt size)."
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random.")
+@click.option("--ray", "use_ray", is_flag=True, help="Run a directory of shards on Ray Data; --out is a directory.")
+@click.option("--address", default=None, help="With --ray: join this Ray cluster (default: a local Ray instance).")
+@click.option("--actors", type=int, default=2, show_default=True, help="With --ray: actors, each with one engine.")
 @engine_options
 def infer_cmd(
     artifact: Path,
@@ -45,6 +49,9 @@ def infer_cmd(
     out: Path,
     batch_size: int | None,
     seed: int,
+    use_ray: bool,
+    address: str | None,
+    actors: int,
     device: str,
     provider: str | None,
     threads: int | None,
@@ -53,12 +60,21 @@ def infer_cmd(
     allow_failed: bool,
     trust_model_code: bool,
 ) -> None:
-    """Run an artifact over every sample of an input file, in batches, and save the outputs."""
+    """Run an artifact over every sample of an input file, in batches, and save the outputs.
+
+    With --ray, --inputs is a directory of shards (.npz, .npy, .parquet) and --out a directory
+    that gets one .npz per shard.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tk.workflows.infer import infer_artifact
 
     options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
+    if use_ray:
+        _infer_ray(artifact, engine_name, inputs_path, out, batch_size, address, actors, device, options, allow_failed)
+        return
+    if address is not None:
+        raise UsageError("--address applies to --ray")
     label = {"name": engine_name}
 
     def on_choice(choice: Any) -> None:
@@ -106,6 +122,52 @@ def infer_cmd(
         for name, count in counts.items():
             if count:
                 click.echo(f"warning: {count} NaN/Inf values in {label_text} {name!r}", err=True)
+
+
+def _infer_ray(
+    artifact: Path,
+    engine_name: str,
+    inputs_path: Path | None,
+    out: Path,
+    batch_size: int | None,
+    address: str | None,
+    actors: int,
+    device: str,
+    options: dict[str, Any],
+    allow_failed: bool,
+) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tk.serve.data import infer_ray
+
+    if inputs_path is None:
+        raise UsageError("--ray: expected --inputs DIR, a directory of shards")
+    progress = Progress(
+        TextColumn(f"infer --ray {engine_name} shards"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(),
+    )
+    task_id = progress.add_task("shards", total=None)
+    with progress:
+        result = infer_ray(
+            artifact,
+            engine_name,
+            inputs_path,
+            out,
+            actors=actors,
+            batch_size=batch_size,
+            address=address,
+            device=device,
+            options=options,
+            allow_failed=allow_failed,
+            progress=lambda done, total: progress.update(task_id, completed=done, total=total),
+        )
+    click.echo(
+        f"{result.samples} samples in {result.shards} shards on {actors} actor(s), {result.wall_seconds:.2f} s "
+        f"({result.samples / result.wall_seconds:.1f} samples/s) -> {result.out}"
+    )
 
 
 @click.command("check")

@@ -1,0 +1,156 @@
+"""KServe v2 request parsing and replies: JSON and binary tensors, and one 400 message per bad request."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tk.errors import InputError
+from tk.serve.protocol import encode_infer_response, model_metadata, parse_infer_request
+from tk.spec import Dim, TensorSpec
+
+INPUTS = [
+    TensorSpec("input_ids", "int64", ("batch", "seq"), kind="ids", low=0, high=1000),
+    TensorSpec("attention_mask", "int64", ("batch", "seq"), kind="mask", low=0, high=2),
+]
+OUTPUTS = [TensorSpec("logits", "float32", ("batch", 2))]
+DIMS = {"batch": Dim("batch", 1, 8, 64), "seq": Dim("seq", 1, 16, 64)}
+
+
+def tensor(name, array, datatype="INT64", binary=False):
+    entry = {"name": name, "shape": list(array.shape), "datatype": datatype}
+    if binary:
+        entry["parameters"] = {"binary_data_size": array.nbytes}
+    else:
+        entry["data"] = array.reshape(-1).tolist()
+    return entry
+
+
+def body_of(inputs, blobs=(), **extra):
+    header = json.dumps({"inputs": inputs, **extra}).encode()
+    headers = {"Inference-Header-Content-Length": str(len(header))} if blobs else {}
+    return header + b"".join(blobs), headers
+
+
+def parse(body, headers=None, max_samples=8):
+    return parse_infer_request(body, headers or {}, INPUTS, OUTPUTS, DIMS, max_samples)
+
+
+def sample(batch=2, seq=5, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, (batch, seq)).astype(np.int64)
+    mask = np.ones((batch, seq), np.int64)
+    mask[0, -1] = 0
+    return ids, mask
+
+
+def test_json_and_binary_requests_give_the_same_arrays():
+    ids, mask = sample()
+    json_body, _ = body_of([tensor("input_ids", ids), tensor("attention_mask", mask)], id="r1")
+    from_json = parse(json_body)
+    blobs = (ids.tobytes(), mask.tobytes())
+    bin_body, headers = body_of(
+        [tensor("input_ids", ids, binary=True), tensor("attention_mask", mask, binary=True)], blobs
+    )
+    from_binary = parse(bin_body, headers)
+    for request in (from_json, from_binary):
+        assert request.samples == 2
+        assert request.outputs == ["logits"]
+        np.testing.assert_array_equal(request.feeds["input_ids"], ids)
+        np.testing.assert_array_equal(request.feeds["attention_mask"], mask)
+        assert request.feeds["input_ids"].dtype == np.int64
+    assert from_json.id == "r1"
+
+
+def test_binary_outputs_round_trip():
+    ids, mask = sample(batch=3)
+    body, _ = body_of(
+        [tensor("input_ids", ids), tensor("attention_mask", mask)],
+        outputs=[{"name": "logits", "parameters": {"binary_data": True}}],
+    )
+    request = parse(body)
+    logits = np.arange(6, dtype=np.float32).reshape(3, 2) / 7
+    reply, headers = encode_infer_response("m", request, {"logits": logits})
+    length = int(headers["inference-header-content-length"])
+    header = json.loads(reply[:length])
+    assert header["outputs"][0]["shape"] == [3, 2] and header["outputs"][0]["datatype"] == "FP32"
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == 24
+    np.testing.assert_array_equal(np.frombuffer(reply[length:], np.float32).reshape(3, 2), logits)
+    json_request = parse(body_of([tensor("input_ids", ids), tensor("attention_mask", mask)])[0])
+    reply, headers = encode_infer_response("m", json_request, {"logits": logits})
+    assert headers["content-type"] == "application/json"
+    assert json.loads(reply)["outputs"][0]["data"] == logits.reshape(-1).tolist()
+
+
+def test_metadata_marks_dynamic_dims():
+    from tk.manifest import Manifest
+    from tk.spec import Signature
+
+    manifest = Manifest(model={"name": "t"}, signature=Signature(INPUTS, OUTPUTS, DIMS), precision="fp32", device="cpu")
+    meta = model_metadata(manifest, "t", "tk_onnx")
+    assert meta["inputs"] == [
+        {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]},
+        {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
+    ]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 2]}]
+
+
+def _bad_requests():
+    ids, mask = sample()
+    good = [tensor("input_ids", ids), tensor("attention_mask", mask)]
+    wide = sample(batch=9)
+    out_of_range = ids.copy()
+    out_of_range[1, 2] = 1000
+    empty_mask = mask.copy()
+    empty_mask[1] = 0
+    return {
+        "malformed JSON": ((b'{"inputs": [', {}), "malformed JSON"),
+        "not an object": ((b"[1, 2]", {}), 'expected a JSON object with an "inputs" list'),
+        "unknown input": (body_of([*good, tensor("token_type_ids", ids)]), "unknown input 'token_type_ids'"),
+        "missing input": (body_of(good[:1]), "missing ['attention_mask']"),
+        "twice": (body_of([good[0], good[0], good[1]]), "given twice"),
+        "wrong datatype": (
+            body_of([tensor("input_ids", ids.astype(np.float32), "FP32"), good[1]]),
+            "expected datatype INT64, got 'FP32'",
+        ),
+        "floats as ints": (
+            body_of([{**good[0], "data": [0.5] * ids.size}, good[1]]),
+            "expected integers for datatype INT64",
+        ),
+        "shape and data disagree": (body_of([{**good[0], "shape": [2, 6]}, good[1]]), "holds 12 values"),
+        "rank": (body_of([{**good[0], "shape": [10]}, good[1]]), "expected rank 2"),
+        "seq mismatch": (body_of([good[0], tensor("attention_mask", np.ones((2, 4), np.int64))]), "disagree"),
+        "token id": (body_of([tensor("input_ids", out_of_range), good[1]]), "token id 1000 is outside"),
+        "empty mask row": (body_of([good[0], tensor("attention_mask", empty_mask)]), "all 0"),
+        "too many samples": (
+            body_of([tensor("input_ids", wide[0]), tensor("attention_mask", wide[1])]),
+            "at most 8 samples a request, got 9",
+        ),
+        "seq too long": (
+            body_of(
+                [tensor("input_ids", np.zeros((1, 65), np.int64)), tensor("attention_mask", np.ones((1, 65), np.int64))]
+            ),
+            "must be in [1, 64]",
+        ),
+        "short binary": (
+            (body_of([tensor("input_ids", ids, binary=True), good[1]], (ids.tobytes()[:-8],))),
+            "expected 80 bytes of binary data",
+        ),
+        "unknown output": (body_of(good, outputs=[{"name": "probs"}]), "unknown output 'probs'"),
+        "bad header length": ((b"{}", {"Inference-Header-Content-Length": "x"}), "expected an integer"),
+    }
+
+
+BAD = _bad_requests()
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_every_bad_request_gets_one_clear_message(case):
+    (body, headers), fragment = BAD[case]
+    with pytest.raises(InputError) as info:
+        parse(body, headers)
+    message = str(info.value)
+    assert fragment in message, message
+    assert "\n" not in message

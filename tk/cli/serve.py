@@ -1,0 +1,152 @@
+"""``tk serve`` (Ray Serve, KServe v2 over HTTP) and ``tk deploy triton`` (a Triton model repository)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.cli.common import engine_option_values, engine_options
+from tk.registries import ENGINES
+
+
+@click.command("serve")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--engine", "engine_name", type=click.Choice(list(ENGINES)), default="onnx", show_default=True)
+@click.option("--name", default=None, help="Model name in the URLs (default: the manifest's model name).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--replicas", type=int, default=1, show_default=True, help="Replicas, each with its own engine.")
+@click.option("--cpus-per-replica", type=float, default=1.0, show_default=True, help="Ray CPUs reserved per replica.")
+@click.option("--gpus-per-replica", type=float, default=0.0, show_default=True, help="Ray GPUs reserved per replica.")
+@click.option(
+    "--max-batch", type=int, default=None, help="Samples per engine call (default: the artifact's batch max)."
+)
+@click.option(
+    "--batching/--no-batching",
+    default=True,
+    show_default=True,
+    help="Batch requests together; --no-batching runs each request alone.",
+)
+@click.option(
+    "--max-delay-ms",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Longest wait, in milliseconds, for a batch to fill.",
+)
+@click.option(
+    "--max-queue",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Requests waiting for a replica before new ones get 503 (-1: unbounded).",
+)
+@click.option("--address", default=None, help="Join this Ray cluster (default: start a local Ray instance).")
+@engine_options
+def serve_cmd(
+    artifact: Path,
+    engine_name: str,
+    name: str | None,
+    host: str,
+    port: int,
+    replicas: int,
+    cpus_per_replica: float,
+    gpus_per_replica: float,
+    max_batch: int | None,
+    batching: bool,
+    max_delay_ms: float,
+    max_queue: int,
+    address: str | None,
+    device: str,
+    provider: str | None,
+    threads: int | None,
+    mode: str,
+    cuda_graph: bool,
+    allow_failed: bool,
+    trust_model_code: bool,
+) -> None:
+    """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
+    from tk.serve.app import ServeConfig, serve_forever, serve_url
+
+    options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
+    config = ServeConfig(
+        artifact=str(artifact),
+        engine=engine_name,
+        name=name,
+        host=host,
+        port=port,
+        replicas=replicas,
+        cpus_per_replica=cpus_per_replica,
+        gpus_per_replica=gpus_per_replica,
+        max_batch=max_batch,
+        batching=batching,
+        max_delay_ms=max_delay_ms,
+        max_queue=max_queue,
+        device=device,
+        options={k: v for k, v in options.items() if v is not None},
+        allow_failed=allow_failed,
+    )
+
+    def on_ready(resolved: Any) -> None:
+        url = serve_url(resolved)
+        click.echo(
+            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), "
+            + (
+                f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
+                if resolved.batching
+                else "no batching, "
+            )
+            + f"max queue {resolved.max_queue}) "
+            f"at {url}/v2/models/{resolved.name}/infer; metrics at {url}/metrics; Ctrl-C stops",
+            err=True,
+        )
+
+    serve_forever(config, address=address, on_ready=on_ready)
+    click.echo("stopped", err=True)
+
+
+@click.group("deploy")
+def deploy_group() -> None:
+    """Write deployment bundles for other servers."""
+
+
+@deploy_group.command("triton")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Model repository directory.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["onnx", "trt"]),
+    default=None,
+    help="Which file Triton loads (default: trt if the artifact has a plan, else onnx).",
+)
+@click.option("--name", default=None, help="Model name in the repository (default: the manifest's model name).")
+@click.option("--instances", type=int, default=1, show_default=True, help="instance_group count.")
+@click.option(
+    "--max-queue-delay-us",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="dynamic_batching max_queue_delay_microseconds.",
+)
+def deploy_triton_cmd(
+    artifact: Path, out: Path, fmt: str | None, name: str | None, instances: int, max_queue_delay_us: int
+) -> None:
+    """Write a Triton model repository (config.pbtxt from the manifest, the model file, a warmup sample)."""
+    from tk.serve.triton import deploy_triton
+
+    result = deploy_triton(
+        artifact, out, fmt=fmt, name=name, instances=instances, max_queue_delay_us=max_queue_delay_us
+    )
+    for path in result.files:
+        click.echo(f"wrote {out / path}")
+    config = result.config
+    click.echo(
+        f"{config.name}: {config.platform}, max_batch_size {config.max_batch_size}, "
+        f"{len(config.input)} input(s), {len(config.output)} output(s)"
+    )
+
+
+COMMANDS = (serve_cmd, deploy_group)

@@ -1,0 +1,431 @@
+"""``tk serve``: an artifact behind Ray Serve, speaking KServe v2 over HTTP, with dynamic batching.
+
+One deployment answers every route (``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/NAME``,
+``/v2/models/NAME/ready``, ``/v2/models/NAME/infer``, ``/metrics``). Each replica opens the
+artifact once through ``tk.runtime.load`` (which verifies every file's sha256 and the manifest's
+signature) and warms the engine up in its constructor, so Ray Serve routes nothing to it before
+it is ready.
+
+Requests are parsed and checked in ``__call__`` (a bad one is answered 400 there and never
+reaches the engine), then queued for ``@serve.batch``: a batch closes at ``max_batch`` samples
+(``batch_size_fn`` counts samples, so a request with several samples counts as several) or after
+``max_delay_ms``. Requests whose non-batch shapes agree share one engine call; a batch below the
+artifact's batch minimum (a static batch) is padded by repeating its last sample, and each
+request gets exactly its own rows back. Ray Serve's ``max_queued_requests`` turns a full queue
+into an immediate 503. Metrics are Prometheus text from ``prometheus_client``, per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import InputError, TkError, UsageError, first_line
+from tk.manifest import verify_artifact
+from tk.runtime import engine_options, load
+from tk.runtime.inputs import sample_dim
+from tk.serve.protocol import (
+    InferRequest,
+    encode_infer_response,
+    error_body,
+    model_metadata,
+    parse_infer_request,
+)
+from tk.spec import random_feeds
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "tk-serve"
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``tk serve`` runs. ``None`` means the default, resolved by ``resolve``."""
+
+    artifact: str
+    engine: str = "onnx"
+    name: str | None = None  # model name in URLs (default: the manifest's model name)
+    host: str = "127.0.0.1"  # address the HTTP proxy binds
+    port: int = DEFAULT_PORT
+    replicas: int = 1
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    max_batch: int | None = None  # samples per engine call (default: the artifact's batch max)
+    batching: bool = True  # False: each request runs alone, as soon as the engine is free
+    max_delay_ms: float = 5.0  # longest wait for a batch to fill
+    max_queue: int = 64  # requests waiting for a replica before 503s (-1: unbounded)
+    max_ongoing: int | None = None  # requests a replica holds at once (default: 2 x max_batch, at least 8)
+    device: str = "cpu"
+    options: Mapping[str, Any] = field(default_factory=dict)  # engine options by name
+    allow_failed: bool = False
+
+
+def resolve(config: ServeConfig) -> ServeConfig:
+    """Check ``config`` against the artifact and fill in its defaults; raises ``UsageError``."""
+    manifest = verify_artifact(config.artifact)
+    batch = manifest.signature.dims.get(sample_dim(manifest.signature.inputs))
+    limit = batch.max if batch is not None else None
+    max_batch = config.max_batch if config.max_batch is not None else (limit or 8)
+    if max_batch < 1:
+        raise UsageError(f"--max-batch: expected 1 or more, got {max_batch}")
+    if limit is not None and max_batch > limit:
+        raise UsageError(f"--max-batch {max_batch}: this artifact's batch max is {limit}; use at most {limit}")
+    if config.replicas < 1:
+        raise UsageError(f"--replicas: expected 1 or more, got {config.replicas}")
+    if config.max_delay_ms < 0:
+        raise UsageError(f"--max-delay-ms: expected 0 or more, got {config.max_delay_ms}")
+    if config.max_queue < -1 or config.max_queue == 0:
+        raise UsageError(f"--max-queue: expected 1 or more (or -1 for unbounded), got {config.max_queue}")
+    if not 0 < config.port < 65536:
+        raise UsageError(f"--port: expected 1 to 65535, got {config.port}")
+    name = config.name or str(manifest.model.get("name", "model"))
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"--name {name!r}: expected letters, digits, '-', '_' or '.'")
+    max_ongoing = config.max_ongoing or max(8, 2 * max_batch)
+    return ServeConfig(
+        **{
+            **config.__dict__,
+            "artifact": str(Path(config.artifact).resolve()),
+            "name": name,
+            "max_batch": max_batch,
+            "max_ongoing": max_ongoing,
+        }
+    )
+
+
+class Metrics:
+    """The Prometheus metrics of one replica (its own registry, labelled with the replica)."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "replica": replica}
+        names = list(labels)
+        self.requests = Counter(
+            "tk_requests", "Inference requests answered, by HTTP status code", [*names, "code"], registry=self.registry
+        )
+        self.errors = Counter(
+            "tk_errors", "Inference requests answered with an error", [*names, "code"], registry=self.registry
+        )
+        buckets_batch = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        self.batch = Histogram(
+            "tk_batch_samples", "Samples per engine call", names, buckets=buckets_batch, registry=self.registry
+        ).labels(**labels)
+        self.batch_requests = Histogram(
+            "tk_batch_requests", "Requests per batch", names, buckets=buckets_batch, registry=self.registry
+        ).labels(**labels)
+        seconds = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+        self.queue = Histogram(
+            "tk_queue_seconds",
+            "Time a request waited for its batch to start",
+            names,
+            buckets=seconds,
+            registry=self.registry,
+        ).labels(**labels)
+        self.compute = Histogram(
+            "tk_compute_seconds", "Engine time per call", names, buckets=seconds, registry=self.registry
+        ).labels(**labels)
+        self._labels = labels
+
+    def answered(self, code: int) -> None:
+        self.requests.labels(**self._labels, code=str(code)).inc()
+        if code >= 400:
+            self.errors.labels(**self._labels, code=str(code)).inc()
+
+    def text(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ModelServer:
+    """One replica: the engine, the request checks, the batching and the routes (plain class; the
+    Ray Serve deployment wraps it in ``deployment``)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.name = str(config.name)
+        self.manifest = verify_artifact(config.artifact)
+        options = engine_options(config.engine, dict(config.options))
+        self.engine = load(
+            config.artifact,
+            config.engine,
+            device=config.device,
+            manifest=self.manifest,
+            allow_failed=config.allow_failed,
+            options=options,
+        ).load()
+        self.specs = self.engine.inputs
+        self.batch_dim = sample_dim(self.specs)
+        limits = self.engine.dims.get(self.batch_dim)
+        self.min_batch = limits.min if limits is not None else 1
+        self.max_batch = int(config.max_batch or 1)
+        self.metadata = model_metadata(self.manifest, self.name, f"tk_{config.engine}")
+        self.metrics = Metrics(self.name, _replica_id())
+        self._engine_lock = threading.Lock()
+        self._warm_up()
+        self.ready = True
+
+    def _warm_up(self) -> None:
+        """Run the engine at batch 1 and at the max batch (opt sizes otherwise) before serving."""
+        sizes = self.manifest.signature.opt_sizes()
+        for batch in sorted({max(1, self.min_batch), max(self.max_batch, self.min_batch)}):
+            sizes[self.batch_dim] = batch
+            self.engine.run(random_feeds(self.specs, sizes, seed=batch))
+
+    # -- requests ------------------------------------------------------------------------------
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> InferRequest:
+        return parse_infer_request(body, headers, self.specs, self.engine.outputs, self.engine.dims, self.max_batch)
+
+    def compute(self, requests: list[InferRequest]) -> list[dict[str, np.ndarray] | Exception]:
+        """Run a batch of checked requests: one engine call per group of equal non-batch shapes."""
+        started = time.perf_counter()
+        for request in requests:
+            self.metrics.queue.observe(started - request.enqueued)
+        self.metrics.batch_requests.observe(len(requests))
+        results: list[dict[str, np.ndarray] | Exception] = [RuntimeError("not run")] * len(requests)
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(request.shape_key, []).append(index)
+        for indices in groups.values():
+            members = [requests[i] for i in indices]
+            try:
+                outputs = self._run_group(members)
+            except Exception as exc:  # one failed call fails its own requests only
+                log.exception("engine call failed")
+                for i in indices:
+                    results[i] = exc
+                continue
+            start = 0
+            for i, request in zip(indices, members, strict=True):
+                stop = start + request.samples
+                results[i] = {name: np.array(value[start:stop]) for name, value in outputs.items()}
+                start = stop
+        return results
+
+    def _run_group(self, members: list[InferRequest]) -> dict[str, np.ndarray]:
+        count = sum(r.samples for r in members)
+        feeds = {}
+        for spec in self.specs:
+            parts = [r.feeds[spec.name] for r in members]
+            if count < self.min_batch:  # a static (or high-minimum) batch: repeat the last sample
+                parts.append(np.repeat(parts[-1][-1:], self.min_batch - count, axis=0))
+            feeds[spec.name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        self.metrics.batch.observe(count)
+        with self._engine_lock:
+            started = time.perf_counter()
+            outputs = self.engine.run(feeds, check=False)  # every request was checked in parse
+            self.metrics.compute.observe(time.perf_counter() - started)
+        return {name: np.asarray(value) for name, value in outputs.items()}
+
+    def route(self, method: str, path: str) -> str:
+        """Which handler a request goes to: live, ready, model, model_ready, infer, metrics or missing."""
+        parts = [p for p in path.split("/") if p]
+        if parts == ["metrics"] and method == "GET":
+            return "metrics"
+        if parts[:1] != ["v2"]:
+            return "missing"
+        if parts in (["v2", "health", "live"], ["v2", "health", "ready"]) and method == "GET":
+            return parts[-1]
+        if parts == ["v2"] and method == "GET":
+            return "server"
+        if len(parts) >= 3 and parts[1] == "models":
+            rest = parts[3:]
+            if len(rest) >= 2 and rest[0] == "versions":
+                if rest[1] != "1":
+                    return "missing_version"
+                rest = rest[2:]
+            if parts[2] != self.name:
+                return "missing_model"
+            if not rest and method == "GET":
+                return "model"
+            if rest == ["ready"] and method == "GET":
+                return "model_ready"
+            if rest == ["infer"] and method == "POST":
+                return "infer"
+        return "missing"
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_tag)
+    except Exception:  # outside a Serve replica (a test of the plain class)
+        return f"pid{os.getpid()}"
+
+
+def deployment(config: ServeConfig) -> Any:
+    """The Ray Serve application for ``config`` (resolved), ready for ``serve.run``."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+
+    max_batch = int(config.max_batch or 1)
+    delay_s = config.max_delay_ms / 1000.0
+    batching = config.batching
+
+    @serve.deployment(
+        name="tk-model",
+        num_replicas=config.replicas,
+        ray_actor_options={"num_cpus": config.cpus_per_replica, "num_gpus": config.gpus_per_replica},
+        max_ongoing_requests=int(config.max_ongoing or 8),
+        max_queued_requests=config.max_queue,
+        graceful_shutdown_timeout_s=30.0,
+        health_check_period_s=2.0,
+    )
+    class TkModel:
+        def __init__(self, config: ServeConfig) -> None:
+            self.server = ModelServer(config)
+            self._batch.set_max_batch_size(max_batch)
+            self._batch.set_batch_wait_timeout_s(delay_s)
+
+        @serve.batch(
+            max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda items: sum(r.samples for r in items)
+        )
+        async def _batch(self, requests: list[InferRequest]) -> list[Any]:
+            return await asyncio.to_thread(self.server.compute, requests)
+
+        async def __call__(self, request: Request) -> Response:
+            server = self.server
+            kind = server.route(request.method, request.url.path)
+            if kind in ("live", "ready", "model_ready"):
+                return JSONResponse({"live": True} if kind == "live" else {"ready": server.ready})
+            if kind == "server":
+                return JSONResponse({"name": "tk", "version": "1", "extensions": ["binary_tensor_data"]})
+            if kind == "model":
+                return JSONResponse(server.metadata)
+            if kind == "metrics":
+                text, content_type = server.metrics.text()
+                return Response(text, media_type=content_type)
+            if kind != "infer":
+                what = {
+                    "missing_model": f"unknown model; this server serves {server.name!r}",
+                    "missing_version": "unknown model version; this server serves version 1",
+                }
+                return self._error(404, what.get(kind, f"no route {request.method} {request.url.path}"))
+            try:
+                parsed = server.parse(await request.body(), request.headers)
+            except TkError as exc:
+                return self._error(400, first_line(exc))
+            parsed.enqueued = time.perf_counter()
+            if batching:
+                result = await self._batch(parsed)
+            else:
+                (result,) = await asyncio.to_thread(server.compute, [parsed])
+            if isinstance(result, Exception):
+                return self._error(500, f"engine failed: {first_line(result)}")
+            body, headers = encode_infer_response(server.name, parsed, result)
+            server.metrics.answered(200)
+            return Response(body, headers=headers, media_type=headers["content-type"])
+
+        def _error(self, code: int, message: str) -> Response:
+            self.server.metrics.answered(code)
+            return Response(error_body(message), status_code=code, media_type="application/json")
+
+        def check_health(self) -> None:
+            if not self.server.ready:
+                raise RuntimeError("engine not ready")
+
+    return TkModel.bind(config)
+
+
+def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | None = None) -> ServeConfig:
+    """Start (or join, with ``address``) Ray, then Serve on ``config.host:port`` with the app; returns
+    the resolved config once every replica is ready. Stop it with ``stop``."""
+    import ray
+    from ray import serve
+
+    config = resolve(config)
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(deployment(config), name=APP_NAME, route_prefix="/")
+    return config
+
+
+def stop(*, local: bool = True) -> None:
+    """Delete the app (Serve waits for the requests in flight); with ``local`` (Ray was started by
+    this process) also stop Serve. Then disconnect from Ray (a joined cluster keeps running)."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        if local:
+            serve.shutdown()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def serve_forever(
+    config: ServeConfig, *, address: str | None = None, on_ready: Any = None, poll_s: float = 1.0
+) -> None:
+    """``tk serve``: start, call ``on_ready(resolved_config)``, block until Ctrl-C, then stop cleanly."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"tk serve needs Ray Serve: pip install 'tk[serve]' ({first_line(exc)})") from exc
+    resolved = start(config, address=address)
+    previous = _stop_on_signals()
+    try:
+        if on_ready is not None:
+            on_ready(resolved)
+        while True:
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        stop(local=address is None)
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt while serving (a shell's background job ignores
+    SIGINT, a service manager sends SIGTERM); returns the handlers to restore."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, interrupt)
+    return previous
+
+
+def serve_url(config: ServeConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    return f"http://{host}:{config.port}"
+
+
+__all__ = [
+    "APP_NAME",
+    "InputError",
+    "ModelServer",
+    "ServeConfig",
+    "deployment",
+    "resolve",
+    "serve_forever",
+    "start",
+    "stop",
+]

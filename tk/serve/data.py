@@ -1,0 +1,246 @@
+"""``tk infer --ray``: batched inference over a directory of shards on Ray Data.
+
+Each shard (``.npz``, ``.npy``, a directory of ``<input>.npy`` files, or a ``.parquet`` file with
+one column per input) is one row of a Ray dataset; ``map_batches`` hands the rows to a pool of
+``actors`` actors, each of which opens the engine once (``tk.runtime.load``, with its integrity
+checks) and runs each shard through ``tk.runtime.batching.infer_file``, the same code as
+single-process ``tk infer``, so every output array holds the same bytes. Each shard's outputs are
+written atomically to ``OUT/<shard name>.npz``. Rows come back in input order and drive the
+progress callback as shards finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import InputError, TkError, UsageError, first_line
+from tk.manifest import verify_artifact
+from tk.runtime import engine_options, load
+from tk.runtime.batching import BatchRunner, infer_file, save_npz
+from tk.runtime.inputs import file_samples, sample_dim
+from tk.spec import TensorSpec, numpy_dtype
+
+SHARD_SUFFIXES = (".npz", ".npy", ".parquet")
+
+
+@dataclass
+class RayInferResult:
+    shards: int
+    samples: int
+    seconds: float  # engine time summed over shards (the actors run in parallel)
+    wall_seconds: float  # from the first shard submitted to the last written
+    out: Path
+    files: list[Path]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "out": str(self.out), "files": [str(p) for p in self.files]}
+
+
+def list_shards(inputs: str | Path) -> list[Path]:
+    """The shards of ``inputs``, sorted by name: files ending in .npz/.npy/.parquet and directories of .npy."""
+    inputs = Path(inputs)
+    if not inputs.is_dir():
+        raise UsageError(f"--inputs {inputs}: with --ray, expected a directory of .npz/.npy/.parquet shards")
+    shards = sorted(
+        p
+        for p in inputs.iterdir()
+        if (p.is_file() and p.suffix in SHARD_SUFFIXES) or (p.is_dir() and any(p.glob("*.npy")))
+    )
+    if not shards:
+        raise UsageError(f"--inputs {inputs}: found no .npz, .npy or .parquet shard (or directory of .npy files)")
+    stems: dict[str, Path] = {}
+    for shard in shards:
+        if shard.stem in stems:
+            raise UsageError(
+                f"--inputs: shards {stems[shard.stem].name} and {shard.name} would both write {shard.stem}.npz"
+            )
+        stems[shard.stem] = shard
+    return shards
+
+
+def read_parquet(path: Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """A Parquet file's columns as arrays: one column per input, one row per sample (lists for axes > 0)."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for damaged files
+        raise UsageError(f"{path}: cannot read it as Parquet ({first_line(exc)})") from exc
+    arrays: dict[str, np.ndarray] = {}
+    for name in table.column_names:
+        column = table.column(name).to_numpy(zero_copy_only=False)
+        if column.dtype == object:  # list columns: one array per row
+            try:
+                column = np.stack([np.asarray(row) for row in column])
+            except ValueError as exc:
+                raise InputError(f"{path}: column {name!r} has rows of different lengths ({exc})") from None
+        arrays[name] = column
+    file_samples(arrays, specs, source=str(path))
+    return {s.name: arrays[s.name].astype(numpy_dtype(s.dtype), copy=False) for s in specs}
+
+
+class ShardRunner:
+    """A Ray Data actor: opens the engine once, then runs whole shards (``batch_size=1`` rows)."""
+
+    def __init__(
+        self,
+        root: str,
+        engine: str,
+        device: str,
+        options: Mapping[str, Any],
+        allow_failed: bool,
+        batch_size: int | None,
+    ) -> None:
+        self.engine = load(root, engine, device=device, allow_failed=allow_failed, options=dict(options)).load()
+        self.batch_size = batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        samples, seconds = [], []
+        for shard, out in zip(batch["shard"], batch["out"], strict=True):
+            path = Path(str(shard))
+            if path.suffix == ".parquet":
+                import time
+
+                runner = BatchRunner(self.engine, self.batch_size)
+                arrays = read_parquet(path, self.engine.inputs)
+                started = time.perf_counter()
+                outputs = runner.run(arrays)
+                seconds.append(time.perf_counter() - started)
+                save_npz(str(out), outputs)
+                samples.append(len(next(iter(arrays.values()))))
+            else:
+                result = infer_file(self.engine, str(out), inputs=path, batch_size=self.batch_size)
+                samples.append(result.samples)
+                seconds.append(result.seconds)
+        return {"shard": batch["shard"], "samples": np.array(samples), "seconds": np.array(seconds)}
+
+
+def infer_ray(
+    root: str | Path,
+    engine: str,
+    inputs: str | Path,
+    out: str | Path,
+    *,
+    actors: int = 2,
+    cpus_per_actor: float = 1.0,
+    gpus_per_actor: float = 0.0,
+    batch_size: int | None = None,
+    address: str | None = None,
+    device: str = "cpu",
+    options: Mapping[str, Any] | None = None,
+    allow_failed: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> RayInferResult:
+    """Run every shard of the directory ``inputs`` on ``actors`` Ray actors; write ``out/<shard>.npz``.
+
+    Starts a local Ray instance unless one is running or ``address`` names a cluster (which is
+    left running). ``options``: engine options by name; ``threads`` defaults to ``cpus_per_actor``.
+    ``progress(shards_done, shards)`` after each shard.
+    """
+    import time
+
+    try:
+        import ray
+        import ray.data
+    except ImportError as exc:
+        raise UsageError(f"tk infer --ray needs Ray Data: pip install 'tk[serve]' ({first_line(exc)})") from exc
+    if engine == "auto":
+        raise UsageError("--ray: name an engine (--engine onnx, torch, ...); auto is for single-process tk infer")
+    if actors < 1:
+        raise UsageError(f"--actors: expected 1 or more, got {actors}")
+    manifest = verify_artifact(root)
+    sample_dim(manifest.signature.inputs)
+    if batch_size is not None:  # the same refusal single-process tk infer gives, before Ray starts
+        with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest) as probe:
+            BatchRunner(probe, batch_size)
+    shards = list_shards(inputs)
+    out = Path(out)
+    if out.suffix == ".npz":
+        raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
+    out.mkdir(parents=True, exist_ok=True)
+    values = engine_options(engine, dict(options or {}))
+    if "threads" not in values and "threads" in engine_options(engine, {"threads": 1}):
+        values["threads"] = max(1, int(cpus_per_actor))
+    targets = [out / f"{s.stem}.npz" for s in shards]
+    started_ray = False
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+            started_ray = True
+    context = ray.data.DataContext.get_current()
+    saved = (
+        context.execution_options.preserve_order,
+        context.enable_progress_bars,
+        context.raise_original_map_exception,
+    )
+    context.execution_options.preserve_order = True  # rows come back in shard order
+    context.enable_progress_bars = False  # the caller's progress callback is the one bar
+    context.raise_original_map_exception = True  # a bad shard's TkError, not Ray's wrapping of it
+    started = time.perf_counter()
+    samples = 0
+    engine_seconds = 0.0
+    done = 0
+    try:
+        dataset = ray.data.from_items(
+            [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
+        )
+        results = dataset.map_batches(
+            ShardRunner,
+            fn_constructor_kwargs={
+                "root": str(Path(root).resolve()),
+                "engine": engine,
+                "device": device,
+                "options": values,
+                "allow_failed": allow_failed,
+                "batch_size": batch_size,
+            },
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=cpus_per_actor,
+            num_gpus=gpus_per_actor or None,
+        )
+        for row in results.iter_rows():
+            samples += int(row["samples"])
+            engine_seconds += float(row["seconds"])
+            done += 1
+            if progress is not None:
+                progress(done, len(shards))
+    except Exception as exc:
+        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
+        if cause is not None:
+            raise type(cause)(first_line(cause)) from exc
+        raise
+    finally:
+        (
+            context.execution_options.preserve_order,
+            context.enable_progress_bars,
+            context.raise_original_map_exception,
+        ) = saved
+        if started_ray:
+            ray.shutdown()
+    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+def _tk_error_in(exc: BaseException) -> TkError | None:
+    """The first ``TkError`` in ``exc``'s chain of causes (Ray wraps an actor's exception in its own)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        inner = getattr(current, "cause", None)  # Ray's RayTaskError(InputError) keeps the original as .cause
+        if isinstance(current, TkError) and not isinstance(inner, TkError):
+            return current
+        todo.extend([getattr(current, "cause", None), current.__cause__, current.__context__])
+    return None

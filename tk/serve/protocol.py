@@ -1,0 +1,244 @@
+"""The KServe v2 inference protocol over HTTP (what Triton and ``tritonclient.http`` speak).
+
+A request is JSON (``{"inputs": [{"name", "shape", "datatype", "data"}], "outputs": [...]}``),
+optionally followed by raw tensor bytes: with the binary tensor extension the header
+``Inference-Header-Content-Length`` gives the JSON's length, and each input whose
+``parameters.binary_data_size`` is set takes that many bytes of the rest, in order.
+``tritonclient.http`` sends binary data by default, so both forms are read here; outputs are sent
+as binary when the request asks for it (``parameters.binary_data`` per output, or
+``binary_data_output`` for all).
+
+Parsing checks everything a request can get wrong (malformed JSON, unknown or missing inputs,
+datatype, shape against the data, sizes, token ids and masks through
+``tk.runtime.inputs.check_arrays``) and raises ``InputError`` with one line, so that a bad
+request is answered 400 and never reaches an engine. This module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tk.errors import InputError
+from tk.manifest import Manifest
+from tk.runtime.inputs import check_arrays, sample_dim
+from tk.spec import Dim, TensorSpec, numpy_dtype
+
+HEADER_LENGTH = "inference-header-content-length"
+
+# tk dtype -> KServe v2 datatype
+DATATYPES: dict[str, str] = {
+    "float32": "FP32",
+    "float16": "FP16",
+    "bfloat16": "BF16",
+    "float64": "FP64",
+    "int64": "INT64",
+    "int32": "INT32",
+    "bool": "BOOL",
+}
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """The KServe v2 datatype of a NumPy array (bfloat16 through ml_dtypes)."""
+    name = "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.name
+    if name not in DATATYPES:
+        raise InputError(f"cannot send dtype {name} over KServe v2: expected one of {', '.join(DATATYPES)}")
+    return DATATYPES[name]
+
+
+@dataclass
+class InferRequest:
+    """One parsed, checked request: its feeds, sample count and what the reply must hold."""
+
+    feeds: dict[str, np.ndarray]
+    samples: int
+    outputs: list[str]  # the outputs to return, in order
+    binary: dict[str, bool]  # output name -> send it as binary data
+    id: str | None = None
+    enqueued: float = 0.0  # perf_counter when the request was queued for a batch
+    shape_key: tuple[tuple[int, ...], ...] = field(default=())  # non-batch shapes: requests that can share a call
+
+
+def model_metadata(manifest: Manifest, name: str, platform: str) -> dict[str, Any]:
+    """``GET /v2/models/NAME``: inputs and outputs with datatypes and shapes (-1 where dynamic)."""
+    sig = manifest.signature
+
+    def tensor(spec: TensorSpec) -> dict[str, Any]:
+        shape = [d if isinstance(d, int) else -1 for d in spec.shape]
+        return {"name": spec.name, "datatype": DATATYPES[spec.dtype], "shape": shape}
+
+    return {
+        "name": name,
+        "versions": ["1"],
+        "platform": platform,
+        "inputs": [tensor(s) for s in sig.inputs],
+        "outputs": [tensor(s) for s in sig.outputs],
+    }
+
+
+def parse_infer_request(
+    body: bytes,
+    headers: Mapping[str, str],
+    specs: list[TensorSpec],
+    output_specs: list[TensorSpec],
+    dims: dict[str, Dim],
+    max_samples: int,
+) -> InferRequest:
+    """Parse and check a ``POST /v2/models/NAME/infer`` body; raise ``InputError`` for a bad one.
+
+    ``max_samples`` bounds the samples of one request (the server's max batch).
+    """
+    lowered = {k.lower(): v for k, v in headers.items()}
+    header_length = lowered.get(HEADER_LENGTH)
+    if header_length is not None:
+        try:
+            json_length = int(header_length)
+        except ValueError:
+            raise InputError(
+                f"header Inference-Header-Content-Length: expected an integer, got {header_length!r}"
+            ) from None
+        if not 0 < json_length <= len(body):
+            raise InputError(
+                f"header Inference-Header-Content-Length is {json_length}, expected 1 to the body's {len(body)} bytes"
+            )
+    else:
+        json_length = len(body)
+    try:
+        request = json.loads(body[:json_length])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"malformed JSON in the request body: {exc}") from None
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+        raise InputError('request: expected a JSON object with an "inputs" list')
+    binary = memoryview(body)[json_length:]
+    by_name = {s.name: s for s in specs}
+    feeds: dict[str, np.ndarray] = {}
+    offset = 0
+    for item in request["inputs"]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InputError('request: every entry of "inputs" must be an object with a "name"')
+        name = item["name"]
+        if name not in by_name:
+            raise InputError(f"unknown input {name!r}: this model takes {[s.name for s in specs]}")
+        if name in feeds:
+            raise InputError(f"input {name!r} is given twice")
+        array, offset = _tensor(item, by_name[name], binary, offset)
+        feeds[name] = array
+    if offset != len(binary):
+        raise InputError(f"request: {len(binary) - offset} bytes of binary data follow the inputs and belong to none")
+    batch = sample_dim(specs)
+    sizes = check_arrays(feeds, specs, dims=dims, free=(batch,), source=None, exact_dtype=True)
+    samples = sizes[batch]
+    if samples > max_samples:
+        raise InputError(
+            f"dimension {batch!r}: this server takes at most {max_samples} samples a request, got {samples}"
+        )
+    outputs, wants_binary = _requested_outputs(request, output_specs)
+    request_id = request.get("id")
+    shape_key = tuple(feeds[s.name].shape[1:] for s in specs)
+    return InferRequest(
+        feeds, samples, outputs, wants_binary, str(request_id) if request_id is not None else None, shape_key=shape_key
+    )
+
+
+def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """One input's array from its JSON entry (``data``) or the binary section; the new offset."""
+    prefix = f"input {spec.name!r}"
+    expected = DATATYPES[spec.dtype]
+    if item.get("datatype") != expected:
+        raise InputError(f"{prefix}: expected datatype {expected}, got {item.get('datatype')!r}")
+    shape = item.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InputError(f'{prefix}: expected "shape" as a list of sizes, got {shape!r}')
+    dtype = numpy_dtype(spec.dtype)
+    count = math.prod(shape)
+    parameters = item.get("parameters") or {}
+    size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+    if size is not None:
+        if not isinstance(size, int) or size != count * dtype.itemsize:
+            raise InputError(
+                f"{prefix}: binary_data_size is {size!r}, expected {count * dtype.itemsize} bytes for shape {shape} "
+                f"of {expected}"
+            )
+        if offset + size > len(binary):
+            raise InputError(f"{prefix}: expected {size} bytes of binary data, the body holds {len(binary) - offset}")
+        array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape).copy()
+        return array, offset + size
+    if "data" not in item:
+        raise InputError(f'{prefix}: expected "data" or parameters.binary_data_size')
+    try:
+        raw = np.asarray(item["data"])
+    except ValueError as exc:
+        raise InputError(f'{prefix}: "data" is not a regular array ({exc})') from None
+    kinds = {"INT64": "iu", "INT32": "iu", "BOOL": "b"}.get(expected, "iuf")
+    if raw.size and raw.dtype.kind not in kinds:
+        what = {"iu": "integers", "b": "true/false values", "iuf": "numbers"}[kinds]
+        raise InputError(f"{prefix}: expected {what} for datatype {expected}, got {raw.dtype.kind!r}-kind values")
+    if raw.size != count:
+        raise InputError(f'{prefix}: shape {shape} holds {count} values, "data" has {raw.size}')
+    try:
+        return raw.astype(dtype).reshape(shape), offset
+    except (OverflowError, ValueError) as exc:
+        raise InputError(f"{prefix}: values do not fit {expected} ({exc})") from None
+
+
+def _requested_outputs(request: dict[str, Any], specs: list[TensorSpec]) -> tuple[list[str], dict[str, bool]]:
+    names = [s.name for s in specs]
+    parameters = request.get("parameters") or {}
+    all_binary = bool(parameters.get("binary_data_output", False)) if isinstance(parameters, dict) else False
+    wanted = request.get("outputs")
+    if wanted is None:
+        return names, dict.fromkeys(names, all_binary)
+    if not isinstance(wanted, list):
+        raise InputError('request: "outputs" must be a list of {"name": ...} objects')
+    outputs: list[str] = []
+    binary: dict[str, bool] = {}
+    for item in wanted:
+        name = item.get("name") if isinstance(item, dict) else None
+        if name not in names:
+            raise InputError(f"unknown output {name!r}: this model returns {names}")
+        params = item.get("parameters") or {}
+        outputs.append(name)
+        binary[name] = bool(params.get("binary_data", all_binary)) if isinstance(params, dict) else all_binary
+    return outputs, binary
+
+
+def encode_infer_response(
+    model: str, request: InferRequest, outputs: Mapping[str, np.ndarray]
+) -> tuple[bytes, dict[str, str]]:
+    """The reply body and its headers: JSON, followed by raw bytes for outputs asked as binary."""
+    entries = []
+    chunks: list[bytes] = []
+    for name in request.outputs:
+        array = np.ascontiguousarray(outputs[name])
+        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(array), "shape": list(array.shape)}
+        if request.binary.get(name):
+            raw = array.tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = (
+                array.astype(np.float32).reshape(-1).tolist()
+                if array.dtype.name == "bfloat16"
+                else (array.reshape(-1).tolist())
+            )
+        entries.append(entry)
+    reply: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
+    if request.id is not None:
+        reply["id"] = request.id
+    header = json.dumps(reply, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"content-type": "application/json"}
+    return header + b"".join(chunks), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header)),
+    }
+
+
+def error_body(message: str) -> bytes:
+    """A KServe v2 error reply: ``{"error": message}``."""
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,241 @@
+"""``tk deploy triton``: a Triton Inference Server model repository from an artifact.
+
+``REPO/NAME/config.pbtxt`` and ``REPO/NAME/1/model.onnx`` (onnxruntime backend, with its external
+data file when there is one) or ``REPO/NAME/1/model.plan`` (TensorRT backend). The config is built
+as Triton's own ``ModelConfig`` protobuf message (``tritonclient.grpc.model_config_pb2``) and
+written with ``google.protobuf.text_format``, so a field Triton does not know cannot slip in.
+
+From the manifest: ``max_batch_size`` is the batch dimension's max (0 when the batch is static:
+Triton then sends whole fixed-size tensors and its batcher stays off); dims leave out the batch
+dimension and are -1 where a dimension is dynamic. For a TensorRT plan the dims come from the
+engine's optimization profile (``formats["trt"]["profile"]``): -1 where min != max, the fixed size
+otherwise, and ``max_batch_size`` from the profile's max; a profile whose batch min is above 1 is
+refused, since Triton's batcher sends batches from 1. ``dynamic_batching.preferred_batch_size``
+is the batch opt size; ``model_warmup`` sends one valid sample at the opt sizes (written as raw
+files under ``warmup/``, since zero or random data is not a valid attention mask or token id).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import UsageError, first_line
+from tk.fileio import atomic_open, atomic_write_bytes
+from tk.manifest import Manifest, verify_artifact, verify_file
+from tk.runtime.inputs import sample_dim
+from tk.spec import TensorSpec, random_feeds
+
+# tk dtype -> Triton's DataType enum name
+TRITON_TYPES: dict[str, str] = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16",
+    "float64": "TYPE_FP64",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+    "bool": "TYPE_BOOL",
+}
+PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "trt": ("tensorrt_plan", "model.plan")}
+
+
+@dataclass
+class TritonModel:
+    root: Path  # REPO/NAME
+    config: Any  # the ModelConfig message written to config.pbtxt
+    files: list[Path]  # what was written, relative to the repository
+
+
+def model_config_pb2() -> Any:
+    try:
+        from tritonclient.grpc import model_config_pb2 as pb
+    except ImportError as exc:
+        raise UsageError(f"tk deploy triton needs tritonclient: pip install 'tk[serve]' ({first_line(exc)})") from exc
+    return pb
+
+
+def triton_config(
+    manifest: Manifest,
+    fmt: str,
+    *,
+    name: str,
+    instances: int = 1,
+    kind: str | None = None,
+    max_queue_delay_us: int = 1000,
+) -> Any:
+    """The ``ModelConfig`` message for the artifact's ``fmt`` (onnx or trt) file."""
+    pb = model_config_pb2()
+    if fmt not in PLATFORMS:
+        raise UsageError(f"--format {fmt}: Triton loads onnx (onnxruntime backend) or trt (TensorRT plan)")
+    if fmt not in manifest.formats:
+        raise UsageError(f"the artifact has no {fmt} file (it holds: {', '.join(manifest.formats) or 'none'})")
+    sig = manifest.signature
+    batch_name = sample_dim(sig.inputs)
+    batch = sig.dims.get(batch_name)
+    profile = manifest.formats[fmt].get("profile") if fmt == "trt" else None
+    if fmt == "trt":
+        if not profile:
+            raise UsageError("the artifact's trt settings hold no optimization profile; re-export --format trt")
+        first = sig.inputs[0].name
+        batch_min, batch_max = profile[first]["min"][0], profile[first]["max"][0]
+    else:
+        batch_min, batch_max = (batch.min, batch.max) if batch else (1, 1)
+    batching = batch is not None and not batch.static
+    if batching and fmt == "trt" and batch_min > 1:
+        raise UsageError(
+            f"the TensorRT profile's batch min is {batch_min}; Triton's batcher sends batches from 1: "
+            "re-export with a batch range starting at 1"
+        )
+    config = pb.ModelConfig(name=name, platform=PLATFORMS[fmt][0], default_model_filename=PLATFORMS[fmt][1])
+    config.max_batch_size = batch_max if batching else 0
+
+    def dims_of(spec: TensorSpec, io_profile: dict[str, list[int]] | None) -> list[int]:
+        dims = []
+        for axis, dim in enumerate(spec.shape):
+            if batching and axis == 0:
+                continue
+            if io_profile is not None:  # the engine's profile decides
+                low, high = io_profile["min"][axis], io_profile["max"][axis]
+                dims.append(low if low == high else -1)
+            elif isinstance(dim, int):
+                dims.append(dim)
+            else:
+                limits = sig.dims.get(dim)
+                dims.append(limits.min if limits is not None and limits.static else -1)
+        return dims
+
+    for spec in sig.inputs:
+        config.input.add(
+            name=spec.name,
+            data_type=pb.DataType.Value(TRITON_TYPES[spec.dtype]),
+            dims=dims_of(spec, profile[spec.name] if profile else None),
+        )
+    for spec in sig.outputs:
+        out_profile = _output_profile(spec, sig.dims, profile, sig.inputs) if profile else None
+        config.output.add(
+            name=spec.name, data_type=pb.DataType.Value(TRITON_TYPES[spec.dtype]), dims=dims_of(spec, out_profile)
+        )
+    if batching:
+        assert batch is not None
+        config.dynamic_batching.preferred_batch_size.append(min(batch.opt, batch_max))
+        config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    group_kind = kind or ("KIND_GPU" if fmt == "trt" or manifest.device == "cuda" else "KIND_CPU")
+    config.instance_group.add(count=instances, kind=pb.ModelInstanceGroup.Kind.Value(group_kind))
+    warmup = config.model_warmup.add(name="tk_opt_sample", batch_size=1)
+    for spec, entry in zip(sig.inputs, config.input, strict=True):
+        sizes = _warmup_sizes(sig.dims, profile, spec, batch_name)
+        warm = warmup.inputs[spec.name]
+        warm.data_type = entry.data_type
+        warm.dims.extend([size for axis, size in enumerate(spec.concrete_shape(sizes)) if not (batching and axis == 0)])
+        warm.input_data_file = spec.name
+    return config
+
+
+def _warmup_sizes(dims: dict[str, Any], profile: Any, spec: TensorSpec, batch_name: str) -> dict[str, int]:
+    """Opt sizes, at batch 1 when Triton batches (a static batch keeps its one size)."""
+    sizes = {n: d.opt for n, d in dims.items()}
+    batch = dims.get(batch_name)
+    if batch is None or not batch.static:
+        sizes[batch_name] = 1
+    if profile:  # the profile's opt shape, at batch 1
+        for axis, dim in enumerate(spec.shape):
+            if isinstance(dim, str) and dim != batch_name:
+                sizes[dim] = profile[spec.name]["opt"][axis]
+    return sizes
+
+
+def _output_profile(
+    spec: TensorSpec, dims: dict[str, Any], profile: dict[str, dict[str, list[int]]], inputs: list[TensorSpec]
+) -> dict[str, list[int]]:
+    """An output's min/max shape under the profile: each named dim takes its range from an input."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for source in inputs:
+        for axis, dim in enumerate(source.shape):
+            if isinstance(dim, str):
+                ranges.setdefault(dim, (profile[source.name]["min"][axis], profile[source.name]["max"][axis]))
+    shape_min, shape_max = [], []
+    for dim in spec.shape:
+        if isinstance(dim, int):
+            shape_min.append(dim)
+            shape_max.append(dim)
+        else:
+            low, high = ranges.get(dim, (dims[dim].min, dims[dim].max) if dim in dims else (1, 2))
+            shape_min.append(low)
+            shape_max.append(high)
+    return {"min": shape_min, "max": shape_max}
+
+
+def deploy_triton(
+    root: str | Path,
+    out: str | Path,
+    *,
+    fmt: str | None = None,
+    name: str | None = None,
+    instances: int = 1,
+    kind: str | None = None,
+    max_queue_delay_us: int = 1000,
+) -> TritonModel:
+    """Write ``out/NAME/config.pbtxt``, ``out/NAME/1/<model file>`` and the warmup sample.
+
+    ``fmt`` defaults to trt when the artifact has a plan, else onnx; ``name`` to the manifest's
+    model name. Files are verified (sha256) before they are copied, and written atomically.
+    """
+    from google.protobuf import text_format
+
+    manifest = verify_artifact(root)
+    root = Path(root)
+    if fmt is None:
+        fmt = "trt" if "trt" in manifest.formats else "onnx"
+    name = name or str(manifest.model.get("name", "model"))
+    if not name or "/" in name or name.startswith("."):
+        raise UsageError(f"--name {name!r}: expected a plain directory name")
+    if instances < 1:
+        raise UsageError(f"--instances: expected 1 or more, got {instances}")
+    config = triton_config(
+        manifest, fmt, name=name, instances=instances, kind=kind, max_queue_delay_us=max_queue_delay_us
+    )
+    model_dir = Path(out) / name
+    version_dir = model_dir / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    roles = ["trt"] if fmt == "trt" else ["onnx", "onnx-data"]
+    for entry in manifest.files:
+        if entry.role not in roles:
+            continue
+        source = verify_file(root, entry)
+        target = version_dir / (PLATFORMS[fmt][1] if entry.role == fmt else Path(entry.path).name)
+        _copy_atomic(source, target)
+        written.append(target)
+    warmup_dir = model_dir / "warmup"
+    warmup_dir.mkdir(exist_ok=True)
+    sig = manifest.signature
+    profile = manifest.formats[fmt].get("profile") if fmt == "trt" else None
+    batch_name = sample_dim(sig.inputs)
+    for spec in sig.inputs:
+        sizes = _warmup_sizes(sig.dims, profile, spec, batch_name)
+        array = random_feeds([spec], sizes, seed=0)[spec.name]
+        atomic_write_bytes(warmup_dir / spec.name, np.ascontiguousarray(array).tobytes())
+        written.append(warmup_dir / spec.name)
+    atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
+    written.append(model_dir / "config.pbtxt")
+    return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
+
+
+def _copy_atomic(source: Path, target: Path) -> None:
+    with open(source, "rb") as src, atomic_open(target) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def read_config(path: str | Path) -> Any:
+    """Parse a ``config.pbtxt`` into ``ModelConfig`` (raises ``UsageError`` naming the bad line)."""
+    from google.protobuf import text_format
+
+    pb = model_config_pb2()
+    try:
+        return text_format.Parse(Path(path).read_text(), pb.ModelConfig())
+    except text_format.ParseError as exc:
+        raise UsageError(f"{path}: not a valid Triton model config ({exc})") from exc
