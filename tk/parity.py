@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import CaptureError, TkError, first_line
+from tk.errors import CaptureError, EngineError, first_line
 from tk.spec import random_feeds
 
 INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
@@ -219,12 +219,11 @@ def reference_runs(reference: Any, shapes: Sequence[dict[str, int]], *, seed: in
     for sizes, run_feeds in zip(shapes, feeds, strict=True):
         try:
             outputs.append(reference.run(run_feeds))
-        except TkError:
-            raise
-        except Exception as exc:  # the model itself fails (an embedding too short for the sequence, say)
+        except EngineError as exc:  # the model itself fails (an embedding too short for the sequence, say)
+            cause = exc.__cause__ or exc
             raise CaptureError(
                 f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
-                f"({type(exc).__name__}: {first_line(exc)}); narrow --batch/--seq/--dim to what the model supports"
+                f"({type(cause).__name__}: {first_line(cause)}); narrow --batch/--seq/--dim to what the model supports"
             ) from exc
     return ReferenceRuns(list(shapes), feeds, outputs)
 

@@ -297,7 +297,8 @@ def _npz_declared_bytes(archive: Any, path: Path) -> int:
                 raise UsageError(f"{path}: array {info.filename!r} has a damaged header ({first_line(exc)})") from exc
         if dtype.hasobject:
             raise UsageError(
-                f"{path}: array {info.filename!r} holds Python objects; tk never unpickles input files: save numeric arrays"
+                f"{path}: array {info.filename.removesuffix('.npy')!r} holds Python objects; tk never unpickles input "
+                "files: save numeric arrays"
             )
         total += math.prod(shape) * dtype.itemsize
     return total
