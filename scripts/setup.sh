@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install tk with the CPU runtime, torchvision, Ray/tritonclient (serve) and the test tools.
+# Create .venv (if missing) and install tk with the CPU runtime, torchvision, Ray/tritonclient (serve),
+# transformers (hf:DIR models) and the test tools.
 # torch 2.14.1 + torchvision 0.29.1 are pinned here on purpose: they are the pair that exists
 # offline on our CPU machines (a CUDA build that also runs on the CPU, ~5.5 GB). setup.cfg keeps
 # the honest range (torch>=2.9) for users who install tk into their own environment.
@@ -10,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve]' 'torch==2.14.1' 'torchvision==0.29.1'
+.venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf]' 'torch==2.14.1' 'torchvision==0.29.1'

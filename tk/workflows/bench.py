@@ -275,7 +275,7 @@ def render_table(report: BenchReport) -> Table:
     if roofline:
         peaks = ", ".join(f"{p} {v['gflops']:,.0f}" for p, v in roofline["peaks"].items())
         notes.append(
-            f"roofline: {roofline['flops_per_sample'] / 1e9:.2f} GFLOP per sample; measured matmul peak GFLOP/s: {peaks}"
+            f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; measured matmul peak GFLOP/s: {peaks}"
         )
     load, cores = machine.get("load_average"), machine.get("usable_cores")
     if load and cores and load[0] > cores:
