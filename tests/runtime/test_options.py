@@ -32,7 +32,9 @@ def test_a_misspelled_option_is_refused_with_the_valid_ones(exported):
         UsageError, match=r"engine 'onnx': unknown option\(s\) optimisation; it takes threads, provider"
     ):
         load(e.root, "onnx", optimisation="basic")
-    with pytest.raises(UsageError, match=r"unknown option\(s\) provider; it takes threads, cuda_graph, max_graphs, trust_model_code"):
+    with pytest.raises(
+        UsageError, match=r"unknown option\(s\) provider; it takes threads, cuda_graph, max_graphs, trust_model_code"
+    ):
         load(e.root, "eager", options={"provider": "cpu"})
 
 
