@@ -17,7 +17,6 @@ files under ``warmup/``, since zero or random data is not a valid attention mask
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from tk.errors import UsageError, first_line
-from tk.fileio import atomic_open, atomic_write_bytes
-from tk.manifest import Manifest, verify_artifact, verify_file
+from tk.fileio import atomic_write_bytes
+from tk.manifest import Manifest, read_verified, verify_artifact
 from tk.runtime.inputs import sample_dim
 from tk.spec import TensorSpec, random_feeds
 
@@ -206,9 +205,8 @@ def deploy_triton(
     for entry in manifest.files:
         if entry.role not in roles:
             continue
-        source = verify_file(root, entry)
         target = version_dir / (PLATFORMS[fmt][1] if entry.role == fmt else Path(entry.path).name)
-        _copy_atomic(source, target)
+        atomic_write_bytes(target, read_verified(root, entry))  # the bytes that were hashed, read once
         written.append(target)
     warmup_dir = model_dir / "warmup"
     warmup_dir.mkdir(exist_ok=True)
@@ -223,11 +221,6 @@ def deploy_triton(
     atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
     written.append(model_dir / "config.pbtxt")
     return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
-
-
-def _copy_atomic(source: Path, target: Path) -> None:
-    with open(source, "rb") as src, atomic_open(target) as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def read_config(path: str | Path) -> Any:
