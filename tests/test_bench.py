@@ -138,3 +138,18 @@ def test_bad_io_or_warmup_is_refused(engines):
         measure({"torch": engines["torch"]}, [1], iters=1, io="pinned")
     with pytest.raises(UsageError, match="--warmup: expected 0 or more"):
         measure({"torch": engines["torch"]}, [1], iters=1, warmup=-1)
+
+
+def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+
+    root = exported("mlp", ("torch",)).root
+    out = tmp_path / "b.json"
+    args = ["bench", str(root), "--engine", "torch", "--no-baselines", "--roofline", "--iters", "2", "--batch-sizes", "2"]
+    result = CliRunner().invoke(cli, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert [r["engine"] for r in data["rows"]] == ["torch"]  # eager only counted the FLOPs
+    assert data["rows"][0]["gflops"] > 0 and data["settings"]["roofline"]["flops_per_sample"] > 0

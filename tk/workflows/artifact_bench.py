@@ -62,12 +62,14 @@ def bench_artifact(
     values = {"spinning": len(names) == 1, **(options or {})}
     with ExitStack() as stack:
         opened = open_engines(stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed)
-        eager = opened["eager"]
+        eager = opened.get("eager")
+        if eager is None and (roofline or engines == "auto"):  # the model's FLOPs and parity need it, untimed
+            eager = open_engines(stack, root, ["eager"], manifest, device=device, values=values)["eager"]
         candidates = None
         if engines == "auto":
             batch_dim = manifest.signature.dims.get("batch")
             shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
-            candidates = check_candidates(opened["eager"], opened, manifest, shape)
+            candidates = check_candidates(eager, opened, manifest, shape)
             opened = {c.engine: opened[c.engine] for c in candidates if c.passed}
         report = measure(
             opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, warmup=warmup, io=io, progress=progress
