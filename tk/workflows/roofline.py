@@ -96,8 +96,8 @@ def roofline(
     for row in report.rows:
         peak = peaks[engine_precision(row.engine, artifact_precision)]
         rate = flops_1 * row.batch_size / (row.p50_ms / 1e3) / 1e9
-        row.gflops = round(rate, 1)
-        row.peak_share = round(rate / peak.gflops, 4)
+        row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
+        row.peak_share = float(f"{rate / peak.gflops:.4g}")
     return {
         "flops_per_sample": flops_1,
         "peaks": {p: peak.to_json() for p, peak in peaks.items()},
