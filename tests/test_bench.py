@@ -147,7 +147,18 @@ def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
 
     root = exported("mlp", ("torch",)).root
     out = tmp_path / "b.json"
-    args = ["bench", str(root), "--engine", "torch", "--no-baselines", "--roofline", "--iters", "2", "--batch-sizes", "2"]
+    args = [
+        "bench",
+        str(root),
+        "--engine",
+        "torch",
+        "--no-baselines",
+        "--roofline",
+        "--iters",
+        "2",
+        "--batch-sizes",
+        "2",
+    ]
     result = CliRunner().invoke(cli, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.stderr
     data = json.loads(out.read_text())

@@ -56,6 +56,8 @@ def test_resolve_refuses_what_the_artifact_cannot_take(exported):
         resolve(ServeConfig(str(art.root), max_queue=0))
     with pytest.raises(UsageError, match="--replicas"):
         resolve(ServeConfig(str(art.root), replicas=0))
+    with pytest.raises(UsageError, match="--request-timeout: expected a finite number of seconds"):
+        resolve(ServeConfig(str(art.root), request_timeout_s=float("nan")))
 
 
 def test_serve_command_refuses_bad_options_in_one_line(exported):

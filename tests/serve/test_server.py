@@ -251,7 +251,8 @@ def test_killed_replica_is_replaced_and_clients_see_errors_not_hangs(server):
     codes = [status for status, _ in outcomes]
     assert len(codes) == 4 * 40  # every request was answered, one way or the other
     assert max(seconds for _, seconds in outcomes) < TIMEOUT_S  # no hang
-    assert all(c == 200 or (isinstance(c, int) and c >= 500) or isinstance(c, str) for c in codes), set(codes)
+    # errors: 5xx from the proxy, 408 once the server's request timeout (below the client's) passes, or a reset connection
+    assert all(c in (200, 408) or (isinstance(c, int) and c >= 500) or isinstance(c, str) for c in codes), set(codes)
     print("outcomes while the replica died:", {str(c): codes.count(c) for c in set(codes)})
     deadline = time.monotonic() + 90
     new_names: list[str] = []

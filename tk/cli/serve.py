@@ -43,6 +43,13 @@ from tk.registries import ENGINES
     show_default=True,
     help="Requests waiting for a replica before new ones get 503 (-1: unbounded).",
 )
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="Seconds after which the server answers a request with an error instead of letting it wait (a replica restarting).",
+)
 @click.option("--address", default=None, help="Join this Ray cluster (default: start a local Ray instance).")
 @engine_options
 def serve_cmd(
@@ -58,6 +65,7 @@ def serve_cmd(
     batching: bool,
     max_delay_ms: float,
     max_queue: int,
+    request_timeout: float,
     address: str | None,
     device: str,
     provider: str | None,
@@ -84,6 +92,7 @@ def serve_cmd(
         batching=batching,
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
+        request_timeout_s=request_timeout,
         device=device,
         options={k: v for k, v in options.items() if v is not None},
         allow_failed=allow_failed,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import threading
@@ -66,6 +67,7 @@ class ServeConfig:
     max_delay_ms: float = 5.0  # longest wait for a batch to fill
     max_queue: int = 64  # requests waiting for a replica before 503s (-1: unbounded)
     max_ongoing: int | None = None  # requests a replica holds at once (default: 2 x max_batch, at least 8)
+    request_timeout_s: float = 20.0  # the proxy answers an error past this (while a replica restarts, say): no hangs
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)  # engine options by name
     allow_failed: bool = False
@@ -79,6 +81,10 @@ def resolve(config: ServeConfig) -> ServeConfig:
     max_batch = config.max_batch if config.max_batch is not None else (limit or 8)
     if max_batch < 1:
         raise UsageError(f"--max-batch: expected 1 or more, got {max_batch}")
+    if not (math.isfinite(config.request_timeout_s) and config.request_timeout_s > 0):
+        raise UsageError(
+            f"--request-timeout: expected a finite number of seconds above 0, got {config.request_timeout_s}"
+        )
     if limit is not None and max_batch > limit:
         raise UsageError(f"--max-batch {max_batch}: this artifact's batch max is {limit}; use at most {limit}")
     if config.replicas < 1:
@@ -354,7 +360,7 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         else:
             ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.start(http_options={"host": config.host, "port": config.port, "request_timeout_s": config.request_timeout_s})
     serve.run(deployment(config), name=APP_NAME, route_prefix="/")
     return config
 
