@@ -32,7 +32,8 @@ from tk.spec import Dim, TensorSpec
 class EngineOptions:
     """Options every engine takes. ``None`` means the default."""
 
-    # intra-op threads: torch engines set torch's thread count for each call and restore it after,
+    # intra-op threads: torch engines set torch's thread count for each call and restore it after
+    # (torch's count is process-wide: threads calling with different counts at once see each other's),
     # onnxruntime gives its session this many; default: torch's current count / every usable core
     threads: int | None = None
 
