@@ -19,7 +19,7 @@ from typing import Any
 from tk.errors import IntegrityError, UsageError
 from tk.fileio import sha256_file
 from tk.registries import DEVICES, PRECISIONS
-from tk.safefiles import read_inside, sha256_bytes
+from tk.safefiles import hash_inside, read_inside, sha256_bytes
 from tk.spec import Signature
 
 FORMAT_VERSION = 1
@@ -256,21 +256,29 @@ class _SchemaError(Exception):
 def read_verified(root: str | Path, entry: FileEntry) -> bytes:
     """The bytes of ``entry``, read once from inside ``root`` (no links, no special files) and
     checked against its size and sha256; load from these bytes, never from the path again."""
-    path = Path(root) / entry.path
-    if not os.path.lexists(path):
-        raise IntegrityError(f"{path}: missing; the manifest lists it as the {entry.role} file")
+    _require_listed_file(root, entry)
     data = read_inside(root, entry.path)
-    if len(data) != entry.size:
-        raise IntegrityError(f"{path}: {len(data)} bytes, the manifest expects {entry.size} (truncated or replaced)")
-    digest = sha256_bytes(data)
-    if digest != entry.sha256:
-        raise IntegrityError(f"{path}: sha256 {digest[:12]}…, the manifest expects {entry.sha256[:12]}… (altered)")
+    _require_match(root, entry, len(data), sha256_bytes(data))
     return data
 
 
 def verify_file(root: str | Path, entry: FileEntry) -> None:
-    """Check ``entry``'s size and sha256 (engines re-read and re-check what they load)."""
-    read_verified(root, entry)
+    """Check ``entry``'s size and sha256, streaming the file (engines re-read and re-check what they load)."""
+    _require_listed_file(root, entry)
+    _require_match(root, entry, *hash_inside(root, entry.path))
+
+
+def _require_listed_file(root: str | Path, entry: FileEntry) -> None:
+    if not os.path.lexists(Path(root) / entry.path):
+        raise IntegrityError(f"{Path(root) / entry.path}: missing; the manifest lists it as the {entry.role} file")
+
+
+def _require_match(root: str | Path, entry: FileEntry, size: int, digest: str) -> None:
+    path = Path(root) / entry.path
+    if size != entry.size:
+        raise IntegrityError(f"{path}: {size} bytes, the manifest expects {entry.size} (truncated or replaced)")
+    if digest != entry.sha256:
+        raise IntegrityError(f"{path}: sha256 {digest[:12]}…, the manifest expects {entry.sha256[:12]}… (altered)")
 
 
 def verify_artifact(root: str | Path) -> Manifest:

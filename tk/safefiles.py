@@ -84,19 +84,32 @@ def _refusal(exc: OSError, path: Path, what: str) -> Exception:
     return IntegrityError(f"{path}: cannot open it ({exc.strerror or exc})")
 
 
+def _blocks(fd: int, size: int) -> Iterator[bytes]:
+    remaining = size
+    while remaining > 0:
+        block = os.read(fd, min(remaining, 1 << 24))
+        if not block:
+            return
+        yield block
+        remaining -= len(block)
+
+
 def read_inside(root: str | Path, relative: str, what: str = "artifact") -> bytes:
     """The whole of ``root/relative``, read once through ``open_inside`` (sized against the memory budget)."""
     with open_inside(root, relative, what) as (fd, info):
         require_within_budget(info.st_size, f"{Path(root) / relative}")
-        chunks = []
-        remaining = info.st_size
-        while remaining > 0:
-            block = os.read(fd, min(remaining, 1 << 24))
-            if not block:
-                break
-            chunks.append(block)
-            remaining -= len(block)
-        return b"".join(chunks)
+        return b"".join(_blocks(fd, info.st_size))
+
+
+def hash_inside(root: str | Path, relative: str, what: str = "artifact") -> tuple[int, str]:
+    """Size and sha256 of ``root/relative``, streamed through ``open_inside`` (nothing held in memory)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open_inside(root, relative, what) as (fd, info):
+        for block in _blocks(fd, info.st_size):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
 
 
 def sha256_bytes(data: bytes) -> str:
