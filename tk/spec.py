@@ -220,3 +220,25 @@ def parse_input_description(
     if kind == "data" and dtype in ("int64", "int32"):
         kind = "ids"
     return TensorSpec(match["name"], dtype, tuple(shape), kind=kind, low=low, high=high), tuple(sizes)
+
+
+def shapes_to_check(dims: dict[str, Dim]) -> list[dict[str, int]]:
+    """All-min, all-opt, an odd size of each, then each dimension at its max with the others at opt.
+
+    Every bound is exercised without running every dimension at its max at once (batch 64 x
+    sequence 512 would dominate the check's time and prove nothing more).
+    """
+    opt = {name: dim.opt for name, dim in dims.items()}
+    candidates = [{name: dim.min for name, dim in dims.items()}, opt]
+    candidates.append({name: _odd_inside(dim) for name, dim in dims.items()})
+    candidates += [{**opt, name: dim.max} for name, dim in dims.items()]
+    shapes: list[dict[str, int]] = []
+    for sizes in candidates:
+        if sizes not in shapes:
+            shapes.append(sizes)
+    return shapes
+
+
+def _odd_inside(dim: Dim) -> int:
+    inside = [s for s in dim.sizes_to_check() if s not in (dim.min, dim.opt, dim.max)]
+    return inside[0] if inside else dim.opt

@@ -7,7 +7,6 @@ per-tensor int8 weights, and is harmless in float32; the tests check that the to
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import onnx
@@ -55,7 +54,7 @@ def test_planted_divergence_is_real(fp16: Path, int8: Path) -> None:
     torch_report = read_manifest(fp16).check["torch"]
     assert not torch_report["passed"] and torch_report["outputs"][0]["nan"] > 0  # float16 overflow -> NaN
     int8_report = read_manifest(int8).check["onnx"]
-    assert not int8_report["passed"] and int8_report["outputs"][0]["sqnr_db"] < 10  # floor is 30 dB
+    assert not int8_report["passed"] and int8_report["outputs"][0]["sqnr_db"] < 10  # floor is 35 dB
 
 
 def test_locate_torch_names_the_planted_block(fp16: Path) -> None:
@@ -189,4 +188,4 @@ def test_report_path_option(tmp_path: Path) -> None:
     run = invoke("export", "tests.planted:fixed_batch", "--out", str(tmp_path / "a"), "--report", str(where))
     assert run.exit_code == 2 and where.is_file()
     assert "fixes dimension `batch` to 4" in where.read_text()
-    assert math.isfinite(where.stat().st_size)
+    assert f"report: {where}" in run.stderr  # the one-line error names the report

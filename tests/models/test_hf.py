@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,14 @@ def test_remote_code_configs_are_refused(hf_dirs, tmp_path):
         build_model(f"hf:{directory}")
 
 
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 def test_missing_directory_unknown_task_and_pickled_weights_are_usage_errors(hf_dirs, tmp_path):
     with pytest.raises(UsageError, match="expected a local directory"):
         build_model(f"hf:{tmp_path / 'nothing'}")
@@ -144,9 +153,11 @@ def test_missing_directory_unknown_task_and_pickled_weights_are_usage_errors(hf_
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text((hf_dirs["distilbert"] / "config.json").read_text())
-    (pickled / "pytorch_model.bin").write_bytes(b"not safetensors")
+    marker = tmp_path / "pwned"
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(marker)))  # runs code if unpickled
     with pytest.raises(UsageError, match="safetensors"):
         build_model(f"hf:{pickled}")
+    assert not marker.exists(), "the pickled weights were unpickled"
 
 
 def test_task_option_is_refused_for_builtin_models():

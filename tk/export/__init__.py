@@ -27,7 +27,7 @@ from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageE
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
-from tk.fileio import exchange_paths, exclusive_temp_dir, sha256_file
+from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir, sha256_file
 from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
@@ -301,19 +301,11 @@ JUDGE_SEEDS = 3  # random batches per shape that judge the int8 graph
 def _judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     """Held-out random batches at the shapes the export check uses (all min, all opt, an odd size
     of each, each at its max), a few seeds each, to judge the int8 graph's SQNR."""
-    from tk.spec import random_feeds
+    from tk.spec import random_feeds, shapes_to_check
 
-    opt = {n: d.opt for n, d in ctx.dims.items()}
-    shapes = [{n: d.min for n, d in ctx.dims.items()}, opt]
-    odd = {}
-    for n, d in ctx.dims.items():
-        inside = [s for s in d.sizes_to_check() if s not in (d.min, d.opt, d.max)]
-        odd[n] = inside[0] if inside else d.opt
-    shapes += [odd] + [{**opt, n: d.max} for n, d in ctx.dims.items()]
-    unique = [s for i, s in enumerate(shapes) if s not in shapes[:i]]
     return [
         random_feeds(ctx.spec.signature.inputs, sizes, seed=9000 + 10 * i + j)
-        for i, sizes in enumerate(unique)
+        for i, sizes in enumerate(shapes_to_check(ctx.dims))
         for j in range(JUDGE_SEEDS)
     ]
 
@@ -388,13 +380,7 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
 
 
 def _write_manifest(staging: Path, manifest: Manifest) -> None:
-    path = staging / MANIFEST
-    tmp = staging / (MANIFEST + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(manifest_bytes(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(staging / MANIFEST, manifest_bytes(manifest))
 
 
 def _replace_dir(staging: Path, out: Path) -> None:

@@ -162,6 +162,8 @@ class _Judge:
             for r, c in zip(ref, self._run(path, feeds, session), strict=True):
                 r64 = r.astype(np.float64)
                 noise = float(np.sum((r64 - c.astype(np.float64)) ** 2))
+                if not math.isfinite(noise):  # NaN or Inf in the quantized output: the worst there is
+                    return -math.inf
                 if noise > 0:
                     worst = min(worst, 10 * math.log10(max(float(np.sum(r64**2)), 1e-300) / noise))
         return worst

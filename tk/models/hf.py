@@ -57,7 +57,11 @@ def unavailable_reason() -> str | None:
 
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
-    """``HF_HUB_OFFLINE=1`` and no progress bars while transformers loads, then both as they were."""
+    """``HF_HUB_OFFLINE=1`` and no progress bars while transformers loads, then both as they were.
+
+    ``local_files_only=True`` in every load is what keeps transformers off the network (huggingface_hub
+    reads ``HF_HUB_OFFLINE`` once, at import); the variable is set for code that reads it later.
+    """
     from transformers.utils import logging as hf_logging
 
     before = os.environ.get("HF_HUB_OFFLINE")
@@ -136,7 +140,7 @@ def load_hf_module(directory: Path, task: str) -> tuple[nn.Module, Any]:
             dtype=torch.float32,
             attn_implementation="sdpa",
         )
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # transformers and safetensors (SafetensorError) raise many types for a bad directory
         raise UsageError(
             f"hf:{directory}: transformers cannot load it as {task} ({auto_name}): {type(exc).__name__}: "
             f"{first_line(exc)}; expected safetensors weights saved with save_pretrained"

@@ -57,6 +57,8 @@ def bench_artifact(
     """
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
+    if roofline and device != "cpu":
+        raise UsageError("--roofline measures the CPU's matrix-product peak: use it with --device cpu")
     manifest = verify_artifact(root)
     names = engines_to_check(engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True)
     values = {"spinning": len(names) == 1, **(options or {})}

@@ -24,32 +24,10 @@ from tk.registries import ENGINES
 from tk.runtime import available_engines, engine_options, load, unavailable_reason
 from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
-from tk.spec import Dim
+from tk.spec import shapes_to_check
 from tk.tolerances import artifact_tolerance
 
 log = logging.getLogger("tk.export")
-
-
-def shapes_to_check(dims: dict[str, Dim]) -> list[dict[str, int]]:
-    """All-min, all-opt, an odd size of each, then each dimension at its max with the others at opt.
-
-    Every bound is exercised without running every dimension at its max at once (batch 64 x
-    sequence 512 would dominate the check's time and prove nothing more).
-    """
-    opt = {name: dim.opt for name, dim in dims.items()}
-    candidates = [{name: dim.min for name, dim in dims.items()}, opt]
-    candidates.append({name: _odd_inside(dim) for name, dim in dims.items()})
-    candidates += [{**opt, name: dim.max} for name, dim in dims.items()]
-    shapes: list[dict[str, int]] = []
-    for sizes in candidates:
-        if sizes not in shapes:
-            shapes.append(sizes)
-    return shapes
-
-
-def _odd_inside(dim: Dim) -> int:
-    inside = [s for s in dim.sizes_to_check() if s not in (dim.min, dim.opt, dim.max)]
-    return inside[0] if inside else dim.opt
 
 
 def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: ExportContext) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import UsageError
+from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
 from tk.runtime.inputs import _load_npz
 from tk.spec import Signature, require_names
@@ -82,11 +82,23 @@ def load_golden(path: str | Path, signature: Signature) -> Golden:
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"--golden {path}: its meta is not JSON ({exc})") from exc
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        meta = meta if isinstance(meta, dict) else {}
         raise UsageError(
             f"--golden {path}: expected format {FORMAT} version {VERSION}, found {meta.get('format')} {meta.get('version')}"
         )
+    try:
+        return _golden_from(arrays, meta, signature, path)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise UsageError(f"--golden {path}: malformed golden file ({type(exc).__name__}: {first_line(exc)})") from exc
+
+
+def _golden_from(arrays: dict[str, np.ndarray], meta: dict[str, Any], signature: Any, path: Path) -> Golden:
     runs = int(meta["runs"])
+    if not 1 <= runs <= len(arrays):
+        raise UsageError(
+            f"--golden {path}: expected 1 to {len(arrays)} runs for its {len(arrays)} arrays, found {runs}"
+        )
     feeds: list[dict[str, np.ndarray]] = [{} for _ in range(runs)]
     outputs: list[dict[str, np.ndarray]] = [{} for _ in range(runs)]
     for key, value in arrays.items():

@@ -49,7 +49,7 @@ def matmul_peak(precision: str, shape: tuple[int, int, int] = PEAK_SHAPE, repeat
         def product() -> torch.Tensor:
             return torch._int_mm(a, b)
     else:
-        dtype = PRECISION_DTYPES[precision]
+        dtype = PRECISION_DTYPES["fp32" if precision == "tf32" else precision]  # on the CPU tf32 is float32
         a = torch.randn(m, k, generator=gen).to(dtype)
         b = torch.randn(k, n, generator=gen).to(dtype)
 

@@ -216,10 +216,25 @@ def find_fp32_modules(root: str | Path, *, seed: int = 0, trust_model_code: bool
         reference = [_run_module(model, manifest, f, names) for f in feeds]
     executed = [r.path for r in sorted(records.values(), key=lambda r: r.call)]
     children = _tree(executed)
-    if manifest.precision == "int8":
-        run, judged_by = _int8_runner(model, manifest, feeds, names)
-    else:
-        run, judged_by = _mixed_runner(model, manifest, feeds, names)
+    with tempfile.TemporaryDirectory(prefix="tk-debug-int8-") as tmp:  # the int8 trials' graphs, removed after
+        if manifest.precision == "int8":
+            run, judged_by = _int8_runner(model, manifest, feeds, names, Path(tmp))
+        else:
+            run, judged_by = _mixed_runner(model, manifest, feeds, names)
+        return _search(root, manifest, run, judged_by, reference, tolerance, children, executed, start)
+
+
+def _search(
+    root: str | Path,
+    manifest: Manifest,
+    run: Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]],
+    judged_by: str,
+    reference: list[dict[str, np.ndarray]],
+    tolerance: Any,
+    children: dict[str, list[str]],
+    executed: list[str],
+    start: float,
+) -> PrecisionResult:
     judge = _Judge(run, reference, tolerance)
     before = judge([])
     keep: list[str] = []
@@ -273,7 +288,7 @@ def _mixed_runner(
 
 
 def _int8_runner(
-    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str]
+    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str], tmp: Path
 ) -> tuple[Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]], str]:
     import onnx
     import onnxruntime as ort
@@ -283,7 +298,6 @@ def _int8_runner(
     from tk.export.torch_program import exported_program_from_module
     from tk.formats.onnx_scopes import nodes_in_modules
 
-    tmp = Path(tempfile.mkdtemp(prefix="tk-debug-int8-"))
     sig = manifest.signature
     at_opt = random_feeds(sig.inputs, sig.opt_sizes())  # a size-1 example would fix the dimension
     example = tuple(torch.from_numpy(at_opt[s.name]) for s in sig.inputs)
