@@ -133,3 +133,13 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
             process.kill()
             process.wait()
         log.close()
+
+
+def test_resolve_refuses_what_a_replica_could_not_open(exported):
+    art = exported("transformer", ("onnx",))
+    with pytest.raises(UsageError, match="artifact has no aoti file"):
+        resolve(ServeConfig(str(art.root), engine="aoti"))
+    with pytest.raises(UsageError, match="threads must be a positive integer"):
+        resolve(ServeConfig(str(art.root), options={"threads": 0}))
+    with pytest.raises(UsageError, match="--max-delay-ms: expected a finite"):
+        resolve(ServeConfig(str(art.root), max_delay_ms=float("nan")))

@@ -94,7 +94,7 @@ def serve_cmd(
         max_queue=max_queue,
         request_timeout_s=request_timeout,
         device=device,
-        options={k: v for k, v in options.items() if v is not None},
+        options=options,
         allow_failed=allow_failed,
     )
 

@@ -89,8 +89,22 @@ def resolve(config: ServeConfig) -> ServeConfig:
         raise UsageError(f"--max-batch {max_batch}: this artifact's batch max is {limit}; use at most {limit}")
     if config.replicas < 1:
         raise UsageError(f"--replicas: expected 1 or more, got {config.replicas}")
-    if config.max_delay_ms < 0:
-        raise UsageError(f"--max-delay-ms: expected 0 or more, got {config.max_delay_ms}")
+    if not (math.isfinite(config.max_delay_ms) and config.max_delay_ms >= 0):
+        raise UsageError(f"--max-delay-ms: expected a finite 0 or more, got {config.max_delay_ms}")
+    if config.cpus_per_replica < 0 or config.gpus_per_replica < 0:
+        raise UsageError(
+            f"--cpus-per-replica/--gpus-per-replica: expected 0 or more, got {config.cpus_per_replica}/{config.gpus_per_replica}"
+        )
+    # what a replica's load would refuse (engine missing here, format absent, failed check, a bad option),
+    # refused now in one line: constructing the engine runs those checks and loads nothing
+    load(
+        config.artifact,
+        config.engine,
+        device=config.device,
+        manifest=manifest,
+        allow_failed=config.allow_failed,
+        options=engine_options(config.engine, dict(config.options)),
+    )
     if config.max_queue < -1 or config.max_queue == 0:
         raise UsageError(f"--max-queue: expected 1 or more (or -1 for unbounded), got {config.max_queue}")
     if not 0 < config.port < 65536:
@@ -182,7 +196,6 @@ class ModelServer:
         self.metrics = Metrics(self.name, _replica_id())
         self._engine_lock = threading.Lock()
         self._warm_up()
-        self.ready = True
 
     def _warm_up(self) -> None:
         """Run the engine at batch 1 and at the max batch (opt sizes otherwise) before serving."""
@@ -217,7 +230,9 @@ class ModelServer:
             start = 0
             for i, request in zip(indices, members, strict=True):
                 stop = start + request.samples
-                results[i] = {name: np.array(value[start:stop]) for name, value in outputs.items()}
+                results[i] = {
+                    name: value[start:stop] for name, value in outputs.items()
+                }  # views: the engine's arrays are fresh
                 start = stop
         return results
 
@@ -308,7 +323,8 @@ def deployment(config: ServeConfig) -> Any:
             server = self.server
             kind = server.route(request.method, request.url.path)
             if kind in ("live", "ready", "model_ready"):
-                return JSONResponse({"live": True} if kind == "live" else {"ready": server.ready})
+                # a replica takes traffic only once its engine is open and warm, so answering is being ready
+                return JSONResponse({"live": True} if kind == "live" else {"ready": True})
             if kind == "server":
                 return JSONResponse({"name": "tk", "version": "1", "extensions": ["binary_tensor_data"]})
             if kind == "model":
@@ -340,10 +356,6 @@ def deployment(config: ServeConfig) -> Any:
         def _error(self, code: int, message: str) -> Response:
             self.server.metrics.answered(code)
             return Response(error_body(message), status_code=code, media_type="application/json")
-
-        def check_health(self) -> None:
-            if not self.server.ready:
-                raise RuntimeError("engine not ready")
 
     return TkModel.bind(config)
 

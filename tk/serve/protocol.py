@@ -45,7 +45,7 @@ DATATYPES: dict[str, str] = {
 
 def datatype_of(array: np.ndarray) -> str:
     """The KServe v2 datatype of a NumPy array (bfloat16 through ml_dtypes)."""
-    name = "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.name
+    name = array.dtype.name
     if name not in DATATYPES:
         raise InputError(f"cannot send dtype {name} over KServe v2: expected one of {', '.join(DATATYPES)}")
     return DATATYPES[name]

@@ -192,8 +192,10 @@ def deploy_triton(
     name = name or str(manifest.model.get("name", "model"))
     if not name or "/" in name or name.startswith("."):
         raise UsageError(f"--name {name!r}: expected a plain directory name")
-    if instances < 1:
-        raise UsageError(f"--instances: expected 1 or more, got {instances}")
+    if not 1 <= instances <= 2**31 - 1:
+        raise UsageError(f"--instances: expected 1 to {2**31 - 1}, got {instances}")
+    if not 0 <= max_queue_delay_us < 2**63:
+        raise UsageError(f"--max-queue-delay-us: expected 0 or more microseconds, got {max_queue_delay_us}")
     config = triton_config(
         manifest, fmt, name=name, instances=instances, kind=kind, max_queue_delay_us=max_queue_delay_us
     )
