@@ -240,7 +240,8 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
                 if fusions.get("nodes_before")
                 else ""
             )
-            click.echo(f"fused      {fmt}: {nodes}{ops} ({verdict})")
+            cpu = ", ".join(f"{k} {n}" for k, n in fusions.get("cpu_rewrites", {}).items())
+            click.echo(f"fused      {fmt}: {nodes}{ops}{'; for the CPU: ' + cpu if cpu else ''} ({verdict})")
     click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
         click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))

@@ -252,10 +252,17 @@ def _fuse_onnx(ctx: ExportContext) -> None:
         unfused = ctx.add_file(UNFUSED_ONNX, "onnx-unfused")
         shutil.copyfile(path, unfused)
     feeds = {s.name: t.cpu().numpy() for s, t in zip(ctx.spec.signature.inputs, ctx.example_inputs, strict=True)}
-    result = optimize_onnx_in_place(path, feeds)
+    # a CUDA export keeps SkipLayerNormalization (fused there); onnxruntime's CPU kernel is slower than LayerNormalization
+    result = optimize_onnx_in_place(path, feeds, for_cpu=ctx.options.device != "cuda")
     info["fusions"] = result.to_json()
     if result.applied:
-        log.info("export fuse   %d -> %d nodes: %s", result.nodes_before, result.nodes_after, result.fused_ops)
+        log.info(
+            "export fuse   %d -> %d nodes: %s %s",
+            result.nodes_before,
+            result.nodes_after,
+            result.fused_ops,
+            result.cpu_rewrites or "",
+        )
 
 
 INT8_MODES = ("static", "dynamic")
