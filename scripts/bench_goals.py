@@ -48,6 +48,7 @@ from rich.table import Table
 
 from tk.export import ExportOptions
 from tk.fileio import atomic_write_json
+from tk.formats.aoti import cpu_flags
 from tk.models import build_model
 from tk.parity import compare_output
 from tk.runtime import load
@@ -55,7 +56,6 @@ from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.bench import machine_description
 from tk.workflows.export import export
-from tk.workflows.hardware import cpu_flags
 from tk.workflows.roofline import matmul_peak, model_flops
 
 PEAK_SHAPE = (4096, 768, 3072)  # BERT-base's feed-forward product at 32 x 128 tokens

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tk.export import ExportOptions
+from tk.formats.aoti import packing_features
 from tk.models import build_model
 from tk.tolerances import MIN_SQNR_DB, TOLERANCES
 from tk.workflows.export import export
@@ -31,6 +32,7 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     rtol, atol = TOLERANCES[precision]
     assert result.manifest.precision == precision and result.manifest.status == "passed"
     assert result.manifest.formats["aoti"]["inductor_configs"] == {"freezing": True}  # weights folded, prepacked
+    assert result.manifest.formats["aoti"]["packed_for"] == packing_features()  # for this CPU's oneDNN kernels
     for fmt in ("torch", "aoti"):
         report = result.manifest.check[fmt]
         assert (report["rtol"], report["atol"], report["min_sqnr_db"]) == (rtol, atol, MIN_SQNR_DB[precision])

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import run_in_threads
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.export import ExportOptions
+from tk.formats.aoti import packing_features
 from tk.manifest import FileEntry, read_manifest
 from tk.models import build_model
 from tk.runtime import load
@@ -163,6 +164,12 @@ def test_aoti_refuses_a_package_from_another_torch_or_cpu(mlp_aoti):
     other_cpu.formats["aoti"]["cpu_isa"] = "sve9000"
     with pytest.raises(BackendUnavailableError, match="uses sve9000 instructions, which this CPU lacks"):
         AOTInductorEngine(mlp_aoti, other_cpu).load()
+    here = packing_features()
+    if here is not None:  # Linux: a frozen (bf16/fp16) package's weights, packed for a CPU with or without AMX
+        packed_elsewhere = copy.deepcopy(manifest)
+        packed_elsewhere.formats["aoti"]["packed_for"] = sorted(set(here) ^ {"amx_bf16"})
+        with pytest.raises(BackendUnavailableError, match="weights were packed by oneDNN for a CPU with"):
+            AOTInductorEngine(mlp_aoti, packed_elsewhere).load()
 
 
 @pytest.mark.slow

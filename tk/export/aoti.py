@@ -32,7 +32,7 @@ import torch
 
 from tk.errors import ConversionError, first_line
 from tk.export.context import ExportContext
-from tk.formats.aoti import FILE, cpu_vector_isa
+from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
 
 
 def unavailable_reason(device: str) -> str | None:
@@ -52,6 +52,9 @@ def write(ctx: ExportContext) -> None:
         isa = cpu_vector_isa()
         if isa is not None:
             ctx.formats["aoti"]["cpu_isa"] = isa
+        features = packing_features()
+        if configs.get("freezing") and features is not None:  # weights packed by oneDNN for this CPU
+            ctx.formats["aoti"]["packed_for"] = features
 
 
 def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:

