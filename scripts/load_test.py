@@ -1,18 +1,22 @@
 """Load test of ``tk serve``: dynamic batching on and off, through ``tritonclient.http``.
 
     .venv/bin/python -m scripts.load_test                         # small Transformer, 16 clients x 2,000 requests
-    .venv/bin/python -m scripts.load_test --size tiny --requests 400 --seq 16
+    .venv/bin/python -m scripts.load_test --size tiny --requests 400 --seq 16 --ingress proxy
 
-Exports the Transformer (ONNX, fp32) once into a temporary directory, starts one local Ray
-instance and one Serve replica (the onnx engine, ``--threads`` intra-op threads), then runs, with
-batching on (``--max-batch``, ``--max-delay-ms``) and off (max batch 1):
+Exports the Transformer (ONNX, fp32) once into a temporary directory, then, on a local Ray
+instance that tk starts (2 CPUs) with one Serve replica (the onnx engine, ``--threads`` intra-op
+threads) behind ``--ingress`` (Ray Serve's HAProxy ingress by default, or its Python proxy), runs
+with batching on (``--max-batch``, ``--max-delay-ms``) and off:
 
 - ``mixed``: ``--clients`` concurrent clients send ``--requests`` requests of 1-4 samples; every
   response is compared with the eager model on the same samples (the artifact's tolerance), and
   lost, duplicated or mismatched responses are counted;
 - ``single``: the same clients, one sample per request (the issue's throughput goal);
-- ``one client``: one client, batch 1, against the engine's own batch-1 latency in this process
-  (the serving overhead).
+- ``one client``: one client, batch 1, each served request followed by the same call on the
+  engine in this process (interleaved, so both see the same machine): the serving overhead.
+
+Before Ray starts, the engine alone is timed at batch 1 and at the max batch: the ratio of their
+samples/s is the most that batching can gain on this machine, whatever the server does.
 
 Prints a table and writes ``<out>/<stamp>-serve-load.json``.
 """
@@ -22,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
-import socket
 import statistics
 import tempfile
 import threading
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ray import serve
 from rich.console import Console
 from rich.table import Table
 
@@ -38,17 +42,12 @@ from tk.export import ExportOptions
 from tk.fileio import atomic_write_json
 from tk.models import build_model
 from tk.runtime import load
-from tk.serve.app import ServeConfig, deployment, resolve, start, stop
+from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop
+from tk.serve.ingress import free_ports
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
 from tk.workflows.bench import machine_description
 from tk.workflows.export import export
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,6 +151,81 @@ def summarize(
     }
 
 
+def eager_reference(eager: Any, requests: list[dict[str, np.ndarray]], max_batch: int) -> list[np.ndarray]:
+    """Each request's eager logits, computed in batches of up to ``max_batch`` samples (every request
+    has the same sequence length) and split back per request."""
+    expected: list[np.ndarray] = []
+    start = 0
+    while start < len(requests):
+        stop, samples = start, 0
+        while stop < len(requests) and samples + len(requests[stop]["input_ids"]) <= max_batch:
+            samples += len(requests[stop]["input_ids"])
+            stop += 1
+        chunk = requests[start:stop]
+        logits = eager.run({name: np.concatenate([r[name] for r in chunk]) for name in chunk[0]})["logits"]
+        for r in chunk:
+            expected.append(logits[: len(r["input_ids"])])
+            logits = logits[len(r["input_ids"]) :]
+        start = stop
+    return expected
+
+
+def engine_batch_bound(root: Path, sig: Any, seq: int, max_batch: int, threads: int, rounds: int = 5) -> dict:
+    """The onnx engine alone, in this process: samples/s at batch 1 and at ``max_batch``, interleaved."""
+    feeds = {b: random_feeds(sig.inputs, {"batch": b, "seq": seq}, seed=b) for b in (1, max_batch)}
+    seconds: dict[int, list[float]] = {1: [], max_batch: []}
+    with load(root, "onnx", threads=threads, spinning=False) as engine:  # as tk serve runs it
+        for f in feeds.values():
+            engine.run(f)
+        for _ in range(rounds):
+            for batch, f in feeds.items():
+                calls = max(1, max_batch // batch)  # the same number of samples at each size
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    engine.run(f, check=False)
+                seconds[batch].append((time.perf_counter() - t0) / (calls * batch))
+    one, many = (1.0 / statistics.median(seconds[b]) for b in (1, max_batch))
+    return {"batch1_samples_per_s": one, "max_batch": max_batch, "max_batch_samples_per_s": many, "gain": many / one}
+
+
+def one_client(port: int, root: Path, requests: list[dict[str, np.ndarray]], threads: int) -> dict[str, Any]:
+    """One client, batch 1: each request served, then the same call on the engine in this process."""
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60, network_timeout=60)
+    served, alone = [], []
+    with load(root, "onnx", threads=threads, spinning=False) as engine:  # as tk serve runs it
+        for feeds in requests[:10] + requests:
+            inputs = []
+            for name, array in feeds.items():
+                entry = http.InferInput(name, list(array.shape), "INT64")
+                entry.set_data_from_numpy(array)
+                inputs.append(entry)
+            t0 = time.perf_counter()
+            client.infer("transformer", inputs)
+            t1 = time.perf_counter()
+            engine.run(feeds)
+            t2 = time.perf_counter()
+            served.append((t1 - t0) * 1e3)
+            alone.append((t2 - t1) * 1e3)
+    served, alone = served[10:], alone[10:]
+    return {
+        "scenario": "one client",
+        "batching": False,
+        "requests": len(requests),
+        "samples": len(requests),
+        "lost": 0,
+        "duplicated": 0,
+        "mismatched": None,
+        "p50_ms": statistics.median(served),
+        "p99_ms": percentile(served, 99),
+        "samples_per_s": 1e3 / statistics.mean(served),
+        "engine_p50_ms": statistics.median(alone),
+        "overhead_p50_ms": statistics.median(s - a for s, a in zip(served, alone, strict=True)),
+        "health_p50_ms": health_latency_ms(port, len(requests)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", help="Transformer size (tiny, small, base)")
@@ -162,6 +236,7 @@ def main() -> None:
     parser.add_argument("--max-delay-ms", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=2, help="engine intra-op threads")
     parser.add_argument("--one-client-requests", type=int, default=200)
+    parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy", help="tk serve --ingress")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     logging.getLogger("ray").setLevel(logging.WARNING)
@@ -187,38 +262,34 @@ def main() -> None:
         single = [random_feeds(sig.inputs, {"batch": 1, "seq": seq}, seed=10**6 + i) for i in range(args.requests)]
         started = time.perf_counter()
         with load(root, "eager", threads=args.threads) as eager:
-            expected = [eager.run(r)["logits"] for r in mixed]
+            expected = eager_reference(eager, mixed, sig.dims["batch"].max)
         console.print(f"eager reference for {len(mixed)} requests: {time.perf_counter() - started:.1f} s")
-        # the engine's own batch-1 latency, in this process, before Ray takes the cores
+        # what batching can gain at most here: the engine alone, batch 1 against the max batch
+        bound = engine_batch_bound(root, sig, seq, args.max_batch, args.threads)
+        console.print(
+            f"engine alone: {bound['batch1_samples_per_s']:.1f} samples/s at batch 1, "
+            f"{bound['max_batch_samples_per_s']:.1f} at batch {args.max_batch}: at most {bound['gain']:.2f}x from batching"
+        )
         one = single[: args.one_client_requests]
-        with load(root, "onnx", threads=args.threads) as engine:
-            for r in one[:10]:
-                engine.run(r)
-            engine_ms = []
-            for r in one:
-                t0 = time.perf_counter()
-                engine.run(r)
-                engine_ms.append((time.perf_counter() - t0) * 1e3)
-        import ray
-        from ray import serve
-
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         base = ServeConfig(
             str(root),
             engine="onnx",
-            port=free_port(),
+            port=free_ports(1)[0],
             max_batch=args.max_batch,
             max_delay_ms=args.max_delay_ms,
             max_queue=-1,
             cpus_per_replica=1,
             options={"threads": args.threads},
+            ingress=args.ingress,
         )
         rows = []
+        running = start(base, num_cpus=2)
         try:
-            config = start(base)
             for batching in (True, False):
-                cfg = config if batching else resolve(ServeConfig(**{**base.__dict__, "batching": False}))
-                serve.run(deployment(cfg), name="tk-serve", route_prefix="/")
+                cfg = resolve(ServeConfig(**{**running.config.__dict__, "batching": batching}))
+                if not batching:
+                    serve.delete(APP_NAME)
+                    serve.run(deployment(cfg), name=APP_NAME, route_prefix="/")
                 run_clients(cfg.port, single[:32], args.clients)  # warm the connections
                 for name, reqs, exp in (("mixed 1-4", mixed, expected), ("single", single, None)):
                     result = run_clients(cfg.port, reqs, args.clients)
@@ -227,15 +298,12 @@ def main() -> None:
                         f"{name} batching {'on' if batching else 'off'}: {rows[-1]['samples_per_s']:.1f} samples/s"
                     )
                 if not batching:
-                    result = run_clients(cfg.port, one, 1)
-                    row = summarize("one client", False, one, result, None, rtol, atol)
-                    row["engine_p50_ms"] = statistics.median(engine_ms)
-                    row["health_p50_ms"] = health_latency_ms(cfg.port, len(one))
-                    rows.append(row)
+                    rows.append(one_client(cfg.port, root, one, args.threads))
         finally:
-            stop()
+            stop(running)
     table = Table(
-        title=f"tk serve load test: transformer {args.size}, seq {seq}, onnx, {args.clients} clients ({machine['cpu']})"
+        title=f"tk serve load test: transformer {args.size}, seq {seq}, onnx, {args.clients} clients, "
+        f"{running.config.ingress} ingress ({machine['cpu']})"
     )
     for column in ("scenario", "batching", "requests", "lost", "dup", "mismatch", "samples/s", "p50 ms", "p99 ms"):
         table.add_column(column, justify="left" if column in ("scenario", "batching") else "right")
@@ -257,17 +325,20 @@ def main() -> None:
     one_row = next(r for r in rows if r["scenario"] == "one client")
     goals = {
         "single_throughput_ratio": on["samples_per_s"] / off["samples_per_s"],
+        "engine_batching_bound": bound["gain"],
         "single_p99_on_over_p50_off": on["p99_ms"] / off["p50_ms"],
         "one_client_p50_ms": one_row["p50_ms"],
         "engine_batch1_p50_ms": one_row["engine_p50_ms"],
-        "overhead_ms": one_row["p50_ms"] - one_row["engine_p50_ms"],
+        "overhead_ms": one_row["overhead_p50_ms"],
         "health_p50_ms": one_row["health_p50_ms"],
     }
     console.print(
-        f"batching on/off throughput (single-sample clients): {goals['single_throughput_ratio']:.2f}x (goal >= 3x); "
+        f"batching on/off throughput (single-sample clients): {goals['single_throughput_ratio']:.2f}x (goal >= 3x; "
+        f"the engine alone gains {goals['engine_batching_bound']:.2f}x from batch 1 to {args.max_batch}); "
         f"p99 on / p50 off: {goals['single_p99_on_over_p50_off']:.2f} (goal < 4); "
-        f"one client p50 {goals['one_client_p50_ms']:.2f} ms vs engine batch-1 p50 {goals['engine_batch1_p50_ms']:.2f} ms: "
-        f"overhead {goals['overhead_ms']:.2f} ms (goal <= 2 ms); GET /v2/health/live p50 {goals['health_p50_ms']:.2f} ms"
+        f"one client p50 {goals['one_client_p50_ms']:.2f} ms vs engine batch-1 p50 {goals['engine_batch1_p50_ms']:.2f} ms, "
+        f"interleaved: overhead p50 {goals['overhead_ms']:.2f} ms (goal <= 2 ms); "
+        f"GET /v2/health/live p50 {goals['health_p50_ms']:.2f} ms"
     )
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     path = args.out / f"{stamp}-serve-load.json"
@@ -278,6 +349,8 @@ def main() -> None:
             "machine": machine,
             "args": {k: str(v) for k, v in vars(args).items()},
             "seq": seq,
+            "ingress": running.config.ingress,
+            "engine_batching": bound,
             "tolerance": {"rtol": rtol, "atol": atol},
             "rows": rows,
             "goals": goals,

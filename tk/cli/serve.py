@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -50,6 +49,15 @@ from tk.registries import ENGINES
     show_default=True,
     help="Seconds after which the server answers a request with an error instead of letting it wait (a replica restarting).",
 )
+@click.option(
+    "--ingress",
+    type=click.Choice(["proxy", "haproxy"]),
+    default="proxy",
+    show_default=True,
+    help="proxy: Ray Serve's Python proxy actor; haproxy: Ray Serve's HAProxy ingress, which forwards requests "
+    "straight to the replicas' own HTTP servers (about 3 ms less per request on 2 cores; HAProxy's read-only "
+    "stats page and Prometheus exporter then listen on every interface).",
+)
 @click.option("--address", default=None, help="Join this Ray cluster (default: start a local Ray instance).")
 @engine_options
 def serve_cmd(
@@ -66,6 +74,7 @@ def serve_cmd(
     max_delay_ms: float,
     max_queue: int,
     request_timeout: float,
+    ingress: str,
     address: str | None,
     device: str,
     provider: str | None,
@@ -76,7 +85,7 @@ def serve_cmd(
     trust_model_code: bool,
 ) -> None:
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
-    from tk.serve.app import ServeConfig, serve_forever, serve_url
+    from tk.serve.app import RunningServer, ServeConfig, serve_forever
 
     options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
     config = ServeConfig(
@@ -93,24 +102,31 @@ def serve_cmd(
         max_delay_ms=max_delay_ms,
         max_queue=max_queue,
         request_timeout_s=request_timeout,
+        ingress=ingress,
         device=device,
         options=options,
         allow_failed=allow_failed,
     )
 
-    def on_ready(resolved: Any) -> None:
-        url = serve_url(resolved)
+    def on_ready(running: RunningServer) -> None:
+        resolved = running.config
         click.echo(
-            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), "
+            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), {resolved.ingress} ingress, "
             + (
                 f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
                 if resolved.batching
                 else "no batching, "
             )
-            + f"max queue {resolved.max_queue}) "
-            f"at {url}/v2/models/{resolved.name}/infer; metrics at {url}/metrics; Ctrl-C stops",
+            + f"max queue {resolved.max_queue}) at {running.url}/v2/models/{resolved.name}/infer; "
+            f"metrics at {running.url}/metrics; Ctrl-C stops",
             err=True,
         )
+        if running.haproxy_ports:
+            click.echo(
+                f"HAProxy: statistics on port {running.haproxy_ports['stats']} (/stats) and Prometheus on port "
+                f"{running.haproxy_ports['metrics']} (/metrics), on every interface",
+                err=True,
+            )
 
     serve_forever(config, address=address, on_ready=on_ready)
     click.echo("stopped", err=True)
