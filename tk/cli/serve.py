@@ -8,6 +8,7 @@ import click
 
 from tk.cli.common import engine_option_values, engine_options
 from tk.registries import ENGINES
+from tk.serve.ingress import INGRESSES
 
 
 @click.command("serve")
@@ -51,8 +52,8 @@ from tk.registries import ENGINES
 )
 @click.option(
     "--ingress",
-    type=click.Choice(["proxy", "haproxy"]),
-    default="proxy",
+    type=click.Choice(list(INGRESSES)),
+    default=INGRESSES[0],
     show_default=True,
     help="proxy: Ray Serve's Python proxy actor; haproxy: Ray Serve's HAProxy ingress, which forwards requests "
     "straight to the replicas' own HTTP servers (about 3 ms less per request on 2 cores; HAProxy's read-only "
