@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from tk.errors import UsageError
 from tk.models import build_model, entries
 
 BATCH = 3
@@ -86,3 +87,18 @@ def test_random_inputs_are_valid():
     assert bool((mask.sum(dim=1) >= 1).all())
     # padding on the right only: a row never goes from 0 back to 1
     assert bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("mlp", {"input_descriptions": ("x:float32[batch,4]",)}, "--input describes a user model's inputs"),
+        ("mlp", {"task": "masked-lm"}, "--task applies to hf:DIR models, not to 'mlp'"),
+        ("no_such_package.module:build", {"size": "tiny"}, "--size applies to built-in models"),
+        ("hf:/nonexistent", {"size": "tiny"}, "--size and --input do not apply to 'hf:/nonexistent'"),
+    ],
+)
+def test_build_model_refuses_arguments_that_do_not_apply(name, kwargs, message):
+    """The library, not only the command line, refuses them (and before importing any user code)."""
+    with pytest.raises(UsageError, match=message):
+        build_model(name, **kwargs)

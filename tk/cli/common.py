@@ -41,17 +41,7 @@ def task_option(fn: Any) -> Any:
 def build(name: str, size: str | None, inputs: tuple[str, ...], task: str | None = None) -> Any:
     from tk.models import build_model
 
-    if task and not name.startswith("hf:"):
-        raise UsageError(f"--task applies to hf:DIR models, not to {name!r}")
-    if name.startswith("hf:"):
-        if size or inputs:
-            raise UsageError(f"--size and --input do not apply to {name!r}: its config and tokenizer describe it")
-        return build_model(name, config={"task": task} if task else None)
-    if ":" in name and size:
-        raise UsageError(f"--size applies to built-in models, not to {name!r}")
-    if ":" not in name and inputs:
-        raise UsageError(f"--input describes a user model's inputs; {name!r} is a built-in model with its own")
-    return build_model(name, size=size, input_descriptions=inputs)
+    return build_model(name, size=size, input_descriptions=inputs, task=task)
 
 
 def size_text(n: int) -> str:

@@ -34,19 +34,29 @@ def build_model(
     size: str | None = None,
     config: dict[str, Any] | None = None,
     input_descriptions: tuple[str, ...] = (),
+    task: str | None = None,
 ) -> ModelSpec:
-    """A built-in model by registry name, a Hugging Face directory ``hf:DIR`` (``config["task"]``),
-    or a user model given as ``package.module:callable``."""
+    """A built-in model by registry name (``size``), a Hugging Face directory ``hf:DIR`` (``task``,
+    or ``config["task"]``), or a user model given as ``package.module:callable``
+    (``input_descriptions``); an argument that does not apply to the kind of model is refused."""
     from tk.models.hf import is_hf_name
 
+    if task and not is_hf_name(name):
+        raise UsageError(f"--task applies to hf:DIR models, not to {name!r}")
     if is_hf_name(name):
+        if size or input_descriptions:
+            raise UsageError(f"--size and --input do not apply to {name!r}: its config and tokenizer describe it")
         from tk.models.hf import build_hf_model
 
-        return build_hf_model(name, (config or {}).get("task"))
+        return build_hf_model(name, task or (config or {}).get("task"))
     if ":" in name:
+        if size:
+            raise UsageError(f"--size applies to built-in models, not to {name!r}")
         from tk.models.user import build_user_model
 
         return build_user_model(name, input_descriptions)
+    if input_descriptions:
+        raise UsageError(f"--input describes a user model's inputs; {name!r} is a built-in model with its own")
     known = entries()
     if name not in known:
         raise UsageError(f"unknown model {name!r}: expected one of {', '.join(known)} or package.module:callable")
