@@ -179,7 +179,7 @@ def test_resolve_checks_the_ingress_and_turns_onnx_spinning_off(exported, monkey
     assert resolved.ingress == "proxy"
     assert resolved.options == {"spinning": False}  # idle onnxruntime threads would take the server's cores
     assert resolve(ServeConfig(str(art.root), options={"spinning": True})).options == {"spinning": True}
-    assert resolve(ServeConfig(str(art.root), engine="torch")).options == {}  # no such option there
+    assert resolve(ServeConfig(str(art.root), engine="eager")).options == {}  # no such option there
     with pytest.raises(UsageError, match="--ingress: expected one of proxy, haproxy, got 'nginx'"):
         resolve(ServeConfig(str(art.root), ingress="nginx"))
     monkeypatch.setattr(ingress, "haproxy_binary", lambda: None)

@@ -398,7 +398,12 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
     if config.ingress == "haproxy" and not address:  # on a cluster, HAProxy's ports and files are each node's
         ports = dict(zip(("stats", "metrics", "fallback"), free_ports(3), strict=True))
         state_dir = Path(tempfile.mkdtemp(prefix="tk-haproxy-"))
-    connection = connect(address=address, num_cpus=num_cpus, env_vars=ingress_env(config.ingress, ports, state_dir))
+    try:
+        connection = connect(address=address, num_cpus=num_cpus, env_vars=ingress_env(config.ingress, ports, state_dir))
+    except BaseException:
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        raise
     # Serve that runs already (another app on the cluster) stays when we stop; Serve we start goes with us
     owns_serve = connection.local or not serve_is_running()
     running = RunningServer(config, connection, owns_serve, state_dir, ports or {})
