@@ -275,8 +275,8 @@ def _fuse_before_int8(options: ExportOptions) -> bool:
 
     Static int8 quantizes the fused graph: its attention is one ``MultiHeadAttention`` instead of
     MatMul/Where/Softmax/Transpose plumbing, which took the small Transformer at 32 x 128 from
-    3.18x to 3.38x eager float32 at the same SQNR (AMD EPYC Zen 4, interleaved). Dynamic int8 stays
-    unfused: fusions made it 20-30% slower when measured (the README's performance section).
+    217 to 204 ms per call at the same SQNR (AMD EPYC Zen 4, interleaved, under load). Dynamic
+    int8 stays unfused: fusions made it 20-30% slower when measured (the README's performance section).
     """
     return options.precision != "int8" or options.int8_mode == "static"
 
