@@ -6,7 +6,10 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
 
 - int8 (per size): the Transformer trained with ``tk train`` (``--checkpoint SIZE=PATH``), exported
   as static int8 ONNX (calibrated on random:32, layers excluded until the 35 dB floor holds), timed
-  interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch.
+  interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch; the
+  quantization the manifest records (QDQ format, float32 product outputs, fused before quantizing).
+  ``--profile-int8`` runs the int8 graph under onnxruntime's profiler and lists the kernel time by
+  op type (the profiled session is a separate one, after the timed rounds).
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
   (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run, once
   per timed round between the model's calls (the best sample is the goal's peak; the share of the
@@ -125,6 +128,8 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
     )
     if int8:
         rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
+        if args.profile_int8:
+            rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
     if bf16:
         rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, peaks))
         if args.profile_bf16:
@@ -177,6 +182,42 @@ def _profile(root: Path, manifest: Any, feeds: dict[str, np.ndarray], work: Path
     return top
 
 
+def _profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: int = 3) -> list[dict]:
+    """onnxruntime's profiler on the int8 graph: kernel time per op type, per call, and its share."""
+    import json
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(work / f"{path.parent.name}-ort-profile")
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session.run(None, feeds)  # warm-up, in the profile too: left out below by counting from the end
+    for _ in range(runs):
+        session.run(None, feeds)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    per_run = len(kernels) // (runs + 1)
+    by_op: dict[str, list[float]] = {}
+    for e in kernels[-runs * per_run :]:
+        by_op.setdefault(e["args"]["op_name"], []).append(e["dur"])
+    total = sum(sum(v) for v in by_op.values())
+    top = [
+        {
+            "op": op,
+            "ms_per_call": round(sum(d) / runs / 1e3, 2),
+            "share": round(sum(d) / total, 3),
+            "nodes": len(d) // runs,
+        }
+        for op, d in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))
+    ]
+    for t in top[:14]:
+        print(f"  {t['op']:<24} {t['ms_per_call']:>9.2f} ms  {100 * t['share']:5.1f}%  x{t['nodes']}")
+    return top
+
+
 def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
     eager_ms = _ms(times["eager fp32"])
     quant = result.manifest.formats["onnx"]["quantization"]
@@ -190,6 +231,10 @@ def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> 
         "speedup_vs_eager": round(eager_ms / _ms(times["onnx int8"]), 3),
         "sqnr_db": round(sqnr, 2),
         "excluded_layers": len(quant["excluded"]),
+        "excluded": quant["excluded"],
+        "format": quant.get("format"),
+        "product_outputs": quant.get("outputs"),
+        "fused": result.manifest.formats["onnx"].get("fusions", {}).get("fused_ops"),
         "quantizable_layers": quant["quantizable_nodes"],
         "export_s": round(int8_export_s, 1),
         "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times["onnx int8"]) >= INT8_SPEEDUP_GOAL),
@@ -355,6 +400,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
     parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
+    parser.add_argument("--profile-int8", action="store_true", help="Profile the int8 ONNX graph (ms per op type).")
     parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 AOTI package (top ops).")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
     parser.add_argument("--batch", type=int, default=32)

@@ -43,10 +43,13 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
             assert output["sqnr_db"] >= MIN_SQNR_DB[precision], output
 
 
-def test_int8_verdict_follows_its_sqnr_floor(tmp_path):
+def test_int8_verdict_follows_its_sqnr_floor(tmp_path, monkeypatch):
     from tk.errors import ParityError
     from tk.manifest import read_manifest
 
+    # tiny's random weights quantize badly: the default judge (8 batches per check shape) sees
+    # their long SQNR tail and leaves every layer float32; 3 per shape keeps some quantized
+    monkeypatch.setattr("tk.export.JUDGE_SEEDS", 3)
     try:
         _export(tmp_path, "int8", ("onnx",))
     except ParityError:

@@ -192,7 +192,7 @@ def write_artifact(
             for fmt in formats:
                 writer = _writer_module(fmt)
                 _timed(ctx, fmt, lambda w=writer: w.write(ctx))
-                if fmt == "onnx" and options.onnx_fusions and options.precision != "int8":
+                if fmt == "onnx" and options.onnx_fusions and _fuse_before_int8(options):
                     _timed(ctx, "fuse", lambda: _fuse_onnx(ctx))
                 if fmt == "onnx" and options.precision == "int8":
                     _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
@@ -266,7 +266,19 @@ def _fuse_onnx(ctx: ExportContext) -> None:
 
 
 INT8_MODES = ("static", "dynamic")
+
 DEFAULT_CALIBRATION = "random:32"
+
+
+def _fuse_before_int8(options: ExportOptions) -> bool:
+    """Whether the ONNX graph is fused: always but under dynamic int8.
+
+    Static int8 quantizes the fused graph: its attention is one ``MultiHeadAttention`` instead of
+    MatMul/Where/Softmax/Transpose plumbing, which took the small Transformer at 32 x 128 from
+    217 to 204 ms per call at the same SQNR (AMD EPYC Zen 4, interleaved, under load). Dynamic
+    int8 stays unfused: fusions made it 20-30% slower when measured (the README's performance section).
+    """
+    return options.precision != "int8" or options.int8_mode == "static"
 
 
 def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
@@ -302,7 +314,11 @@ def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     return batches
 
 
-JUDGE_SEEDS = 3  # random batches per shape that judge the int8 graph
+# random batches per shape that judge the int8 graph (at most 10: the seeds below must not collide).
+# The SQNR of a classifier's logits has a long tail over batches: on the trained small Transformer,
+# 3 seeds passed a graph at 37.8 dB that scored 18.7 dB on another batch at 8 x 512 and failed the
+# export check; 8 seeds see that tail and exclude one layer more.
+JUDGE_SEEDS = 8
 
 
 def _judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
