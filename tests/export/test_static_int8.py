@@ -122,3 +122,21 @@ def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path):
     assert "outside the valid range" in result.output
     result = CliRunner().invoke(cli, [*args, "--calibrate", "random:zero"])
     assert result.exit_code == 2 and "--calibrate" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path, method):
+    """onnxruntime stacks the histogram methods' activations across batches: random:N calibration
+    (which otherwise cycles through sequence lengths) and a file of 13 samples must both work."""
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    uneven = tmp_path / "calib.npz"
+    np.savez(uneven, **random_feeds(spec.signature.inputs, {"batch": 13, "seq": 16}, seed=9))
+    for i, calibrate in enumerate(("random:16", str(uneven))):
+        out = tmp_path / f"art{i}"
+        args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--out", str(out)]
+        result = CliRunner().invoke(cli, [*args, "--calibrate", calibrate, "--calibration-method", method])
+        assert result.exit_code == 0, result.output
+        shown = CliRunner().invoke(cli, ["inspect", str(out)])
+        assert f"'method': '{method}'" in shown.output and "status: passed" in shown.output

@@ -285,12 +285,15 @@ def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     """Static int8 calibration batches: ``options.calibration_data`` split into batches, else ``random:N``.
 
     Random samples cycle through the sizes the export check uses (min, opt, max and an odd size of
-    every dimension but the batch), so the activation ranges cover the whole dynamic range.
+    every dimension but the batch), so the activation ranges cover the whole dynamic range. The
+    histogram methods (entropy, percentile) are the exception: onnxruntime stacks their activations
+    across batches, so every batch must have one shape: one sample per batch, at the opt sizes.
     """
     from tk.export.static_int8 import CALIBRATION_BATCH, calibration_batches
 
+    one_shape = ctx.options.calibration_method in ("entropy", "percentile")
     if ctx.options.calibration_data is not None:
-        return calibration_batches(dict(ctx.options.calibration_data))
+        return calibration_batches(dict(ctx.options.calibration_data), batch=1 if one_shape else CALIBRATION_BATCH)
     text = ctx.options.calibrate or DEFAULT_CALIBRATION
     count = text.removeprefix("random:")
     if not text.startswith("random:") or not count.isdigit() or int(count) < 1:
@@ -302,14 +305,15 @@ def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     others = [d for n, d in ctx.dims.items() if n != batch]
     batches = []
     left = int(count)
-    for i in range(-(-left // CALIBRATION_BATCH)):
+    per_batch = 1 if one_shape else CALIBRATION_BATCH
+    for i in range(-(-left // per_batch)):
         sizes = {n: d.opt for n, d in ctx.dims.items()}
-        for d in others:
+        for d in others if not one_shape else ():
             options = d.sizes_to_check()
             sizes[d.name] = options[i % len(options)]
         if batch is not None:
-            sizes[batch] = min(CALIBRATION_BATCH, left)
-        left -= CALIBRATION_BATCH
+            sizes[batch] = min(per_batch, left)
+        left -= per_batch
         batches.append(random_feeds(inputs, sizes, seed=1234 + i))
     return batches
 
