@@ -266,7 +266,6 @@ def _fuse_onnx(ctx: ExportContext) -> None:
 
 
 INT8_MODES = ("static", "dynamic")
-
 DEFAULT_CALIBRATION = "random:32"
 
 

@@ -390,7 +390,10 @@ class RunningServer:
 
 def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | None = None) -> RunningServer:
     """Start (or join, with ``address``) Ray, then Serve with the app; returns once every replica is
-    ready and the server answers on its port. Stop it with ``stop``."""
+    ready and the server answers on its port. Stop it with ``stop``.
+
+    The ingress's settings reach Ray only when this call connects: a process already connected to
+    Ray (or a cluster whose Serve already runs) serves through the ingress Ray was started with."""
     from ray import serve
 
     config = resolve(config)
