@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -24,23 +26,36 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """A one-node Ray cluster started with Ray's own command line, stopped afterwards (its temp
-    directory short: Ray's socket paths must fit in 107 bytes; token authentication off on both
-    sides, where a real cluster hands its token to the driver)."""
+    """A one-node Ray cluster started with Ray's own command line (``ray start --head --block``, in
+    its own process group, which the teardown ends: no other Ray on the machine is touched). Its
+    temp directory is short (Ray's socket paths must fit in 107 bytes); token authentication is off
+    on both sides, where a real cluster hands its token to the driver."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="tkray", dir="/tmp")
-    ray_cli = str(Path(sys.executable).with_name("ray"))
     (gcs_port,) = free_ports(1)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    subprocess.run(
-        [ray_cli, "start", "--head", f"--port={gcs_port}", "--num-cpus=2", "--include-dashboard=false",
-         f"--temp-dir={temp}"],
-        check=True, env=env, capture_output=True, timeout=120,
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={gcs_port}",
+         "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        yield f"127.0.0.1:{gcs_port}"
+        address = f"127.0.0.1:{gcs_port}"
+        deadline = time.monotonic() + 120
+        while subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "status", f"--address={address}"],
+            env=env, capture_output=True, timeout=60,
+        ).returncode:  # fmt: skip
+            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+            time.sleep(1)
+        yield address
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)  # --block: Ray stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
         shutil.rmtree(temp, ignore_errors=True)
 
 

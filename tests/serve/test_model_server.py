@@ -201,3 +201,20 @@ def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
     assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "admin.sock")
     # on a cluster (no local ports or directory) only the switches travel
     assert set(ingress_env("haproxy")) == {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+
+
+def test_serve_on_a_taken_port_is_one_line_before_ray_starts(exported):
+    import socket
+
+    art = exported("transformer", ("onnx",))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli, ["serve", str(art.root), "--port", str(port)])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: --port {port}: expected a free port on 127.0.0.1, found it taken (Address already in use)"
+    ]
+    assert "Traceback" not in result.output

@@ -38,7 +38,7 @@ from tk.manifest import verify_artifact
 from tk.runtime import engine_options, load
 from tk.runtime.inputs import sample_dim
 from tk.serve.cluster import RayConnection, connect, disconnect, serve_is_running
-from tk.serve.ingress import check_ingress, free_ports, ingress_env
+from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
 from tk.serve.protocol import (
     InferRequest,
     encode_infer_response,
@@ -394,9 +394,12 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
 
     The ingress's settings reach Ray only when this call connects: a process already connected to
     Ray (or a cluster whose Serve already runs) serves through the ingress Ray was started with."""
+    import ray
     from ray import serve
 
     config = resolve(config)
+    if not address and not ray.is_initialized():  # a Ray instance of our own: its proxy will bind this port
+        require_free_port(config.host, config.port)
     ports, state_dir = None, None
     if config.ingress == "haproxy" and not address:  # on a cluster, HAProxy's ports and files are each node's
         ports = dict(zip(("stats", "metrics", "fallback"), free_ports(3), strict=True))

@@ -78,6 +78,20 @@ def ingress_env(
     return env
 
 
+def require_free_port(host: str, port: int) -> None:
+    """One line, before Ray starts, when something already listens on ``host:port`` (Ray would end
+    in a traceback from its proxy actor)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(
+                f"--port {port}: expected a free port on {host or '0.0.0.0'}, found it taken ({exc.strerror})"
+            ) from None
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports nothing listens on now (the kernel's choice, held until all are chosen)."""
     sockets = [socket.socket() for _ in range(count)]
