@@ -1,4 +1,4 @@
-"""``tk serve --address``: joining a Ray cluster that runs on its own (``ray start --head``) and
+"""``tk serve --address``: joining a Ray cluster that runs on its own (``ray start --head --block``) and
 leaving it running, with Serve stopped only if tk started it."""
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
 
-from tk.serve.app import ServeConfig, start, stop
 from tk.serve.ingress import free_ports
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def cluster(monkeypatch):
+def cluster():
     """A one-node Ray cluster started with Ray's own command line (``ray start --head --block``, in
     its own process group, which the teardown ends: no other Ray on the machine is touched). Its
     temp directory is short (Ray's socket paths must fit in 107 bytes); token authentication is off
     on both sides, where a real cluster hands its token to the driver."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="tkray", dir="/tmp")
     (gcs_port,) = free_ports(1)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -59,14 +58,22 @@ def cluster(monkeypatch):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_serve_joins_a_cluster_and_leaves_it_running(exported, cluster):
-    import ray
-
+def test_serve_joins_a_cluster_and_leaves_it_running(exported, cluster, tmp_path):
+    """``tk serve --address`` in its own process (Ray's token setting is process-wide state): it joins,
+    answers, stops on Ctrl-C; the cluster still runs afterwards, without Serve."""
     art = exported("transformer", ("onnx",))
     (port,) = free_ports(1)
-    running = start(ServeConfig(str(art.root), port=port, options={"threads": 1}), address=cluster)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    log = open(tmp_path / "serve.err", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tk", "serve", str(art.root), "--address", cluster, "--port", str(port), "--threads", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
     try:
-        assert not running.connection.local and running.owns_serve  # joined; Serve was not running there
+        deadline = time.monotonic() + 120
+        while "Ctrl-C stops" not in (tmp_path / "serve.err").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
+            time.sleep(0.5)
         body = json.dumps(
             {
                 "inputs": [
@@ -75,15 +82,20 @@ def test_serve_joins_a_cluster_and_leaves_it_running(exported, cluster):
                 ]
             }
         ).encode()
-        request = urllib.request.Request(f"{running.url}/v2/models/transformer/infer", data=body)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/transformer/infer", data=body)
         with urllib.request.urlopen(request, timeout=30) as reply:
             assert json.loads(reply.read())["outputs"][0]["shape"] == [2, 2]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == 0, (tmp_path / "serve.err").read_text()
     finally:
-        stop(running)
-    assert not ray.is_initialized()  # this process left the cluster
-    ray.init(address=cluster, log_to_driver=False)  # which still runs, without Serve
-    try:
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        assert "SERVE_CONTROLLER_ACTOR" not in names, names
-    finally:
-        ray.shutdown()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+    probe = (  # the cluster still answers, and Serve (started by tk serve) is gone from it
+        f"import ray; ray.init(address={cluster!r}, log_to_driver=False); "
+        "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SERVE_CONTROLLER_ACTOR" not in done.stdout, done.stdout
