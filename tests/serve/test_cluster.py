@@ -3,7 +3,6 @@ leaving it running, with Serve stopped only if tk started it."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,6 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]
 from tk.serve.ingress import free_ports
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -58,44 +55,23 @@ def cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_serve_joins_a_cluster_and_leaves_it_running(exported, cluster, tmp_path):
+def test_serve_joins_a_cluster_and_leaves_it_running(exported, cluster, serve_process):
     """``tk serve --address`` in its own process (Ray's token setting is process-wide state): it joins,
     answers, stops on Ctrl-C; the cluster still runs afterwards, without Serve."""
     art = exported("transformer", ("onnx",))
     (port,) = free_ports(1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    log = open(tmp_path / "serve.err", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tk", "serve", str(art.root), "--address", cluster, "--port", str(port), "--threads", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in (tmp_path / "serve.err").read_text():
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
-            time.sleep(0.5)
-        body = json.dumps(
-            {
-                "inputs": [
-                    {"name": "input_ids", "shape": [2, 3], "datatype": "INT64", "data": [1, 2, 3, 4, 5, 6]},
-                    {"name": "attention_mask", "shape": [2, 3], "datatype": "INT64", "data": [1] * 6},
-                ]
-            }
-        ).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/transformer/infer", data=body)
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            assert json.loads(reply.read())["outputs"][0]["shape"] == [2, 2]
+    env = {"RAY_AUTH_MODE": "disabled"}
+    args = (str(art.root), "--address", cluster, "--port", str(port), "--threads", "1")
+    with serve_process.running(*args, env=env) as process:
+        assert serve_process.infer_shape(port, batch=2) == [2, 2]
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=120) == 0, (tmp_path / "serve.err").read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        log.close()
+        assert process.wait(timeout=120) == 0, serve_process.text()
     probe = (  # the cluster still answers, and Serve (started by tk serve) is gone from it
         f"import ray; ray.init(address={cluster!r}, log_to_driver=False); "
         "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))"
     )
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SERVE_CONTROLLER_ACTOR" not in done.stdout, done.stdout

@@ -87,15 +87,12 @@ def test_import_tk_and_the_protocol_need_no_ray():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
-def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path, ingress):
+def test_serve_command_answers_and_stops_on_ctrl_c(exported, serve_process, ingress):
     """``tk serve`` in its own process (its own Ray instance): ready, answers, SIGINT ends it with exit 0
     and leaves no HAProxy behind."""
-    import json
-    import os
+    import re
     import signal
     import socket
-    import time
-    import urllib.request
 
     pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
     from tk.serve.ingress import haproxy_binary
@@ -106,59 +103,17 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, tmp_path, ingress):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    log = open(tmp_path / "serve.err", "w+")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tk",
-            "serve",
-            str(art.root),
-            "--port",
-            str(port),
-            "--threads",
-            "1",
-            "--ingress",
-            ingress,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while "Ctrl-C stops" not in (tmp_path / "serve.err").read_text():
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
-            time.sleep(0.5)
-        body = json.dumps(
-            {
-                "inputs": [
-                    {"name": "input_ids", "shape": [1, 3], "datatype": "INT64", "data": [1, 2, 3]},
-                    {"name": "attention_mask", "shape": [1, 3], "datatype": "INT64", "data": [1, 1, 1]},
-                ]
-            }
-        ).encode()
-        url = f"http://127.0.0.1:{port}/v2/models/transformer/infer"
-        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=30) as reply:
-            assert json.loads(reply.read())["outputs"][0]["shape"] == [1, 2]
-        text = (tmp_path / "serve.err").read_text()
+    with serve_process.running(str(art.root), "--port", str(port), "--threads", "1", "--ingress", ingress) as process:
+        assert serve_process.infer_shape(port, batch=1) == [1, 2]
+        text = serve_process.text()
         assert f"{ingress} ingress" in text and ("HAProxy: statistics on port" in text) == (ingress == "haproxy")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-        assert "stopped" in (tmp_path / "serve.err").read_text()
-        if ingress == "haproxy":  # Serve's shutdown ends the HAProxy it started: its stats port is closed
-            import re
-
-            stats_port = int(re.search(r"statistics on port (\d+)", text).group(1))
-            with socket.socket() as probe:
-                assert probe.connect_ex(("127.0.0.1", stats_port)) != 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        log.close()
+        assert "stopped" in serve_process.text()
+    if ingress == "haproxy":  # Serve's shutdown ends the HAProxy it started: its stats port is closed
+        stats_port = int(re.search(r"statistics on port (\d+)", text).group(1))
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", stats_port)) != 0
 
 
 def test_resolve_refuses_what_a_replica_could_not_open(exported):

@@ -1,0 +1,67 @@
+"""What the serve tests that run ``tk serve`` as its own process share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServeProcess:
+    """``tk serve`` in a subprocess of the repository's code, its stderr in ``log``."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.log = tmp_path / "serve.err"
+
+    @contextmanager
+    def running(self, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+        """Start ``tk serve ARGS``, wait until it says it is ready (120 s at most); kill it if still running after."""
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        with open(self.log, "w+") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tk", "serve", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+            )
+            try:
+                deadline = time.monotonic() + 120
+                while "Ctrl-C stops" not in self.text():
+                    assert process.poll() is None and time.monotonic() < deadline, self.text()
+                    time.sleep(0.5)
+                yield process
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    @staticmethod
+    def infer_shape(port: int, batch: int) -> list[int]:
+        """The logits' shape for a JSON request of ``batch`` 3-token samples."""
+        ids = list(range(1, 3 * batch + 1))
+        body = json.dumps(
+            {
+                "inputs": [
+                    {"name": "input_ids", "shape": [batch, 3], "datatype": "INT64", "data": ids},
+                    {"name": "attention_mask", "shape": [batch, 3], "datatype": "INT64", "data": [1] * len(ids)},
+                ]
+            }
+        ).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/transformer/infer", data=body)
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())["outputs"][0]["shape"]
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> ServeProcess:
+    return ServeProcess(tmp_path)
