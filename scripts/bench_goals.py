@@ -5,11 +5,13 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
         --optimum-onnx /tmp/optimum-minilm --sizes small
 
 - int8 (per size): the Transformer trained with ``tk train`` (``--checkpoint SIZE=PATH``), exported
-  as static int8 ONNX (calibrated on random:32, layers excluded until the 35 dB floor holds), timed
-  interleaved with eager float32 at batch x seq (default 32 x 128); SQNR on that batch; the
-  quantization the manifest records (QDQ format, float32 product outputs, fused before quantizing).
-  ``--profile-int8`` runs the int8 graph under onnxruntime's profiler and lists the kernel time by
-  op type (the profiled session is a separate one, after the timed rounds).
+  once at int8 in each of ``--int8-formats`` (default both: static int8 ONNX, run by onnxruntime,
+  and the PT2E-quantized AOTInductor package; each calibrated on random:32, layers excluded until
+  the 35 dB floor holds), one row per format, timed interleaved with eager float32 at batch x seq
+  (default 32 x 128); SQNR on that batch; the quantization the manifest records.
+  ``--profile-int8`` runs the int8 ONNX graph under onnxruntime's profiler (kernel time by op type)
+  and a kernel-profiled copy of the int8 package under torch's profiler (top operators), both after
+  the timed rounds.
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
   (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run, once
   per timed round between the model's calls (the best sample is the goal's peak; the share of the
@@ -100,12 +102,12 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
     engines = {}
     if int8:
         int8_root = work / f"{size}-int8"
+        int8_options = ExportOptions(formats=args.int8_formats, precision="int8", checkpoint=checkpoint, check=False)
         start = time.perf_counter()
-        result = export(
-            spec, int8_root, ExportOptions(formats=("onnx",), precision="int8", checkpoint=checkpoint, check=False)
-        )
+        result = export(spec, int8_root, int8_options)
         int8_export_s = time.perf_counter() - start
-        engines = {"eager fp32": load(int8_root, "eager"), "onnx int8": load(int8_root, "onnx")}
+        engines = {"eager fp32": load(int8_root, "eager")}
+        engines.update({f"{fmt} int8": load(int8_root, fmt) for fmt in args.int8_formats})
     if bf16:
         bf16_root = work / f"{size}-bf16"
         formats = ("torch", "aoti") if args.profile_bf16 else ("aoti",)  # the profile recompiles the program
@@ -127,9 +129,12 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
         engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
     )
     if int8:
-        rows.append(_int8_row(size, checkpoint, args, result, outputs, times, int8_export_s))
-        if args.profile_int8:
-            rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
+        for fmt in args.int8_formats:
+            rows.append(_int8_row(size, fmt, checkpoint, args, result, outputs, times, int8_export_s))
+            if args.profile_int8 and fmt == "onnx":
+                rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
+            if args.profile_int8 and fmt == "aoti":
+                rows[-1]["profile_top_ops"] = _profile_int8_aoti(spec, int8_options, feeds, work)
     if bf16:
         rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, peaks))
         if args.profile_bf16:
@@ -146,7 +151,6 @@ def _profile(root: Path, manifest: Any, feeds: dict[str, np.ndarray], work: Path
     ``cpp.enable_kernel_profile``: the artifact's program is compiled again with the artifact's
     Inductor settings plus that one, and the copy is profiled.
     """
-    from torch.profiler import ProfilerActivity, profile
 
     from tk.export.aoti import aoti_package_from_exported_program
     from tk.formats.torch_program import FILE as PROGRAM
@@ -158,7 +162,14 @@ def _profile(root: Path, manifest: Any, feeds: dict[str, np.ndarray], work: Path
     configs = {**manifest.formats["aoti"].get("inductor_configs", {}), "cpp.enable_kernel_profile": True}
     path = work / f"{root.name}-profiled.aoti.pt2"
     aoti_package_from_exported_program(program, path, inductor_configs=configs)
-    model = torch._inductor.aoti_load_package(str(path))
+    return _profile_package(torch._inductor.aoti_load_package(str(path)), manifest, feeds)
+
+
+def _profile_package(model: Any, manifest: Any, feeds: dict[str, np.ndarray]) -> list[dict]:
+    """The top 10 operators of three profiled calls of a kernel-profiled package, per call and as a share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
     with torch.inference_mode():
         for _ in range(2):
             model(*args)
@@ -180,6 +191,19 @@ def _profile(root: Path, manifest: Any, feeds: dict[str, np.ndarray], work: Path
     for t in top:
         print(f"  {t['op']:<60} {t['self_ms_per_call']:>9.2f} ms  {100 * t['share']:5.1f}%  x{t['calls']}")
     return top
+
+
+def _profile_int8_aoti(spec: Any, options: ExportOptions, feeds: dict[str, np.ndarray], work: Path) -> list[dict]:
+    """torch.profiler's top operators of the int8 AOTInductor package: the same export again (same
+    calibration, same exclusions: both are deterministic) compiled with ``cpp.enable_kernel_profile``."""
+    import dataclasses
+
+    import torch._inductor.config as inductor_config
+
+    root = work / "int8-profiled"
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        manifest = export(spec, root, dataclasses.replace(options, formats=("aoti",))).manifest
+    return _profile_package(torch._inductor.aoti_load_package(str(root / "model.aoti.pt2")), manifest, feeds)
 
 
 def _profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: int = 3) -> list[dict]:
@@ -218,26 +242,28 @@ def _profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: in
     return top
 
 
-def _int8_row(size, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
+def _int8_row(size, fmt, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
     eager_ms = _ms(times["eager fp32"])
-    quant = result.manifest.formats["onnx"]["quantization"]
-    sqnr = _sqnr(outputs["eager fp32"], outputs["onnx int8"])
+    info = result.manifest.formats[fmt]
+    quant = info["quantization"]
+    engine = f"{fmt} int8"
+    sqnr = _sqnr(outputs["eager fp32"], outputs[engine])
     return {
-        "goal": f"int8 {size}",
+        "goal": f"int8 {size} ({fmt})",
         "shape": f"{args.batch}x{args.seq}",
         "checkpoint": str(checkpoint) if checkpoint else None,
         "eager_fp32_ms": round(eager_ms, 2),
-        "ms": round(_ms(times["onnx int8"]), 2),
-        "speedup_vs_eager": round(eager_ms / _ms(times["onnx int8"]), 3),
+        "ms": round(_ms(times[engine]), 2),
+        "speedup_vs_eager": round(eager_ms / _ms(times[engine]), 3),
         "sqnr_db": round(sqnr, 2),
         "excluded_layers": len(quant["excluded"]),
         "excluded": quant["excluded"],
-        "format": quant.get("format"),
-        "product_outputs": quant.get("outputs"),
-        "fused": result.manifest.formats["onnx"].get("fusions", {}).get("fused_ops"),
-        "quantizable_layers": quant["quantizable_nodes"],
-        "export_s": round(int8_export_s, 1),
-        "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times["onnx int8"]) >= INT8_SPEEDUP_GOAL),
+        "quantization": quant,
+        "fused": info.get("fusions", {}).get("fused_ops"),
+        "quantizable_layers": quant.get("quantizable_nodes", quant.get("quantizable_modules")),
+        "export_s": round(int8_export_s, 1),  # both int8 formats, one export
+        "format_s": result.manifest.timings.get(fmt),
+        "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times[engine]) >= INT8_SPEEDUP_GOAL),
         "goal_text": f"SQNR >= {MIN_SQNR_DB['int8']:g} dB and >= {INT8_SPEEDUP_GOAL:g}x eager fp32",
     }
 
@@ -400,7 +426,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
     parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
-    parser.add_argument("--profile-int8", action="store_true", help="Profile the int8 ONNX graph (ms per op type).")
+    parser.add_argument(
+        "--int8-formats", default="onnx,aoti", help="int8 formats, one row each: onnx (onnxruntime), aoti (torchao PT2E)."
+    )
+    parser.add_argument("--profile-int8", action="store_true", help="Profile the int8 ONNX graph and AOTI package.")
     parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 AOTI package (top ops).")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
     parser.add_argument("--batch", type=int, default=32)
@@ -418,6 +447,7 @@ def main() -> None:
     args = parser.parse_args()
     args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
     args.int8_sizes = [s for s in args.int8_sizes.split(",") if s]
+    args.int8_formats = tuple(s for s in args.int8_formats.split(",") if s)
     args.hf_shapes = [tuple(int(n) for n in s.split("x")) for s in args.hf_shapes.split(",") if s]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)

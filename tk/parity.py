@@ -162,6 +162,21 @@ def compare_output(
     return result
 
 
+def worst_sqnr_db(references: Sequence[Sequence[np.ndarray]], candidates: Sequence[Sequence[np.ndarray]]) -> float:
+    """The worst SQNR (10·log10(signal / noise), in float64) over batches and outputs; -inf where a
+    candidate has NaN or Inf, inf where every output matches exactly. This is how int8 is judged."""
+    worst = math.inf
+    for ref_outputs, cand_outputs in zip(references, candidates, strict=True):
+        for r, c in zip(ref_outputs, cand_outputs, strict=True):
+            r64 = np.asarray(r, dtype=np.float64)
+            noise = float(np.sum((r64 - np.asarray(c, dtype=np.float64)) ** 2))
+            if not math.isfinite(noise):
+                return -math.inf
+            if noise > 0:
+                worst = min(worst, 10 * math.log10(max(float(np.sum(r64**2)), 1e-300) / noise))
+    return worst
+
+
 def is_class_scores(array: np.ndarray) -> bool:
     """A (batch, classes) floating array, classes >= 2: a classifier's scores, judged by top-1 agreement too."""
     return array.ndim == 2 and array.shape[1] >= 2 and array.shape[0] >= 1 and np.issubdtype(array.dtype, np.floating)

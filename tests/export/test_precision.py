@@ -49,7 +49,7 @@ def test_int8_verdict_follows_its_sqnr_floor(tmp_path, monkeypatch):
 
     # tiny's random weights quantize badly: the default judge (8 batches per check shape) sees
     # their long SQNR tail and leaves every layer float32; 3 per shape keeps some quantized
-    monkeypatch.setattr("tk.export.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
     try:
         _export(tmp_path, "int8", ("onnx",))
     except ParityError:

@@ -40,7 +40,7 @@ def _calibration(n: int = 16) -> list[dict[str, np.ndarray]]:
 def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch):
     # tiny's random weights quantize badly: the default judge (8 batches per check shape) sees
     # their long SQNR tail and leaves every layer float32; 3 per shape keeps some quantized
-    monkeypatch.setattr("tk.export.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
     out = tmp_path / "int8"
     torch.manual_seed(0)
     result = export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8"))

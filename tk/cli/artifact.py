@@ -61,9 +61,10 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 )
 @click.option(
     "--calibration-method",
-    type=click.Choice(["minmax", "entropy", "percentile"]),
-    default="minmax",
-    show_default=True,
+    type=click.Choice(["minmax", "entropy", "percentile", "histogram"]),
+    default=None,
+    help="Static int8 activation ranges. onnx: minmax (default), entropy or percentile; "
+    "aoti: histogram (torchao's x86 default) or minmax.",
 )
 @click.option(
     "--fuse/--no-fuse", default=True, show_default=True, help="onnxruntime's transformer fusions on the ONNX graph."
@@ -130,7 +131,7 @@ def export_cmd(
     precision: str,
     int8_mode: str,
     calibrate: str | None,
-    calibration_method: str,
+    calibration_method: str | None,
     fuse: bool,
     keep_unfused: bool,
     dynamic: bool,

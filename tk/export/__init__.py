@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageError
@@ -84,7 +83,8 @@ def resolve_formats(
     return ordered, skipped
 
 
-INT8_FORMATS = ("onnx",)  # int8 is onnxruntime's dynamic quantization of the ONNX graph
+# int8: onnxruntime's quantization of the ONNX graph, or torchao's PT2E quantization compiled by AOTInductor
+INT8_FORMATS = ("onnx", "aoti")
 
 
 def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") -> str | None:
@@ -92,10 +92,15 @@ def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") ->
         return "--device cuda needs a CUDA GPU, and torch finds none"
     if precision == "int8":
         if fmt not in INT8_FORMATS:
-            return "--precision int8 is written for the onnx format only (onnxruntime dynamic quantization)"
-        from tk.export.quantize import unavailable_reason
+            return f"--precision int8 is written for the {' and '.join(INT8_FORMATS)} formats only"
+        if fmt == "onnx":
+            from tk.export.quantize import unavailable_reason
 
-        reason = unavailable_reason()
+            reason = unavailable_reason()
+        else:
+            from tk.export.aoti_int8 import unavailable_reason as aoti_int8_reason
+
+            reason = aoti_int8_reason(device)
         if reason:
             return reason
     writer_module = _writer_module(fmt)
@@ -153,6 +158,8 @@ def write_artifact(
     from tk.tolerances import tolerance_for
 
     tolerance_for(options.precision, rtol=options.rtol, atol=options.atol)  # bad values fail before any work
+    if options.precision == "int8":
+        _check_int8_options(options, formats)
     signing_key()  # an empty key is an error now, not after the export
     if any(f in formats for f in ("onnx", "trt")):
         from tk.export.onnx import resolve_opset
@@ -266,7 +273,34 @@ def _fuse_onnx(ctx: ExportContext) -> None:
 
 
 INT8_MODES = ("static", "dynamic")
-DEFAULT_CALIBRATION = "random:32"
+
+
+def _check_int8_options(options: ExportOptions, formats: list[str]) -> None:
+    """The int8 settings each format takes, refused before any work."""
+    if options.int8_mode not in INT8_MODES:
+        raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {options.int8_mode!r}")
+    method = options.calibration_method
+    if "onnx" in formats and options.int8_mode == "static" and method is not None:
+        from tk.export.static_int8 import METHODS
+
+        if method not in METHODS:
+            raise UsageError(
+                f"--calibration-method: static int8 ONNX calibrates with {', '.join(METHODS)}, got {method!r}"
+            )
+    if "aoti" in formats:
+        from tk.export.aoti_int8 import METHODS as AOTI_METHODS
+
+        if options.int8_mode != "static":
+            raise UsageError(f"--int8-mode {options.int8_mode}: an int8 aoti package is calibrated; expected static")
+        if method is not None and method not in AOTI_METHODS:
+            raise UsageError(
+                f"--calibration-method: int8 aoti packages calibrate with {' or '.join(AOTI_METHODS)}, got {method!r}"
+            )
+        if options.nodes_to_exclude:
+            raise UsageError(
+                "nodes_to_exclude names ONNX nodes; an int8 aoti package leaves modules in float32 with keep_fp32 "
+                "(--keep-fp32)"
+            )
 
 
 def _fuse_before_int8(options: ExportOptions) -> bool:
@@ -278,62 +312,6 @@ def _fuse_before_int8(options: ExportOptions) -> bool:
     int8 stays unfused: fusions made it 20-30% slower when measured (the README's performance section).
     """
     return options.precision != "int8" or options.int8_mode == "static"
-
-
-def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
-    """Static int8 calibration batches: ``options.calibration_data`` split into batches, else ``random:N``.
-
-    Random samples cycle through the sizes the export check uses (min, opt, max and an odd size of
-    every dimension but the batch), so the activation ranges cover the whole dynamic range. The
-    histogram methods (entropy, percentile) are the exception: onnxruntime stacks their activations
-    across batches, so every batch must have one shape: one sample per batch, at the opt sizes.
-    """
-    from tk.export.static_int8 import CALIBRATION_BATCH, calibration_batches
-
-    one_shape = ctx.options.calibration_method in ("entropy", "percentile")
-    if ctx.options.calibration_data is not None:
-        return calibration_batches(dict(ctx.options.calibration_data), batch=1 if one_shape else CALIBRATION_BATCH)
-    text = ctx.options.calibrate or DEFAULT_CALIBRATION
-    count = text.removeprefix("random:")
-    if not text.startswith("random:") or not count.isdigit() or int(count) < 1:
-        raise UsageError(f"--calibrate: expected random:N (N >= 1) or an inputs file, got {text!r}")
-    from tk.spec import random_feeds
-
-    inputs = ctx.spec.signature.inputs
-    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
-    others = [d for n, d in ctx.dims.items() if n != batch]
-    batches = []
-    left = int(count)
-    per_batch = 1 if one_shape else CALIBRATION_BATCH
-    for i in range(-(-left // per_batch)):
-        sizes = {n: d.opt for n, d in ctx.dims.items()}
-        for d in others if not one_shape else ():
-            options = d.sizes_to_check()
-            sizes[d.name] = options[i % len(options)]
-        if batch is not None:
-            sizes[batch] = min(per_batch, left)
-        left -= per_batch
-        batches.append(random_feeds(inputs, sizes, seed=1234 + i))
-    return batches
-
-
-# random batches per shape that judge the int8 graph (at most 10: the seeds below must not collide).
-# The SQNR of a classifier's logits has a long tail over batches: on the trained small Transformer,
-# 3 seeds passed a graph at 37.8 dB that scored 18.7 dB on another batch at 8 x 512 and failed the
-# export check; 8 seeds see that tail and exclude one layer more.
-JUDGE_SEEDS = 8
-
-
-def _judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
-    """Held-out random batches at the shapes the export check uses (all min, all opt, an odd size
-    of each, each at its max), a few seeds each, to judge the int8 graph's SQNR."""
-    from tk.spec import random_feeds, shapes_to_check
-
-    return [
-        random_feeds(ctx.spec.signature.inputs, sizes, seed=9000 + 10 * i + j)
-        for i, sizes in enumerate(shapes_to_check(ctx.dims))
-        for j in range(JUDGE_SEEDS)
-    ]
 
 
 def _quantize_onnx(ctx: ExportContext) -> None:
@@ -354,6 +332,7 @@ def _quantize_onnx(ctx: ExportContext) -> None:
     if mode not in INT8_MODES:
         raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {mode!r}")
     if mode == "static":
+        from tk.export.calibration import calibration_feeds, judge_feeds
         from tk.export.static_int8 import static_int8_onnx_from_onnx
         from tk.tolerances import MIN_SQNR_DB
 
@@ -361,10 +340,10 @@ def _quantize_onnx(ctx: ExportContext) -> None:
             path,
             quantized,
             calibration_feeds(ctx),
-            method=ctx.options.calibration_method,
+            method=ctx.options.calibration_method or "minmax",
             nodes_to_exclude=excluded,
             min_sqnr_db=MIN_SQNR_DB["int8"],
-            judge=_judge_feeds(ctx),
+            judge=judge_feeds(ctx),
         )
         os.replace(quantized, path)
         ctx.formats["onnx"]["quantization"] = result.to_json()

@@ -46,8 +46,13 @@ def unavailable_reason(device: str) -> str | None:
 def write(ctx: ExportContext) -> None:
     assert ctx.program is not None
     configs = inductor_configs_for(ctx.options.precision, ctx.options.device)
-    aoti_package_from_exported_program(ctx.program, ctx.add_file(FILE, "aoti"), inductor_configs=configs)
+    program, quantization = ctx.program, None
+    if ctx.options.precision == "int8":
+        program, quantization = _int8_program(ctx)
+    aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs)
     ctx.formats["aoti"] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
+    if quantization is not None:
+        ctx.formats["aoti"]["quantization"] = quantization
     if ctx.options.device == "cpu":
         isa = cpu_vector_isa()
         if isa is not None:
@@ -57,14 +62,36 @@ def write(ctx: ExportContext) -> None:
             ctx.formats["aoti"]["packed_for"] = features
 
 
+def _int8_program(ctx: ExportContext) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+    """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti_int8``)."""
+    from tk.export.aoti_int8 import DEFAULT_METHOD, int8_program
+    from tk.export.calibration import calibration_feeds, judge_feeds
+    from tk.tolerances import MIN_SQNR_DB
+
+    assert ctx.program is not None
+    program, result = int8_program(
+        ctx.program,
+        ctx.spec.signature,
+        ctx.dims,
+        ctx.example_inputs,
+        calibration_feeds(ctx),
+        method=ctx.options.calibration_method or DEFAULT_METHOD,
+        keep_fp32=ctx.options.keep_fp32,
+        min_sqnr_db=MIN_SQNR_DB["int8"],
+        judge=judge_feeds(ctx),
+    )
+    return program, result.to_json()
+
+
 def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
-    """Inductor settings an ``aoti`` package is compiled with: freezing for bf16 and fp16 on the CPU.
+    """Inductor settings an ``aoti`` package is compiled with: freezing for bf16, fp16 and int8 on the CPU.
 
     Freezing makes the weights constants, so their casts are folded and the linears run on weights
-    packed once for oneDNN (see the module docstring); float32 and CUDA packages keep Inductor's
-    defaults, which is what their tolerances were verified with.
+    packed once for oneDNN (see the module docstring); for int8 it is what lowers each quantized
+    linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). float32 and CUDA packages keep
+    Inductor's defaults, which is what their tolerances were verified with.
     """
-    if device == "cpu" and precision in ("bf16", "fp16"):
+    if device == "cpu" and precision in ("bf16", "fp16", "int8"):
         return {"freezing": True}
     return {}
 

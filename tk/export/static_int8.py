@@ -27,7 +27,6 @@ ranges are cached and reused by every round.
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.parity import worst_sqnr_db
 
 log = logging.getLogger("tk.export")
 
@@ -45,7 +45,6 @@ METHODS = ("minmax", "entropy", "percentile")
 QUANTIZED_OPS = ["MatMul", "Gemm"]
 MARGIN_DB = 2.0  # the judged inputs must clear the floor by this much (the check draws fresh ones)
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
-CALIBRATION_BATCH = 8  # samples per calibration run
 OUTPUT_QUANTIZATION = False  # products write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul)
 
 
@@ -70,15 +69,6 @@ class StaticInt8Result:
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
         }
-
-
-def calibration_batches(arrays: dict[str, np.ndarray], batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:
-    """Split samples (axis 0 of every array) into batches of at most ``batch``."""
-    counts = {a.shape[0] for a in arrays.values()}
-    if len(counts) != 1:
-        raise UsageError(f"calibration inputs: expected one sample count for every input, got {sorted(counts)}")
-    total = counts.pop()
-    return [{k: np.ascontiguousarray(v[i : i + batch]) for k, v in arrays.items()} for i in range(0, total, batch)]
 
 
 class _Reader:
@@ -174,18 +164,9 @@ class _Judge:
         return (session or self._session(path)).run(None, feeds)
 
     def sqnr_db(self, path: Path) -> float:
-        """The worst SQNR (10·log10(signal / noise)) over batches and outputs, as the export check judges."""
+        """The worst SQNR over batches and outputs, as the export check judges."""
         session = self._session(path)
-        worst = math.inf
-        for feeds, ref in zip(self.batches, self.reference, strict=True):
-            for r, c in zip(ref, self._run(path, feeds, session), strict=True):
-                r64 = r.astype(np.float64)
-                noise = float(np.sum((r64 - c.astype(np.float64)) ** 2))
-                if not math.isfinite(noise):  # NaN or Inf in the quantized output: the worst there is
-                    return -math.inf
-                if noise > 0:
-                    worst = min(worst, 10 * math.log10(max(float(np.sum(r64**2)), 1e-300) / noise))
-        return worst
+        return worst_sqnr_db(self.reference, [self._run(path, feeds, session) for feeds in self.batches])
 
 
 def static_int8_onnx_from_onnx(

@@ -70,7 +70,8 @@ def exported_program_from_module(
     dims: dict[str, Dim],
 ) -> torch.export.ExportedProgram:
     """Capture ``module`` (in eval mode) with torch.export; dimensions in ``dims`` keep their ranges."""
-    module.eval()
+    if not isinstance(module, torch.fx.GraphModule):  # a program's module is in eval mode and refuses eval()
+        module.eval()
     dynamic_shapes = _export_args(module, signature, dims)
     try:
         with warnings.catch_warnings():

@@ -17,6 +17,13 @@ PACKING_FEATURES = frozenset(
 )
 
 
+# precision -> CPU flags of which any one runs it natively (bfloat16 or int8 dot products), not emulated
+NATIVE_FLAGS: dict[str, tuple[str, ...]] = {
+    "bf16": ("avx512_bf16", "amx_bf16"),
+    "int8": ("avx512_vnni", "avx_vnni", "amx_int8"),
+}
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""

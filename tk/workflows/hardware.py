@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from tk.formats.aoti import cpu_flags
+from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
 
-NEEDS: dict[str, tuple[str, ...]] = {  # precision -> any one of these flags is enough
-    "bf16": ("avx512_bf16", "amx_bf16"),
-    "int8": ("avx512_vnni", "avx_vnni", "amx_int8"),
-}
+NEEDS = NATIVE_FLAGS  # precision -> any one of these flags is enough
 
 
 def cpu_precision_reason(precision: str, flags: frozenset[str] | None = None) -> str | None:

@@ -1,0 +1,199 @@
+"""int8 AOTInductor packages: torchao's PT2E x86 quantizer, calibrated, the 35 dB floor kept, oneDNN int8 kernels.
+
+Random weights quantize badly (the tiny models' untrained layers all end up excluded); the tiny
+Transformer trained for 100 steps (a second) keeps most of its layers int8, as a trained model does.
+The untrained one exercises the automatic exclusions. The packages are compiled here: g++ is needed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
+
+from tk.cli import cli
+from tk.errors import BackendUnavailableError, UsageError
+from tk.export import ExportOptions, format_unavailable_reason
+from tk.export.aoti import unavailable_reason as aoti_unavailable
+from tk.export.aoti_int8 import int8_program, quantizable_modules, run_linears_in_bf16
+from tk.export.torch_program import exported_program_from_module
+from tk.models import build_model
+from tk.parity import worst_sqnr_db
+from tk.runtime import load
+from tk.spec import random_feeds
+from tk.tolerances import MIN_SQNR_DB
+from tk.workflows.export import export
+
+needs_compiler = pytest.mark.skipif(aoti_unavailable("cpu") is not None, reason=str(aoti_unavailable("cpu")))
+
+
+def _package_source(root) -> str:
+    """The C++ AOTInductor generated for the package (what its kernels call)."""
+    with zipfile.ZipFile(root / "model.aoti.pt2") as archive:
+        return "\n".join(archive.read(n).decode(errors="replace") for n in archive.namelist() if n.endswith(".cpp"))
+
+
+@pytest.fixture(scope="module")
+def trained_int8(tmp_path_factory):
+    from tk.models.train import train
+
+    out = tmp_path_factory.mktemp("aoti-int8") / "transformer"
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    train(spec, steps=100, seed=0)
+    result = export(spec, out, ExportOptions(formats=("aoti",), precision="int8"))
+    return spec, out, result
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8):
+    spec, out, result = trained_int8
+    assert result.passed and result.manifest.precision == "int8"
+    aoti = result.manifest.formats["aoti"]
+    assert aoti["inductor_configs"] == {"freezing": True} and aoti["packed_for"]
+    quant = aoti["quantization"]
+    assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
+    quantized = quant["quantizable_modules"] - len(quant["excluded"])
+    assert quant["quantizable_modules"] == 9 and quantized >= 6, quant  # most linears run in int8
+    assert quant["sqnr_db_export"] >= MIN_SQNR_DB["int8"]
+    report = result.manifest.check["aoti"]
+    assert report["min_sqnr_db"] == MIN_SQNR_DB["int8"]
+    assert all(o["passed"] and o["sqnr_db"] >= MIN_SQNR_DB["int8"] for o in report["outputs"])
+    source = _package_source(out)
+    assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
+    # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model
+    feeds = random_feeds(spec.signature.inputs, {"batch": 5, "seq": 37}, seed=77)
+    engines = [load(out, "eager"), load(out, "aoti")]
+    (eager, aoti_out) = [e.run(feeds) for e in engines]
+    for name in eager:
+        sqnr = worst_sqnr_db([[eager[name]]], [[aoti_out[name]]])
+        assert MIN_SQNR_DB["int8"] <= sqnr < 120, (name, sqnr)
+    for e in engines:
+        e.close()
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_an_int8_package_runs_where_torchao_is_not_installed(trained_int8):
+    _, out, _ = trained_int8
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"  # any import of torchao now fails
+        "from tk.runtime import load; from tk.spec import random_feeds\n"
+        f"e = load({str(out)!r}, 'aoti'); f = random_feeds(e.inputs, {{'batch': 3, 'seq': 9}}, seed=1)\n"
+        "print(sorted((k, v.shape) for k, v in e.run(f).items()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(3," in done.stdout
+
+
+def _tiny_transformer_program():
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    dims = dict(spec.signature.dims)
+    example = spec.example_inputs({n: d.opt for n, d in dims.items()})
+    return spec, dims, example, exported_program_from_module(spec.module, example, spec.signature, dims)
+
+
+def _batches(spec, n: int, seed: int, seq: int = 16) -> list[dict[str, np.ndarray]]:
+    return [random_feeds(spec.signature.inputs, {"batch": 8, "seq": seq}, seed=seed + i) for i in range(n)]
+
+
+def test_modules_are_excluded_costliest_first_until_the_floor_holds():
+    spec, dims, example, program = _tiny_transformer_program()
+    calibration = _batches(spec, 3, 100)
+    _, plain = int8_program(program, spec.signature, dims, example, calibration)
+    assert plain.automatic == [] and plain.quantizable == 9
+    floor = plain.sqnr_db + 3
+    _, strict = int8_program(
+        program, spec.signature, dims, example, calibration, min_sqnr_db=floor, excluded_in_bf16=False
+    )
+    assert strict.automatic, "a floor above the all-quantized SQNR must exclude modules"
+    assert strict.sqnr_db > plain.sqnr_db and strict.excluded_dtype == "fp32"
+    costs = [strict.layer_sqnr_db[n] for n in strict.automatic]
+    others = [v for n, v in strict.layer_sqnr_db.items() if n not in strict.automatic]
+    assert max(costs) <= min(others)  # the excluded modules are the costliest ones, measured alone
+    assert len(strict.layer_sqnr_db) == 9 and strict.excluded == strict.automatic
+
+
+def test_keep_fp32_modules_are_never_quantized():
+    spec, dims, example, program = _tiny_transformer_program()
+    kept = ["head", "blocks.1.ffn.down"]
+    quantized, result = int8_program(program, spec.signature, dims, example, _batches(spec, 2, 100), keep_fp32=kept)
+    assert result.excluded == kept and result.automatic == []
+    graph = quantized.module()
+    linears = [n for n in graph.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
+    fed_by_dequantize = {
+        list(n.meta["nn_module_stack"].values())[-1][0]
+        for n in linears
+        if "dequantize" in str(getattr(n.args[0], "target", ""))
+    }
+    assert fed_by_dequantize == set(quantizable_modules(program.module())) - set(kept)
+
+
+def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():
+    _, _, example, program = _tiny_transformer_program()
+    graph = program.module()
+    reference = graph(*example)
+    assert run_linears_in_bf16(graph, ["blocks.0.ffn.up", "head"]) == 2
+    casts = [
+        n
+        for n in graph.graph.nodes
+        if n.target == torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bfloat16
+    ]
+    assert len(casts) == 6  # input, weight and bias of each of the two linears
+    out = graph(*example)
+    assert out.dtype == torch.float32 and out.shape == reference.shape
+    error = float((out - reference).abs().max().detach())
+    assert 0 < error < 2e-2, error  # bfloat16 really ran, within its rounding
+
+
+def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
+    assert "CPU" in format_unavailable_reason("aoti", "cuda", "int8") or "GPU" in format_unavailable_reason(
+        "aoti", "cuda", "int8"
+    )
+    assert (
+        format_unavailable_reason("torch", "cpu", "int8")
+        == "--precision int8 is written for the onnx and aoti formats only"
+    )
+    spec = build_model("mlp", size="tiny")
+    with pytest.raises(UsageError, match="int8 aoti packages calibrate with histogram or minmax, got 'entropy'"):
+        export(spec, tmp_path / "a", ExportOptions(formats=("aoti",), precision="int8", calibration_method="entropy"))
+    with pytest.raises(
+        UsageError, match="static int8 ONNX calibrates with minmax, entropy, percentile, got 'histogram'"
+    ):
+        export(spec, tmp_path / "e", ExportOptions(formats=("onnx",), precision="int8", calibration_method="histogram"))
+    with pytest.raises(UsageError, match="expected static"):
+        export(spec, tmp_path / "b", ExportOptions(formats=("aoti",), precision="int8", int8_mode="dynamic"))
+    with pytest.raises(BackendUnavailableError, match="onnx and aoti formats only"):
+        export(spec, tmp_path / "c", ExportOptions(formats=("torch",), precision="int8"))
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "mlp",
+            "--size",
+            "tiny",
+            "--format",
+            "aoti",
+            "--precision",
+            "int8",
+            "--calibration-method",
+            "entropy",
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
+    assert result.exit_code == 2 and "capture" not in result.output, result.output  # refused before any work
+    assert result.output.strip().splitlines() == [
+        "error: --calibration-method: int8 aoti packages calibrate with histogram or minmax, got 'entropy'"
+    ]
+    assert not (tmp_path / "d").exists()
