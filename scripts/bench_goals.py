@@ -427,7 +427,9 @@ def main() -> None:
     parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
     parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
     parser.add_argument(
-        "--int8-formats", default="onnx,aoti", help="int8 formats, one row each: onnx (onnxruntime), aoti (torchao PT2E)."
+        "--int8-formats",
+        default="onnx,aoti",
+        help="int8 formats, one row each: onnx (onnxruntime), aoti (torchao PT2E).",
     )
     parser.add_argument("--profile-int8", action="store_true", help="Profile the int8 ONNX graph and AOTI package.")
     parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 AOTI package (top ops).")
