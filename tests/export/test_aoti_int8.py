@@ -67,6 +67,10 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     report = result.manifest.check["aoti"]
     assert report["min_sqnr_db"] == MIN_SQNR_DB["int8"]
     assert all(o["passed"] and o["sqnr_db"] >= MIN_SQNR_DB["int8"] for o in report["outputs"])
+    shown = CliRunner().invoke(cli, ["inspect", str(out)])
+    line = next(ln for ln in shown.output.splitlines() if ln.startswith("int8"))
+    assert line.startswith("int8       aoti: static, torchao X86InductorQuantizer (PT2E), histogram; ")
+    assert f"{quantized} of 9 layers int8" in line and f"SQNR at export {quant['sqnr_db_export']} dB" in line
     source = _package_source(out)
     assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
     # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model

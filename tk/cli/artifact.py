@@ -199,6 +199,24 @@ def export_cmd(
         atomic_write_json(json_path, result.manifest.check)
 
 
+def _quantization_text(quant: object) -> str:
+    """One line of a manifest's int8 record: how, how many layers int8, which were left out and in what."""
+    if not isinstance(quant, dict):
+        return str(quant)  # dynamic int8 records one sentence
+    total = quant.get("quantizable_nodes", quant.get("quantizable_modules", 0))
+    excluded = quant.get("excluded", [])
+    automatic = quant.get("automatic_exclusions", [])
+    kept = [name for name in excluded if name not in automatic]  # --keep-fp32
+    how = ", ".join(str(quant[k]) for k in ("mode", "quantizer", "format", "method") if quant.get(k))
+    left = (
+        f"; left out ({quant.get('automatic_exclusions_run_in', 'fp32')}): {', '.join(automatic)}" if automatic else ""
+    )
+    left += f"; kept fp32: {', '.join(kept)}" if kept else ""
+    return (
+        f"{how}; {total - len(excluded)} of {total} layers int8{left}; SQNR at export {quant.get('sqnr_db_export')} dB"
+    )
+
+
 # --------------------------------------------------------------------------------------- inspect
 @click.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
@@ -230,8 +248,10 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
             f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
         )
     for fmt, info in manifest.formats.items():
-        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions"))
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions", "quantization"))
         click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
+        if "quantization" in info:
+            click.echo(f"int8       {fmt}: {_quantization_text(info['quantization'])}")
         fusions = info.get("fusions")
         if fusions:
             ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
