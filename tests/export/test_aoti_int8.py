@@ -61,7 +61,8 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert aoti["inductor_configs"] == {"freezing": True} and aoti["packed_for"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
-    quantized = quant["quantizable_modules"] - len(quant["excluded"])
+    quantized = quant["int8_modules"]
+    assert quantized == quant["quantizable_modules"] - len(quant["excluded"])
     assert quant["quantizable_modules"] == 9 and quantized >= 6, quant  # most linears run in int8
     assert quant["sqnr_db_export"] >= MIN_SQNR_DB["int8"]
     report = result.manifest.check["aoti"]
@@ -130,9 +131,9 @@ def test_modules_are_excluded_costliest_first_until_the_floor_holds():
 
 def test_keep_fp32_modules_are_never_quantized():
     spec, dims, example, program = _tiny_transformer_program()
-    kept = ["head", "blocks.1.ffn.down"]
+    kept = ["head", "blocks.1.ffn"]  # a linear, and a block holding two (up and down)
     quantized, result = int8_program(program, spec.signature, dims, example, _batches(spec, 2, 100), keep_fp32=kept)
-    assert result.excluded == kept and result.automatic == []
+    assert result.excluded == kept and result.automatic == [] and result.int8_modules == 9 - 3
     graph = quantized.module()
     linears = [n for n in graph.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
     fed_by_dequantize = {
@@ -140,7 +141,8 @@ def test_keep_fp32_modules_are_never_quantized():
         for n in linears
         if "dequantize" in str(getattr(n.args[0], "target", ""))
     }
-    assert fed_by_dequantize == set(quantizable_modules(program.module())) - set(kept)
+    expected = set(quantizable_modules(program.module())) - {"head", "blocks.1.ffn.up", "blocks.1.ffn.down"}
+    assert fed_by_dequantize == expected
 
 
 def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():

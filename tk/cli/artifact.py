@@ -212,9 +212,8 @@ def _quantization_text(quant: object) -> str:
         f"; left out ({quant.get('automatic_exclusions_run_in', 'fp32')}): {', '.join(automatic)}" if automatic else ""
     )
     left += f"; kept fp32: {', '.join(kept)}" if kept else ""
-    return (
-        f"{how}; {total - len(excluded)} of {total} layers int8{left}; SQNR at export {quant.get('sqnr_db_export')} dB"
-    )
+    int8 = quant.get("int8_modules", total - len(excluded))
+    return f"{how}; {int8} of {total} layers int8{left}; SQNR at export {quant.get('sqnr_db_export')} dB"
 
 
 # --------------------------------------------------------------------------------------- inspect

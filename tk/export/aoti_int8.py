@@ -74,6 +74,7 @@ class AotiInt8Result:
     excluded_dtype: str = "fp32"  # what the automatic exclusions run in: bf16 where the CPU has it
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> SQNR with only it quantized
     quantizable: int = 0  # linear/conv modules in the program
+    int8_modules: int = 0  # of those, the ones that run in int8
     method: str = DEFAULT_METHOD
 
     def to_json(self) -> dict[str, Any]:
@@ -84,6 +85,7 @@ class AotiInt8Result:
             "per_channel": True,
             "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_modules": self.quantizable,
+            "int8_modules": self.int8_modules,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
@@ -267,7 +269,8 @@ def int8_program(
             warnings.simplefilter("ignore")
             float_module = program.module()
             candidates = quantizable_modules(float_module)
-            kept = [n for n in keep_fp32 if n in candidates]
+            kept = list(keep_fp32)  # any module path: the quantizer leaves out every linear inside it
+            under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
             batches = [as_args(f) for f in calibration]
             in_bf16 = bf16_available() if excluded_in_bf16 is None else excluded_in_bf16
             quantizer = _Quantizer(float_module, batches, method, kept, in_bf16)
@@ -283,8 +286,9 @@ def int8_program(
             log.info("export int8   SQNR %.1f dB on %d batches", result.sqnr_db, len(judged.batches))
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 quantized = _exclude_costliest(
-                    quantizer, judged, [n for n in candidates if n not in kept], min_sqnr_db, result
+                    quantizer, judged, [n for n in candidates if n not in under_kept], min_sqnr_db, result
                 )
+            result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
             return exported_program_from_module(quantized, example_inputs, signature, dims), result
