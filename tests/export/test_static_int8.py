@@ -13,7 +13,8 @@ pytest.importorskip("onnxruntime")
 from tk.cli import cli
 from tk.errors import UsageError
 from tk.export import ExportOptions
-from tk.export.static_int8 import calibration_batches, static_int8_onnx_from_onnx, weight_matmul_nodes
+from tk.export.calibration import calibration_batches
+from tk.export.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
 from tk.models import build_model
 from tk.spec import random_feeds
 from tk.workflows.export import export
@@ -114,7 +115,7 @@ def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path):
     result = CliRunner().invoke(cli, [*args, "--calibrate", str(good), "--calibration-method", "percentile"])
     assert result.exit_code == 0, result.output
     shown = CliRunner().invoke(cli, ["inspect", str(out)])
-    assert "'mode': 'static'" in shown.output and "'method': 'percentile'" in shown.output
+    assert "int8       onnx: static, QDQ, percentile; " in shown.output
     bad = tmp_path / "bad.npz"
     np.savez(bad, input_ids=feeds["input_ids"] + 5000, attention_mask=feeds["attention_mask"])
     result = CliRunner().invoke(cli, [*args, "--calibrate", str(bad)])
@@ -139,4 +140,4 @@ def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path,
         result = CliRunner().invoke(cli, [*args, "--calibrate", calibrate, "--calibration-method", method])
         assert result.exit_code == 0, result.output
         shown = CliRunner().invoke(cli, ["inspect", str(out)])
-        assert f"'method': '{method}'" in shown.output and "status: passed" in shown.output
+        assert f"int8       onnx: static, QDQ, {method}; " in shown.output and "status: passed" in shown.output
