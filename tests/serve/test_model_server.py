@@ -145,7 +145,8 @@ def test_resolve_checks_the_ingress_and_turns_onnx_spinning_off(exported, monkey
 def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
     from tk.serve.ingress import free_ports, ingress_env
 
-    assert ingress_env("proxy", {"stats": 1, "metrics": 2, "fallback": 3}, tmp_path) == {}
+    ready = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}  # Ray's 5 s killed proxies on a busy 2-core machine
+    assert ingress_env("proxy", {"stats": 1, "metrics": 2, "fallback": 3}, tmp_path) == ready
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
     env = ingress_env("haproxy", dict(zip(("stats", "metrics", "fallback"), ports, strict=True)), tmp_path)
@@ -155,7 +156,7 @@ def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
     assert env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"] == str(tmp_path / "haproxy.cfg")
     assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "admin.sock")
     # on a cluster (no local ports or directory) only the switches travel
-    assert set(ingress_env("haproxy")) == {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+    assert set(ingress_env("haproxy")) == {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED", *ready}
 
 
 def test_serve_on_a_taken_port_is_one_line_before_ray_starts(exported):

@@ -18,6 +18,7 @@ ingress it was started with.
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -59,9 +60,12 @@ def ingress_env(
     ``fallback``) and ``state_dir`` (a private directory) replace Ray's fixed defaults (8404, 9101,
     8500 and ``/tmp/haproxy-serve``), which a second Serve instance on the machine would collide with.
     """
+    # Serve kills a proxy that is not ready within 5 s (Ray's default) and starts another; on a 2-core
+    # machine with other work running, a proxy's start took longer, every time, and tk serve failed
+    env = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": os.environ.get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")}
     if ingress != "haproxy":
-        return {}
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+        return env
+    env |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     if local_ports:
         env |= {
             "RAY_SERVE_HAPROXY_STATS_PORT": str(local_ports["stats"]),
