@@ -70,7 +70,7 @@ class AotiInt8Result:
     sqnr_db: float  # worst over outputs and judged batches, of the quantized program run by PyTorch
     excluded: list[str] = field(default_factory=list)  # modules not quantized (--keep-fp32 + automatic)
     automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
-    excluded_dtype: str = "fp32"  # what the automatic exclusions run in: bf16 where the CPU has it
+    excluded_dtype: str = "fp32"  # what excluded linears run in (bf16 where the CPU has it); convolutions stay fp32
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> SQNR with only it quantized
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
