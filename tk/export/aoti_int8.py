@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.calibration import exclude_costliest
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
@@ -304,26 +305,21 @@ def int8_program(
 def _exclude_costliest(
     quantizer: _Quantizer, judged: _Judge, candidates: list[str], min_sqnr_db: float, result: AotiInt8Result
 ) -> torch.fx.GraphModule:
-    """Exclude the ``candidates`` that cost the most signal alone, 1, 2, 4... more per round, until
-    ``judged`` clears the floor plus the margin; the last round's program."""
+    """Rank the ``candidates`` by their cost alone, then ``exclude_costliest`` until ``judged`` clears
+    the floor plus the margin; the last round's program."""
     ranking = _Judge(quantizer.float_module, quantizer.calibration)
     for name in candidates:
         result.layer_sqnr_db[name] = ranking.sqnr_db(quantizer.quantize(only=[name]))
-    ranked = sorted(result.layer_sqnr_db, key=lambda n: result.layer_sqnr_db[n])
-    quantized = None
-    step = 1
-    for _ in range(MAX_ROUNDS):
-        if not ranked:
-            break
-        take, ranked = ranked[:step], ranked[step:]
-        result.automatic.extend(take)
-        quantized = quantizer.quantize(exclude=result.automatic)
-        result.sqnr_db = judged.sqnr_db(quantized)
-        log.info(
-            "export int8   %d modules %s: SQNR %.1f dB", len(result.automatic), result.excluded_dtype, result.sqnr_db
-        )
-        if result.sqnr_db >= min_sqnr_db + MARGIN_DB:
-            break
-        step *= 2
+    rounds: list[torch.fx.GraphModule] = []
+
+    def judge_without(automatic: list[str]) -> float:
+        rounds[:] = [quantizer.quantize(exclude=automatic)]
+        sqnr = judged.sqnr_db(rounds[0])
+        log.info("export int8   %d modules %s: SQNR %.1f dB", len(automatic), result.excluded_dtype, sqnr)
+        return sqnr
+
+    result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS)
+    if last is not None:
+        result.sqnr_db = last
     result.excluded = [*quantizer.keep_fp32, *result.automatic]
-    return quantized if quantized is not None else quantizer.quantize()
+    return rounds[0] if rounds else quantizer.quantize()

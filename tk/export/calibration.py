@@ -6,6 +6,8 @@ PT2E-quantized AOTInductor package (``tk.export.aoti_int8``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tk.errors import UsageError
@@ -74,3 +76,26 @@ def calibration_batches(arrays: dict[str, np.ndarray], batch: int = CALIBRATION_
         raise UsageError(f"calibration inputs: expected one sample count for every input, got {sorted(counts)}")
     total = counts.pop()
     return [{k: np.ascontiguousarray(v[i : i + batch]) for k, v in arrays.items()} for i in range(0, total, batch)]
+
+
+def exclude_costliest(
+    costs: dict[str, float], judge: Callable[[list[str]], float], target_db: float, max_rounds: int
+) -> tuple[list[str], float | None]:
+    """Leave out the layers that cost the most signal, 1, 2, 4... more per round, until ``judge`` says
+    the graph without them reaches ``target_db``. ``costs``: each layer's SQNR with only it quantized
+    (lower is costlier); ``judge(excluded)`` quantizes everything else and returns the graph's SQNR.
+    Returns the excluded layers, costliest first, and the last SQNR (None when there was none to exclude)."""
+    ranked = sorted(costs, key=costs.__getitem__)
+    excluded: list[str] = []
+    sqnr = None
+    step = 1
+    for _ in range(max_rounds):
+        if not ranked:
+            break
+        take, ranked = ranked[:step], ranked[step:]
+        excluded.extend(take)
+        sqnr = judge(list(excluded))
+        if sqnr >= target_db:
+            break
+        step *= 2
+    return excluded, sqnr

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.calibration import exclude_costliest
 from tk.parity import worst_sqnr_db
 
 log = logging.getLogger("tk.export")
@@ -214,22 +215,20 @@ def static_int8_onnx_from_onnx(
                     continue
                 _quantize(source, one, method, cache, None, [node])
                 result.layer_sqnr_db[node] = ranking.sqnr_db(one)
-            ranked = sorted(result.layer_sqnr_db, key=lambda n: result.layer_sqnr_db[n])
             trial = Path(tmp) / "trial.onnx"
-            step = 1
-            for _ in range(MAX_ROUNDS):
-                if not ranked:
-                    break
-                take, ranked = ranked[:step], ranked[step:]
-                result.automatic.extend(take)
-                _quantize(source, trial, method, cache, None, [n for n in keep if n not in result.automatic])
+
+            def judge_without(automatic: list[str]) -> float:
+                _quantize(source, trial, method, cache, None, [n for n in keep if n not in automatic])
                 sqnr = judge.sqnr_db(trial)
-                log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude + result.automatic), sqnr)
+                log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude) + len(automatic), sqnr)
                 trial.replace(target)
-                result.sqnr_db = sqnr
-                if sqnr >= min_sqnr_db + MARGIN_DB:
-                    break
-                step *= 2
+                return sqnr
+
+            result.automatic, last = exclude_costliest(
+                result.layer_sqnr_db, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS
+            )
+            if last is not None:
+                result.sqnr_db = last
             result.excluded = exclude + result.automatic
             return result
     except (UsageError, ConversionError):
