@@ -1,4 +1,5 @@
-"""Static int8's inputs: the calibration batches, and the held-out batches that judge a quantized graph.
+"""Static int8's inputs (the calibration batches, and the held-out batches that judge a quantized
+graph) and the loop that leaves the costliest layers out until the graph keeps its SQNR floor.
 
 Shared by the two int8 writers: onnxruntime's static QDQ graph (``tk.export.static_int8``) and the
 PT2E-quantized AOTInductor package (``tk.export.aoti_int8``).

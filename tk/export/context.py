@@ -32,9 +32,8 @@ class ExportOptions:
     int8_mode: str = "static"  # static (calibrated QDQ) | dynamic (activations quantized per call)
     calibrate: str | None = None  # static int8 calibration: "random:N" or an inputs file; default random:32
     calibration_data: dict[str, Any] | None = None  # the calibration arrays, read by tk.workflows.export
-    calibration_method: str | None = (
-        None  # onnx: minmax (default) | entropy | percentile; aoti: histogram (default) | minmax
-    )
+    # static int8 activation ranges: onnx minmax (default) | entropy | percentile; aoti histogram (default) | minmax
+    calibration_method: str | None = None
     nodes_to_exclude: tuple[str, ...] = ()  # ONNX nodes kept in float32 by int8
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
