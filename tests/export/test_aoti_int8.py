@@ -23,6 +23,7 @@ from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
 from tk.export.aoti import unavailable_reason as aoti_unavailable
 from tk.export.aoti_int8 import int8_program, quantizable_modules, run_linears_in_bf16
+from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
 from tk.export.torch_program import exported_program_from_module
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
@@ -163,9 +164,10 @@ def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():
 
 
 def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
-    assert "CPU" in format_unavailable_reason("aoti", "cuda", "int8") or "GPU" in format_unavailable_reason(
-        "aoti", "cuda", "int8"
+    assert int8_unavailable("cuda") == (
+        "--precision int8 --format aoti is for the CPU (torchao's x86 Inductor quantizer); on a GPU use trt"
     )
+    assert int8_unavailable("cpu") is None  # this x86 machine, torchao installed (the module skips otherwise)
     assert (
         format_unavailable_reason("torch", "cpu", "int8")
         == "--precision int8 is written for the onnx and aoti formats only"

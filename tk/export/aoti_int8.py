@@ -10,8 +10,8 @@ this CPU, so the package runs int8 products with float32 outputs and nothing deq
 
 Why a second int8 path beside onnxruntime's static QDQ graph: on the trained small Transformer at
 32 x 128 (AMD EPYC Zen 4 with AVX512-VNNI and AVX512-BF16, 2 threads) both quantize the same 17
-linears and both need the same 3 attention projections left out of int8 for the 35 dB floor, but
-the package runs them in bfloat16 and everything else in Inductor's fused kernels: about 77 ms per
+linears and both leave 3 of them out of int8 for the 35 dB floor (here 3 attention projections), but
+the package runs those in bfloat16 and everything else in Inductor's fused kernels: about 77 ms per
 call (kernel profile: int8 linears 34 ms, float32 SDPA 20 ms, the 3 bf16 linears 9 ms, fused
 LayerNorm/GELU/residual kernels about 9 ms) where the ONNX graph takes about 120 ms, whose float32
 attention, LayerNorm, GELU and excluded products were 75% of its time. The int8 products of both
@@ -31,6 +31,7 @@ not from the program the judge runs; the export check measures the package itsel
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import platform
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.calibration import exclude_costliest
+from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
@@ -51,7 +52,6 @@ log = logging.getLogger("tk.export")
 
 METHODS = ("histogram", "minmax")  # activation observers: torchao's x86 default (HistogramObserver), or MinMaxObserver
 DEFAULT_METHOD = "histogram"
-MARGIN_DB = 2.0  # the judged inputs must clear the floor by this much (the check draws fresh ones)
 MAX_ROUNDS = 6  # exclusion rounds (1, 2, 4, ... layers more each) before the check reports the SQNR
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
@@ -158,20 +158,13 @@ def _quantizer(method: str, only: Sequence[str] | None, exclude: Sequence[str]) 
     """The x86 quantizer for every quantizable module (``only`` None) or just ``only``, minus ``exclude``."""
     x86 = _torchao_x86()
     from torchao.quantization.pt2e import MinMaxObserver
-    from torchao.quantization.pt2e.quantizer.quantizer import QuantizationSpec
 
     config = x86.get_default_x86_inductor_quantization_config()
     if method == "minmax":
-        act = config.input_activation
-        minmax = QuantizationSpec(
-            dtype=act.dtype,
-            quant_min=act.quant_min,
-            quant_max=act.quant_max,
-            qscheme=act.qscheme,
-            is_dynamic=False,
-            observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12),
+        minmax = dataclasses.replace(
+            config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)
         )
-        config = type(config)(minmax, minmax, config.weight, config.bias, config.is_qat)
+        config = dataclasses.replace(config, input_activation=minmax, output_activation=minmax)
     quantizer = x86.X86InductorQuantizer()
     if only is None:
         quantizer.set_global(config)
@@ -220,12 +213,20 @@ class _Quantizer:
         return converted
 
 
+@dataclass
 class _Judge:
     """The float32 program's outputs on some batches, and the worst SQNR of a candidate against them."""
 
-    def __init__(self, float_module: torch.fx.GraphModule, batches: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        self.batches = list(batches)
-        self.reference = [_outputs(float_module, b) for b in self.batches]
+    batches: list[tuple[torch.Tensor, ...]]
+    reference: list[list[np.ndarray]]
+
+    @classmethod
+    def of(cls, float_module: torch.fx.GraphModule, batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
+        return cls(list(batches), [_outputs(float_module, b) for b in batches])
+
+    def first(self, count: int) -> _Judge:
+        """A judge of the first ``count`` batches, with the references already computed."""
+        return _Judge(self.batches[:count], self.reference[:count])
 
     def sqnr_db(self, candidate: torch.fx.GraphModule) -> float:
         return worst_sqnr_db(self.reference, [_outputs(candidate, b) for b in self.batches])
@@ -272,13 +273,13 @@ def int8_program(
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            candidates = quantizable_modules(program.module())
             kept = list(keep_fp32)  # any module path: the quantizer leaves out every linear inside it
-            under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
             batches = [as_args(f) for f in calibration]
             in_bf16 = bf16_available() if excluded_in_bf16 is None else excluded_in_bf16
             quantizer = _Quantizer(program, batches, method, kept, in_bf16)
-            judged = _Judge(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
+            candidates = quantizable_modules(quantizer.float_module)
+            under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
+            judged = _Judge.of(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
             quantized = quantizer.quantize()
             result = AotiInt8Result(
                 judged.sqnr_db(quantized),
@@ -307,7 +308,7 @@ def _exclude_costliest(
 ) -> torch.fx.GraphModule:
     """Rank the ``candidates`` by their cost alone, then ``exclude_costliest`` until ``judged`` clears
     the floor plus the margin; the last round's program."""
-    ranking = _Judge(quantizer.float_module, quantizer.calibration)
+    ranking = judged.first(len(quantizer.calibration))  # the calibration batches come first
     for name in candidates:
         result.layer_sqnr_db[name] = ranking.sqnr_db(quantizer.quantize(only=[name]))
     rounds: list[torch.fx.GraphModule] = []

@@ -16,6 +16,7 @@ from tk.export.context import ExportContext
 from tk.spec import random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
+MARGIN_DB = 2.0  # a quantized graph's judged batches must clear the floor by this much (the check draws fresh ones)
 DEFAULT_CALIBRATION = "random:32"
 
 

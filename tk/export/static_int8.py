@@ -37,14 +37,13 @@ from typing import Any
 import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.calibration import exclude_costliest
+from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.parity import worst_sqnr_db
 
 log = logging.getLogger("tk.export")
 
 METHODS = ("minmax", "entropy", "percentile")
 QUANTIZED_OPS = ["MatMul", "Gemm"]
-MARGIN_DB = 2.0  # the judged inputs must clear the floor by this much (the check draws fresh ones)
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
 OUTPUT_QUANTIZATION = False  # products write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul)
 
