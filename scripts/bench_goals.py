@@ -25,7 +25,9 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   this run with ``--optimum-cli PATH``), both run by onnxruntime with the same session options,
   interleaved, at each ``--hf-shapes`` size (default 8x128 and 1x128, padded attention masks);
   wall-time ratio (of medians, and the median of per-round ratios) and process CPU-time ratio, and
-  the max abs error of both ONNX files against transformers' own forward. One run, nothing prepared:
+  the max abs error of both ONNX files against transformers' own forward; the rate of both
+  (FlopCounterMode's FLOPs of transformers' forward / p50) as a share of the float32 matmul peak
+  sampled between their calls. One run, nothing prepared:
 
     nice -n 19 .venv/bin/python -m scripts.bench_goals --int8-sizes '' --bf16-sizes '' \\
         --optimum-cli /tmp/optvenv/bin/optimum-cli
@@ -360,13 +362,25 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
         feeds = random_feeds(spec.signature.inputs, {"batch": batch, "seq": seq}, seed=7)  # padded masks
         with torch.no_grad():
             want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()})[0].numpy()
+        flops = model_flops(_KeywordCall(model, list(feeds)), tuple(torch.from_numpy(v) for v in feeds.values()))
 
         def run(s: Any, feeds: dict[str, np.ndarray] = feeds) -> np.ndarray:
             return s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()})[0]
 
         errors = {name: float(np.abs(run(s) - want).max()) for name, s in sessions.items()}
         iters = args.hf_iters * max(1, 8 // batch)  # small batches: more rounds, same order of total time
-        times = _interleaved_cpu({name: (lambda s=s: run(s)) for name, s in sessions.items()}, iters)
+        calls = {name: (lambda s=s: run(s)) for name, s in sessions.items()}
+        peaks: list[
+            float
+        ] = []  # the fp32 peak between the sessions' calls (about 10 samples): how close to it both run
+        rounds = iter(range(10**9))
+
+        def sample_peak(every: int = max(1, iters // 10), rounds: Any = rounds, peaks: list[float] = peaks) -> None:
+            if next(rounds) % every == 0:
+                peaks.append(matmul_peak("fp32", PEAK_SHAPE).gflops)
+
+        calls["fp32 peak"] = sample_peak
+        times = _interleaved_cpu(calls, iters)
         tk_t = times["tk onnx"]
         row: dict[str, Any] = {
             "goal": "hf all-MiniLM-L6-v2" if "minilm" in str(directory).lower() else f"hf {directory.name}",
@@ -377,6 +391,9 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
             "max_abs_vs_transformers": errors["tk onnx"],
             "fused_ops": fusions.get("fused_ops"),
             "cpu_rewrites": fusions.get("cpu_rewrites"),
+            "gflop": round(flops / 1e9, 2),
+            "fp32_peak_gflops": round(max(peaks), 1),
+            "fp32_peak_share": round(flops / statistics.median(tk_t["wall"]) / 1e9 / max(peaks), 3),
             "goal_text": f">= {HF_SPEEDUP_GOAL:g}x Optimum's ONNX, max abs <= {HF_ABS_GOAL:g}",
         }
         if optimum_onnx is not None:
@@ -384,6 +401,7 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
             row["optimum_ms"] = round(_ms(opt_t["wall"]), 2)
             row["optimum_cpu_ms"] = round(_ms(opt_t["cpu"]), 2)
             row["optimum_max_abs_vs_transformers"] = errors["optimum onnx"]
+            row["optimum_fp32_peak_share"] = round(flops / statistics.median(opt_t["wall"]) / 1e9 / max(peaks), 3)
             row["speedup_vs_optimum"] = round(_ms(opt_t["wall"]) / _ms(tk_t["wall"]), 3)
             row["paired_speedup_vs_optimum"] = round(
                 statistics.median(o / t for o, t in zip(opt_t["wall"], tk_t["wall"], strict=True)), 3
@@ -394,6 +412,26 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
         rows.append(row)
         Console(width=200).print(render(rows, args.machine))
     return rows
+
+
+class _KeywordCall(torch.nn.Module):
+    """``model`` called with keyword inputs, for FlopCounterMode's positional call."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, args, strict=True)))
+
+
+def _of_peak(r: dict) -> str:
+    if "peak_share" in r:
+        return f"{100 * r['peak_share']:.0f}% bf16"
+    if "fp32_peak_share" in r:
+        other = f" (optimum {100 * r['optimum_fp32_peak_share']:.0f}%)" if "optimum_fp32_peak_share" in r else ""
+        return f"{100 * r['fp32_peak_share']:.0f}% fp32{other}"
+    return "—"
 
 
 def _vs_optimum(r: dict) -> str:
@@ -407,7 +445,7 @@ def _vs_optimum(r: dict) -> str:
 
 def render(rows: list[dict], machine: dict) -> Table:
     table = Table(title=f"issue 13 goals, {machine.get('cpu')}, {machine.get('torch_threads')} threads")
-    for header in ("goal", "shape", "ms", "vs eager fp32", "vs optimum", "SQNR dB", "of bf16 peak", "max abs", "met"):
+    for header in ("goal", "shape", "ms", "vs eager fp32", "vs optimum", "SQNR dB", "of peak", "max abs", "met"):
         table.add_column(header, justify="left" if header in ("goal", "met") else "right")
     for r in rows:
         table.add_row(
@@ -417,7 +455,7 @@ def render(rows: list[dict], machine: dict) -> Table:
             f"{r['speedup_vs_eager']:.2f}×" if "speedup_vs_eager" in r else "—",
             _vs_optimum(r),
             f"{r['sqnr_db']:.1f}" if "sqnr_db" in r else "—",
-            f"{100 * r['peak_share']:.0f}%" if "peak_share" in r else "—",
+            _of_peak(r),
             f"{r['max_abs_vs_transformers']:.1e}" if "max_abs_vs_transformers" in r else "—",
             ("yes" if r.get("met") else "no") + f" ({r['goal_text']})",
         )
