@@ -9,6 +9,8 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   and the PT2E-quantized AOTInductor package; each calibrated on random:32, layers excluded until
   the 35 dB floor holds), one row per format, timed interleaved with eager float32 at batch x seq
   (default 32 x 128); SQNR on that batch; the quantization the manifest records.
+  ``--int8-artifact SIZE=DIR`` times an int8 artifact ``tk export`` wrote before (same checkpoint)
+  instead of exporting one here (the base Transformer's int8 export takes many minutes).
   ``--profile-int8`` runs the int8 ONNX graph under onnxruntime's profiler (kernel time by op type)
   and a kernel-profiled copy of the int8 package under torch's profiler (top operators), both after
   the timed rounds.
@@ -56,6 +58,7 @@ from rich.table import Table
 from tk.export import ExportOptions
 from tk.fileio import atomic_write_json
 from tk.formats.aoti import cpu_flags
+from tk.manifest import verify_artifact
 from tk.models import build_model
 from tk.parity import compare_output
 from tk.runtime import load
@@ -104,11 +107,20 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
     int8, bf16 = size in args.int8_sizes, size in args.bf16_sizes
     engines = {}
     if int8:
-        int8_root = work / f"{size}-int8"
         int8_options = ExportOptions(formats=args.int8_formats, precision="int8", checkpoint=checkpoint, check=False)
-        start = time.perf_counter()
-        result = export(spec, int8_root, int8_options)
-        int8_export_s = time.perf_counter() - start
+        if size in args.int8_artifacts:  # exported before (tk export), by the same checkpoint
+            int8_root = Path(args.int8_artifacts[size])
+            manifest, int8_export_s = verify_artifact(int8_root), None
+            if manifest.precision != "int8" or any(f not in manifest.formats for f in args.int8_formats):
+                raise SystemExit(
+                    f"--int8-artifact {int8_root}: expected int8 {args.int8_formats}, found "
+                    f"{manifest.precision} {sorted(manifest.formats)}"
+                )
+        else:
+            int8_root = work / f"{size}-int8"
+            start = time.perf_counter()
+            manifest = export(spec, int8_root, int8_options).manifest
+            int8_export_s = time.perf_counter() - start
         engines = {"eager fp32": load(int8_root, "eager")}
         # onnxruntime's idle threads spin after each call and would slow the next engine's call on 2 cores
         engines.update({f"{fmt} int8": load(int8_root, fmt, **SPIN_OFF.get(fmt, {})) for fmt in args.int8_formats})
@@ -134,7 +146,7 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
     )
     if int8:
         for fmt in args.int8_formats:
-            rows.append(_int8_row(size, fmt, checkpoint, args, result, outputs, times, int8_export_s))
+            rows.append(_int8_row(size, fmt, checkpoint, args, manifest, outputs, times, int8_export_s))
             if args.profile_int8 and fmt == "onnx":
                 rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
             if args.profile_int8 and fmt == "aoti":
@@ -246,9 +258,9 @@ def _profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: in
     return top
 
 
-def _int8_row(size, fmt, checkpoint, args, result, outputs, times, int8_export_s) -> dict:
+def _int8_row(size, fmt, checkpoint, args, manifest, outputs, times, int8_export_s) -> dict:
     eager_ms = _ms(times["eager fp32"])
-    info = result.manifest.formats[fmt]
+    info = manifest.formats[fmt]
     quant = info["quantization"]
     engine = f"{fmt} int8"
     sqnr = _sqnr(outputs["eager fp32"], outputs[engine])
@@ -265,8 +277,8 @@ def _int8_row(size, fmt, checkpoint, args, result, outputs, times, int8_export_s
         "quantization": quant,
         "fused": info.get("fusions", {}).get("fused_ops"),
         "quantizable_layers": quant.get("quantizable_nodes", quant.get("quantizable_modules")),
-        "export_s": round(int8_export_s, 1),  # both int8 formats, one export
-        "format_s": result.manifest.timings.get(fmt),
+        "export_s": None if int8_export_s is None else round(int8_export_s, 1),  # all int8 formats, one export
+        "format_s": manifest.timings.get(fmt),
         "met": bool(sqnr >= MIN_SQNR_DB["int8"] and eager_ms / _ms(times[engine]) >= INT8_SPEEDUP_GOAL),
         "goal_text": f"SQNR >= {MIN_SQNR_DB['int8']:g} dB and >= {INT8_SPEEDUP_GOAL:g}x eager fp32",
     }
@@ -471,6 +483,13 @@ def main() -> None:
         default="onnx,aoti",
         help="int8 formats, one row each: onnx (onnxruntime), aoti (torchao PT2E).",
     )
+    parser.add_argument(
+        "--int8-artifact",
+        action="append",
+        default=[],
+        metavar="SIZE=DIR",
+        help="An int8 artifact tk exported before from the same checkpoint, timed instead of exporting one.",
+    )
     parser.add_argument("--profile-int8", action="store_true", help="Profile the int8 ONNX graph and AOTI package.")
     parser.add_argument("--profile-bf16", action="store_true", help="Profile the bf16 AOTI package (top ops).")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="SIZE=PATH", help="tk train checkpoint.")
@@ -493,6 +512,7 @@ def main() -> None:
     args.hf_shapes = [tuple(int(n) for n in s.split("x")) for s in args.hf_shapes.split(",") if s]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
+    args.int8_artifacts = dict(item.split("=", 1) for item in args.int8_artifact)
     machine = machine_description()
     machine["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
     args.machine = machine

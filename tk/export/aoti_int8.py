@@ -17,11 +17,12 @@ LayerNorm/GELU/residual kernels about 9 ms) where the ONNX graph takes about 120
 attention, LayerNorm, GELU and excluded products were 75% of its time. The int8 products of both
 run near the machine's int8 matrix-product peak (``torch._int_mm``).
 
-Layers whose quantization costs the most signal are left out automatically, as for ONNX: while
-the outputs' SQNR (the quantized program run by PyTorch against the float32 one, on the
-calibration batches and held-out batches at the shapes the export check uses) is below the floor
-plus a margin, each linear's cost is measured alone and the costliest are excluded, a few more per
-round. Where the CPU has bfloat16 dot products they run in bfloat16 (casts around the linear; the
+Layers whose quantization costs the most signal are left out automatically: while the outputs'
+SQNR (the quantized program run by PyTorch against the float32 one, on the calibration batches and
+held-out batches at the shapes the export check uses) is below the floor plus a margin, the
+costliest are excluded, a few more per round. A layer's cost is its own output's SQNR with its input
+and weight rounded as the calibrated observers say (``tk.export.int8_costs``: one pass over the
+calibration batches), and a failing round stops at its first batch under the target. Where the CPU has bfloat16 dot products they run in bfloat16 (casts around the linear; the
 weight cast is folded by freezing), which costs the signal little (bfloat16 keeps 8 bits of
 mantissa whatever the range, where per-tensor int8 loses its bits to an outlier) and is twice as
 fast as float32: on the small Transformer, 107.7 -> 93.0 ms per call, SQNR 56.5 dB for both.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import platform
 import warnings
 from collections.abc import Sequence
@@ -45,6 +47,7 @@ import torch
 
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
+from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
@@ -72,7 +75,7 @@ class AotiInt8Result:
     excluded: list[str] = field(default_factory=list)  # modules not quantized (--keep-fp32 + automatic)
     automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
     excluded_dtype: str = "fp32"  # what excluded linears run in (bf16 where the CPU has it); convolutions stay fp32
-    layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> SQNR with only it quantized
+    layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> its own output's SQNR in int8
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
     method: str = DEFAULT_METHOD
@@ -97,11 +100,9 @@ def quantizable_modules(graph_module: torch.fx.GraphModule) -> list[str]:
     names: list[str] = []
     for node in graph_module.graph.nodes:
         if node.op == "call_function" and node.target in QUANTIZED_TARGETS:
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                path = list(stack.values())[-1][0]
-                if path and path not in names:
-                    names.append(path)
+            path = module_path(node)
+            if path and path not in names:
+                names.append(path)
     return names
 
 
@@ -122,8 +123,7 @@ def run_linears_in_bf16(graph_module: torch.fx.GraphModule, modules: Sequence[st
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        if not stack or list(stack.values())[-1][0] not in wanted:
+        if module_path(node) not in wanted:
             continue
         with graph.inserting_before(node):
             node.args = tuple(
@@ -194,11 +194,11 @@ class _Quantizer:
         self.keep_fp32 = list(keep_fp32)
         self.excluded_in_bf16 = excluded_in_bf16
 
-    def quantize(self, *, only: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
-        """Every quantizable module (or ``only`` those) in int8, but the ``keep_fp32`` ones (float32) and
-        ``exclude`` (bfloat16 where ``excluded_in_bf16``, else float32)."""
+    def prepare(self, *, only: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
+        """The program with observers for every quantizable module (or ``only`` those) but the
+        ``keep_fp32`` ones and ``exclude``, calibrated."""
         quantizer = _quantizer(self.method, only, [*self.keep_fp32, *exclude])  # imports torchao first
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
         # a fresh module of the program for each trial, not a deep copy: its parameters are the
         # program's own tensors (the quantizer writes new int8 constants and never changes them). Each
@@ -207,10 +207,22 @@ class _Quantizer:
         prepared = prepare_pt2e(self.program.module(), quantizer)
         for args in self.calibration:
             prepared(*args)
+        return prepared
+
+    def convert(self, prepared: torch.fx.GraphModule, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
+        """``prepared`` (changed in place) with quantize/dequantize pairs; ``exclude`` in bfloat16
+        where ``excluded_in_bf16``."""
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
+
         converted = convert_pt2e(prepared)
         if self.excluded_in_bf16 and exclude:
             run_linears_in_bf16(converted, exclude)
         return converted
+
+    def quantize(self, *, only: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
+        """Every quantizable module (or ``only`` those) in int8, but the ``keep_fp32`` ones (float32) and
+        ``exclude`` (bfloat16 where ``excluded_in_bf16``, else float32)."""
+        return self.convert(self.prepare(only=only, exclude=exclude), exclude)
 
 
 @dataclass
@@ -228,8 +240,15 @@ class _Judge:
         """A judge of the first ``count`` batches, with the references already computed."""
         return _Judge(self.batches[:count], self.reference[:count])
 
-    def sqnr_db(self, candidate: torch.fx.GraphModule) -> float:
-        return worst_sqnr_db(self.reference, [_outputs(candidate, b) for b in self.batches])
+    def sqnr_db(self, candidate: torch.fx.GraphModule, stop_below: float | None = None) -> float:
+        """The worst SQNR over the batches; with ``stop_below``, the first batch's under it (the rest
+        are not run: the candidate fails whatever they say)."""
+        worst = math.inf
+        for reference, batch in zip(self.reference, self.batches, strict=True):
+            worst = min(worst, worst_sqnr_db([reference], [_outputs(candidate, batch)]))
+            if stop_below is not None and worst < stop_below:
+                break
+        return worst
 
 
 def _outputs(module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
@@ -253,8 +272,8 @@ def int8_program(
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
-    With ``min_sqnr_db``, modules are excluded automatically (costliest first, each measured alone
-    on the calibration batches) until the SQNR on the calibration and ``judge`` batches reaches
+    With ``min_sqnr_db``, modules are excluded automatically (costliest first: the lowest SQNR of
+    their own output in int8, on the calibration batches) until the SQNR on the calibration and ``judge`` batches reaches
     ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
     CPU has bfloat16 dot products), in float32 elsewhere.
@@ -280,19 +299,21 @@ def int8_program(
             candidates = quantizable_modules(quantizer.float_module)
             under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
             judged = _Judge.of(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
-            quantized = quantizer.quantize()
+            prepared = quantizer.prepare()
+            ranked = [n for n in candidates if n not in under_kept]
+            costs = local_sqnr_db(prepared, batches, QUANTIZED_TARGETS, ranked) if min_sqnr_db is not None else {}
+            quantized = quantizer.convert(prepared)
             result = AotiInt8Result(
                 judged.sqnr_db(quantized),
                 list(kept),
+                layer_sqnr_db=costs,
                 quantizable=len(candidates),
                 method=method,
                 excluded_dtype="bf16" if in_bf16 else "fp32",
             )
             log.info("export int8   SQNR %.1f dB on %d batches", result.sqnr_db, len(judged.batches))
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
-                quantized = _exclude_costliest(
-                    quantizer, judged, [n for n in candidates if n not in under_kept], min_sqnr_db, result
-                )
+                quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
@@ -304,22 +325,21 @@ def int8_program(
 
 
 def _exclude_costliest(
-    quantizer: _Quantizer, judged: _Judge, candidates: list[str], min_sqnr_db: float, result: AotiInt8Result
+    quantizer: _Quantizer, judged: _Judge, min_sqnr_db: float, result: AotiInt8Result
 ) -> torch.fx.GraphModule:
-    """Rank the ``candidates`` by their cost alone, then ``exclude_costliest`` until ``judged`` clears
-    the floor plus the margin; the last round's program."""
-    ranking = judged.first(len(quantizer.calibration))  # the calibration batches come first
-    for name in candidates:
-        result.layer_sqnr_db[name] = ranking.sqnr_db(quantizer.quantize(only=[name]))
+    """``exclude_costliest`` by ``result.layer_sqnr_db`` until ``judged`` clears the floor plus the
+    margin; the last round's program. A round stops at the first batch under the target."""
+    target = min_sqnr_db + MARGIN_DB
     rounds: list[torch.fx.GraphModule] = []
 
     def judge_without(automatic: list[str]) -> float:
         rounds[:] = [quantizer.quantize(exclude=automatic)]
-        sqnr = judged.sqnr_db(rounds[0])
-        log.info("export int8   %d modules %s: SQNR %.1f dB", len(automatic), result.excluded_dtype, sqnr)
+        sqnr = judged.sqnr_db(rounds[0], stop_below=target)
+        stopped = f" (a batch under {target:.1f} dB: the rest not run)" if sqnr < target else ""
+        log.info("export int8   %d modules %s: SQNR %.1f dB%s", len(automatic), result.excluded_dtype, sqnr, stopped)
         return sqnr
 
-    result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS)
+    result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, target, MAX_ROUNDS)
     if last is not None:
         result.sqnr_db = last
     result.excluded = [*quantizer.keep_fp32, *result.automatic]
