@@ -96,6 +96,7 @@ def test_a_failing_round_stops_at_its_first_batch_under_the_target():
         assert len(calls) == 4 and math.isfinite(full)
         calls.clear()
         assert judge.sqnr_db(noisy, stop_below=full + 40) < full + 40 and len(calls) == 1
+        assert judge.worst_shape == (8, 16)  # the batch it stopped at
         calls.clear()
 
         def exact(x: torch.Tensor) -> torch.Tensor:
@@ -103,3 +104,26 @@ def test_a_failing_round_stops_at_its_first_batch_under_the_target():
             return model(x)
 
         assert judge.sqnr_db(exact, stop_below=full + 40) == math.inf and len(calls) == 4  # none under: all run
+
+
+def test_headroom_is_the_least_sqnr_over_each_batchs_own_target():
+    torch.manual_seed(0)
+    model = _TwoLinears().eval()
+    batches = [(torch.randn(8, 16),) for _ in range(3)]
+    judge = _Judge.of(model, batches)
+    noise = [torch.randn(8, 4) * scale for scale in (0.001, 0.01, 0.1)]  # batch i gets 10x the noise of i-1
+    calls = []
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x)
+        return model(x) + noise[len(calls) - 1]
+
+    with torch.no_grad():
+        sqnr = judge.per_batch(noisy)
+        assert sqnr[0] > sqnr[1] > sqnr[2]
+        calls.clear()
+        targets = [sqnr[0] - 1, sqnr[1] - 5, sqnr[2] - 3]
+        assert judge.headroom_db(noisy, targets) == pytest.approx(1.0) and len(calls) == 3
+        assert judge.worst_sqnr_db == pytest.approx(sqnr[2]) and judge.worst_shape == (8, 16)
+        calls.clear()
+        assert judge.headroom_db(noisy, [sqnr[0] - 1, sqnr[1] + 2, 0.0]) == pytest.approx(-2.0) and len(calls) == 2
