@@ -329,6 +329,11 @@ def int8_program(
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
+            if result.int8_modules == 0 and candidates:
+                log.warning(
+                    "export int8   no module stayed int8 (all %d left out, in %s): --precision bf16 makes the same "
+                    "package without calibrating", len(candidates), result.excluded_dtype,
+                )  # fmt: skip
             from tk.export.torch_program import exported_program_from_module
 
             return exported_program_from_module(quantized, example_inputs, signature, dims), result
