@@ -25,10 +25,11 @@ and weight rounded as the calibrated observers say (``tk.export.int8_costs``: on
 calibration batches), and a failing round stops at its first batch under the target. On a batch
 where the program with every module in bfloat16 is itself under the target (the barely trained base
 Transformer: 26.0 dB on one of 44 batches, 22.6 for int8), int8 is held to bfloat16's SQNR minus
-the margin there: no exclusion could do better. Where the CPU has bfloat16 dot products they run in bfloat16 (casts around the linear; the
-weight cast is folded by freezing), which costs the signal little (bfloat16 keeps 8 bits of
-mantissa whatever the range, where per-tensor int8 loses its bits to an outlier) and is twice as
-fast as float32: on the small Transformer, 107.7 -> 93.0 ms per call, SQNR 56.5 dB for both.
+the margin there: no exclusion could do better. Where the CPU has bfloat16 dot products the
+excluded modules run in bfloat16 (casts around the linear; the weight cast is folded by
+freezing), which costs the signal little (bfloat16 keeps 8 bits of mantissa whatever the range,
+where per-tensor int8 loses its bits to an outlier) and is twice as fast as float32: on the small
+Transformer, 107.7 -> 93.0 ms per call, SQNR 56.5 dB for both.
 ``--keep-fp32 MODULE`` keeps a module in float32. The package's numbers come from oneDNN's kernels,
 not from the program the judge runs; the export check measures the package itself.
 """
@@ -287,8 +288,8 @@ def int8_program(
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
     With ``min_sqnr_db``, modules are excluded automatically (costliest first: the lowest SQNR of
-    their own output in int8, on the calibration batches) until the SQNR on the calibration and ``judge`` batches reaches
-    ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
+    their own output in int8, on the calibration batches) until the SQNR on the calibration and
+    ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
     CPU has bfloat16 dot products), in float32 elsewhere.
     """
@@ -354,7 +355,7 @@ def _exclude_costliest(
     int8 is held to it minus the margin there, instead of a target no exclusion can reach."""
     target = min_sqnr_db + MARGIN_DB
     targets = [target] * len(judged.batches)
-    if quantizer.excluded_in_bf16:
+    if quantizer.excluded_in_bf16 and result.layer_sqnr_db:
         ceiling = judged.per_batch(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
         targets = [min(target, c - MARGIN_DB) for c in ceiling]
         under = [i for i, c in enumerate(ceiling) if c < target]
