@@ -84,8 +84,10 @@ def exclude_costliest(
     costs: dict[str, float], judge: Callable[[list[str]], float], target_db: float, max_rounds: int
 ) -> tuple[list[str], float | None]:
     """Leave out the layers that cost the most signal, 1, 2, 4... more per round, until ``judge`` says
-    the graph without them reaches ``target_db``. ``costs``: each layer's SQNR with only it quantized
-    (lower is costlier); ``judge(excluded)`` quantizes everything else and returns the graph's SQNR.
+    the graph without them reaches ``target_db``. ``costs``: each layer's cost as an SQNR, lower is
+    costlier (ONNX: the graph's with only that layer quantized; aoti: the layer's own output's, from
+    ``tk.export.int8_costs``); ``judge(excluded)`` quantizes everything else and returns the graph's
+    SQNR, or any value under ``target_db`` when it fails.
     Returns the excluded layers, costliest first, and the last SQNR (None when there was none to exclude)."""
     ranked = sorted(costs, key=costs.__getitem__)
     excluded: list[str] = []
