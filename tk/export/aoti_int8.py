@@ -315,6 +315,8 @@ def int8_program(
             under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
             judged = _Judge.of(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
             prepared = quantizer.prepare()
+            # the layers' costs come from this calibrated program, so before convert changes it in place:
+            # one pass over the calibration batches, wasted only where every layer keeps the floor
             ranked = [n for n in candidates if n not in under_kept]
             costs = local_sqnr_db(prepared, batches, QUANTIZED_TARGETS, ranked) if min_sqnr_db is not None else {}
             quantized = quantizer.convert(prepared)
