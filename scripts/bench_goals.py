@@ -137,9 +137,9 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
         engines["aoti bf16"] = load(bf16_root, "aoti")
     outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
     calls: dict[str, Callable[[], Any]] = {name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}
-    peaks: list[float] = []  # the bf16 peak, measured between the model's rounds: both see the same machine
+    bf16_peak = _PeakSampler("bf16", every=1)  # once per round, between the model's calls
     if bf16:
-        calls["bf16 peak"] = lambda: peaks.append(matmul_peak("bf16", PEAK_SHAPE).gflops)
+        calls["bf16 peak"] = bf16_peak
     times = _interleaved(calls, args.iters)
     flops = model_flops(
         engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
@@ -152,7 +152,7 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
             if args.profile_int8 and fmt == "aoti":
                 rows[-1]["profile_top_ops"] = _profile_int8_aoti(spec, int8_options, feeds, work)
     if bf16:
-        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, peaks))
+        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, bf16_peak.samples))
         if args.profile_bf16:
             rows[-1]["profile_top_ops"] = _profile(bf16_root, bf16_manifest, feeds, work)
     for engine in engines.values():

@@ -95,7 +95,7 @@ def test_a_failing_round_stops_at_its_first_batch_under_the_target():
         full = judge.sqnr_db(noisy)
         assert len(calls) == 4 and math.isfinite(full)
         calls.clear()
-        assert judge.sqnr_db(noisy, stop_below=full + 40) < full + 40 and len(calls) == 1
+        assert judge.headroom_db(noisy, [full + 40] * 4) < 0 and len(calls) == 1
         assert judge.worst_shape == (8, 16)  # the batch it stopped at
         calls.clear()
 
@@ -103,7 +103,7 @@ def test_a_failing_round_stops_at_its_first_batch_under_the_target():
             calls.append(x)
             return model(x)
 
-        assert judge.sqnr_db(exact, stop_below=full + 40) == math.inf and len(calls) == 4  # none under: all run
+        assert judge.headroom_db(exact, [full + 40] * 4) == math.inf and len(calls) == 4  # none under: all run
 
 
 def test_headroom_is_the_least_sqnr_over_each_batchs_own_target():
