@@ -4,13 +4,13 @@
 LayerNorm + residual, GELU + bias and attention subgraphs into onnxruntime's contrib operators
 (``SkipLayerNormalization``, ``BiasGelu``, ``MultiHeadAttention``/``Attention``...). We chose it
 over ``onnxruntime.transformers.optimizer`` because the latter does not recognise attention or
-embeddings in dynamo-exported graphs (see the README's performance section for the counts).
+embeddings in dynamo-exported graphs (docs/int8-and-hf.md; the counts in benchmarks/history.md).
 
 For onnxruntime's CPU provider (the default), the residual sums then go back to standard
 ``Sum`` + ``LayerNormalization`` (``layer_norms_for_cpu``): onnxruntime 1.32's CPU
-``SkipLayerNormalization`` kernel is a scalar loop, 4x slower than ``Add`` + ``LayerNormalization``
-on 8 x 128 x 384 (12 nodes: 13.1-14.1 ms against 3.2-3.3 ms, AMD EPYC Zen 4, interleaved), which
-made tk's fused all-MiniLM-L6-v2 slower than Optimum's unfused export. ``Sum`` rather than ``Add``
+``SkipLayerNormalization`` kernel is a scalar loop, several times slower than ``Add`` +
+``LayerNormalization`` (measured in benchmarks/history.md), which made tk's fused all-MiniLM-L6-v2
+slower than Optimum's unfused export. ``Sum`` rather than ``Add``
 because onnxruntime's own session-level ``SkipLayerNormFusion`` matches ``Add`` -> ``LayerNormalization``
 and would fuse it back. CUDA exports keep ``SkipLayerNormalization`` (a fused kernel there).
 
