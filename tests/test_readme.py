@@ -10,9 +10,10 @@ says what the test does with it:
 - `file=NAME` (```python file=my_models.py) writes the block to NAME in that directory;
 - every other block (```console, ```text, none) is a transcript and does not run.
 
-Every `tk` command of every block, run or not (the `$ tk` lines of transcripts too), is parsed by
-the command line itself: the command and each option must exist and take the value given.
-Runnable blocks use tiny models, so a page runs in seconds to a minute.
+Every `tk` command of every block, run or not (the `$ tk` and `tk` lines of transcripts too), is
+parsed by the command line itself: the command and each option must exist and take the value
+given. Runnable blocks use tiny models; running a page starts `tk` several times, so that test is
+marked slow.
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ def blocks(page: Path) -> list[Block]:
 
 
 def shell_lines(block: Block) -> list[str]:
-    """The command lines of a block: every line of a shell block, the `$ ` lines of a transcript."""
+    """The command lines of a block: every line of a shell block; in a transcript, the `$ ` lines and
+    the lines that start with `tk ` (a list of commands without their output)."""
     if block.language == "python":
         return []
     text = block.body.replace("\\\n", " ")
     if block.language in {"bash", "sh"}:
         return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    return [line[2:] for line in text.splitlines() if line.startswith("$ ")]
+    return [line.removeprefix("$ ") for line in text.splitlines() if line.startswith(("$ ", "tk "))]
 
 
 def tk_commands(line: str) -> list[list[str]]:
