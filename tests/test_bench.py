@@ -11,8 +11,10 @@ from rich.console import Console
 from tk.export import ExportOptions
 from tk.models import build_model
 from tk.runtime import load
-from tk.workflows.bench import BenchReport, machine_description, measure, render_table, save_json, save_plot
+from tk.workflows.bench import BenchReport, measure, render_table, save_json, save_plot
 from tk.workflows.export import export
+from tk.workflows.hardware import machine_description
+from tk.workflows.load_guard import LoadGuard
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -78,9 +80,11 @@ def test_a_time_budget_still_gives_a_few_calls(engines):
 def test_json_table_and_plot(report, tmp_path):
     save_json(report, tmp_path / "bench.json")
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert [row["engine"] for row in data["rows"]] == ["eager", "torch", "eager", "torch"]
-    assert data["rows"][0]["p50_ms"] == report.rows[0].p50_ms
-    assert {"cpu", "cores", "torch_threads", "gpu", "versions"} <= set(data["machine"])
+    assert [row["engine"] for row in data["results"]["rows"]] == ["eager", "torch", "eager", "torch"]
+    assert data["results"]["rows"][0]["p50_ms"] == report.rows[0].p50_ms
+    assert {"cpu", "cores", "torch_threads", "gpu"} <= set(data["machine"])
+    assert data["command"] == "tk bench" and data["versions"]["torch"] == torch.__version__
+    assert data["settings"]["batch_sizes"] == [1, 4] and set(data["load_average"]) == {"before", "after"}
 
     save_plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
@@ -93,14 +97,14 @@ def test_json_table_and_plot(report, tmp_path):
 
 def test_machine_description_names_versions():
     machine = machine_description()
-    assert torch.__version__.startswith(machine["versions"]["torch"])
+    assert machine["versions"]["torch"] == torch.__version__
     assert machine["cpu"] and machine["platform"]
     assert machine["torch_threads"] == torch.get_num_threads()
     assert machine["cores"] >= 1
 
 
 def test_table_warns_about_a_busy_machine():
-    machine = {"cpu": "test", "torch_threads": 2, "load_average": [5.0, 4.0, 3.0], "usable_cores": 2}
+    machine = {"cpu": "test", "torch_threads": 2, "load_average": [5.0, 4.0, 3.0], "cores": 2}
     console = Console(record=True, width=160)
     console.print(render_table(BenchReport([], machine, {})))
     assert "busy machine: load average 5.0 on 2 cores" in console.export_text()
@@ -128,7 +132,7 @@ def test_io_modes_time_the_cold_call_apart_and_record_it(engines, io):
     assert row.h2d_ms is row.compute_ms is row.d2h_ms is row.peak_gpu_mb is None
     # 1 cold + 2 warm-up + 4 timed calls, all with the checks skipped (the feeds were checked once)
     assert calls == [("Tensor" if io == "device" else "ndarray", False)] * 7
-    assert json.loads(json.dumps(result.to_json()))["rows"][0]["cold_ms"] == row.cold_ms
+    assert json.loads(json.dumps(result.to_json()))["results"]["rows"][0]["cold_ms"] == row.cold_ms
 
 
 def test_bad_io_or_warmup_is_refused(engines):
@@ -162,5 +166,31 @@ def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
     result = CliRunner().invoke(cli, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.stderr
     data = json.loads(out.read_text())
-    assert [r["engine"] for r in data["rows"]] == ["torch"]  # eager only counted the FLOPs
-    assert data["rows"][0]["gflops"] > 0 and data["settings"]["roofline"]["flops_per_sample"] > 0
+    rows = data["results"]["rows"]
+    assert [r["engine"] for r in rows] == ["torch"]  # eager only counted the FLOPs
+    assert rows[0]["gflops"] > 0 and data["settings"]["roofline"]["flops_per_sample"] > 0
+    assert rows[0]["peak_share"] > 0 and rows[0]["load_before"] is not None
+    assert data["settings"]["wait_quiet_s"] == 0.0
+
+
+def test_rows_timed_on_a_busy_machine_are_marked_in_the_json_and_the_table(engines):
+    readings = iter([9.0, 0.5, 0.5, 0.5])  # busy before batch 1; quiet around batch 2
+    guard = LoadGuard(0, cores=2, read_load=lambda: next(readings))
+    report = measure({"eager": engines["eager"]}, [1, 2], iters=2, warmup=0, guard=guard)
+    assert [(r.batch_size, r.busy, r.load_before, r.load_after) for r in report.rows] == [
+        (1, True, 9.0, 0.5),
+        (2, False, 0.5, 0.5),
+    ]
+    assert [r["busy"] for r in report.to_json()["results"]["rows"]] == [True, False]
+    console = Console(record=True, width=200)
+    console.print(render_table(report))
+    text = console.export_text()
+    assert "9.0→0.5 busy" in text and "0.5→0.5" in text
+    assert "load average above 2 cores while timing the rows marked busy" in text
+
+
+def test_wait_quiet_is_refused_below_zero():
+    from tk.errors import UsageError
+
+    with pytest.raises(UsageError, match="--wait-quiet: expected 0 or more seconds"):
+        LoadGuard(-1)

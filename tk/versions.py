@@ -1,4 +1,4 @@
-"""Versions of the libraries and hardware an artifact or a measurement depends on."""
+"""Versions of the libraries an artifact or a measurement depends on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-PACKAGES = ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt", "torchvision")
+PACKAGES = ("numpy", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt", "torchvision", "openvino")
 
 
 def library_versions(device: str = "cpu") -> dict[str, object]:

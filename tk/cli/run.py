@@ -329,7 +329,17 @@ def check_cmd(
 @click.option(
     "--roofline",
     is_flag=True,
-    help="Measure this machine's matrix-product peak (the artifact's precision) and show each engine's share.",
+    help="Measure this machine's matrix-product rate at the model's linear shapes (the artifact's precision) "
+    "between the engines' calls, and show each engine's share of its median.",
+)
+@click.option(
+    "--wait-quiet",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Wait up to this long before each batch size for the 1-minute load average to drop to the core count; "
+    "rows timed above it are marked busy either way.",
 )
 @engine_options
 def bench_cmd(
@@ -345,6 +355,7 @@ def bench_cmd(
     json_path: Path | None,
     plot_path: Path | None,
     roofline: bool,
+    wait_quiet: float,
     device: str,
     provider: str | None,
     threads: int | None,
@@ -372,6 +383,7 @@ def bench_cmd(
         allow_failed=allow_failed,
         progress=lambda line: click.echo(line, err=True),
         roofline=roofline,
+        wait_quiet=wait_quiet,
     )
     console().print(render_table(report))
     for choice in choices:

@@ -14,6 +14,8 @@ from tk.runtime import open_engines
 from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
+from tk.workflows.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
+from tk.workflows.roofline import Roofline, engine_precision
 
 BASELINES = ("eager", "compile")  # always timed beside the engines asked for
 
@@ -45,6 +47,7 @@ def bench_artifact(
     allow_failed: bool = False,
     progress: Callable[[str], None] | None = None,
     roofline: bool = False,
+    wait_quiet: float = DEFAULT_WAIT_QUIET_S,
 ) -> tuple[BenchReport, list[AutoChoice]]:
     """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and
     compile (unless ``baselines`` is off).
@@ -53,7 +56,9 @@ def bench_artifact(
     each batch size comes back with the report. ``options`` holds engine options by name; the
     onnxruntime threads' spinning is turned off when several engines are interleaved (spinning
     threads keep the cores from the engine timed next). ``roofline`` measures this machine's
-    matrix-product peak and each engine's share of it (``tk.workflows.roofline``).
+    matrix-product rate at the model's linear shapes, between the engines' calls, and each
+    engine's share of it (``tk.workflows.roofline``). Each batch size's rounds wait up to
+    ``wait_quiet`` seconds for a quiet machine and are marked busy otherwise (``tk.workflows.load_guard``).
     """
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
@@ -73,12 +78,14 @@ def bench_artifact(
             shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
             candidates = check_candidates(eager, opened, manifest, shape)
             opened = {c.engine: opened[c.engine] for c in candidates if c.passed}
+        peaks = _roofline(opened, eager, manifest, sizes) if roofline else None
         report = measure(
-            opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, warmup=warmup, io=io, progress=progress
-        )
+            opened, batch_sizes, seconds=seconds, iters=iters, sizes=sizes, warmup=warmup, io=io, progress=progress,
+            guard=LoadGuard(wait_quiet), between=peaks.between if peaks else None,
+        )  # fmt: skip
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
-        if roofline:
-            report.settings["roofline"] = _roofline(report, eager, manifest, sizes)
+        if peaks:
+            report.settings["roofline"] = peaks.fill(report, manifest.precision)
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
@@ -86,13 +93,12 @@ def bench_artifact(
     return report, choices
 
 
-def _roofline(report: BenchReport, eager: Any, manifest: Any, sizes: dict[str, int] | None) -> dict[str, Any]:
+def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str, int] | None) -> Roofline:
     import torch
 
     from tk.spec import random_feeds
-    from tk.workflows.roofline import roofline
 
     shape = default_shape(manifest, 1, sizes)
     feeds = random_feeds(manifest.signature.inputs, shape)
     args = {s.name: torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs}
-    return roofline(report, eager.module, args, manifest.precision)
+    return Roofline(eager.module, args, {engine_precision(name, manifest.precision) for name in opened})

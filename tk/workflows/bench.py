@@ -2,21 +2,18 @@
 
 ``measure`` gives every engine the same valid random NumPy feeds at each batch size, warms each
 one up, then times them interleaved (one call of each engine in turn, in a new seeded random
-order each round), so machine noise hits all of them alike. It reports percentiles of the
-per-call latency, never the mean alone. ``render_table``, ``save_json`` and ``save_plot`` show
+order each round, ``tk.workflows.timing.interleave``), so machine noise hits all of them alike,
+with the load guard around each batch size's rounds. It reports percentiles of the per-call
+latency, never the mean alone. ``render_table``, ``save_json`` and ``save_plot`` show
 the same numbers to people and to machines.
 """
 
 from __future__ import annotations
 
-import gc
-import importlib.metadata as metadata
+import datetime as dt
 import io
 import math
-import os
-import platform
-import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +24,17 @@ from tk.errors import BackendUnavailableError, InputError, UsageError
 from tk.fileio import atomic_write_bytes, atomic_write_json
 from tk.runtime.base import Engine
 from tk.runtime.inputs import random_inputs, sample_dim
-from tk.workflows.timing import IO_MODES, CallTime, CallTimer, peak_gpu_memory_mb, peak_gpu_memory_reset
+from tk.workflows.hardware import machine_description
+from tk.workflows.results import BenchRun, utc_now
+from tk.workflows.load_guard import LoadGuard
+from tk.workflows.timing import (
+    IO_MODES,
+    CallTime,
+    CallTimer,
+    interleave,
+    peak_gpu_memory_mb,
+    peak_gpu_memory_reset,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -55,7 +62,10 @@ class BenchRow:
     d2h_ms: float | None = None  # median device-to-host copy per call (CUDA, --io host)
     peak_gpu_mb: float | None = None  # peak GPU memory allocated while warming this engine up (CUDA)
     gflops: float | None = None  # model FLOPs / p50 (with --roofline)
-    peak_share: float | None = None  # gflops / the measured matrix-product peak of its precision (--roofline)
+    peak_share: float | None = None  # gflops / the median matrix-product rate of its precision (--roofline)
+    load_before: float | None = None  # 1-minute load average when this batch size's rounds began
+    load_after: float | None = None  # and when they ended
+    busy: bool = False  # either reading above the core count: other work competed for the cores
 
 
 @dataclass
@@ -64,50 +74,15 @@ class BenchReport:
     machine: dict[str, Any]
     settings: dict[str, Any]
     skipped: list[dict[str, Any]] = field(default_factory=list)  # engine, batch_size, reason
+    started: dt.datetime = field(default_factory=utc_now)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "machine": self.machine,
-            "settings": self.settings,
-            "rows": [asdict(r) for r in self.rows],
-            "skipped": self.skipped,
-        }
+    def results(self) -> dict[str, Any]:
+        return {"rows": [asdict(r) for r in self.rows], "skipped": self.skipped}
 
-
-def machine_description() -> dict[str, Any]:
-    """CPU model, cores, torch threads, GPU, load average, platform and the versions that decide speed."""
-    import torch
-
-    versions = {"python": platform.python_version(), "numpy": np.__version__}
-    for package in ("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "torch_threads": torch.get_num_threads(),
-        "gpu": gpu,
-        "load_average": load,  # 1, 5 and 15 minutes; above usable_cores, other work competes for the CPU
-        "platform": platform.platform(),
-        "versions": versions,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    def to_json(self, command: str = "tk bench") -> dict[str, Any]:
+        """The report in the benchmarks' one envelope (``tk.workflows.results``)."""
+        run = BenchRun(command, self.settings, started=self.started, machine=self.machine)
+        return run.envelope(self.results())
 
 
 def measure(
@@ -121,6 +96,8 @@ def measure(
     seed: int = 0,
     io: str = "host",
     progress: Callable[[str], None] | None = None,
+    guard: LoadGuard | None = None,
+    between: Callable[[int], Sequence[Callable[[], object]]] | None = None,
 ) -> BenchReport:
     """Time every engine at every batch size on the same random feeds.
 
@@ -130,30 +107,16 @@ def measure(
     2.0 s budget, 3 warm-up calls, other dimensions at ``sizes`` or their opt size, seed 0, ``io``
     host (see ``tk.workflows.timing``). Each engine's first call at each batch size is timed apart
     (``cold_ms``); on CUDA each row also has its copy and compute times and peak GPU memory.
+    ``guard`` (default: one that marks but does not wait) reads the load around each batch size's
+    rounds and marks its rows busy; ``between(batch_size)`` gives untimed calls run in every round
+    (a peak measurement that keeps its own samples).
     """
-    if io not in IO_MODES:
-        raise UsageError(f"--io: expected one of {', '.join(IO_MODES)}, got {io!r}")
-    if warmup < 0:
-        raise UsageError(f"--warmup: expected 0 or more calls, got {warmup}")
-    if not engines:
-        raise UsageError("bench: expected at least one engine")
-    if iters is not None and iters < 1:
-        raise UsageError(f"--iters: expected at least 1, got {iters}")
-    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-        raise UsageError(f"--seconds: expected a finite time budget above 0, got {seconds}")
-    if seconds is None and iters is None:
-        seconds = DEFAULT_SECONDS
+    seconds = _check_arguments(engines, seconds, iters, warmup, io)
     first = next(iter(engines.values()))
     specs, dims = first.inputs, first.dims
-    names = [s.name for s in specs]
-    for label, engine in engines.items():
-        if [s.name for s in engine.inputs] != names:
-            raise UsageError(
-                f"bench: engine {label!r} takes inputs {[s.name for s in engine.inputs]}, expected {names}"
-            )
     cuda = any(getattr(e, "device", "cpu") == "cuda" for e in engines.values())
-    batch = sample_dim(specs)
-    machine = machine_description()  # before timing, so the load average is not the benchmark's own
+    started, machine = utc_now(), machine_description()  # before timing: the load is not the benchmark's own
+    guard = guard or LoadGuard()
     say = progress or (lambda _: None)
     rows: list[BenchRow] = []
     skipped: list[dict[str, Any]] = []
@@ -170,62 +133,65 @@ def measure(
                 say(f"batch {size}: {label} skipped: {exc}")
                 continue
             say(f"batch {size}: {label} warm-up")
-            peak_gpu_memory_reset(cuda)
-            cold = timer()
-            for _ in range(warmup):
-                timer()
-            extra[label] = {"io": io, "cold_ms": cold.total_s * 1e3, "peak_gpu_mb": peak_gpu_memory_mb(cuda)}
+            extra[label] = _warm_up(timer, warmup, io, cuda)
             active[label] = timer
-        times = _interleaved(active, seconds, iters)
-        batch_rows = [_row(label, size, t, extra[label]) for label, t in times.items()]
+        calls = between(size) if between and active else ()
+        with guard.row() as mark:
+            times = interleave(active, iters=iters, seconds=seconds, min_rounds=MIN_ROUNDS, between=calls, seed=0)
+        load = {"load_before": mark.before, "load_after": mark.after, "busy": mark.busy}
+        batch_rows = [_row(label, size, t, extra[label] | load) for label, t in times.items()]
         reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
         for row in batch_rows:
             row.speedup = reference.p50_ms / row.p50_ms if reference is not None and row.p50_ms > 0 else None
-            say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls")
+            busy = " (busy machine)" if row.busy else ""
+            say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls{busy}")
         rows.extend(batch_rows)
     settings = {
         "batch_sizes": list(batch_sizes),
         "seconds": seconds,
         "iters": iters,
-        "sizes": {n: d.opt for n, d in dims.items() if n != batch} | (sizes or {}),  # besides the batch
+        "sizes": {n: d.opt for n, d in dims.items() if n != sample_dim(specs)} | (sizes or {}),  # besides the batch
         "warmup": warmup,
         "seed": seed,
         "io": io,
         "engines": list(engines),
         "reference": REFERENCE if REFERENCE in engines else None,
+        "wait_quiet_s": guard.wait_quiet_s,
+        "cores": guard.cores,
     }
-    return BenchReport(rows, machine, settings, skipped)
+    return BenchReport(rows, machine, settings, skipped, started)
 
 
-def _interleaved(timers: dict[str, CallTimer], seconds: float | None, iters: int | None) -> dict[str, list[CallTime]]:
-    """Each engine's call times, timed round-robin until ``iters`` or the budget is reached."""
-    times: dict[str, list[CallTime]] = {label: [] for label in timers}
-    order = list(timers.items())
-    shuffle = random.Random(0).shuffle
-    budget = None if seconds is None else seconds * len(order)
-    spent = 0.0
-    rounds = 0
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        while order:
-            if iters is not None and rounds >= iters:
-                break
-            if budget is not None and spent >= budget and rounds >= min(MIN_ROUNDS, iters or MIN_ROUNDS):
-                break
-            # A new order every round: a rotated fixed order keeps each engine behind the same
-            # neighbour, and on few cores an engine pays for its predecessor's threads going idle.
-            shuffle(order)
-            for label, timer in order:
-                call = timer()
-                times[label].append(call)
-                spent += call.total_s
-            rounds += 1
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return times
+def _check_arguments(
+    engines: dict[str, Engine], seconds: float | None, iters: int | None, warmup: int, io: str
+) -> float | None:
+    """Refuse what ``measure`` cannot time; the time budget to use (the default without ``iters``)."""
+    if io not in IO_MODES:
+        raise UsageError(f"--io: expected one of {', '.join(IO_MODES)}, got {io!r}")
+    if warmup < 0:
+        raise UsageError(f"--warmup: expected 0 or more calls, got {warmup}")
+    if not engines:
+        raise UsageError("bench: expected at least one engine")
+    if iters is not None and iters < 1:
+        raise UsageError(f"--iters: expected at least 1, got {iters}")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"--seconds: expected a finite time budget above 0, got {seconds}")
+    names = [s.name for s in next(iter(engines.values())).inputs]
+    for label, engine in engines.items():
+        if [s.name for s in engine.inputs] != names:
+            raise UsageError(
+                f"bench: engine {label!r} takes inputs {[s.name for s in engine.inputs]}, expected {names}"
+            )
+    return DEFAULT_SECONDS if seconds is None and iters is None else seconds
+
+
+def _warm_up(timer: CallTimer, warmup: int, io: str, cuda: bool) -> dict[str, Any]:
+    """The cold call (timed apart) and ``warmup`` more; the row's fields they give."""
+    peak_gpu_memory_reset(cuda)
+    cold = timer()
+    for _ in range(warmup):
+        timer()
+    return {"io": io, "cold_ms": cold.total_s * 1e3, "peak_gpu_mb": peak_gpu_memory_mb(cuda)}
 
 
 def _row(label: str, batch_size: int, calls: list[CallTime], extra: dict[str, Any]) -> BenchRow:
@@ -254,11 +220,14 @@ def render_table(report: BenchReport) -> Table:
     table = Table(title=title)
     gpu_columns = any(r.compute_ms is not None for r in report.rows)
     roofline = report.settings.get("roofline")
+    loads = any(r.load_before is not None for r in report.rows)
     headers = ["engine", "batch", "calls", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "speed-up", "cold ms"]
     if gpu_columns:
         headers += ["H2D ms", "compute ms", "D2H ms", "peak MiB"]
     if roofline:
         headers += ["GFLOP/s", "of peak"]
+    if loads:
+        headers += ["load"]
     for header in headers:
         table.add_column(header, justify="left" if header == "engine" else "right")
     for r in report.rows:
@@ -270,20 +239,43 @@ def render_table(report: BenchReport) -> Table:
             cells += [_maybe_ms(r.h2d_ms), _maybe_ms(r.compute_ms), _maybe_ms(r.d2h_ms), peak]
         if roofline:
             cells += [_gflops(r.gflops), _share(r.peak_share)]
+        if loads:
+            cells += [_load(r)]
         table.add_row(*cells)
     notes = []
     if roofline:
-        peaks = ", ".join(f"{p} {v['gflops']:,.0f}" for p, v in roofline["peaks"].items())
-        notes.append(
-            f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; measured matmul peak GFLOP/s: {peaks}"
-        )
-    load, cores = machine.get("load_average"), machine.get("usable_cores")
-    if load and cores and load[0] > cores:
-        notes.append(f"busy machine: load average {load[0]} on {cores} cores before timing; expect noise")
+        notes.append(roofline_note(roofline))
+    cores = report.settings.get("cores") or machine.get("cores")
+    if any(r.busy for r in report.rows):
+        notes.append(f"busy machine: load average above {cores} cores while timing the rows marked busy; expect noise")
+    else:
+        load = machine.get("load_average")
+        if load and cores and load[0] > cores:
+            notes.append(f"busy machine: load average {load[0]} on {cores} cores before timing; expect noise")
     if report.skipped:
         notes.append("skipped: " + "; ".join(f"{s['engine']} at batch {s['batch_size']}" for s in report.skipped))
     table.caption = "\n".join(notes) or None
     return table
+
+
+def roofline_note(roofline: dict[str, Any]) -> str:
+    """One line: the model's FLOPs and each precision's median rate at its shapes (with its range)."""
+    rates = []
+    for precision, by_batch in roofline["peaks"].items():
+        for batch, peak in by_batch.items():
+            g = peak["gflops"]
+            rates.append(f"{precision} @{batch} {g['median']:,.0f} ({g['min']:,.0f}-{g['max']:,.0f})")
+    skipped = "; ".join(f"{p}: {why}" for p, why in roofline.get("skipped", {}).items())
+    return (
+        f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; matmul rate at the model's "
+        f"linear shapes, median (min-max) GFLOP/s: {', '.join(rates)}" + (f"; skipped {skipped}" if skipped else "")
+    )
+
+
+def _load(row: BenchRow) -> str:
+    after = "—" if row.load_after is None else f"{row.load_after:.1f}"
+    text = "—" if row.load_before is None else f"{row.load_before:.1f}→{after}"
+    return f"{text} busy" if row.busy else text
 
 
 def _maybe_ms(value: float | None) -> str:
@@ -302,9 +294,9 @@ def _ms(value: float) -> str:
     return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
 
 
-def save_json(report: BenchReport, path: str | Path) -> None:
-    """Write the report as JSON, atomically."""
-    atomic_write_json(path, report.to_json())
+def save_json(report: BenchReport, path: str | Path, command: str = "tk bench") -> None:
+    """Write the report in the benchmarks' envelope as JSON, atomically."""
+    atomic_write_json(path, report.to_json(command))
 
 
 def save_plot(report: BenchReport, path: str | Path) -> None:

@@ -1,69 +1,158 @@
-"""``tk bench --roofline``: each engine's speed as a share of this machine's matrix-product peak.
+"""Peaks that mean something: the matrix-product rate at the model's own linear shapes, per precision,
+measured in the same rounds as the model's calls, reported as a median with its spread.
 
-The peak is measured in the same run (CPUs of the same name differ, and a shared machine's
-speed changes by the minute): ``torch.mm`` at a transformer-like shape in float32, bfloat16 or
-float16, and ``torch._int_mm`` for int8, best of a few timed repeats. The model's work is counted
-by ``torch.utils.flop_counter.FlopCounterMode`` on the eager model at the bench shape (matrix
-products and attention; a multiply-add is two operations), at batch 1 and scaled by the batch
-size (exact for models whose samples are independent, which the export check's batch-invariance
-probe verifies).
+A CPU's rate depends on the shape (a 768-wide bf16 product at M=1024 ran at half the rate of an
+M=4096 one) and, on a shared machine, on the minute (bf16 swung between about 650 and 2,200
+GFLOP/s with nothing else running), so one best-of-a-few product at a fixed shape makes a share
+of "peak" meaningless. Here:
+
+- ``linear_shapes`` walks the module's ``nn.Linear`` layers (forward hooks on one call) for the
+  M x K x N of each product at the benchmark's shape (M = every leading dimension: batch x seq);
+- ``ShapePeak`` runs each distinct shape once per call, the way the packages run them: oneDNN's
+  packed linear (``mkldnn._linear_pointwise`` on a ``_reorder_linear_weight``, what Inductor's
+  freezing emits for fp32 and bf16) and, for int8, oneDNN's quantized linear
+  (``onednn.qlinear_pointwise`` on a ``qlinear_prepack``-ed weight, fp32 out: what PT2E/x86
+  int8 packages run; not ``torch._int_mm``). One call gives one rate sample: the shapes' FLOPs
+  (each weighted by how often the model calls it) over their time;
+- the samples are taken between the model's calls (``tk.workflows.timing.interleave``'s
+  ``between``), and the rate an artifact is judged against is their median (with quartiles and
+  range beside it).
+
+The model's work is counted by ``torch.utils.flop_counter.FlopCounterMode`` on the eager model
+at batch 1 and scaled by the batch size (exact for models whose samples are independent, which
+the export check's batch-invariance probe verifies). An artifact's share of peak is its FLOPs /
+its p50 time over the median rate of its precision at its batch size.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-PEAK_SHAPE = (2048, 768, 3072)  # (M, K, N): a BERT-base feed-forward product at 16 x 128 tokens
-PEAK_REPEATS = 5  # timed products after one warm-up; the best one counts
+from tk.workflows.hardware import cpu_precision_reason
+from tk.workflows.timing import Spread
+
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT8_X_SCALE, INT8_X_ZERO_POINT = 0.02, 64  # activations in [0, 127]: no u8 x s8 saturation without VNNI
 
 
-@dataclass
-class Peak:
-    precision: str
-    gflops: float  # billions of multiply-add operations x2 per second (GOP/s for int8)
-    shape: tuple[int, int, int]
-    seconds: float  # best time of one product
+@dataclass(frozen=True)
+class LinearShape:
+    m: int  # rows: every leading dimension of the input (batch x seq for a Transformer)
+    k: int  # in_features
+    n: int  # out_features
+    count: int = 1  # how many of the model's linears have this shape
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n * self.count
+
+    def at_batch(self, batch: int) -> LinearShape:
+        return LinearShape(self.m * batch, self.k, self.n, self.count)
+
+
+def linear_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> list[LinearShape]:
+    """The M x K x N of every ``nn.Linear`` that one call of ``module(*args, **kwargs)`` runs, by shape."""
+    found: dict[tuple[int, int, int], int] = {}
+
+    def record(layer: nn.Module, inputs: tuple[torch.Tensor, ...], _: Any) -> None:
+        x = inputs[0]
+        key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features)
+        found[key] = found.get(key, 0) + 1
+
+    handles = [m.register_forward_hook(record) for m in module.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.inference_mode():
+            module(*args, **(kwargs or {}))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [LinearShape(m, k, n, count) for (m, k, n), count in found.items()]
+
+
+def peak_unavailable_reason(precision: str) -> str | None:
+    """Why this machine cannot measure ``precision``'s rate the packages' way, or None."""
+    if precision == "int8":
+        if not hasattr(torch.ops.onednn, "qlinear_pointwise") or not torch.backends.mkldnn.is_available():
+            return "this torch build has no oneDNN quantized linear (onednn.qlinear_pointwise)"
+        return None
+    if precision == "bf16":
+        return cpu_precision_reason("bf16")
+    if precision not in PRECISION_DTYPES:
+        return f"no matrix-product peak for precision {precision!r}"
+    return None
+
+
+def _product(precision: str, shape: LinearShape, gen: torch.Generator) -> Callable[[], torch.Tensor]:
+    """One linear at ``shape`` in ``precision``, weights prepacked as the packages hold them."""
+    m, k, n = shape.m, shape.k, shape.n
+    if precision == "int8":
+        x = torch.randint(0, 128, (m, k), dtype=torch.uint8, generator=gen)
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        packed = torch.ops.onednn.qlinear_prepack(w, [m, k])
+        w_scale, w_zero = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
+        bias = torch.randn(n, generator=gen)
+        return lambda: torch.ops.onednn.qlinear_pointwise(
+            x, INT8_X_SCALE, INT8_X_ZERO_POINT, packed, w_scale, w_zero, bias, 1.0, 0, torch.float32, "none", [], ""
+        )
+    dtype = PRECISION_DTYPES[precision]
+    x, w, b = (torch.randn(size, generator=gen).to(dtype) for size in ((m, k), (n, k), (n,)))
+    if precision in ("fp32", "bf16") and torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        except RuntimeError:  # this CPU lacks oneDNN's kernels for the dtype: the plain product
+            return lambda: F.linear(x, w, b)
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return lambda: F.linear(x, w, b)
+
+
+class ShapePeak:
+    """The matrix-product rate of ``precision`` at ``shapes``: each call runs every shape once and
+    keeps one sample, in GFLOP/s (GOP/s for int8). Made once (operands packed, one warm-up call)."""
+
+    def __init__(self, precision: str, shapes: list[LinearShape], seed: int = 0) -> None:
+        reason = peak_unavailable_reason(precision)
+        if reason is not None:
+            raise ValueError(reason)
+        if not shapes:
+            raise ValueError("ShapePeak: expected at least one linear shape")
+        gen = torch.Generator().manual_seed(seed)
+        self.precision, self.shapes = precision, shapes
+        self.flops = sum(s.flops for s in shapes)
+        self._products = [(s, _product(precision, s, gen)) for s in shapes]
+        self.samples: list[float] = []
+        with torch.inference_mode():
+            for _, product in self._products:
+                product()
+
+    def __call__(self) -> None:
+        seconds = 0.0
+        with torch.inference_mode():
+            for shape, product in self._products:
+                start = time.perf_counter()
+                product()
+                seconds += (time.perf_counter() - start) * shape.count
+        self.samples.append(self.flops / seconds / 1e9)
+
+    def release(self) -> None:
+        """Free the operands; the samples stay."""
+        self._products = []
+
+    def spread(self) -> Spread:
+        return Spread.of(self.samples)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "precision": self.precision,
-            "gflops": round(self.gflops, 1),
-            "shape_mkn": list(self.shape),
-            "best_s": self.seconds,
+            "shapes_mknc": [[s.m, s.k, s.n, s.count] for s in self.shapes],
+            "gflops": self.spread().to_json(),
         }
-
-
-def matmul_peak(precision: str, shape: tuple[int, int, int] = PEAK_SHAPE, repeats: int = PEAK_REPEATS) -> Peak:
-    """The best matrix-product rate of this process (its torch threads) at ``shape`` in ``precision``."""
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    if precision == "int8":
-        a = torch.randint(-128, 127, (m, k), dtype=torch.int8, generator=gen)
-        b = torch.randint(-128, 127, (k, n), dtype=torch.int8, generator=gen)
-
-        def product() -> torch.Tensor:
-            return torch._int_mm(a, b)
-    else:
-        dtype = PRECISION_DTYPES["fp32" if precision == "tf32" else precision]  # on the CPU tf32 is float32
-        a = torch.randn(m, k, generator=gen).to(dtype)
-        b = torch.randn(k, n, generator=gen).to(dtype)
-
-        def product() -> torch.Tensor:
-            return torch.mm(a, b)
-
-    with torch.inference_mode():
-        product()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-    return Peak(precision, 2.0 * m * k * n / best / 1e9, shape, best)
 
 
 def model_flops(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
@@ -86,20 +175,43 @@ def engine_precision(engine: str, artifact_precision: str) -> str:
     return artifact_precision
 
 
-def roofline(
-    report: Any, eager_module: torch.nn.Module, feeds_at_batch_1: dict[str, torch.Tensor], artifact_precision: str
-) -> dict[str, Any]:
-    """Fill each row's ``gflops`` and ``peak_share`` and return the roofline settings for the JSON."""
-    flops_1 = model_flops(eager_module, tuple(feeds_at_batch_1.values()))
-    precisions = {engine_precision(r.engine, artifact_precision) for r in report.rows}
-    peaks = {p: matmul_peak(p) for p in sorted(precisions)}
-    for row in report.rows:
-        peak = peaks[engine_precision(row.engine, artifact_precision)]
-        rate = flops_1 * row.batch_size / (row.p50_ms / 1e3) / 1e9
-        row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
-        row.peak_share = float(f"{rate / peak.gflops:.4g}")
-    return {
-        "flops_per_sample": flops_1,
-        "peaks": {p: peak.to_json() for p, peak in peaks.items()},
-        "torch_threads": torch.get_num_threads(),
-    }
+class Roofline:
+    """``tk bench --roofline``: the model's FLOPs, and a ``ShapePeak`` per precision and batch size
+    whose calls ``measure`` runs between the engines' (``between``)."""
+
+    def __init__(self, eager_module: nn.Module, feeds_at_batch_1: dict[str, torch.Tensor], precisions: set[str]):
+        args = tuple(feeds_at_batch_1.values())
+        self.flops_1 = model_flops(eager_module, args)
+        self.shapes_1 = linear_shapes(eager_module, args)
+        self.skipped = {p: why for p in sorted(precisions) if (why := peak_unavailable_reason(p))}
+        self.precisions = [p for p in sorted(precisions) if p not in self.skipped]
+        self.peaks: dict[tuple[str, int], ShapePeak] = {}
+        if not self.shapes_1:
+            self.skipped |= {p: "the model calls no nn.Linear" for p in self.precisions}
+            self.precisions = []
+
+    def between(self, batch: int) -> list[ShapePeak]:
+        for peak in self.peaks.values():
+            peak.release()  # one batch size's operands at a time
+        made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes_1]) for p in self.precisions]
+        self.peaks |= {(p.precision, batch): p for p in made}
+        return made
+
+    def fill(self, report: Any, artifact_precision: str) -> dict[str, Any]:
+        """Fill each row's ``gflops`` and ``peak_share``; the roofline settings for the JSON."""
+        for row in report.rows:
+            rate = self.flops_1 * row.batch_size / (row.p50_ms / 1e3) / 1e9
+            row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
+            peak = self.peaks.get((engine_precision(row.engine, artifact_precision), row.batch_size))
+            if peak is not None and peak.samples:
+                row.peak_share = float(f"{rate / peak.spread().median:.4g}")
+        peaks: dict[str, dict[str, Any]] = {}
+        for (precision, batch), peak in self.peaks.items():
+            if peak.samples:
+                peaks.setdefault(precision, {})[str(batch)] = peak.to_json()
+        return {
+            "flops_per_sample": self.flops_1,
+            "peaks": peaks,
+            "skipped": self.skipped,
+            "torch_threads": torch.get_num_threads(),
+        }

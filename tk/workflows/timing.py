@@ -5,11 +5,19 @@ engine is timed. ``--io host``: inputs start in host memory (pinned on CUDA, so 
 asynchronously) and outputs are copied back into pinned buffers; on CUDA, events split each call
 into host-to-device copy, compute and device-to-host copy. On the CPU both modes time the engine
 call; ``device`` hands it torch tensors, ``host`` NumPy arrays (the command line's and files' kind).
+
+``interleave`` is the one timing loop of ``tk``: one call of each timed callable in turn, in a new
+seeded random order each round, so machine noise hits all of them alike; ``timed`` turns any
+callable into one it can time, and ``Spread`` summarizes the samples (median, quartiles, range).
 """
 
 from __future__ import annotations
 
+import gc
+import random
+import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +33,7 @@ class CallTime:
     h2d_ms: float | None = None  # CUDA events; None on the CPU
     compute_ms: float | None = None
     d2h_ms: float | None = None
+    cpu_s: float | None = None  # process CPU time of the call (every thread), where it was read
 
 
 class CallTimer:
@@ -88,3 +97,87 @@ def peak_gpu_memory_reset(cuda: bool) -> None:
 
 def peak_gpu_memory_mb(cuda: bool) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], CallTime]:
+    """``fn`` as a timer: each call returns its wall time and the process CPU time it used."""
+
+    def call() -> CallTime:
+        cpu, start = time.process_time(), time.perf_counter()
+        fn()
+        return CallTime(time.perf_counter() - start, cpu_s=time.process_time() - cpu)
+
+    return call
+
+
+def interleave(
+    timers: Mapping[str, Callable[[], CallTime]],
+    *,
+    iters: int | None = None,
+    seconds: float | None = None,
+    min_rounds: int = 3,
+    between: Sequence[Callable[[], object]] = (),
+    seed: int = 0,
+) -> dict[str, list[CallTime]]:
+    """Each timer's call times, timed round-robin until ``iters`` rounds or the budget is reached.
+
+    The budget is ``seconds`` per timer (so rounds stop after ``seconds * len(timers)`` of timed
+    calls, but not before ``min_rounds``). ``between`` are untimed calls shuffled into every round
+    (a peak measurement that keeps its own samples, so that it sees the same machine as the timers).
+    The garbage collector is off while timing.
+    """
+    if iters is None and seconds is None:
+        raise ValueError("interleave: expected iters or seconds")
+    times: dict[str, list[CallTime]] = {label: [] for label in timers}
+    order: list[tuple[str | None, Callable[[], Any]]] = [*timers.items(), *((None, c) for c in between)]
+    shuffle = random.Random(seed).shuffle
+    budget = None if seconds is None else seconds * len(timers)
+    spent, rounds = 0.0, 0
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        while timers:
+            if iters is not None and rounds >= iters:
+                break
+            if budget is not None and spent >= budget and rounds >= min(min_rounds, iters or min_rounds):
+                break
+            # A new order every round: a rotated fixed order keeps each timer behind the same
+            # neighbour, and on few cores a call pays for its predecessor's threads going idle.
+            shuffle(order)
+            for label, call in order:
+                result = call()
+                if label is not None:
+                    times[label].append(result)
+                    spent += result.total_s
+            rounds += 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return times
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median, quartiles and range of a sample."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("Spread.of: expected at least one value")
+        ordered = sorted(values)
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+        return cls(statistics.median(ordered), q1, q3, ordered[0], ordered[-1], len(ordered))
+
+    def to_json(self, digits: int = 4) -> dict[str, float | int]:
+        def r(v: float) -> float:
+            return float(f"{v:.{digits}g}")
+
+        return {"median": r(self.median), "q1": r(self.q1), "q3": r(self.q3), "min": r(self.min), "max": r(self.max), "n": self.n}
