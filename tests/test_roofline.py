@@ -1,8 +1,10 @@
-"""tk bench --roofline: a matrix-product peak measured in the run, model FLOPs counted, shares reported."""
+"""Peaks at the model's own linear shapes, per precision, as a median with its spread; model FLOPs; shares."""
 
 from __future__ import annotations
 
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,15 +13,104 @@ from torch import nn
 
 from tk.cli import cli
 from tk.workflows.hardware import cpu_precision_reason
-from tk.workflows.roofline import engine_precision, matmul_peak, model_flops
+from tk.workflows.roofline import (
+    LinearShape,
+    Roofline,
+    ShapePeak,
+    engine_precision,
+    linear_shapes,
+    model_flops,
+    peak_unavailable_reason,
+)
+from tk.workflows.timing import Spread, interleave, timed
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16)
+        x = x + self.down(torch.relu(self.up(x)))
+        x = x + self.down(torch.relu(self.up(x)))  # the same shapes twice
+        return self.head(x.mean(1))
+
+
+def test_linear_shapes_walk_the_modules_linears_at_the_call_shape():
+    shapes = linear_shapes(Tiny(), (torch.randn(3, 5, 16),))
+    assert sorted(shapes, key=lambda s: (s.m, s.k)) == [
+        LinearShape(3, 16, 4, 1),
+        LinearShape(15, 16, 32, 2),
+        LinearShape(15, 32, 16, 2),
+    ]
+    assert LinearShape(15, 16, 32, 2).at_batch(4) == LinearShape(60, 16, 32, 2)
+    assert LinearShape(15, 16, 32, 2).flops == 2 * 15 * 16 * 32 * 2
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_matmul_peak_is_measured(precision):
-    peak = matmul_peak(precision, shape=(256, 128, 256), repeats=2)
-    assert peak.precision == precision and peak.shape == (256, 128, 256)
-    assert peak.seconds > 0
-    assert peak.gflops == pytest.approx(2 * 256 * 128 * 256 / peak.seconds / 1e9)
+def test_shape_peak_rates_are_positive_and_finite(precision):
+    reason = peak_unavailable_reason(precision)
+    if reason is not None:
+        pytest.skip(reason)
+    shapes = linear_shapes(Tiny(), (torch.randn(2, 8, 16),))
+    peak = ShapePeak(precision, shapes)
+    for _ in range(4):
+        peak()
+    assert len(peak.samples) == 4 and all(math.isfinite(r) and r > 0 for r in peak.samples)
+    spread = peak.spread()
+    assert spread.min <= spread.q1 <= spread.median <= spread.q3 <= spread.max and spread.n == 4
+    data = peak.to_json()
+    assert data["precision"] == precision and data["gflops"]["n"] == 4
+    assert sorted(data["shapes_mknc"]) == sorted([s.m, s.k, s.n, s.count] for s in shapes)
+
+
+def test_int8_peak_runs_onednn_quantized_linear_exactly():
+    """The int8 product is oneDNN's quantized linear (not torch._int_mm), and it computes the right thing."""
+    if (reason := peak_unavailable_reason("int8")) is not None:
+        pytest.skip(reason)
+    from tk.workflows.roofline import INT8_X_SCALE, INT8_X_ZERO_POINT, _product
+
+    gen = torch.Generator().manual_seed(0)
+    product = _product("int8", LinearShape(8, 32, 12), gen)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 128, (8, 32), dtype=torch.uint8, generator=gen)
+    w = torch.randint(-127, 128, (12, 32), dtype=torch.int8, generator=gen)
+    bias = torch.randn(12, generator=gen)
+    want = ((x.float() - INT8_X_ZERO_POINT) * INT8_X_SCALE) @ (w.float() * 0.01).T + bias
+    torch.testing.assert_close(product(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_peak_needs_its_cpu_flags():
+    reason = peak_unavailable_reason("bf16")
+    assert reason == cpu_precision_reason("bf16")
+    assert peak_unavailable_reason("fp32") is None
+    assert "no matrix-product peak" in peak_unavailable_reason("tf64")
+    if reason is not None:
+        with pytest.raises(ValueError, match="avx512_bf16"):
+            ShapePeak("bf16", [LinearShape(4, 4, 4)])
+
+
+def test_peaks_sampled_between_the_timed_calls_fill_the_shares():
+    model = Tiny()
+    feeds = {"x": torch.randn(1, 8, 16)}
+    roofline = Roofline(model, feeds, {"fp32", "nope"})
+    assert roofline.skipped == {"nope": "no matrix-product peak for precision 'nope'"}
+    peaks = roofline.between(2)
+    times = interleave({"eager": timed(lambda: model(torch.randn(2, 8, 16)))}, iters=3, between=peaks)
+    assert len(times["eager"]) == 3 and len(peaks[0].samples) == 3
+
+    row = SimpleNamespace(engine="eager", batch_size=2, p50_ms=1.0, gflops=None, peak_share=None)
+    settings = roofline.fill(SimpleNamespace(rows=[row]), "fp32")
+    rate = roofline.flops_1 * 2 / 1e-3 / 1e9
+    assert row.gflops == pytest.approx(rate, rel=1e-3)
+    assert row.peak_share == pytest.approx(rate / Spread.of(peaks[0].samples).median, rel=1e-3)
+    assert settings["peaks"]["fp32"]["2"]["gflops"]["n"] == 3 and settings["flops_per_sample"] == roofline.flops_1
+
+
+def test_spread_is_median_quartiles_and_range():
+    spread = Spread.of([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (spread.median, spread.q1, spread.q3, spread.min, spread.max, spread.n) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
+    assert Spread.of([7.0]).to_json() == {"median": 7.0, "q1": 7.0, "q3": 7.0, "min": 7.0, "max": 7.0, "n": 1}
 
 
 def test_model_flops_counts_matrix_products():
@@ -50,12 +141,13 @@ def test_bench_roofline_reports_each_engines_share_of_the_measured_peak(exported
     args = ["bench", str(root), "--engine", "onnx", "--batch-sizes", "2", "--iters", "3", "--roofline"]
     result = CliRunner().invoke(cli, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "of peak" in result.output and "measured matmul peak GFLOP/s: fp32" in result.output
+    assert "of peak" in result.output and "matmul rate at the model's linear shapes" in result.output
     data = json.loads(out.read_text())
     roofline = data["settings"]["roofline"]
-    assert roofline["peaks"]["fp32"]["gflops"] > 0
+    peak = roofline["peaks"]["fp32"]["2"]["gflops"]
+    assert 0 < peak["min"] <= peak["median"] <= peak["max"] and peak["n"] == 3
     assert roofline["flops_per_sample"] > 0
-    for row in data["rows"]:
+    for row in data["results"]["rows"]:
         rate = roofline["flops_per_sample"] * row["batch_size"] / (row["p50_ms"] / 1e3) / 1e9
         assert row["gflops"] == pytest.approx(rate, rel=1e-2, abs=0.1)
-        assert row["peak_share"] == pytest.approx(rate / roofline["peaks"]["fp32"]["gflops"], rel=1e-2, abs=1e-4)
+        assert row["peak_share"] == pytest.approx(rate / peak["median"], rel=1e-2, abs=1e-4)

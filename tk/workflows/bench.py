@@ -25,8 +25,8 @@ from tk.fileio import atomic_write_bytes, atomic_write_json
 from tk.runtime.base import Engine
 from tk.runtime.inputs import random_inputs, sample_dim
 from tk.workflows.hardware import machine_description
-from tk.workflows.results import BenchRun, utc_now
 from tk.workflows.load_guard import LoadGuard
+from tk.workflows.results import BenchRun, utc_now
 from tk.workflows.timing import (
     IO_MODES,
     CallTime,

@@ -180,4 +180,11 @@ class Spread:
         def r(v: float) -> float:
             return float(f"{v:.{digits}g}")
 
-        return {"median": r(self.median), "q1": r(self.q1), "q3": r(self.q3), "min": r(self.min), "max": r(self.max), "n": self.n}
+        return {
+            "median": r(self.median),
+            "q1": r(self.q1),
+            "q3": r(self.q3),
+            "min": r(self.min),
+            "max": r(self.max),
+            "n": self.n,
+        }
