@@ -8,23 +8,24 @@ and once at int8 (ONNX) into a temporary directory, open every row's engine, mea
 with eager fp32 on one batch of 8, then time all rows interleaved with ``tk.bench.measure``.
 Hand-built peers (a plain ``torch.compile`` with freezing, a plain onnxruntime session) give the
 "best hand-tuned peer" the goals compare with; tk's call overhead is measured at batch 1 against
-the same sessions called directly. The machine's fp32 and bf16 matmul rates are measured in the
-same run, and ``tk.models.train.train`` compares an eager and a compiled training loop.
+the same sessions called directly. The machine's fp32 and bf16 matmul rates at the model's own
+linear shapes are sampled between the rows' calls (``tk.workflows.roofline``), a load guard marks
+rows timed on a busy machine (``--wait-quiet``), and ``tk.models.train.train`` compares an eager
+and a compiled training loop.
 
-Prints the tables and writes ``<out>/<stamp>-bench-cpu.json`` (plus one PNG per size).
+Prints the tables and writes ``<out>/<UTC stamp>-bench-cpu.json`` in the benchmarks' envelope
+(``tk.workflows.results``), plus one PNG per size.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import gc
 import logging
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -40,28 +41,28 @@ from rich.table import Table
 
 from tk.errors import TkError
 from tk.export import ExportOptions
-from tk.fileio import atomic_write_json
 from tk.models import ModelSpec, build_model
 from tk.models.train import CompileOptions, train
-from tk.models.transformer import SIZES, TransformerConfig
+from tk.models.transformer import SIZES
 from tk.parity import compare_output
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs
 from tk.tolerances import MIN_SQNR_DB, tolerance_for
-from tk.workflows.bench import BenchReport, machine_description, measure, save_plot
+from tk.workflows.bench import BenchReport, measure, save_plot
 from tk.workflows.export import export
+from tk.workflows.hardware import cpu_precision_reason
+from tk.workflows.load_guard import LoadGuard
+from tk.workflows.results import BenchRun, settings_of
+from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
 
 MODEL = "transformer"
 PARITY_BATCH = 8  # parity is measured on one batch of this size at the benchmark's sequence length
-MATMUL_SHAPE = (4096, 768, 3072)  # (M, K, N): BERT-base's feed-forward linear at 32 x 128 tokens
-MATMUL_SECONDS = 1.0  # timing budget per dtype for the matmul ceiling; a slower first call is the only sample
 RECOMPILE_LIMIT = 64  # dynamo's per-function cache: several compiled copies of one model share it
 TRAIN_SIZE = "small"
 OVERHEAD_GOAL = 1.03  # tk's engine call may take at most 3% longer than the bare backend call
 ORT_SPINNING = "session.intra_op.allow_spinning"
-BUSY_WARNING = 0.2  # cores used by other work before timing, above which the table warns of noise
 THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
 SPINNING_NOTE = (
     "onnxruntime sessions run with allow_spinning=0: after each run their worker threads otherwise spin on "
@@ -193,69 +194,32 @@ def bare(engine: Engine) -> DirectEngine:
 
 
 # ----------------------------------------------------------------------------------------- ceilings
-def matmul_rate(dtype: torch.dtype) -> dict[str, float]:
-    """GFLOP/s of one ``torch.mm`` at ``MATMUL_SHAPE`` in ``dtype``: median and best of the timed calls."""
-    m, k, n = MATMUL_SHAPE
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    out = torch.empty(m, n, dtype=dtype)
-    start = time.perf_counter()
-    torch.mm(a, b, out=out)  # warm-up: oneDNN/MKL pick and pack their kernels
-    first = time.perf_counter() - start
-    times = [first] if first > MATMUL_SECONDS else timed_calls(lambda: torch.mm(a, b, out=out), MATMUL_SECONDS)
-    gflop = 2 * m * k * n / 1e9
-    return {
-        "median_gflops": round(gflop / statistics.median(times), 1),
-        "best_gflops": round(gflop / min(times), 1),
-        "calls": len(times),
-    }
+class ModelPeaks:
+    """Per batch size, the fp32 and bf16 rates at the model's linear shapes, sampled between the
+    rows' calls (``tk.workflows.roofline``)."""
 
+    def __init__(self, module: torch.nn.Module, seq: int, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
+        example = (torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq, dtype=torch.long))
+        self.shapes = linear_shapes(module, example)
+        self.skipped = {p: why for p in precisions if (why := peak_unavailable_reason(p))}
+        self.precisions = [p for p in precisions if p not in self.skipped]
+        self.peaks: dict[tuple[str, int], ShapePeak] = {}
 
-def timed_calls(fn: Callable[[], object], seconds: float, at_least: int = 3) -> list[float]:
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < at_least or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
+    def between(self, batch: int) -> list[ShapePeak]:
+        made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
+        self.peaks |= {(p.precision, batch): p for p in made}
+        return made
 
+    def median(self, precision: str, batch: int) -> float | None:
+        peak = self.peaks.get((precision, batch))
+        return peak.spread().median if peak and peak.samples else None
 
-def matmul_rates(dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, Any]:
-    kinds = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    return {"shape_mkn": list(MATMUL_SHAPE)} | {d: matmul_rate(kinds[d]) for d in dtypes}
-
-
-def native_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 natively here (AVX-512 and up); without it bf16 products are 10-100x slower."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def matmul_gflop(cfg: TransformerConfig, batch: int, seq: int) -> float:
-    """GFLOP of the model's matrix products for one forward pass (715 for base at 32 x 128)."""
-    tokens = batch * seq
-    h, f = cfg.hidden, cfg.ffn
-    linears = 2 * tokens * (3 * h * h + h * h + 2 * h * f)  # qkv, proj, up, down
-    attention = 2 * 2 * batch * seq * seq * h  # q @ k^T and weights @ v, all heads
-    head = 2 * batch * h * cfg.num_classes
-    return (cfg.layers * (linears + attention) + head) / 1e9
-
-
-def busy_cores(seconds: float = 1.0) -> float | None:
-    """Cores kept busy by other work while this process sleeps for ``seconds`` (Linux /proc/stat); None elsewhere."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        idle = values[3] + values[4]  # idle + iowait
-        return sum(values) - idle, sum(values)
-
-    try:
-        busy0, total0 = sample()
-        time.sleep(seconds)
-        busy1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return round((busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1), 2)  # /proc/stat sums every CPU
+    def to_json(self) -> dict[str, Any]:
+        peaks: dict[str, Any] = {}
+        for (precision, batch), peak in self.peaks.items():
+            if peak.samples:
+                peaks.setdefault(precision, {})[str(batch)] = peak.to_json()
+        return {"peaks": peaks, "skipped": self.skipped}
 
 
 # ------------------------------------------------------------------------------------------ exports
@@ -451,12 +415,17 @@ def bench_size(
         result["unavailable"] = left_out | failed
         if "eager" not in engines:
             raise RuntimeError(f"eager fp32, the reference, could not run: {result['unavailable'].get('eager')}")
-        result["busy_cores_before_timing"] = busy = busy_cores()
-        if busy is not None and busy > BUSY_WARNING:
-            console.log(f"other work is using {busy} cores before timing {size}: expect noise")
-        report = measure(engines, args.batch_sizes, seconds=args.seconds, sizes={"seq": seq}, progress=console.log)
-        result["bench"] = report.to_json()
-        result["flop"] = {str(b): round(matmul_gflop(cfg, b, seq), 1) for b in args.batch_sizes}
+        peaks = ModelPeaks(engines["eager"].module, seq)
+        report = measure(
+            engines, args.batch_sizes, seconds=args.seconds, sizes={"seq": seq}, progress=console.log,
+            guard=args.guard, between=peaks.between,
+        )  # fmt: skip
+        result["bench"] = report.results()
+        result["peaks"] = peaks.to_json()
+        result["fp32_peak"] = {b: peaks.median("fp32", b) for b in args.batch_sizes}
+        example = (torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq, dtype=torch.long))
+        gflop_1 = model_flops(engines["eager"].module, example) / 1e9
+        result["flop"] = {str(b): float(f"{gflop_1 * b:.4g}") for b in args.batch_sizes}
         if size == args.overhead_size:
             result["overhead"] = measure_overhead(engines, seq, args, console)
         plot(report, args, size, console)
@@ -489,11 +458,11 @@ def measure_overhead(
         if key not in engines:
             continue
         pair = {key: engines[key], f"{key} (bare)": bare(engines[key])}
-        report = measure(pair, [1], seconds=args.seconds, sizes={"seq": seq}, progress=console.log)
+        report = measure(pair, [1], seconds=args.seconds, sizes={"seq": seq}, progress=console.log, guard=args.guard)
         p50 = {r.engine: r.p50_ms for r in report.rows}
         tk_ms, bare_ms = p50[key], p50[f"{key} (bare)"]
         ratios[key] = {"tk_p50_ms": tk_ms, "bare_p50_ms": bare_ms, "ratio": tk_ms / bare_ms}
-        reports[key] = report.to_json()
+        reports[key] = report.results()
     if not ratios:
         return {"error": f"none of {', '.join(OVERHEAD_ROWS)} could run"}
     return {
@@ -506,7 +475,7 @@ def measure_overhead(
 
 
 def plot(report: BenchReport, args: argparse.Namespace, size: str, console: Console) -> None:
-    path = args.out / f"{args.stamp}-bench-cpu-{size}.png"
+    path = args.run.path(args.out, ".png", size)
     try:
         save_plot(report, path)
     except TkError as exc:  # matplotlib missing: the JSON is what matters
@@ -547,9 +516,8 @@ def fastest(p50: dict[tuple[str, int], float], keys: tuple[str, ...], batch: int
     return (min(found)[1], min(found)[0]) if found else None
 
 
-def goals(sizes: dict[str, Any], matmul: list[dict[str, Any]], batch_sizes: list[int]) -> list[dict[str, Any]]:
+def goals(sizes: dict[str, Any], batch_sizes: list[int]) -> list[dict[str, Any]]:
     """The issue's goals as ratios, for every size (the issue states them for base at 32 and small at 1)."""
-    fp32_rate = max(m["fp32"]["best_gflops"] for m in matmul)
     out: list[dict[str, Any]] = []
     largest, smallest = max(batch_sizes), min(batch_sizes)
     for size, result in sizes.items():
@@ -570,12 +538,13 @@ def goals(sizes: dict[str, Any], matmul: list[dict[str, Any]], batch_sizes: list
                 )
         eager = p50.get(("eager", largest))
         tk_best = fastest(p50, FP32_ROWS, largest)
-        if tk_best:
-            flop = matmul_gflop(SIZES[size], largest, result["seq"])
+        fp32_rate = result.get("fp32_peak", {}).get(largest)
+        if tk_best and fp32_rate:
+            flop = result["flop"][str(largest)]
             floor_ms = flop / fp32_rate * 1e3
             out.append(
                 goal(
-                    "fraction of the fp32 floor (floor ms / best fp32 p50)",
+                    "fraction of the fp32 floor (floor ms / best fp32 p50; median fp32 rate at the model's shapes)",
                     size,
                     largest,
                     floor_ms / tk_best[1],
@@ -635,9 +604,9 @@ def results_table(sizes: dict[str, Any], batch_sizes: list[int], machine: dict[s
             )
         table.add_section()
         notes += [f"{size} {key}: {why}" for key, why in result.get("unavailable", {}).items()]
-        busy = result.get("busy_cores_before_timing")
-        if busy is not None and busy > BUSY_WARNING:
-            notes.append(f"{size}: other work used {busy:.1f} cores just before timing; expect noise")
+        busy = sorted({r["batch_size"] for r in result.get("bench", {}).get("rows", []) if r["busy"]})
+        if busy:
+            notes.append(f"{size}: load above the cores while timing batch {busy}; expect noise (busy machine)")
         if "error" in result:
             notes.append(f"{size}: {result['error']}")
     notes.append(f"max rel err = max|diff| / max|eager fp32| at batch {PARITY_BATCH}; ✗ = outside the tolerance")
@@ -706,6 +675,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--force-bf16", action="store_true", help="run the bf16 rows on a CPU without native bf16 (very slow)"
     )
     parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=30.0,
+        help="seconds to wait for a quiet machine before each timing (default 30)",
+    )
+    parser.add_argument(
         "--omp-passive",
         action="store_true",
         help="rerun under OMP_WAIT_POLICY=PASSIVE: torch's idle OpenMP threads sleep instead of spinning, "
@@ -720,16 +695,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown size or row: {', '.join(unknown)}")
     args.rows = ["eager", *(r for r in ROWS if r in rows and r != "eager")]  # the reference first
     args.overhead_size = "small" if "small" in args.sizes else args.sizes[0]
-    args.stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return args
 
 
-def bf16_reason(matmul: dict[str, Any]) -> str:
-    fp32, bf16 = matmul["fp32"]["best_gflops"], matmul["bf16"]["best_gflops"]
+def bf16_reason() -> str | None:
+    reason = cpu_precision_reason("bf16")
     return (
-        f"this CPU has no native bf16 (oneDNN needs AVX-512; it has {torch.backends.cpu.get_cpu_capability()}): "
-        f"torch.mm runs bf16 at {bf16} GFLOP/s against {fp32} in fp32, so a base call at batch 32 would take "
-        f"minutes; --force-bf16 runs it anyway"
+        None if reason is None else f"{reason}: a base call at batch 32 would take minutes; --force-bf16 runs it anyway"
     )
 
 
@@ -739,7 +711,7 @@ def quiet_logs() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     if args.omp_passive and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
         # OpenMP reads its settings when torch is imported: start again with the variable set.
@@ -748,57 +720,42 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)  # before any export: AOTInductor compiles its thread count in
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     console = Console(width=max(Console().width, 160))
-    machine = machine_description()
-    machine["busy_cores_at_start"] = busy_cores()
-    if machine["busy_cores_at_start"] and machine["busy_cores_at_start"] > BUSY_WARNING:
-        console.log(f"other work is using {machine['busy_cores_at_start']} cores: the timings will be noisy")
-    console.log(f"matmul rates at {MATMUL_SHAPE}")
-    matmul = [matmul_rates()]
-    console.log(f"fp32 {matmul[0]['fp32']['best_gflops']} GFLOP/s, bf16 {matmul[0]['bf16']['best_gflops']} GFLOP/s")
+    args.run = BenchRun("bench-cpu", argv=sys.argv if argv is None else argv)
+    args.guard = LoadGuard(args.wait_quiet)
     rows, left_out = args.rows, {}
-    if not native_bf16() and not args.force_bf16:
-        left_out = {key: bf16_reason(matmul[0]) for key in BF16_ROWS if key in rows}
+    if (reason := bf16_reason()) and not args.force_bf16:
+        left_out = {key: reason for key in BF16_ROWS if key in rows}
         rows = [key for key in rows if key not in left_out]
     sizes: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tk-bench-") as tmp:
         for size in args.sizes:
             sizes[size] = bench_size(size, rows, left_out, Path(tmp) / size, args, console)
     training = None if args.no_train else train_compare(TRAIN_SIZE, args.train_steps, args.train_batch_size, console)
-    matmul.append(matmul_rates(("fp32",)))  # again at the end: how much the machine drifted
-    goal_rows = goals(sizes, matmul, args.batch_sizes)
-    report = {
-        "machine": machine,
-        "settings": {
-            **{k: v for k, v in vars(args).items() if k not in ("out", "stamp")},
-            "out": str(args.out),
-            "model": MODEL,
-            "parity_batch": PARITY_BATCH,
-            "export_check": args.export_check,
-            "export_check_note": None if args.export_check else EXPORT_CHECK_NOTE,
-            "onnxruntime_spinning_note": SPINNING_NOTE,
-            "native_bf16": native_bf16(),
-            "environment": {name: os.environ.get(name) for name in THREAD_ENV},
-            "rows": {k: dataclasses.asdict(ROWS[k]) for k in args.rows},
-        },
-        "matmul": {"start": matmul[0], "end": matmul[1]},
+    goal_rows = goals(sizes, args.batch_sizes)
+    args.run.settings = {
+        **settings_of(args, ("run", "guard")),
+        "model": MODEL,
+        "parity_batch": PARITY_BATCH,
+        "export_check_note": None if args.export_check else EXPORT_CHECK_NOTE,
+        "onnxruntime_spinning_note": SPINNING_NOTE,
+        "environment": {name: os.environ.get(name) for name in THREAD_ENV},
+        "rows": {k: dataclasses.asdict(ROWS[k]) for k in args.rows},
+    }
+    results = {
         "sizes": sizes,
         "overhead": sizes.get(args.overhead_size, {}).get("overhead"),
         "train": training,
         "goals": goal_rows,
     }
-    console.print(results_table(sizes, args.batch_sizes, machine, args.threads))
-    if report["overhead"]:
-        console.print(overhead_table(report["overhead"], args.overhead_size))
+    console.print(results_table(sizes, args.batch_sizes, args.run.machine, args.threads))
+    if results["overhead"]:
+        console.print(overhead_table(results["overhead"], args.overhead_size))
     if training:
         console.print(train_table(training))
     console.print(goals_table(goal_rows))
-    console.print(
-        f"torch.mm {MATMUL_SHAPE} best GFLOP/s: fp32 {matmul[0]['fp32']['best_gflops']} at the start, "
-        f"{matmul[1]['fp32']['best_gflops']} at the end; bf16 {matmul[0]['bf16']['best_gflops']}"
-    )
-    path = args.out / f"{args.stamp}-bench-cpu.json"
-    atomic_write_json(path, report)
+    path = args.run.write(results, args.out)
     console.print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":
