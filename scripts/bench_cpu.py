@@ -54,7 +54,7 @@ from tk.workflows.bench import BenchReport, measure, save_plot
 from tk.workflows.export import export
 from tk.workflows.hardware import cpu_precision_reason
 from tk.workflows.load_guard import LoadGuard
-from tk.workflows.results import BenchRun, settings_of
+from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
 
 MODEL = "transformer"
@@ -665,7 +665,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)} (default all; eager always runs)"
     )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON and PNGs go")
+    add_run_arguments(parser)
     parser.add_argument("--no-train", action="store_true", help="skip the eager vs compiled training comparison")
     parser.add_argument("--train-steps", type=int, default=30, help="training steps per loop (default 30)")
     parser.add_argument("--train-batch-size", type=int, default=32, help="training batch size (default 32)")
@@ -673,12 +673,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: tk's, 20)")
     parser.add_argument(
         "--force-bf16", action="store_true", help="run the bf16 rows on a CPU without native bf16 (very slow)"
-    )
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=30.0,
-        help="seconds to wait for a quiet machine before each timing (default 30)",
     )
     parser.add_argument(
         "--omp-passive",

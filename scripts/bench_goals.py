@@ -64,7 +64,7 @@ from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
 from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
-from tk.workflows.results import BenchRun, settings_of
+from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
 from tk.workflows.timing import interleave, timed
 
@@ -503,13 +503,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-shapes", default="8x128,1x128", help="BATCHxSEQ sizes of the hf rows (comma-separated).")
     parser.add_argument("--hf-iters", type=int, default=30, help="Interleaved rounds at batch 8 (x 8/batch below).")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=30.0,
-        help="Seconds to wait for a quiet machine before each row (default 30).",
-    )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
     args.int8_sizes = [s for s in args.int8_sizes.split(",") if s]

@@ -18,13 +18,13 @@ with batching on (``--max-batch``, ``--max-delay-ms``) and off:
 Before Ray starts, the engine alone is timed at batch 1 and at the max batch: the ratio of their
 samples/s is the most that batching can gain on this machine, whatever the server does.
 
-Prints a table and writes ``<out>/<stamp>-serve-load.json``.
+Each scenario runs under the load guard (``--wait-quiet``; rows on a busy machine are marked).
+Prints a table and writes ``<out>/<UTC stamp>-serve-load.json`` in the benchmarks' envelope.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import logging
 import statistics
 import tempfile
@@ -39,15 +39,16 @@ from rich.console import Console
 from rich.table import Table
 
 from tk.export import ExportOptions
-from tk.fileio import atomic_write_json
 from tk.models import build_model
 from tk.runtime import load
 from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop
 from tk.serve.ingress import free_ports
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
-from tk.workflows.bench import machine_description
 from tk.workflows.export import export
+from tk.workflows.load_guard import LoadGuard, quiet_or_marked
+from tk.workflows.results import BenchRun, add_run_arguments, settings_of
+from tk.workflows.timing import interleave, timed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -170,22 +171,26 @@ def eager_reference(eager: Any, requests: list[dict[str, np.ndarray]], max_batch
     return expected
 
 
-def engine_batch_bound(root: Path, sig: Any, seq: int, max_batch: int, threads: int, rounds: int = 5) -> dict:
+def engine_batch_bound(
+    root: Path, sig: Any, seq: int, max_batch: int, threads: int, guard: LoadGuard, rounds: int = 5
+) -> dict:
     """The onnx engine alone, in this process: samples/s at batch 1 and at ``max_batch``, interleaved."""
     feeds = {b: random_feeds(sig.inputs, {"batch": b, "seq": seq}, seed=b) for b in (1, max_batch)}
-    seconds: dict[int, list[float]] = {1: [], max_batch: []}
     with load(root, "onnx", threads=threads, spinning=False) as engine:  # as tk serve runs it
         for f in feeds.values():
             engine.run(f)
-        for _ in range(rounds):
-            for batch, f in feeds.items():
-                calls = max(1, max_batch // batch)  # the same number of samples at each size
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    engine.run(f, check=False)
-                seconds[batch].append((time.perf_counter() - t0) / (calls * batch))
-    one, many = (1.0 / statistics.median(seconds[b]) for b in (1, max_batch))
-    return {"batch1_samples_per_s": one, "max_batch": max_batch, "max_batch_samples_per_s": many, "gain": many / one}
+
+        def samples(f: dict[str, np.ndarray], calls: int) -> None:
+            for _ in range(calls):
+                engine.run(f, check=False)
+
+        calls = {b: max(1, max_batch // b) for b in feeds}  # the same number of samples at each size
+        timers = {b: timed(lambda b=b: samples(feeds[b], calls[b])) for b in feeds}
+        times, mark = quiet_or_marked(lambda: interleave(timers, iters=rounds), guard)
+    one, many = (calls[b] * b / statistics.median(t.total_s for t in times[b]) for b in (1, max_batch))
+    return {
+        "batch1_samples_per_s": one, "max_batch": max_batch, "max_batch_samples_per_s": many, "gain": many / one,
+    } | mark.to_json()  # fmt: skip
 
 
 def one_client(port: int, root: Path, requests: list[dict[str, np.ndarray]], threads: int) -> dict[str, Any]:
@@ -237,11 +242,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="engine intra-op threads")
     parser.add_argument("--one-client-requests", type=int, default=200)
     parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy", help="tk serve --ingress")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    add_run_arguments(parser)
     args = parser.parse_args()
     logging.getLogger("ray").setLevel(logging.WARNING)
     console = Console(width=160)
-    machine = machine_description()
+    run = BenchRun("serve-load", settings_of(args))
+    guard, machine = LoadGuard(args.wait_quiet), run.machine
     with tempfile.TemporaryDirectory(prefix="tk-load-") as tmp:
         spec = build_model("transformer", size=args.size)
         root = Path(tmp) / "artifact"
@@ -265,7 +271,7 @@ def main() -> None:
             expected = eager_reference(eager, mixed, sig.dims["batch"].max)
         console.print(f"eager reference for {len(mixed)} requests: {time.perf_counter() - started:.1f} s")
         # what batching can gain at most here: the engine alone, batch 1 against the max batch
-        bound = engine_batch_bound(root, sig, seq, args.max_batch, args.threads)
+        bound = engine_batch_bound(root, sig, seq, args.max_batch, args.threads, guard)
         console.print(
             f"engine alone: {bound['batch1_samples_per_s']:.1f} samples/s at batch 1, "
             f"{bound['max_batch_samples_per_s']:.1f} at batch {args.max_batch}: at most {bound['gain']:.2f}x from batching"
@@ -292,20 +298,22 @@ def main() -> None:
                     serve.run(deployment(cfg), name=APP_NAME, route_prefix="/")
                 run_clients(cfg.port, single[:32], args.clients)  # warm the connections
                 for name, reqs, exp in (("mixed 1-4", mixed, expected), ("single", single, None)):
-                    result = run_clients(cfg.port, reqs, args.clients)
-                    rows.append(summarize(name, batching, reqs, result, exp, rtol, atol))
+                    result, mark = quiet_or_marked(lambda r=reqs, p=cfg.port: run_clients(p, r, args.clients), guard)
+                    rows.append(summarize(name, batching, reqs, result, exp, rtol, atol) | mark.to_json())
                     console.print(
                         f"{name} batching {'on' if batching else 'off'}: {rows[-1]['samples_per_s']:.1f} samples/s"
                     )
                 if not batching:
-                    rows.append(one_client(cfg.port, root, one, args.threads))
+                    row, mark = quiet_or_marked(lambda c=cfg: one_client(c.port, root, one, args.threads), guard)
+                    rows.append(row | mark.to_json())
         finally:
             stop(running)
     table = Table(
         title=f"tk serve load test: transformer {args.size}, seq {seq}, onnx, {args.clients} clients, "
         f"{running.config.ingress} ingress ({machine['cpu']})"
     )
-    for column in ("scenario", "batching", "requests", "lost", "dup", "mismatch", "samples/s", "p50 ms", "p99 ms"):
+    columns = ("scenario", "batching", "requests", "lost", "dup", "mismatch", "samples/s", "p50 ms", "p99 ms", "load")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("scenario", "batching") else "right")
     for r in rows:
         table.add_row(
@@ -318,6 +326,7 @@ def main() -> None:
             f"{r['samples_per_s']:.1f}",
             f"{r['p50_ms']:.2f}",
             f"{r['p99_ms']:.2f}",
+            f"{r['load_before']}→{r['load_after']}" + (" busy" if r["busy"] else ""),
         )
     console.print(table)
     on = next(r for r in rows if r["scenario"] == "single" and r["batching"])
@@ -340,14 +349,8 @@ def main() -> None:
         f"interleaved: overhead p50 {goals['overhead_ms']:.2f} ms (goal <= 2 ms); "
         f"GET /v2/health/live p50 {goals['health_p50_ms']:.2f} ms"
     )
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    path = args.out / f"{stamp}-serve-load.json"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(
-        path,
+    path = run.write(
         {
-            "machine": machine,
-            "args": {k: str(v) for k, v in vars(args).items()},
             "seq": seq,
             "ingress": running.config.ingress,
             "engine_batching": bound,
@@ -355,6 +358,7 @@ def main() -> None:
             "rows": rows,
             "goals": goals,
         },
+        args.out,
     )
     console.print(f"json: {path}")
 

@@ -14,6 +14,7 @@ of the run (each timed row also carries its own, see ``tk.workflows.load_guard``
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from tk.fileio import atomic_write_json
 from tk.workflows.hardware import load_average, machine_description
 
 STAMP = "%Y%m%dT%H%M%SZ"  # sorts by time; Z: UTC whatever the machine's zone
+DEFAULT_OUT = "benchmarks/results"
+SCRIPT_WAIT_QUIET_S = 30.0  # the scripts run long jobs meant to be quoted: they wait for a quiet machine
 
 
 def utc_now() -> dt.datetime:
@@ -83,6 +86,21 @@ def jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, wait_quiet_s: float = SCRIPT_WAIT_QUIET_S) -> None:
+    """The options every benchmark script shares: ``--wait-quiet SECONDS`` and ``--out DIR``."""
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=wait_quiet_s,
+        metavar="SECONDS",
+        help=f"wait up to this long before each timed row for the load to drop to the core count; "
+        f"rows timed above it are marked busy (default {wait_quiet_s:g})",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(DEFAULT_OUT), help=f"where the stamped JSON goes (default {DEFAULT_OUT})"
+    )
 
 
 def settings_of(args: Any, leave_out: Sequence[str] = ()) -> dict[str, Any]:
