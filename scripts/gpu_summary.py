@@ -21,7 +21,8 @@ def load(path: Path) -> dict[str, Any] | None:
 
 
 def rows(report: dict[str, Any] | None, label: str) -> list[dict[str, Any]]:
-    return [{**row, "run": label} for row in (report or {}).get("rows", [])]
+    results = (report or {}).get("results", {})  # tk bench --json: the benchmarks' envelope
+    return [{**row, "run": label} for row in results.get("rows", [])]
 
 
 def p50(table: list[dict[str, Any]], engine: str, batch: int) -> float | None:
@@ -36,9 +37,10 @@ def main(work: Path, out: Path) -> int:
     train = load(work / "train.json")
     reports = [load(work / f) for f in ("bench_small.json", "bench_small_graphs.json", "bench_base_fp32.json")]
     machine = next((r["machine"] for r in reports if r), {})
+    versions = next((r["versions"] for r in reports if r), {})
 
     lines = [
-        f"gpu_check on {machine.get('gpu') or machine.get('cpu', '?')} (torch {machine.get('versions', {}).get('torch')})"
+        f"gpu_check on {machine.get('gpu') or machine.get('cpu', '?')} (torch {versions.get('torch')})"
     ]
     lines.append(f"{'step':<20} {'outcome':<18} {'seconds':>7}")
     lines += [f"{name:<20} {outcome:<18} {seconds:>7}" for name, outcome, seconds in steps]
