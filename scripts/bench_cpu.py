@@ -55,7 +55,7 @@ from tk.workflows.export import export
 from tk.workflows.hardware import cpu_precision_reason
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of
-from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
+from tk.workflows.roofline import Roofline
 
 MODEL = "transformer"
 PARITY_BATCH = 8  # parity is measured on one batch of this size at the benchmark's sequence length
@@ -194,34 +194,6 @@ def bare(engine: Engine) -> DirectEngine:
 
 
 # ----------------------------------------------------------------------------------------- ceilings
-class ModelPeaks:
-    """Per batch size, the fp32 and bf16 rates at the model's linear shapes, sampled between the
-    rows' calls (``tk.workflows.roofline``)."""
-
-    def __init__(self, module: torch.nn.Module, seq: int, precisions: tuple[str, ...] = ("fp32", "bf16")) -> None:
-        example = (torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq, dtype=torch.long))
-        self.shapes = linear_shapes(module, example)
-        self.skipped = {p: why for p in precisions if (why := peak_unavailable_reason(p))}
-        self.precisions = [p for p in precisions if p not in self.skipped]
-        self.peaks: dict[tuple[str, int], ShapePeak] = {}
-
-    def between(self, batch: int) -> list[ShapePeak]:
-        made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
-        self.peaks |= {(p.precision, batch): p for p in made}
-        return made
-
-    def median(self, precision: str, batch: int) -> float | None:
-        peak = self.peaks.get((precision, batch))
-        return peak.spread().median if peak and peak.samples else None
-
-    def to_json(self) -> dict[str, Any]:
-        peaks: dict[str, Any] = {}
-        for (precision, batch), peak in self.peaks.items():
-            if peak.samples:
-                peaks.setdefault(precision, {})[str(batch)] = peak.to_json()
-        return {"peaks": peaks, "skipped": self.skipped}
-
-
 # ------------------------------------------------------------------------------------------ exports
 def export_artifacts(
     spec: ModelSpec, rows: list[str], workdir: Path, args: argparse.Namespace, console: Console
@@ -415,17 +387,19 @@ def bench_size(
         result["unavailable"] = left_out | failed
         if "eager" not in engines:
             raise RuntimeError(f"eager fp32, the reference, could not run: {result['unavailable'].get('eager')}")
-        peaks = ModelPeaks(engines["eager"].module, seq)
+        example = (torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq, dtype=torch.long))
+        precisions = {
+            ROWS[key].precision for key in engines
+        }  # each row's rate at the model's shapes, between the calls
+        peaks = Roofline(engines["eager"].module, example, precisions)
         report = measure(
             engines, args.batch_sizes, seconds=args.seconds, sizes={"seq": seq}, progress=console.log,
             guard=args.guard, between=peaks.between,
         )  # fmt: skip
+        result["peaks"] = peaks.fill(report, lambda key: ROWS[key].precision)
         result["bench"] = report.results()
-        result["peaks"] = peaks.to_json()
         result["fp32_peak"] = {b: peaks.median("fp32", b) for b in args.batch_sizes}
-        example = (torch.zeros(1, seq, dtype=torch.long), torch.ones(1, seq, dtype=torch.long))
-        gflop_1 = model_flops(engines["eager"].module, example) / 1e9
-        result["flop"] = {str(b): float(f"{gflop_1 * b:.4g}") for b in args.batch_sizes}
+        result["flop"] = {str(b): float(f"{peaks.flops * b / 1e9:.4g}") for b in args.batch_sizes}
         if size == args.overhead_size:
             result["overhead"] = measure_overhead(engines, seq, args, console)
         plot(report, args, size, console)

@@ -63,9 +63,9 @@ from tk.runtime import load
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
-from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
+from tk.workflows.load_guard import LoadGuard, quiet_or_marked
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of
-from tk.workflows.roofline import ShapePeak, linear_shapes, model_flops, peak_unavailable_reason
+from tk.workflows.roofline import Roofline
 from tk.workflows.timing import interleave, timed
 
 INT8_SPEEDUP_GOAL = 3.0
@@ -76,30 +76,22 @@ HF_ABS_GOAL = 1e-4
 
 
 def _rounds(
-    calls: dict[str, Callable[[], Any]], iters: int, guard: LoadGuard, peaks: list[ShapePeak], warmup: int = 2
-) -> tuple[dict[str, dict[str, list[float]]], LoadMark]:
-    """Wall and process CPU seconds of each call, interleaved under the load guard, the peaks
-    sampled between the calls of every round."""
+    calls: dict[str, Callable[[], Any]], iters: int, guard: LoadGuard, roofline: Roofline, warmup: int = 2
+) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
+    """Wall and process CPU seconds of each call, interleaved under the load guard, the rates at
+    the model's shapes sampled between the calls of every round; their JSON and the load mark."""
     for call in calls.values():
         for _ in range(warmup):
             call()
     timers = {name: timed(call) for name, call in calls.items()}
+    peaks = roofline.between(1)
     times, mark = quiet_or_marked(lambda: interleave(timers, iters=iters, between=peaks), guard)
-    return {n: {"wall": [t.total_s for t in ts], "cpu": [t.cpu_s or 0.0 for t in ts]} for n, ts in times.items()}, mark
+    wall_cpu = {n: {"wall": [t.total_s for t in ts], "cpu": [t.cpu_s or 0.0 for t in ts]} for n, ts in times.items()}
+    return wall_cpu, roofline.to_json() | mark.to_json()
 
 
 def _ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
-
-
-def _peaks(module: torch.nn.Module, args: tuple[Any, ...], precisions: tuple[str, ...]) -> list[ShapePeak]:
-    """A ``ShapePeak`` at ``module``'s linear shapes for each precision this machine can measure."""
-    shapes = linear_shapes(module, args)
-    return [ShapePeak(p, shapes) for p in precisions if peak_unavailable_reason(p) is None]
-
-
-def _peak_json(peaks: list[ShapePeak], mark: LoadMark) -> dict[str, Any]:
-    return {"peaks": {p.precision: p.to_json() for p in peaks if p.samples}} | mark.to_json()
 
 
 def _sqnr(reference: np.ndarray, candidate: np.ndarray) -> float:
@@ -150,22 +142,22 @@ def bench_transformer(size: str, checkpoint: Path | None, args: argparse.Namespa
         engines["eager fp32"].module,
         tuple(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs),
     )
-    peaks = _peaks(module, example, ("fp32", "bf16", "int8"))  # between the model's calls, every round
-    timings, mark = _rounds(calls, args.iters, args.guard, peaks)
+    roofline = Roofline(module, example, ("fp32", "bf16", "int8"))  # between the model's calls, every round
+    timings, peaks = _rounds(calls, args.iters, args.guard, roofline)
     times = {name: t["wall"] for name, t in timings.items()}
-    flops = model_flops(module, example)
-    rates = {p.precision: p.spread().median for p in peaks if p.samples}
+    flops = roofline.flops
+    rates = {p: rate for p in roofline.precisions if (rate := roofline.median(p)) is not None}
     if int8:
         for fmt in args.int8_formats:
             rows.append(_int8_row(size, fmt, checkpoint, args, manifest, outputs, times, int8_export_s))
-            rows[-1] |= _shares(flops, _ms(times[f"{fmt} int8"]), rates, "int8") | _peak_json(peaks, mark)
+            rows[-1] |= _shares(flops, _ms(times[f"{fmt} int8"]), rates, "int8") | peaks
             if args.profile_int8 and fmt == "onnx":
                 rows[-1]["profile_op_types"] = _profile_onnx(int8_root / "model.onnx", feeds, work)
             if args.profile_int8 and fmt == "aoti":
                 rows[-1]["profile_top_ops"] = _profile_int8_aoti(spec, int8_options, feeds, work)
     if bf16:
         rows.append(_bf16_row(size, args, outputs, times, flops, bf16_manifest, rates))
-        rows[-1] |= _peak_json(peaks, mark)
+        rows[-1] |= peaks
         if args.profile_bf16:
             rows[-1]["profile_top_ops"] = _profile(bf16_root, bf16_manifest, feeds, work)
     for engine in engines.values():
@@ -375,7 +367,6 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
         feeds = random_feeds(spec.signature.inputs, {"batch": batch, "seq": seq}, seed=7)  # padded masks
         with torch.no_grad():
             want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()})[0].numpy()
-        flops = model_flops(_KeywordCall(model, list(feeds)), tuple(torch.from_numpy(v) for v in feeds.values()))
 
         def run(s: Any, feeds: dict[str, np.ndarray] = feeds) -> np.ndarray:
             return s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()})[0]
@@ -385,10 +376,11 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
         calls: dict[str, Callable[[], Any]] = {name: (lambda s=s: run(s)) for name, s in sessions.items()}
         # how close to the fp32 rate at the model's own shapes both run; CPU seconds per call (spinning
         # off) count the work done and barely move when other processes take the cores, where wall time does
-        module = _KeywordCall(model, list(feeds))
-        peaks = _peaks(module, tuple(torch.from_numpy(v) for v in feeds.values()), ("fp32",))
-        times, mark = _rounds(calls, iters, args.guard, peaks)
-        peak = peaks[0].spread().median
+        roofline = Roofline(
+            _KeywordCall(model, list(feeds)), tuple(torch.from_numpy(v) for v in feeds.values()), ["fp32"]
+        )
+        times, peaks = _rounds(calls, iters, args.guard, roofline)
+        flops, peak = roofline.flops, roofline.median("fp32")
         tk_t = times["tk onnx"]
         row: dict[str, Any] = {
             "goal": "hf all-MiniLM-L6-v2" if "minilm" in str(directory).lower() else f"hf {directory.name}",
@@ -403,7 +395,7 @@ def bench_hf(directory: Path, optimum_onnx: Path | None, args: argparse.Namespac
             "fp32_peak_gflops": round(peak, 1),
             "fp32_peak_share": round(flops / statistics.median(tk_t["wall"]) / 1e9 / peak, 3),
             "goal_text": f">= {HF_SPEEDUP_GOAL:g}x Optimum's ONNX, max abs <= {HF_ABS_GOAL:g}",
-        } | _peak_json(peaks, mark)
+        } | peaks
         if optimum_onnx is not None:
             opt_t = times["optimum onnx"]
             row["optimum_ms"] = round(_ms(opt_t["wall"]), 2)

@@ -39,9 +39,7 @@ def main(work: Path, out: Path) -> int:
     machine = next((r["machine"] for r in reports if r), {})
     versions = next((r["versions"] for r in reports if r), {})
 
-    lines = [
-        f"gpu_check on {machine.get('gpu') or machine.get('cpu', '?')} (torch {versions.get('torch')})"
-    ]
+    lines = [f"gpu_check on {machine.get('gpu') or machine.get('cpu', '?')} (torch {versions.get('torch')})"]
     lines.append(f"{'step':<20} {'outcome':<18} {'seconds':>7}")
     lines += [f"{name:<20} {outcome:<18} {seconds:>7}" for name, outcome, seconds in steps]
     lines.append("")

@@ -92,19 +92,19 @@ def test_bf16_peak_needs_its_cpu_flags():
 
 def test_peaks_sampled_between_the_timed_calls_fill_the_shares():
     model = Tiny()
-    feeds = {"x": torch.randn(1, 8, 16)}
-    roofline = Roofline(model, feeds, {"fp32", "nope"})
+    roofline = Roofline(model, (torch.randn(1, 8, 16),), ["fp32", "nope", "fp32"])
     assert roofline.skipped == {"nope": "no matrix-product peak for precision 'nope'"}
     peaks = roofline.between(2)
     times = interleave({"eager": timed(lambda: model(torch.randn(2, 8, 16)))}, iters=3, between=peaks)
     assert len(times["eager"]) == 3 and len(peaks[0].samples) == 3
 
     row = SimpleNamespace(engine="eager", batch_size=2, p50_ms=1.0, gflops=None, peak_share=None)
-    settings = roofline.fill(SimpleNamespace(rows=[row]), "fp32")
-    rate = roofline.flops_1 * 2 / 1e-3 / 1e9
+    settings = roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "fp32")
+    rate = roofline.flops * 2 / 1e-3 / 1e9
     assert row.gflops == pytest.approx(rate, rel=1e-3)
     assert row.peak_share == pytest.approx(rate / Spread.of(peaks[0].samples).median, rel=1e-3)
-    assert settings["peaks"]["fp32"]["2"]["gflops"]["n"] == 3 and settings["flops_per_sample"] == roofline.flops_1
+    assert settings["peaks"]["fp32"]["2"]["gflops"]["n"] == 3 and settings["flops_per_sample"] == roofline.flops
+    assert roofline.median("fp32", 2) == Spread.of(peaks[0].samples).median and roofline.median("fp32", 4) is None
 
 
 def test_spread_is_median_quartiles_and_range():

@@ -85,7 +85,7 @@ def bench_artifact(
         )  # fmt: skip
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
         if peaks:
-            report.settings["roofline"] = peaks.fill(report, manifest.precision)
+            report.settings["roofline"] = peaks.fill(report, lambda e: engine_precision(e, manifest.precision))
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
@@ -100,5 +100,5 @@ def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str
 
     shape = default_shape(manifest, 1, sizes)
     feeds = random_feeds(manifest.signature.inputs, shape)
-    args = {s.name: torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs}
+    args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
     return Roofline(eager.module, args, {engine_precision(name, manifest.precision) for name in opened})

@@ -27,7 +27,7 @@ its p50 time over the median rate of its precision at its batch size.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,42 +176,51 @@ def engine_precision(engine: str, artifact_precision: str) -> str:
 
 
 class Roofline:
-    """``tk bench --roofline``: the model's FLOPs, and a ``ShapePeak`` per precision and batch size
-    whose calls ``measure`` runs between the engines' (``between``)."""
+    """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` per precision and
+    batch factor whose calls a timing loop runs between the model's (``between``).
 
-    def __init__(self, eager_module: nn.Module, feeds_at_batch_1: dict[str, torch.Tensor], precisions: set[str]):
-        args = tuple(feeds_at_batch_1.values())
-        self.flops_1 = model_flops(eager_module, args)
-        self.shapes_1 = linear_shapes(eager_module, args)
-        self.skipped = {p: why for p in sorted(precisions) if (why := peak_unavailable_reason(p))}
-        self.precisions = [p for p in sorted(precisions) if p not in self.skipped]
+    ``tk bench --roofline`` counts at batch 1 and asks ``between(batch_size)``; a script that
+    counts at its own batch asks ``between(1)``. A precision this machine cannot measure the
+    packages' way is listed in ``skipped`` with the reason.
+    """
+
+    def __init__(self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str]) -> None:
+        self.flops = model_flops(module, example)
+        self.shapes = linear_shapes(module, example)
+        wanted = sorted(set(precisions))
+        self.skipped = {p: why for p in wanted if (why := peak_unavailable_reason(p))}
+        if not self.shapes:
+            self.skipped |= {p: "the model calls no nn.Linear" for p in wanted}
+        self.precisions = [p for p in wanted if p not in self.skipped]
         self.peaks: dict[tuple[str, int], ShapePeak] = {}
-        if not self.shapes_1:
-            self.skipped |= {p: "the model calls no nn.Linear" for p in self.precisions}
-            self.precisions = []
 
-    def between(self, batch: int) -> list[ShapePeak]:
+    def between(self, batch: int = 1) -> list[ShapePeak]:
+        """One ``ShapePeak`` per precision at the shapes scaled to ``batch``; earlier operands are freed."""
         for peak in self.peaks.values():
-            peak.release()  # one batch size's operands at a time
-        made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes_1]) for p in self.precisions]
+            peak.release()
+        made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
         self.peaks |= {(p.precision, batch): p for p in made}
         return made
 
-    def fill(self, report: Any, artifact_precision: str) -> dict[str, Any]:
-        """Fill each row's ``gflops`` and ``peak_share``; the roofline settings for the JSON."""
+    def median(self, precision: str, batch: int = 1) -> float | None:
+        """The median rate sampled for ``precision`` at ``batch``, or None where none was."""
+        peak = self.peaks.get((precision, batch))
+        return peak.spread().median if peak is not None and peak.samples else None
+
+    def fill(self, report: Any, precision_of: Callable[[str], str]) -> dict[str, Any]:
+        """Fill each row's ``gflops`` and ``peak_share`` (``precision_of(row.engine)``'s median at
+        its batch size); the roofline settings for the JSON."""
         for row in report.rows:
-            rate = self.flops_1 * row.batch_size / (row.p50_ms / 1e3) / 1e9
+            rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
-            peak = self.peaks.get((engine_precision(row.engine, artifact_precision), row.batch_size))
-            if peak is not None and peak.samples:
-                row.peak_share = float(f"{rate / peak.spread().median:.4g}")
+            median = self.median(precision_of(row.engine), row.batch_size)
+            if median is not None:
+                row.peak_share = float(f"{rate / median:.4g}")
+        return {"flops_per_sample": self.flops} | self.to_json()
+
+    def to_json(self) -> dict[str, Any]:
         peaks: dict[str, dict[str, Any]] = {}
         for (precision, batch), peak in self.peaks.items():
             if peak.samples:
                 peaks.setdefault(precision, {})[str(batch)] = peak.to_json()
-        return {
-            "flops_per_sample": self.flops_1,
-            "peaks": peaks,
-            "skipped": self.skipped,
-            "torch_threads": torch.get_num_threads(),
-        }
+        return {"peaks": peaks, "skipped": self.skipped, "torch_threads": torch.get_num_threads()}
