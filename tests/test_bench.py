@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -162,6 +163,8 @@ def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
         "2",
         "--batch-sizes",
         "2",
+        "--wait-quiet",
+        "0.01",
     ]
     result = CliRunner().invoke(cli, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.stderr
@@ -170,7 +173,11 @@ def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
     assert [r["engine"] for r in rows] == ["torch"]  # eager only counted the FLOPs
     assert rows[0]["gflops"] > 0 and data["settings"]["roofline"]["flops_per_sample"] > 0
     assert rows[0]["peak_share"] > 0 and rows[0]["load_before"] is not None
-    assert data["settings"]["wait_quiet_s"] == 0.0
+    assert data["settings"]["wait_quiet_s"] == 0.01 and rows[0]["busy"] is (
+        max(rows[0]["load_before"], rows[0]["load_after"]) > os.cpu_count()
+    )
+    refused = CliRunner().invoke(cli, [*args[:-1], "-1"])
+    assert refused.exit_code == 2 and "--wait-quiet" in refused.output
 
 
 def test_rows_timed_on_a_busy_machine_are_marked_in_the_json_and_the_table(engines):

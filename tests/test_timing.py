@@ -1,0 +1,50 @@
+"""The one timing loop: rounds, budgets and untimed calls between the timed ones (fake times, no timing judged)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tk.workflows.timing import CallTime, interleave, timed
+
+
+def fake(label: str, seconds: float, log: list[str]):
+    def call() -> CallTime:
+        log.append(label)
+        return CallTime(seconds)
+
+    return call
+
+
+def test_every_round_calls_each_timer_once_in_a_seeded_order_with_the_between_calls():
+    log: list[str] = []
+    times = interleave(
+        {"a": fake("a", 0.1, log), "b": fake("b", 0.2, log)}, iters=6, between=[lambda: log.append("peak")]
+    )
+    assert [len(times["a"]), len(times["b"])] == [6, 6] and times["b"][0].total_s == 0.2
+    rounds = [log[i : i + 3] for i in range(0, len(log), 3)]
+    assert len(rounds) == 6 and all(sorted(r) == ["a", "b", "peak"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # the order changes between rounds
+    again: list[str] = []
+    interleave(
+        {"a": fake("a", 0.1, again), "b": fake("b", 0.2, again)}, iters=6, between=[lambda: again.append("peak")]
+    )
+    assert again == log  # seeded
+
+
+def test_a_budget_stops_the_rounds_but_not_before_the_minimum():
+    log: list[str] = []
+    timers = {"a": fake("a", 1.0, log), "b": fake("b", 1.0, log)}
+    assert len(interleave(timers, seconds=2.0, min_rounds=3)["a"]) == 3  # budget 4 s spent after 2 rounds
+    assert len(interleave(timers, seconds=3.0, min_rounds=1)["a"]) == 3  # budget 6 s
+    assert len(interleave(timers, seconds=100.0, iters=2)["a"]) == 2  # iters first
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="expected iters or seconds"):
+        interleave(timers)
+
+
+def test_timed_reads_wall_and_cpu_time():
+    call = timed(lambda: sum(range(1000)))
+    result = call()
+    assert result.total_s > 0 and result.cpu_s is not None and result.cpu_s >= 0
