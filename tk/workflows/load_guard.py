@@ -1,8 +1,8 @@
 """A load guard around every timing: wait for a quiet machine, else say the numbers were taken on a busy one.
 
-Other processes on a few cores make every timing wrong, and not alike: at a load of 3-5 on 2 cores
-eager PyTorch ran 5x slower while onnxruntime barely moved, which turned ratios upside down. The
-guard reads the 1-minute load average before and after each row. Before, while it is above the
+Other processes on a few cores make every timing wrong, and not alike: OpenMP-threaded PyTorch
+suffers far more than onnxruntime when another process takes a core, which can turn ratios
+between engines upside down (issue 22 has the numbers). The guard reads the 1-minute load average before and after each row. Before, while it is above the
 core count, it waits (polling) up to ``wait_quiet_s`` seconds; either reading above the cores
 marks the row ``busy``. The benchmark's own threads count in the load too (up to one per core:
 hence "above", not "at", the core count), and the average lags by about a minute, so a mark is a

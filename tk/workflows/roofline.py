@@ -1,10 +1,10 @@
 """Peaks that mean something: the matrix-product rate at the model's own linear shapes, per precision,
 measured in the same rounds as the model's calls, reported as a median with its spread.
 
-A CPU's rate depends on the shape (a 768-wide bf16 product at M=1024 ran at half the rate of an
-M=4096 one) and, on a shared machine, on the minute (bf16 swung between about 650 and 2,200
-GFLOP/s with nothing else running), so one best-of-a-few product at a fixed shape makes a share
-of "peak" meaningless. Here:
+A CPU's rate depends on the shape (narrow products with few rows run far below wide ones) and,
+on a shared machine, on the minute (reduced-precision rates swing by a factor of two or more with
+nothing else running; see benchmarks/), so one best-of-a-few product at a fixed shape makes a
+share of "peak" meaningless. Here:
 
 - ``linear_shapes`` walks the module's ``nn.Linear`` layers (forward hooks on one call) for the
   M x K x N of each product at the benchmark's shape (M = every leading dimension: batch x seq);
