@@ -41,6 +41,7 @@ from rich.table import Table
 
 from tk.errors import TkError
 from tk.export import ExportOptions
+from tk.export.onnx import OnnxOptions
 from tk.models import ModelSpec, build_model
 from tk.models.train import CompileOptions, train
 from tk.models.transformer import SIZES
@@ -239,7 +240,12 @@ def export_artifacts(
 
 
 def export_options(formats: tuple[str, ...], precision: str, args: argparse.Namespace) -> ExportOptions:
-    return ExportOptions(formats=formats, precision=precision, check=args.export_check, opset=args.opset)
+    return ExportOptions(
+        formats=formats,
+        precision=precision,
+        check=args.export_check,
+        settings={"onnx": OnnxOptions(opset=args.opset)},
+    )
 
 
 def one_line(exc: BaseException) -> str:

@@ -27,12 +27,12 @@ ENGINE_FILE_ROLE: dict[str, str] = {
     "trt": "trt",
 }
 
-# export format -> the module under tk.export that writes it (``write(ctx)``, ``unavailable_reason(device)``)
+# export format -> its writer object, "module:OBJECT" (a tk.export.writer.Writer; see tk.export.writers)
 FORMATS: dict[str, str] = {
-    "torch": "tk.export.torch_writer",
-    "onnx": "tk.export.onnx",
-    "aoti": "tk.export.aoti",
-    "trt": "tk.export.tensorrt",
+    "torch": "tk.export.torch_writer:WRITER",
+    "onnx": "tk.export.onnx:WRITER",
+    "aoti": "tk.export.aoti:WRITER",
+    "trt": "tk.export.tensorrt:WRITER",
 }
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8")

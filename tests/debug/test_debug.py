@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.errors import ParityError
 from tk.export import ExportOptions
+from tk.export.onnx import OnnxOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.workflows.debug.locate import locate
@@ -34,7 +35,16 @@ def export_planted(out: Path, precision: str, formats: tuple[str, ...], keep: tu
     spec = build_model(PLANTED)
     try:
         # int8 dynamically: the static quantizer would exclude the planted block by itself
-        export(spec, out, ExportOptions(formats=formats, precision=precision, keep_fp32=keep, int8_mode="dynamic"))
+        export(
+            spec,
+            out,
+            ExportOptions(
+                formats=formats,
+                precision=precision,
+                keep_fp32=keep,
+                settings={"onnx": OnnxOptions(int8_mode="dynamic")},
+            ),
+        )
     except ParityError:
         pass
     return out

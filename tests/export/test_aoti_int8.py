@@ -21,9 +21,11 @@ pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip inst
 from tk.cli import cli
 from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
+from tk.export.aoti import AotiOptions
 from tk.export.aoti import unavailable_reason as aoti_unavailable
 from tk.export.aoti_int8 import int8_program, quantizable_modules, run_linears_in_bf16
 from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
+from tk.export.onnx import OnnxOptions
 from tk.export.torch_program import exported_program_from_module
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
@@ -174,13 +176,29 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
     )
     spec = build_model("mlp", size="tiny")
     with pytest.raises(UsageError, match="int8 aoti packages calibrate with histogram or minmax, got 'entropy'"):
-        export(spec, tmp_path / "a", ExportOptions(formats=("aoti",), precision="int8", calibration_method="entropy"))
+        export(
+            spec,
+            tmp_path / "a",
+            ExportOptions(
+                formats=("aoti",), precision="int8", settings={"aoti": AotiOptions(calibration_method="entropy")}
+            ),
+        )
     with pytest.raises(
         UsageError, match="static int8 ONNX calibrates with minmax, entropy, percentile, got 'histogram'"
     ):
-        export(spec, tmp_path / "e", ExportOptions(formats=("onnx",), precision="int8", calibration_method="histogram"))
-    with pytest.raises(UsageError, match="expected static"):
-        export(spec, tmp_path / "b", ExportOptions(formats=("aoti",), precision="int8", int8_mode="dynamic"))
+        export(
+            spec,
+            tmp_path / "e",
+            ExportOptions(
+                formats=("onnx",), precision="int8", settings={"onnx": OnnxOptions(calibration_method="histogram")}
+            ),
+        )
+    with pytest.raises(UsageError, match="--int8-mode: applies to --format onnx only; this export writes aoti"):
+        export(
+            spec,
+            tmp_path / "b",
+            ExportOptions(formats=("aoti",), precision="int8", settings={"onnx": OnnxOptions(int8_mode="dynamic")}),
+        )
     with pytest.raises(BackendUnavailableError, match="onnx and aoti formats only"):
         export(spec, tmp_path / "c", ExportOptions(formats=("torch",), precision="int8"))
     result = CliRunner().invoke(

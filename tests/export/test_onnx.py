@@ -11,6 +11,7 @@ import torch
 
 from tk.errors import ConversionError, InputError, IntegrityError, UsageError
 from tk.export import ExportOptions
+from tk.export.onnx import OnnxOptions
 from tk.export.torch_program import exported_program_from_module
 from tk.manifest import MANIFEST, FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
@@ -178,7 +179,11 @@ def test_large_models_keep_weights_in_external_data(monkeypatch, tmp_path, eager
 
 def test_opset_is_recorded_as_written(tmp_path):
     torch.manual_seed(0)
-    result = export(build_model("linear", size="tiny"), tmp_path / "a", ExportOptions(formats=ONNX, opset=18))
+    result = export(
+        build_model("linear", size="tiny"),
+        tmp_path / "a",
+        ExportOptions(formats=ONNX, settings={"onnx": OnnxOptions(opset=18)}),
+    )
     assert result.manifest.formats["onnx"]["opset"] == 18
     model = onnx.load(str(result.out / "model.onnx"))
     assert {o.domain: o.version for o in model.opset_import}[""] == 18
@@ -186,7 +191,11 @@ def test_opset_is_recorded_as_written(tmp_path):
 
 def test_opset_below_18_is_refused(tmp_path):
     with pytest.raises(UsageError, match="opset: expected 18 or newer, got 17"):
-        export(build_model("linear", size="tiny"), tmp_path / "a", ExportOptions(formats=ONNX, opset=17))
+        export(
+            build_model("linear", size="tiny"),
+            tmp_path / "a",
+            ExportOptions(formats=ONNX, settings={"onnx": OnnxOptions(opset=17)}),
+        )
     assert not (tmp_path / "a").exists()
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("onnxruntime")
 
 from tk.cli import cli
 from tk.export import ExportOptions
+from tk.export.onnx import OnnxOptions
 from tk.export.onnx_optimize import fused_op_counts, layer_norms_for_cpu, optimized_onnx_from_onnx
 from tk.models import build_model
 from tk.runtime import load
@@ -23,7 +24,11 @@ from tk.workflows.export import export
 @pytest.fixture(scope="module")
 def fused_and_unfused(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("fuse") / "transformer"
-    result = export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), keep_unfused=True))
+    result = export(
+        build_model("transformer", size="tiny"),
+        out,
+        ExportOptions(formats=("onnx",), settings={"onnx": OnnxOptions(keep_unfused=True)}),
+    )
     return out, result
 
 
@@ -75,7 +80,9 @@ def test_inspect_shows_fused_operator_counts(fused_and_unfused):
 
 def test_no_fuse_ships_the_exporters_graph(tmp_path):
     result = export(
-        build_model("mlp", size="tiny"), tmp_path / "m", ExportOptions(formats=("onnx",), onnx_fusions=False)
+        build_model("mlp", size="tiny"),
+        tmp_path / "m",
+        ExportOptions(formats=("onnx",), settings={"onnx": OnnxOptions(fusions=False)}),
     )
     assert "fusions" not in result.manifest.formats["onnx"]
     assert fused_op_counts(ir.load(tmp_path / "m" / "model.onnx")) == {}

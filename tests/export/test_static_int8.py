@@ -14,6 +14,7 @@ from tk.cli import cli
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.export.calibration import calibration_batches
+from tk.export.onnx import OnnxOptions
 from tk.export.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
 from tk.models import build_model
 from tk.spec import random_feeds
@@ -28,7 +29,11 @@ def _op_types(path) -> list[str]:
 def fp32_onnx(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("int8") / "fp32"
     torch.manual_seed(0)
-    export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), onnx_fusions=False))
+    export(
+        build_model("transformer", size="tiny"),
+        out,
+        ExportOptions(formats=("onnx",), settings={"onnx": OnnxOptions(fusions=False)}),
+    )
     return out / "model.onnx"
 
 

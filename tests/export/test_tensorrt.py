@@ -13,6 +13,7 @@ import tk.formats.tensorrt as trt_format
 from tests.conftest import requires, run_in_threads
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.export import ExportOptions
+from tk.export.tensorrt import TrtOptions
 from tk.models import build_model
 from tk.runtime import load
 from tk.spec import random_feeds
@@ -67,7 +68,7 @@ def trt_artifact(tmp_path_factory):
 
     # the export check runs every format on the export device: onnx joins only where onnxruntime has CUDA
     formats = ("onnx", "trt") if OnnxRuntimeEngine.unavailable_reason("cuda") is None else ("trt",)
-    options = ExportOptions(formats=formats, device="cuda", trt_timing_cache=cache)
+    options = ExportOptions(formats=formats, device="cuda", settings={"trt": TrtOptions(timing_cache=cache)})
     result = export(spec, root, options)
     return spec.module.cpu().eval(), spec, result, cache
 
@@ -149,7 +150,12 @@ def test_static_engine_refuses_other_shapes(tmp_path):
     result = export(
         build_model("mlp", size="tiny"),
         tmp_path / "static",
-        ExportOptions(formats=("trt",), device="cuda", dynamic=False, trt_timing_cache=tmp_path / "cache"),
+        ExportOptions(
+            formats=("trt",),
+            device="cuda",
+            dynamic=False,
+            settings={"trt": TrtOptions(timing_cache=tmp_path / "cache")},
+        ),
     )
     assert result.manifest.status == "passed"
     assert result.manifest.formats["trt"]["onnx"] is None  # built from a temporary ONNX file

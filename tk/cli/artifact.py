@@ -49,9 +49,8 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 @click.option(
     "--int8-mode",
     type=click.Choice(["static", "dynamic"]),
-    default="static",
-    show_default=True,
-    help="int8: calibrated QDQ graph (static) or activations quantized per call (dynamic).",
+    default=None,
+    help="onnx int8: calibrated QDQ graph (static, the default) or activations quantized per call (dynamic).",
 )
 @click.option(
     "--calibrate",
@@ -67,9 +66,11 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "aoti: histogram (torchao's x86 default) or minmax.",
 )
 @click.option(
-    "--fuse/--no-fuse", default=True, show_default=True, help="onnxruntime's transformer fusions on the ONNX graph."
+    "--fuse/--no-fuse", default=None, help="onnxruntime's transformer fusions on the ONNX graph (default: on)."
 )
-@click.option("--keep-unfused", is_flag=True, help="Also ship the ONNX graph before fusion (model.unfused.onnx).")
+@click.option(
+    "--keep-unfused", is_flag=True, default=None, help="Also ship the ONNX graph before fusion (model.unfused.onnx)."
+)
 @click.option(
     "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
 )
@@ -81,19 +82,18 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
 @click.option("--no-check", is_flag=True, help="Skip the export-time parity check (the manifest says unchecked).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance of the check (default: by precision).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance of the check (default: by precision).")
-@click.option("--trt-workspace", type=float, default=4.0, show_default=True, help="TensorRT workspace limit, GiB.")
+@click.option("--trt-workspace", type=float, default=None, help="TensorRT workspace limit, GiB (default 4).")
 @click.option(
     "--trt-opt-level",
     type=click.IntRange(0, 5),
-    default=3,
-    show_default=True,
-    help="TensorRT builder optimization level.",
+    default=None,
+    help="TensorRT builder optimization level (default 3).",
 )
 @click.option(
     "--trt-hardware-compat",
     type=click.Choice(["ampere+", "same-compute-capability", "none"]),
-    default="ampere+",
-    show_default=True,
+    default=None,
+    help="TensorRT engine's hardware compatibility (default ampere+).",
 )
 @click.option(
     "--trt-timing-cache",
@@ -129,11 +129,11 @@ def export_cmd(
     checkpoint: Path | None,
     out: Path | None,
     precision: str,
-    int8_mode: str,
+    int8_mode: str | None,
     calibrate: str | None,
     calibration_method: str | None,
-    fuse: bool,
-    keep_unfused: bool,
+    fuse: bool | None,
+    keep_unfused: bool | None,
     dynamic: bool,
     batch: str | None,
     seq: str | None,
@@ -143,39 +143,44 @@ def export_cmd(
     no_check: bool,
     rtol: float | None,
     atol: float | None,
-    trt_workspace: float,
-    trt_opt_level: int,
-    trt_hardware_compat: str,
+    trt_workspace: float | None,
+    trt_opt_level: int | None,
+    trt_hardware_compat: str | None,
     trt_timing_cache: Path | None,
     json_path: Path | None,
     keep_fp32: str | None,
     report: Path | None,
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
-    from tk.export import ExportOptions
+    from tk.export import ExportOptions, settings_from_flags
     from tk.workflows.export import export
 
+    formats = formats or ("onnx",)
+    flags = {  # each format's own options take the ones they declare (tk.export.writer); None: not given
+        "--int8-mode": int8_mode,
+        "--calibration-method": calibration_method,
+        "--fuse/--no-fuse": fuse,
+        "--keep-unfused": keep_unfused,
+        "--opset": opset,
+        "--trt-workspace": trt_workspace,
+        "--trt-opt-level": trt_opt_level,
+        "--trt-hardware-compat": trt_hardware_compat,
+        "--trt-timing-cache": trt_timing_cache,
+    }
+    settings = settings_from_flags(formats, flags)
     spec = build(model, size, inputs, task)
     options = ExportOptions(
-        formats=formats or ("onnx",),
+        formats=formats,
         precision=precision,
-        int8_mode=int8_mode,
         calibrate=calibrate,
-        calibration_method=calibration_method,
-        onnx_fusions=fuse,
-        keep_unfused=keep_unfused,
         dynamic=dynamic,
         dims=_parse_dims(batch, seq, dims),
-        opset=opset,
         device=device,
         check=not no_check,
         rtol=rtol,
         atol=atol,
         checkpoint=checkpoint,
-        trt_workspace_gb=trt_workspace,
-        trt_optimization_level=trt_opt_level,
-        trt_hardware_compatibility=trt_hardware_compat,
-        trt_timing_cache=trt_timing_cache,
+        settings=settings,
         keep_fp32=tuple(m.strip() for m in (keep_fp32 or "").split(",") if m.strip()),
         report=report,
     )

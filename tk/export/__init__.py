@@ -10,7 +10,6 @@ new complete one. This layer never imports ``tk.runtime``.
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 import logging
 import os
 import shutil
@@ -18,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -26,25 +24,39 @@ from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageE
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_from_module
+from tk.export.writers import (
+    FORMATS,
+    format_unavailable_reason,
+    in_use,
+    resolve_formats,
+    resolve_settings,
+    settings_from_flags,
+    writer,
+)
 from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir, sha256_file
 from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
 from tk.models import ModelSpec
-from tk.registries import FORMATS as FORMAT_MODULES
 from tk.spec import Dim, feeds_nbytes
 from tk.versions import library_versions
 
 log = logging.getLogger("tk.export")
 
-FORMATS = tuple(FORMAT_MODULES)
 WEIGHTS = "weights.safetensors"
-UNFUSED_ONNX = "model.unfused.onnx"
 
 # (staging directory, manifest, formats written, context): fills manifest.check and manifest.status
 Checker = Callable[[Path, Manifest, list[str], ExportContext], None]
 
-__all__ = ["FORMATS", "Checker", "ExportOptions", "ExportResult", "write_artifact"]
+__all__ = [
+    "FORMATS",
+    "Checker",
+    "ExportOptions",
+    "ExportResult",
+    "format_unavailable_reason",
+    "settings_from_flags",
+    "write_artifact",
+]
 
 
 @dataclass
@@ -56,60 +68,6 @@ class ExportResult:
     @property
     def passed(self) -> bool:
         return self.manifest.status != "failed"
-
-
-def resolve_formats(
-    requested: tuple[str, ...], device: str, precision: str = "fp32"
-) -> tuple[list[str], dict[str, str]]:
-    """Formats to write, in order, and the ones ``all`` skips with the reason."""
-    wanted: list[str] = []
-    skipped: dict[str, str] = {}
-    for fmt in requested:
-        if fmt == "all":
-            for name in FORMATS:
-                reason = format_unavailable_reason(name, device, precision)
-                if reason is None:
-                    wanted.append(name)
-                else:
-                    skipped[name] = reason
-        elif fmt in FORMATS:
-            reason = format_unavailable_reason(fmt, device, precision)
-            if reason is not None:
-                raise BackendUnavailableError(f"--format {fmt}: {reason}")
-            wanted.append(fmt)
-        else:
-            raise UsageError(f"--format: expected one of {', '.join(FORMATS)} or all, got {fmt!r}")
-    ordered = [f for f in FORMATS if f in wanted]
-    return ordered, skipped
-
-
-# int8: onnxruntime's quantization of the ONNX graph, or torchao's PT2E quantization compiled by AOTInductor
-INT8_FORMATS = ("onnx", "aoti")
-
-
-def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") -> str | None:
-    if device == "cuda" and not torch.cuda.is_available():
-        return "--device cuda needs a CUDA GPU, and torch finds none"
-    if precision == "int8":
-        if fmt not in INT8_FORMATS:
-            return f"--precision int8 is written for the {' and '.join(INT8_FORMATS)} formats only"
-        if fmt == "onnx":
-            from tk.export.quantize import unavailable_reason
-
-            reason = unavailable_reason()
-        else:
-            from tk.export.aoti_int8 import unavailable_reason as aoti_int8_reason
-
-            reason = aoti_int8_reason(device)
-        if reason:
-            return reason
-    writer_module = _writer_module(fmt)
-    reason_fn = getattr(writer_module, "unavailable_reason", None)
-    return reason_fn(device) if reason_fn else None
-
-
-def _writer_module(fmt: str) -> ModuleType:
-    return importlib.import_module(FORMAT_MODULES[fmt])
 
 
 def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> dict[str, Dim]:
@@ -148,23 +106,7 @@ def write_artifact(
     """
     options = options or ExportOptions()
     out = Path(out)
-    formats, skipped = resolve_formats(options.formats, options.device, options.precision)
-    for fmt, reason in skipped.items():
-        log.info("export %-6s skipped: %s", fmt, reason)
-    if not formats:
-        raise BackendUnavailableError(
-            "no requested format can be written on this machine: " + "; ".join(skipped.values())
-        )
-    from tk.tolerances import tolerance_for
-
-    tolerance_for(options.precision, rtol=options.rtol, atol=options.atol)  # bad values fail before any work
-    if options.precision == "int8":
-        _check_int8_options(options, formats)
-    signing_key()  # an empty key is an error now, not after the export
-    if any(f in formats for f in ("onnx", "trt")):
-        from tk.export.onnx import resolve_opset
-
-        resolve_opset(options.opset)
+    formats, skipped, settings = _plan(options)
     checkpoint_sha = None
     if options.checkpoint is not None:
         from tk.models.checkpoint import load_weights
@@ -177,32 +119,16 @@ def write_artifact(
     for name, dim in dims.items():  # the check runs each dimension at its max: size that before any work
         sizes = {**opt, name: dim.max}
         require_within_budget(feeds_nbytes(spec.signature.inputs, sizes), f"inputs at sizes {sizes}")
-    example = spec.example_inputs({n: d.opt for n, d in dims.items()})
-    device = torch.device(options.device)
+    example = spec.example_inputs(opt)
     recover_interrupted(out)
     _refuse_foreign_dir(out)  # before any work: never replace a directory tk did not write
-
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = exclusive_temp_dir(out.parent, f".{out.name}.", ".partial")
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
-        with matmul_precision(options.precision == "tf32"):  # compiles bake TF32 in or out
-            module = module_at_precision(spec.module.to(device), options.precision, options.device, options.keep_fp32)
-            ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
-            ctx.report = options.report or out.parent / f"{out.name}.export-report.md"
-            ctx.versions = library_versions(options.device)
-            _write_weights(ctx)
-            if any(f in formats for f in ("torch", "onnx", "aoti", "trt")):
-                ctx.program = _timed(ctx, "capture", lambda: _capture(ctx, out))
-            for fmt in formats:
-                writer = _writer_module(fmt)
-                _timed(ctx, fmt, lambda w=writer: w.write(ctx))
-                if fmt == "onnx" and options.onnx_fusions and _fuse_before_int8(options):
-                    _timed(ctx, "fuse", lambda: _fuse_onnx(ctx))
-                if fmt == "onnx" and options.precision == "int8":
-                    _timed(ctx, "int8", lambda: _quantize_onnx(ctx))
+        ctx = _write_formats(spec, out, options, staging, dims, example, formats, settings)
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
         if options.check and check is not None:
@@ -227,6 +153,64 @@ def write_artifact(
     return result
 
 
+def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, object]]:
+    """The formats to write, those ``all`` skips, and every format's settings, all checked before any work."""
+    formats, skipped = resolve_formats(options.formats, options.device, options.precision)
+    for fmt, reason in skipped.items():
+        log.info("export %-6s skipped: %s", fmt, reason)
+    if not formats:
+        raise BackendUnavailableError(
+            "no requested format can be written on this machine: " + "; ".join(skipped.values())
+        )
+    from tk.tolerances import tolerance_for
+
+    tolerance_for(options.precision, rtol=options.rtol, atol=options.atol)  # bad values fail before any work
+    if options.precision != "int8" and (options.calibrate is not None or options.calibration_data is not None):
+        raise UsageError(f"--calibrate: applies to --precision int8 only; this export is {options.precision}")
+    if options.calibration_data is not None:
+        from tk.export.calibration import require_finite
+
+        require_finite(options.calibration_data, str(options.calibrate or "data"))
+    settings = resolve_settings(options.formats, options.settings, skipped)
+    for fmt in in_use(formats):
+        writer(fmt).validate(settings[fmt], options)
+    signing_key()  # an empty key is an error now, not after the export
+    return formats, skipped, settings
+
+
+def _write_formats(
+    spec: ModelSpec,
+    out: Path,
+    options: ExportOptions,
+    staging: Path,
+    dims: dict[str, Dim],
+    example: tuple[torch.Tensor, ...],
+    formats: list[str],
+    settings: dict[str, object],
+) -> ExportContext:
+    """Capture once, then let each writer write its files into ``staging``; the context they filled."""
+    device = torch.device(options.device)
+    with matmul_precision(options.precision == "tf32"):  # compiles bake TF32 in or out
+        module = module_at_precision(spec.module.to(device), options.precision, options.device, options.keep_fp32)
+        ctx = ExportContext(spec, module, dims, options, staging, tuple(t.to(device) for t in example))
+        ctx.report = options.report or out.parent / f"{out.name}.export-report.md"
+        ctx.versions = library_versions(options.device)
+        ctx.settings = settings
+        ctx.providers = {product: _provider(fmt, product) for fmt in FORMATS for product in writer(fmt).provides}
+        _write_weights(ctx)
+        ctx.program = _timed(ctx, "capture", lambda: _capture(ctx, out))
+        for fmt in formats:
+            fmt_writer = writer(fmt)
+            _timed(ctx, fmt, lambda: fmt_writer.write(ctx))  # noqa: B023 (called at once)
+    shutil.rmtree(staging / ".scratch", ignore_errors=True)
+    return ctx
+
+
+def _provider(fmt: str, product: str) -> Callable[[ExportContext], object]:
+    """What makes ``product``: the ``provide`` of ``fmt``'s writer."""
+    return lambda ctx: writer(fmt).provide(product, ctx)
+
+
 def _failures(report: dict) -> list[str]:
     lines = [f"{o['name']} {o['problem']}" for o in report.get("outputs", []) if not o["passed"]]
     inv = report.get("batch_invariance")
@@ -245,114 +229,6 @@ def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
         report = ctx.report or out.parent / f"{out.name}.export-report.md"
         written = write_capture_report(report, ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims, exc)
         raise CaptureError(f"{exc} (report: {written})") from exc
-
-
-def _fuse_onnx(ctx: ExportContext) -> None:
-    from tk.export.onnx_optimize import optimize_onnx_in_place
-
-    info = ctx.formats["onnx"]
-    if info.get("external_data"):
-        info["fusions"] = {"applied": False, "reason": "the graph has external data (over 2 GiB)"}
-        return
-    path = ctx.staging / info["file"]
-    if ctx.options.keep_unfused:
-        unfused = ctx.add_file(UNFUSED_ONNX, "onnx-unfused")
-        shutil.copyfile(path, unfused)
-    feeds = {s.name: t.cpu().numpy() for s, t in zip(ctx.spec.signature.inputs, ctx.example_inputs, strict=True)}
-    # a CUDA export keeps SkipLayerNormalization (fused there); onnxruntime's CPU kernel is slower than LayerNormalization
-    result = optimize_onnx_in_place(path, feeds, for_cpu=ctx.options.device != "cuda")
-    info["fusions"] = result.to_json()
-    if result.applied:
-        log.info(
-            "export fuse   %d -> %d nodes: %s %s",
-            result.nodes_before,
-            result.nodes_after,
-            result.fused_ops,
-            result.cpu_rewrites or "",
-        )
-
-
-INT8_MODES = ("static", "dynamic")
-
-
-def _check_int8_options(options: ExportOptions, formats: list[str]) -> None:
-    """The int8 settings each format takes, refused before any work."""
-    if options.int8_mode not in INT8_MODES:
-        raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {options.int8_mode!r}")
-    method = options.calibration_method
-    if "onnx" in formats and options.int8_mode == "static" and method is not None:
-        from tk.export.static_int8 import METHODS
-
-        if method not in METHODS:
-            raise UsageError(
-                f"--calibration-method: static int8 ONNX calibrates with {', '.join(METHODS)}, got {method!r}"
-            )
-    if "aoti" in formats:
-        from tk.export.aoti_int8 import METHODS as AOTI_METHODS
-
-        if options.int8_mode != "static":
-            raise UsageError(f"--int8-mode {options.int8_mode}: an int8 aoti package is calibrated; expected static")
-        if method is not None and method not in AOTI_METHODS:
-            raise UsageError(
-                f"--calibration-method: int8 aoti packages calibrate with {' or '.join(AOTI_METHODS)}, got {method!r}"
-            )
-        if options.nodes_to_exclude:
-            raise UsageError(
-                "nodes_to_exclude names ONNX nodes; an int8 aoti package leaves modules in float32 with keep_fp32 "
-                "(--keep-fp32)"
-            )
-
-
-def _fuse_before_int8(options: ExportOptions) -> bool:
-    """Whether the ONNX graph is fused: always but under dynamic int8.
-
-    Static int8 quantizes the fused graph: its attention is one ``MultiHeadAttention`` instead of
-    MatMul/Where/Softmax/Transpose plumbing, which took the small Transformer at 32 x 128 from
-    217 to 204 ms per call at the same SQNR (AMD EPYC Zen 4, interleaved, under load). Dynamic
-    int8 stays unfused: fusions made it 20-30% slower when measured (the README's performance section).
-    """
-    return options.precision != "int8" or options.int8_mode == "static"
-
-
-def _quantize_onnx(ctx: ExportContext) -> None:
-    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
-
-    path = ctx.staging / ctx.formats["onnx"]["file"]
-    quantized = path.with_name(".int8." + path.name)
-    excluded: list[str] = list(ctx.options.nodes_to_exclude)
-    kept_modules: list[str] = []
-    if ctx.options.keep_fp32:
-        import onnx
-
-        from tk.formats.onnx_scopes import nodes_in_modules
-
-        kept_modules = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
-        excluded += kept_modules + [f"{name}_MatMul" for name in kept_modules]  # a Gemm splits into NAME_MatMul + Add
-    mode = ctx.options.int8_mode  # checked by _check_int8_options before any work
-    if mode == "static":
-        from tk.export.calibration import calibration_feeds, judge_feeds
-        from tk.export.static_int8 import static_int8_onnx_from_onnx
-        from tk.tolerances import MIN_SQNR_DB
-
-        result = static_int8_onnx_from_onnx(
-            path,
-            quantized,
-            calibration_feeds(ctx),
-            method=ctx.options.calibration_method or "minmax",
-            nodes_to_exclude=excluded,
-            min_sqnr_db=MIN_SQNR_DB["int8"],
-            judge=judge_feeds(ctx),
-        )
-        os.replace(quantized, path)
-        ctx.formats["onnx"]["quantization"] = result.to_json()
-        if kept_modules:
-            ctx.formats["onnx"]["int8_excluded_nodes"] = len(kept_modules)
-        return
-    int8_onnx_from_onnx(path, quantized, nodes_to_exclude=excluded)
-    os.replace(quantized, path)
-    ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
-    if kept_modules:
-        ctx.formats["onnx"]["int8_excluded_nodes"] = len(kept_modules)
 
 
 def _write_weights(ctx: ExportContext) -> None:

@@ -7,12 +7,10 @@ the manifest records all three so the engine can refuse a package it cannot run.
 Why freezing for bf16 and fp16 on the CPU: without it the package keeps the float32 weights as
 inputs of the graph, so every call casts all of them to the reduced precision again and runs each
 linear as a plain ``addmm``. With Inductor's freezing the weights are constants: the casts are
-folded at compile time (the package holds bfloat16 weights, 40% smaller for BERT-base), and the
+folded at compile time (the package holds bfloat16 weights, so it is smaller), and the
 linears become oneDNN linears on weights packed once, in the layout oneDNN picks for this CPU
-(one more reason a package runs only where it was compiled), with bias and GELU fused into them.
-Measured on BERT-base bf16 at batch 32 x 128 on a 2-core AVX512-BF16 CPU, interleaved in one
-process: 69% of the bf16 matrix-product peak without freezing, 77% with it, and the compile
-takes as long. Inductor's C++ GEMM template (``max_autotune``) does not help there: without AMX
+(one more reason a package runs only where it was compiled), with bias and GELU fused into them:
+a larger share of the bf16 matrix-product peak, for the same compile time. Inductor's C++ GEMM template (``max_autotune``) does not help there: without AMX
 it computes bfloat16 products in float32, and autotuning the small model kept oneDNN's kernel
 for every linear while doubling the compile time. Freezing only applies while gradients are
 off, so the compile runs under ``torch.no_grad()``. float32 packages keep Inductor's defaults:
@@ -25,47 +23,93 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tk.errors import ConversionError, first_line
-from tk.export.context import ExportContext
+from tk.errors import ConversionError, UsageError, first_line
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.writer import REDUCED, Writer, option
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
 
 
+@dataclass(frozen=True)
+class AotiOptions:
+    """The ``aoti`` writer's settings; None means the default."""
+
+    calibration_method: str | None = option("--calibration-method")  # int8: histogram (default) | minmax
+
+
+class AotiWriter(Writer):
+    """``model.aoti.pt2``: the program compiled by AOTInductor; frozen under bf16/fp16/int8 on the CPU,
+    quantized by torchao's PT2E x86 quantizer under int8 (``tk.export.aoti_int8``)."""
+
+    name = "aoti"
+    Options = AotiOptions
+    precisions = (*REDUCED, "int8")
+
+    def unavailable_reason(self, device: str, precision: str) -> str | None:
+        if precision == "int8":
+            from tk.export.aoti_int8 import unavailable_reason as int8_reason
+
+            reason = int8_reason(device)
+            if reason:
+                return reason
+        if device == "cuda" and not torch.cuda.is_available():
+            return "AOTInductor for cuda needs a CUDA GPU; none found"
+        if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+            return "AOTInductor needs a C++ compiler; none found (install g++, or set CXX)"
+        return None
+
+    def validate(self, options: AotiOptions, export: ExportOptions) -> None:
+        method = options.calibration_method
+        if method is None:
+            return
+        if export.precision != "int8":
+            raise UsageError(
+                f"--calibration-method: applies to --precision int8 only; this export is {export.precision}"
+            )
+        from tk.export.aoti_int8 import METHODS
+
+        if method not in METHODS:
+            raise UsageError(
+                f"--calibration-method: int8 aoti packages calibrate with {' or '.join(METHODS)}, got {method!r}"
+            )
+
+    def write(self, ctx: ExportContext) -> None:
+        assert ctx.program is not None
+        configs = inductor_configs_for(ctx.options.precision, ctx.options.device)
+        program, quantization = ctx.program, None
+        if ctx.options.precision == "int8":
+            program, quantization = _int8_program(ctx, ctx.settings[self.name])
+        aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs)
+        info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
+        if quantization is not None:
+            info["quantization"] = quantization
+        if ctx.options.device == "cpu":
+            isa = cpu_vector_isa()
+            if isa is not None:
+                info["cpu_isa"] = isa
+            features = packing_features()
+            if configs.get("freezing") and features is not None:  # weights packed by oneDNN for this CPU
+                info["packed_for"] = features
+        ctx.formats["aoti"] = info
+
+
+WRITER = AotiWriter()
+
+
 def unavailable_reason(device: str) -> str | None:
-    if device == "cuda" and not torch.cuda.is_available():
-        return "AOTInductor for cuda needs a CUDA GPU; none found"
-    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-        return "AOTInductor needs a C++ compiler; none found (install g++, or set CXX)"
-    return None
+    """Why this machine cannot compile a float package for ``device`` (None when it can)."""
+    return WRITER.unavailable_reason(device, "fp32")
 
 
-def write(ctx: ExportContext) -> None:
-    assert ctx.program is not None
-    configs = inductor_configs_for(ctx.options.precision, ctx.options.device)
-    program, quantization = ctx.program, None
-    if ctx.options.precision == "int8":
-        program, quantization = _int8_program(ctx)
-    aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs)
-    ctx.formats["aoti"] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
-    if quantization is not None:
-        ctx.formats["aoti"]["quantization"] = quantization
-    if ctx.options.device == "cpu":
-        isa = cpu_vector_isa()
-        if isa is not None:
-            ctx.formats["aoti"]["cpu_isa"] = isa
-        features = packing_features()
-        if configs.get("freezing") and features is not None:  # weights packed by oneDNN for this CPU
-            ctx.formats["aoti"]["packed_for"] = features
-
-
-def _int8_program(ctx: ExportContext) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+def _int8_program(ctx: ExportContext, options: AotiOptions) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti_int8``)."""
     from tk.export.aoti_int8 import DEFAULT_METHOD, int8_program
-    from tk.export.calibration import calibration_feeds, judge_feeds
+    from tk.export.calibration import calibration_feeds, judge_feeds, require_int8_layers
     from tk.tolerances import MIN_SQNR_DB
 
     assert ctx.program is not None
@@ -75,11 +119,12 @@ def _int8_program(ctx: ExportContext) -> tuple[torch.export.ExportedProgram, dic
         ctx.dims,
         ctx.example_inputs,
         calibration_feeds(ctx),
-        method=ctx.options.calibration_method or DEFAULT_METHOD,
+        method=options.calibration_method or DEFAULT_METHOD,
         keep_fp32=ctx.options.keep_fp32,
         min_sqnr_db=MIN_SQNR_DB["int8"],
         judge=judge_feeds(ctx),
     )
+    require_int8_layers(result.int8_modules, result.quantizable, "aoti")
     return program, result.to_json()
 
 

@@ -8,13 +8,10 @@ fast: Inductor's x86 patterns (registered by torchao) fold each dequantize -> li
 (-> GELU, -> residual add) chain into one oneDNN ``qlinear_pointwise`` on weights packed once for
 this CPU, so the package runs int8 products with float32 outputs and nothing dequantized at run time.
 
-Why a second int8 path beside onnxruntime's static QDQ graph: on the trained small Transformer at
-32 x 128 (AMD EPYC Zen 4 with AVX512-VNNI and AVX512-BF16, 2 threads) both quantize the same 17
-linears and both leave 3 of them out of int8 for the 35 dB floor (here 3 attention projections), but
-the package runs those in bfloat16 and everything else in Inductor's fused kernels: about 77 ms per
-call (kernel profile: int8 linears 34 ms, float32 SDPA 20 ms, the 3 bf16 linears 9 ms, fused
-LayerNorm/GELU/residual kernels about 9 ms) where the ONNX graph takes about 120 ms, whose float32
-attention, LayerNorm, GELU and excluded products were 75% of its time. The int8 products of both
+Why a second int8 path beside onnxruntime's static QDQ graph: both quantize the same linears and
+leave the same few out of int8 for the SQNR floor, but the package runs those in bfloat16 and
+everything else (attention, LayerNorm, GELU, residual adds) in Inductor's fused kernels, where the
+ONNX graph runs them in float32 operators that take most of its time. The int8 products of both
 run near the machine's int8 matrix-product peak (``torch._int_mm``).
 
 Layers whose quantization costs the most signal are left out automatically: while the outputs'
@@ -23,13 +20,11 @@ held-out batches at the shapes the export check uses) is below the floor plus a 
 costliest are excluded, a few more per round. A layer's cost is its own output's SQNR with its input
 and weight rounded as the calibrated observers say (``tk.export.int8_costs``: one pass over the
 calibration batches), and a failing round stops at its first batch under the target. On a batch
-where the program with every module in bfloat16 is itself under the target (the barely trained base
-Transformer: 26.0 dB on one of 44 batches, 22.6 for int8), int8 is held to bfloat16's SQNR minus
-the margin there: no exclusion could do better. Where the CPU has bfloat16 dot products the
+where the program with every module in bfloat16 is itself under the target (a barely trained
+model), int8 is held to bfloat16's SQNR minus the margin there: no exclusion could do better. Where the CPU has bfloat16 dot products the
 excluded modules run in bfloat16 (casts around the linear; the weight cast is folded by
 freezing), which costs the signal little (bfloat16 keeps 8 bits of mantissa whatever the range,
-where per-tensor int8 loses its bits to an outlier) and is twice as fast as float32: on the small
-Transformer, 107.7 -> 93.0 ms per call, SQNR 56.5 dB for both.
+where per-tensor int8 loses its bits to an outlier) and runs faster than float32 at the same SQNR.
 ``--keep-fp32 MODULE`` keeps a module in float32. The package's numbers come from oneDNN's kernels,
 not from the program the judge runs; the export check measures the package itself.
 """
@@ -207,7 +202,7 @@ class _Quantizer:
         # a fresh module of the program for each trial, not a deep copy: its parameters are the
         # program's own tensors (the quantizer writes new int8 constants and never changes them). Each
         # trial's module stays reachable after it (a reference inside torch.fx or torchao, not traced),
-        # so 73 deep copies of the base Transformer (440 MB each) reached 21 GB; fresh modules add ~1 MB
+        # so deep copies grew by a whole model per trial; fresh modules add almost nothing
         prepared = prepare_pt2e(self.program.module(), quantizer)
         for args in self.calibration:
             prepared(*args)
@@ -329,11 +324,6 @@ def int8_program(
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
-            if result.int8_modules == 0 and candidates:
-                log.warning(
-                    "export int8   no module stayed int8 (all %d left out, in %s): --precision bf16 makes the same "
-                    "package without calibrating", len(candidates), result.excluded_dtype,
-                )  # fmt: skip
             from tk.export.torch_program import exported_program_from_module
 
             return exported_program_from_module(quantized, example_inputs, signature, dims), result

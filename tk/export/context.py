@@ -1,7 +1,8 @@
-"""What one export run shares between its format writers."""
+"""What one export run shares between its format writers: the common options and the context."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,32 +16,27 @@ from tk.spec import Dim
 
 @dataclass
 class ExportOptions:
-    """How to export. ``None`` means the default, resolved in ``tk.export.export``."""
+    """How to export: the options every format shares, and each format's own in ``settings``.
 
-    formats: tuple[str, ...] = ("onnx",)  # torch | onnx | aoti | trt | all
-    precision: str = "fp32"  # fp32 | fp16 | bf16 | int8
+    ``settings`` maps a format name to its writer's options dataclass, e.g.
+    ``{"onnx": OnnxOptions(fusions=False), "trt": TrtOptions(workspace_gb=2)}``; a format not in
+    it uses its defaults. ``None`` means the default, resolved by the writer that reads it.
+    """
+
+    formats: tuple[str, ...] = ("onnx",)  # names in tk.registries.FORMATS, or all
+    precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8
     dynamic: bool = True  # False: every dimension fixed at its opt size
     dims: dict[str, Dim] = field(default_factory=dict)  # overrides of the model's dimension ranges
-    opset: int | None = None  # ONNX opset; default 20
     device: str = "cpu"  # cpu | cuda
     check: bool = True  # run the export-time parity check
     rtol: float | None = None  # override the precision's tolerance
     atol: float | None = None
     checkpoint: Path | None = None  # safetensors state_dict from `tk train`
-    onnx_fusions: bool = True  # onnxruntime's transformer fusions on the ONNX graph (tk.export.onnx_optimize)
-    keep_unfused: bool = False  # also ship the ONNX graph before fusion, as model.unfused.onnx
-    int8_mode: str = "static"  # static (calibrated QDQ) | dynamic (activations quantized per call)
-    calibrate: str | None = None  # static int8 calibration: "random:N" or an inputs file; default random:32
+    calibrate: str | None = None  # int8 calibration: "random:N" or an inputs file; default random:32
     calibration_data: dict[str, Any] | None = None  # the calibration arrays, read by tk.workflows.export
-    # static int8 activation ranges: onnx minmax (default) | entropy | percentile; aoti histogram (default) | minmax
-    calibration_method: str | None = None
-    nodes_to_exclude: tuple[str, ...] = ()  # ONNX nodes kept in float32 by int8
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
-    trt_workspace_gb: float = 4.0  # TensorRT builder workspace limit, GiB
-    trt_optimization_level: int = 3  # TensorRT builder optimization level, 0-5
-    trt_hardware_compatibility: str = "ampere+"  # none | ampere+ | same-compute-capability
-    trt_timing_cache: Path | None = None  # default: ~/.cache/tk/trt-timing.cache
+    settings: Mapping[str, Any] = field(default_factory=dict)  # format -> its writer's options dataclass
 
 
 @dataclass
@@ -59,7 +55,37 @@ class ExportContext:
     formats: dict[str, dict[str, Any]] = field(default_factory=dict)
     versions: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # format -> its options (given, else defaults)
+    providers: dict[str, Callable[[ExportContext], Any]] = field(default_factory=dict)  # product -> maker
+    products: dict[str, Any] = field(default_factory=dict)  # products made so far
+
+    @property
+    def scratch(self) -> Path:
+        """A directory for intermediate files; removed before the manifest is written."""
+        path = self.staging / ".scratch"
+        path.mkdir(exist_ok=True)
+        return path
 
     def add_file(self, relative: str, role: str) -> Path:
         self.files.append((relative, role))
         return self.staging / relative
+
+    def require(self, product: str) -> Any:
+        """Another writer's output by name (``onnx-plain``: the standard-op ONNX graph), made once."""
+        if product not in self.products:
+            if product not in self.providers:
+                raise KeyError(f"no format provides {product!r} (known: {', '.join(self.providers) or 'none'})")
+            self.products[product] = self.providers[product](self)
+        return self.products[product]
+
+    def shipped_copy(self, path: Path) -> str | None:
+        """The artifact file (relative path) whose bytes equal ``path``'s, if one ships."""
+        from tk.fileio import sha256_file
+
+        digest = sha256_file(path)
+        for relative, _ in self.files:
+            candidate = self.staging / relative
+            if candidate.is_file() and candidate.stat().st_size == path.stat().st_size:
+                if sha256_file(candidate) == digest:
+                    return relative
+        return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.context import ExportContext
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.onnx_precision import INT8_MODES, fuse, fuses, quantize
+from tk.export.writer import REDUCED, Writer, given, option
 from tk.spec import Dim, Signature
 
 FILE = "model.onnx"
@@ -36,14 +39,6 @@ class OnnxFile:
     ir_version: int
 
 
-def unavailable_reason(device: str) -> str | None:
-    missing = [p for p in ("onnx", "onnxscript") if importlib.util.find_spec(p) is None]
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        return f"{' and '.join(missing)} {verb} not installed (pip install onnx onnxscript)"
-    return None
-
-
 def resolve_opset(opset: int | None) -> int:
     """``opset`` (default 20) once it is one this onnx knows and the exporter supports (18 or newer)."""
     import onnx
@@ -57,29 +52,98 @@ def resolve_opset(opset: int | None) -> int:
     return opset
 
 
-def write(ctx: ExportContext) -> None:
-    assert ctx.program is not None
-    result = onnx_from_exported_program(
-        ctx.program,
-        ctx.add_file(FILE, "onnx"),
-        ctx.spec.signature,
-        ctx.dims,
-        opset=ctx.options.opset,
-        report_path=ctx.report,
-    )
-    if result.external_data is not None:
-        ctx.add_file(result.external_data.name, "onnx-data")
-    ctx.formats["onnx"] = {
-        "file": FILE,
-        "opset": result.opset,
-        "ir_version": result.ir_version,
-        "external_data": result.external_data.name if result.external_data else None,
-    }
-    import onnx
-    import onnxscript
+@dataclass(frozen=True)
+class OnnxOptions:
+    """The ``onnx`` writer's settings; None means the default."""
 
-    ctx.versions.setdefault("onnx", onnx.__version__)
-    ctx.versions.setdefault("onnxscript", onnxscript.__version__)
+    opset: int | None = option("--opset", shapes="onnx-plain")  # default 20, at least 18
+    fusions: bool | None = option(
+        "--fuse/--no-fuse"
+    )  # onnxruntime's transformer fusions (tk.export.onnx_optimize); default on
+    keep_unfused: bool | None = option("--keep-unfused")  # also ship the graph before fusion, as model.unfused.onnx
+    int8_mode: str | None = option("--int8-mode")  # static (calibrated QDQ, default) | dynamic (per call)
+    calibration_method: str | None = option(
+        "--calibration-method"
+    )  # static int8: minmax (default) | entropy | percentile
+    nodes_to_exclude: tuple[str, ...] = option("nodes_to_exclude", default=())  # ONNX nodes int8 keeps in float32
+
+
+class OnnxWriter(Writer):
+    """``model.onnx`` from the exported program; fused for onnxruntime, then quantized under int8.
+
+    Provides ``onnx-plain``: the exporter's standard-op graph, before fusion and quantization.
+    """
+
+    name = "onnx"
+    Options = OnnxOptions
+    precisions = (*REDUCED, "int8")  # int8: onnxruntime's quantization of the graph
+    provides = ("onnx-plain",)
+
+    def unavailable_reason(self, device: str, precision: str) -> str | None:
+        missing = [p for p in ("onnx", "onnxscript") if importlib.util.find_spec(p) is None]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            return f"{' and '.join(missing)} {verb} not installed (pip install onnx onnxscript)"
+        if precision == "int8" and importlib.util.find_spec("onnxruntime") is None:
+            return "int8 uses onnxruntime's quantization tools: pip install 'tk[cpu]'"
+        return None
+
+    def validate(self, options: OnnxOptions, export: ExportOptions) -> None:
+        resolve_opset(options.opset)
+        for name in ("int8_mode", "calibration_method", "nodes_to_exclude"):
+            if export.precision != "int8" and getattr(options, name) not in (None, ()):
+                flag = given(options)[name]
+                raise UsageError(f"{flag}: applies to --precision int8 only; this export is {export.precision}")
+        mode = options.int8_mode or "static"
+        if mode not in INT8_MODES:
+            raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {mode!r}")
+        method = options.calibration_method
+        if method is not None and mode == "dynamic":
+            raise UsageError("--calibration-method: dynamic int8 is not calibrated; drop it or give --int8-mode static")
+        if method is not None:
+            from tk.export.static_int8 import METHODS
+
+            if method not in METHODS:
+                raise UsageError(
+                    f"--calibration-method: static int8 ONNX calibrates with {', '.join(METHODS)}, got {method!r}"
+                )
+        if options.keep_unfused and options.fusions is False:
+            raise UsageError("--keep-unfused: with --no-fuse the shipped model.onnx is the unfused graph already")
+        if options.keep_unfused and not fuses(export.precision, mode):
+            raise UsageError("--keep-unfused: dynamic int8 quantizes the unfused graph; no fused graph is made")
+
+    def write(self, ctx: ExportContext) -> None:
+        options: OnnxOptions = ctx.settings[self.name]
+        plain: OnnxFile = ctx.require("onnx-plain")
+        shutil.copyfile(plain.path, ctx.add_file(FILE, "onnx"))
+        if plain.external_data is not None:
+            shutil.copyfile(plain.external_data, ctx.add_file(plain.external_data.name, "onnx-data"))
+        ctx.formats["onnx"] = {
+            "file": FILE,
+            "opset": plain.opset,
+            "ir_version": plain.ir_version,
+            "external_data": plain.external_data.name if plain.external_data else None,
+        }
+        import onnx
+        import onnxscript
+
+        ctx.versions.setdefault("onnx", onnx.__version__)
+        ctx.versions.setdefault("onnxscript", onnxscript.__version__)
+        mode = options.int8_mode or "static"
+        if options.fusions is not False and fuses(ctx.options.precision, mode):
+            fuse(ctx, keep_unfused=bool(options.keep_unfused))
+        if ctx.options.precision == "int8":
+            quantize(ctx, mode=mode, method=options.calibration_method, nodes_to_exclude=options.nodes_to_exclude)
+
+    def provide(self, product: str, ctx: ExportContext) -> OnnxFile:
+        assert product == "onnx-plain" and ctx.program is not None
+        options: OnnxOptions = ctx.settings[self.name]
+        return onnx_from_exported_program(
+            ctx.program, ctx.scratch / FILE, ctx.spec.signature, ctx.dims, opset=options.opset, report_path=ctx.report
+        )
+
+
+WRITER = OnnxWriter()
 
 
 def onnx_from_exported_program(

@@ -1,4 +1,4 @@
-"""The ``trt`` format: a TensorRT engine (``model.plan``) built from the ONNX file.
+"""The ``trt`` format: a TensorRT engine (``model.plan``) built from the exporter's standard-op ONNX graph.
 
 The network is strongly typed (TensorRT 11 builds nothing else): each layer runs in the dtype the
 ONNX graph gives it, and tk puts reduced precision into the graph (``tk.export.precision``), so
@@ -11,19 +11,17 @@ Works with TensorRT 10.x and 11.x.
 from __future__ import annotations
 
 import logging
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tk.errors import ConversionError, UsageError
-from tk.export.context import ExportContext
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.writer import Writer, option
 from tk.fileio import atomic_write_bytes
-from tk.formats.tensorrt import FILE, trt_logger
-from tk.formats.tensorrt import (
-    unavailable_reason as unavailable_reason,  # the writer protocol: write + unavailable_reason
-)
+from tk.formats.tensorrt import FILE, trt_logger, unavailable_reason
 from tk.spec import Dim, Signature
 
 log = logging.getLogger("tk.export")
@@ -34,29 +32,68 @@ HARDWARE_COMPATIBILITY = {  # tk option -> trt.HardwareCompatibilityLevel member
     "same-compute-capability": "SAME_COMPUTE_CAPABILITY",
 }
 DEFAULT_TIMING_CACHE = Path("~/.cache/tk/trt-timing.cache")
+DEFAULT_WORKSPACE_GB = 4.0
+DEFAULT_OPTIMIZATION_LEVEL = 3
+DEFAULT_HARDWARE_COMPATIBILITY = "ampere+"
 
 
-def write(ctx: ExportContext) -> None:
-    import tensorrt as trt
+@dataclass(frozen=True)
+class TrtOptions:
+    """The ``trt`` writer's settings; None means the default."""
 
-    onnx_settings = ctx.formats.get("onnx")
-    if onnx_settings is not None:  # written just before, by the onnx writer
-        settings = engine_from_onnx(ctx.staging / onnx_settings["file"], ctx.add_file(FILE, "trt"), ctx)
-        settings["onnx"] = onnx_settings["file"]
-    else:
-        from tk.export.onnx import onnx_from_exported_program
+    workspace_gb: float | None = option("--trt-workspace")  # builder workspace limit, GiB; default 4
+    optimization_level: int | None = option("--trt-opt-level")  # builder optimization level 0-5; default 3
+    hardware_compatibility: str | None = option(
+        "--trt-hardware-compat"
+    )  # none | ampere+ (default) | same-compute-capability
+    timing_cache: Path | None = option("--trt-timing-cache")  # noqa: RUF009 (None) default: ~/.cache/tk/trt-timing.cache
 
-        assert ctx.program is not None
-        with tempfile.TemporaryDirectory(prefix="tk-trt-") as tmp:
-            onnx_file = onnx_from_exported_program(
-                ctx.program, Path(tmp) / "model.onnx", ctx.spec.signature, ctx.dims, opset=ctx.options.opset
+    def resolved(self) -> TrtOptions:
+        return TrtOptions(
+            DEFAULT_WORKSPACE_GB if self.workspace_gb is None else self.workspace_gb,
+            DEFAULT_OPTIMIZATION_LEVEL if self.optimization_level is None else self.optimization_level,
+            self.hardware_compatibility or DEFAULT_HARDWARE_COMPATIBILITY,
+            Path(self.timing_cache or DEFAULT_TIMING_CACHE).expanduser(),
+        )
+
+
+class TrtWriter(Writer):
+    """``model.plan``: a TensorRT engine built from the exporter's standard-op ONNX graph
+    (``onnx-plain``, which TensorRT's parser takes), never from a fused or quantized ``model.onnx``."""
+
+    name = "trt"
+    Options = TrtOptions
+    requires = ("onnx-plain",)
+
+    def unavailable_reason(self, device: str, precision: str) -> str | None:
+        return unavailable_reason(device)
+
+    def validate(self, options: TrtOptions, export: ExportOptions) -> None:
+        if options.workspace_gb is not None and not options.workspace_gb > 0:
+            raise UsageError(f"--trt-workspace: expected a size in GiB above 0, got {options.workspace_gb}")
+        level = options.optimization_level
+        if level is not None and not 0 <= level <= 5:
+            raise UsageError(f"--trt-opt-level: expected 0 to 5, got {level}")
+        compat = options.hardware_compatibility
+        if compat is not None and compat not in HARDWARE_COMPATIBILITY:
+            raise UsageError(
+                f"--trt-hardware-compat: expected one of {', '.join(HARDWARE_COMPATIBILITY)}, got {compat!r}"
             )
-            settings = engine_from_onnx(onnx_file.path, ctx.add_file(FILE, "trt"), ctx)
-        settings["onnx"] = None  # built from a temporary ONNX file, not kept
-    ctx.formats["trt"] = {"file": FILE, **settings}
-    ctx.versions["tensorrt"] = trt.__version__
-    ctx.versions["gpu"] = settings["gpu"]
-    ctx.versions["compute_capability"] = settings["compute_capability"]
+
+    def write(self, ctx: ExportContext) -> None:
+        import tensorrt as trt
+
+        plain = ctx.require("onnx-plain")
+        options = ctx.settings[self.name].resolved()
+        settings = engine_from_onnx(plain.path, ctx.add_file(FILE, "trt"), ctx.spec.signature, ctx.dims, options)
+        settings["onnx"] = ctx.shipped_copy(plain.path)  # the artifact's copy of the graph built from, if one ships
+        ctx.formats["trt"] = {"file": FILE, **settings}
+        ctx.versions["tensorrt"] = trt.__version__
+        ctx.versions["gpu"] = settings["gpu"]
+        ctx.versions["compute_capability"] = settings["compute_capability"]
+
+
+WRITER = TrtWriter()
 
 
 def profile_shapes(signature: Signature, dims: dict[str, Dim]) -> dict[str, dict[str, list[int]]]:
@@ -70,21 +107,18 @@ def profile_shapes(signature: Signature, dims: dict[str, Dim]) -> dict[str, dict
     return shapes
 
 
-def engine_from_onnx(onnx_path: Path, plan_path: Path, ctx: ExportContext) -> dict[str, Any]:
-    """Build a serialized engine from ``onnx_path`` into ``plan_path``; returns the settings used."""
+def engine_from_onnx(
+    onnx_path: Path, plan_path: Path, signature: Signature, dims: dict[str, Dim], options: TrtOptions
+) -> dict[str, Any]:
+    """Build a serialized engine from ``onnx_path`` into ``plan_path`` with ``options`` (resolved);
+    returns the settings used."""
     import tensorrt as trt
 
-    options = ctx.options
-    level_name = HARDWARE_COMPATIBILITY.get(options.trt_hardware_compatibility)
-    if level_name is None:
-        raise UsageError(
-            f"--trt-hardware-compat: expected one of {', '.join(HARDWARE_COMPATIBILITY)}, "
-            f"got {options.trt_hardware_compatibility!r}"
-        )
+    level_name = HARDWARE_COMPATIBILITY[options.hardware_compatibility]
     level = getattr(trt.HardwareCompatibilityLevel, level_name, None)
     if level is None:
         raise UsageError(
-            f"--trt-hardware-compat {options.trt_hardware_compatibility}: TensorRT {trt.__version__} does not offer it"
+            f"--trt-hardware-compat {options.hardware_compatibility}: TensorRT {trt.__version__} does not offer it"
         )
     logger = trt_logger()
     builder = trt.Builder(logger)
@@ -98,13 +132,13 @@ def engine_from_onnx(onnx_path: Path, plan_path: Path, ctx: ExportContext) -> di
             "try another --opset, or export --format onnx and run it with onnxruntime"
         )
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.trt_workspace_gb * 2**30))
-    config.builder_optimization_level = options.trt_optimization_level
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * 2**30))
+    config.builder_optimization_level = options.optimization_level
     config.hardware_compatibility_level = level
     tf32 = getattr(trt.BuilderFlag, "TF32", None)
     if tf32 is not None:
         config.clear_flag(tf32)  # TF32 rounds float32 products to 10 mantissa bits: no float32 parity
-    shapes = profile_shapes(ctx.spec.signature, ctx.dims)
+    shapes = profile_shapes(signature, dims)
     profile = builder.create_optimization_profile()
     for i in range(network.num_inputs):
         name = network.get_input(i).name
@@ -112,7 +146,7 @@ def engine_from_onnx(onnx_path: Path, plan_path: Path, ctx: ExportContext) -> di
             raise ConversionError(f"the ONNX graph has input {name!r}, which the signature lacks ({', '.join(shapes)})")
         profile.set_shape(name, shapes[name]["min"], shapes[name]["opt"], shapes[name]["max"])
     config.add_optimization_profile(profile)
-    cache_path = Path(options.trt_timing_cache or DEFAULT_TIMING_CACHE).expanduser()
+    cache_path = Path(options.timing_cache or DEFAULT_TIMING_CACHE)
     _attach_timing_cache(config, cache_path)
     try:
         plan = builder.build_serialized_network(network, config)
@@ -131,9 +165,9 @@ def engine_from_onnx(onnx_path: Path, plan_path: Path, ctx: ExportContext) -> di
         "tensorrt": trt.__version__,
         "gpu": torch.cuda.get_device_name(),
         "compute_capability": f"{major}.{minor}",
-        "hardware_compatibility": options.trt_hardware_compatibility,
-        "optimization_level": options.trt_optimization_level,
-        "workspace_gb": options.trt_workspace_gb,
+        "hardware_compatibility": options.hardware_compatibility,
+        "optimization_level": options.optimization_level,
+        "workspace_gb": options.workspace_gb,
         "strongly_typed": True,
         "tf32": False,
         "profile": shapes,

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from tk.export.context import ExportContext
+from tk.export.writer import Writer
 from tk.formats.torch_program import FILE, save_exported_program
 
 
-def write(ctx: ExportContext) -> None:
-    assert ctx.program is not None
-    save_exported_program(ctx.program, ctx.add_file(FILE, "torch"))
-    ctx.formats["torch"] = {"file": FILE}
+class TorchWriter(Writer):
+    name = "torch"
+
+    def write(self, ctx: ExportContext) -> None:
+        assert ctx.program is not None
+        save_exported_program(ctx.program, ctx.add_file(FILE, "torch"))
+        ctx.formats["torch"] = {"file": FILE}
+
+
+WRITER = TorchWriter()
