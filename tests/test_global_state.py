@@ -11,7 +11,9 @@ import warnings
 import pytest
 import torch
 
+from tk.errors import ConversionError
 from tk.export import ExportOptions
+from tk.export.onnx import OnnxOptions
 from tk.models import build_model
 from tk.models.train import CompileOptions, train
 from tk.runtime import load
@@ -54,7 +56,14 @@ def test_export_train_and_load_leave_process_state_alone(tmp_path, monkeypatch):
         ExportOptions(formats=("torch",)),
     )
     out = tmp_path / "art"
-    export(build_model("linear", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8"))
+    with pytest.raises(ConversionError, match="no layer stayed int8"):  # random weights: static int8 keeps none
+        export(
+            build_model("linear", size="tiny"), tmp_path / "static", ExportOptions(formats=("onnx",), precision="int8")
+        )
+    dynamic = {"onnx": OnnxOptions(int8_mode="dynamic")}
+    export(
+        build_model("linear", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8", settings=dynamic)
+    )
     result = train(build_model("linear", size="tiny"), steps=3, compile_options=CompileOptions())
     assert result.compiled and result.graphs >= 1
     with load(out, "onnx", threads=1) as engine:

@@ -43,12 +43,13 @@ def _calibration(n: int = 16) -> list[dict[str, np.ndarray]]:
 
 
 @pytest.mark.slow
-def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch):
+def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch, caplog):
     # tiny's random weights quantize badly: the default judge (8 batches per check shape) sees
     # their long SQNR tail and leaves every layer float32; 3 per shape keeps some quantized
     monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
     out = tmp_path / "int8"
     torch.manual_seed(0)
+    caplog.set_level("INFO", logger="tk.export")
     result = export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8"))
     assert result.passed
     quant = result.manifest.formats["onnx"]["quantization"]
@@ -62,6 +63,7 @@ def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monk
     assert "MultiHeadAttention" in ops  # quantized after fusion
     quantized = quant["quantizable_nodes"] - len(quant["excluded"])
     assert quantized >= 1 and ops.count("QuantizeLinear") == quantized  # activations only, products write float32
+    assert f"export int8   {quantized} of {quant['quantizable_nodes']} layers int8" in caplog.text
 
 
 def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tmp_path):
@@ -109,7 +111,8 @@ def test_unknown_method_and_empty_calibration_are_usage_errors(fp32_onnx, tmp_pa
 
 
 @pytest.mark.slow
-def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path):
+def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # tiny's random weights: see the test above
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     feeds = random_feeds(spec.signature.inputs, {"batch": 16, "seq": 16}, seed=9)
@@ -132,9 +135,10 @@ def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["entropy", "percentile"])
-def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path, method):
+def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path, monkeypatch, method):
     """onnxruntime stacks the histogram methods' activations across batches: random:N calibration
     (which otherwise cycles through sequence lengths) and a file of 13 samples must both work."""
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # tiny's random weights: see the test above
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     uneven = tmp_path / "calib.npz"

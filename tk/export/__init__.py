@@ -38,6 +38,7 @@ from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
 from tk.models import ModelSpec
+from tk.registries import FORMATS as REGISTRY
 from tk.spec import Dim, feeds_nbytes
 from tk.versions import library_versions
 
@@ -196,7 +197,7 @@ def _write_formats(
         ctx.report = options.report or out.parent / f"{out.name}.export-report.md"
         ctx.versions = library_versions(options.device)
         ctx.settings = settings
-        ctx.providers = {product: _provider(fmt, product) for fmt in FORMATS for product in writer(fmt).provides}
+        ctx.providers = {product: _provider(fmt, product) for fmt in REGISTRY for product in writer(fmt).provides}
         _write_weights(ctx)
         ctx.program = _timed(ctx, "capture", lambda: _capture(ctx, out))
         for fmt in formats:

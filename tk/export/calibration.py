@@ -48,16 +48,15 @@ def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:
     log.info("export int8   %d of %d layers int8", int8, quantizable)
 
 
-def calibration_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
+def calibration_feeds(ctx: ExportContext, *, one_shape: bool = False) -> list[dict[str, np.ndarray]]:
     """Static int8 calibration batches: ``options.calibration_data`` split into batches, else ``random:N``.
 
     Random samples cycle through the sizes the export check uses (min, opt, max and an odd size of
     every dimension but the batch), so the activation ranges cover the whole dynamic range. The
     histogram methods of onnxruntime (entropy, percentile) are the exception: it stacks their
     activations across batches, so every batch must have one shape: one sample per batch, at the
-    opt sizes. (torchao's HistogramObserver, the aoti default, takes batches of any shape.)
+    opt sizes (``one_shape``). (torchao's HistogramObserver, the aoti default, takes batches of any shape.)
     """
-    one_shape = ctx.options.calibration_method in ("entropy", "percentile")
     if ctx.options.calibration_data is not None:
         return calibration_batches(dict(ctx.options.calibration_data), batch=1 if one_shape else CALIBRATION_BATCH)
     text = ctx.options.calibrate or DEFAULT_CALIBRATION

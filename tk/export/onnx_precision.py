@@ -73,7 +73,7 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
         result = static_int8_onnx_from_onnx(
             path,
             quantized,
-            calibration_feeds(ctx),
+            calibration_feeds(ctx, one_shape=method in ("entropy", "percentile")),
             method=method or "minmax",
             nodes_to_exclude=excluded,
             min_sqnr_db=MIN_SQNR_DB["int8"],

@@ -20,7 +20,7 @@ from tk.registries import FORMATS as REGISTRY
 
 log = logging.getLogger("tk.export")
 
-FORMATS = tuple(REGISTRY)
+FORMATS = tuple(REGISTRY)  # the names at import; the functions below read the registry itself
 
 
 def writer(fmt: str) -> Writer:
@@ -35,7 +35,7 @@ def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") ->
         return "--device cuda needs a CUDA GPU, and torch finds none"
     w = writer(fmt)
     if precision not in w.precisions:
-        takers = [f for f in FORMATS if precision in writer(f).precisions]
+        takers = [f for f in REGISTRY if precision in writer(f).precisions]
         return f"--precision {precision} is written for the {' and '.join(takers)} formats only"
     return w.unavailable_reason(device, precision)
 
@@ -48,25 +48,25 @@ def resolve_formats(
     skipped: dict[str, str] = {}
     for fmt in requested:
         if fmt == "all":
-            for name in FORMATS:
+            for name in REGISTRY:
                 reason = format_unavailable_reason(name, device, precision)
                 if reason is None:
                     wanted.append(name)
                 else:
                     skipped[name] = reason
-        elif fmt in FORMATS:
+        elif fmt in REGISTRY:
             reason = format_unavailable_reason(fmt, device, precision)
             if reason is not None:
                 raise BackendUnavailableError(f"--format {fmt}: {reason}")
             wanted.append(fmt)
         else:
-            raise UsageError(f"--format: expected one of {', '.join(FORMATS)} or all, got {fmt!r}")
-    return [f for f in FORMATS if f in wanted], skipped
+            raise UsageError(f"--format: expected one of {', '.join(REGISTRY)} or all, got {fmt!r}")
+    return [f for f in REGISTRY if f in wanted], skipped
 
 
 def _named(requested: Iterable[str]) -> list[str]:
     names = list(requested)
-    return list(FORMATS) if "all" in names else [f for f in FORMATS if f in names]
+    return list(REGISTRY) if "all" in names else [f for f in REGISTRY if f in names]
 
 
 def _applies(fmt: str, field_name: str, named: list[str]) -> bool:
@@ -85,7 +85,7 @@ def settings_from_flags(requested: Iterable[str], flags: Mapping[str, Any]) -> d
     named = _named(requested)
     values: dict[str, dict[str, Any]] = {}
     placed: set[str] = set()
-    for fmt in FORMATS:
+    for fmt in REGISTRY:
         for f in dataclasses.fields(writer(fmt).Options):
             flag = f.metadata.get("flag")
             if flags.get(flag) in (None, ()) or not _applies(fmt, f.name, named):
@@ -100,7 +100,7 @@ def settings_from_flags(requested: Iterable[str], flags: Mapping[str, Any]) -> d
 
 def _not_applying(flag: str, named: list[str]) -> str:
     takers = [
-        fmt for fmt in FORMATS if any(f.metadata.get("flag") == flag for f in dataclasses.fields(writer(fmt).Options))
+        fmt for fmt in REGISTRY if any(f.metadata.get("flag") == flag for f in dataclasses.fields(writer(fmt).Options))
     ]
     return f"{flag}: applies to --format {' or '.join(takers) or 'none'} only; this export writes {', '.join(named)}"
 
@@ -113,8 +113,8 @@ def resolve_settings(
     named = _named(requested)
     resolved: dict[str, Any] = {}
     for fmt, options in settings.items():
-        if fmt not in FORMATS:
-            raise UsageError(f"settings: expected format names ({', '.join(FORMATS)}), got {fmt!r}")
+        if fmt not in REGISTRY:
+            raise UsageError(f"settings: expected format names ({', '.join(REGISTRY)}), got {fmt!r}")
         expected = writer(fmt).Options
         if not isinstance(options, expected):
             raise UsageError(f"settings[{fmt!r}]: expected {expected.__name__}, got {type(options).__name__}")
@@ -123,7 +123,7 @@ def resolve_settings(
                 log.warning("export %-6s %s ignored: %s is not written (%s)", fmt, flag, fmt, skipped[fmt])
             elif not _applies(fmt, name, named):
                 raise UsageError(_not_applying(flag, named))
-    for fmt in FORMATS:
+    for fmt in REGISTRY:
         resolved[fmt] = settings.get(fmt) or writer(fmt).Options()
     return resolved
 
@@ -131,4 +131,4 @@ def resolve_settings(
 def in_use(formats: list[str]) -> list[str]:
     """The formats written, and those providing a product one of them requires, in registry order."""
     needed = {p for f in formats for p in writer(f).requires}
-    return [f for f in FORMATS if f in formats or needed & set(writer(f).provides)]
+    return [f for f in REGISTRY if f in formats or needed & set(writer(f).provides)]
