@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from tk.cli.common import build, model_options, print_check_reports, size_text, task_option
-from tk.errors import UsageError
+from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 
 
@@ -156,7 +156,7 @@ def export_cmd(
     from tk.workflows.export import export
 
     formats = formats or ("onnx",)
-    flags = {  # each format's own options take the ones they declare (tk.export.writer); None: not given
+    flags = {  # each format's options dataclass takes the ones it declares (tk.export.writer); None: not given
         "--int8-mode": int8_mode,
         "--calibration-method": calibration_method,
         "--fuse/--no-fuse": fuse,
@@ -186,8 +186,6 @@ def export_cmd(
     )
     default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)
-    from tk.errors import ParityError
-
     try:
         result = export(spec, out, options)
     except ParityError:

@@ -13,7 +13,6 @@ import datetime as dt
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +88,6 @@ def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> d
     return dims
 
 
-def _timed(ctx: ExportContext, step: str, fn: Callable[[], object]) -> object:
-    start = time.perf_counter()
-    result = fn()
-    ctx.timings[step] = round(time.perf_counter() - start, 3)
-    log.info("export %-6s ok %.1f s", step, ctx.timings[step])
-    return result
-
-
 def write_artifact(
     spec: ModelSpec, out: str | Path, options: ExportOptions | None = None, *, check: Checker | None = None
 ) -> ExportResult:
@@ -133,7 +124,7 @@ def write_artifact(
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
         if options.check and check is not None:
-            _timed(ctx, "check", lambda: check(staging, manifest, formats, ctx))
+            ctx.timed("check", lambda: check(staging, manifest, formats, ctx))
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
         _replace_dir(staging, out)
@@ -199,10 +190,10 @@ def _write_formats(
         ctx.settings = settings
         ctx.providers = {product: _provider(fmt, product) for fmt in REGISTRY for product in writer(fmt).provides}
         _write_weights(ctx)
-        ctx.program = _timed(ctx, "capture", lambda: _capture(ctx, out))
+        ctx.program = ctx.timed("capture", lambda: _capture(ctx, out))
         for fmt in formats:
             fmt_writer = writer(fmt)
-            _timed(ctx, fmt, lambda: fmt_writer.write(ctx))  # noqa: B023 (called at once)
+            ctx.timed(fmt, lambda: fmt_writer.write(ctx))  # noqa: B023 (called at once)
     shutil.rmtree(staging / ".scratch", ignore_errors=True)
     return ctx
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +14,8 @@ from torch import nn
 
 from tk.models import ModelSpec
 from tk.spec import Dim
+
+log = logging.getLogger("tk.export")
 
 
 @dataclass
@@ -65,6 +69,14 @@ class ExportContext:
         path = self.staging / ".scratch"
         path.mkdir(exist_ok=True)
         return path
+
+    def timed(self, step: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its duration recorded in ``timings[step]`` and logged as one line."""
+        start = time.perf_counter()
+        result = fn()
+        self.timings[step] = round(time.perf_counter() - start, 3)
+        log.info("export %-6s ok %.1f s", step, self.timings[step])
+        return result
 
     def add_file(self, relative: str, role: str) -> Path:
         self.files.append((relative, role))

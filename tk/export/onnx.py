@@ -131,9 +131,10 @@ class OnnxWriter(Writer):
         ctx.versions.setdefault("onnxscript", onnxscript.__version__)
         mode = options.int8_mode or "static"
         if options.fusions is not False and fuses(ctx.options.precision, mode):
-            fuse(ctx, keep_unfused=bool(options.keep_unfused))
+            ctx.timed("fuse", lambda: fuse(ctx, keep_unfused=bool(options.keep_unfused)))
         if ctx.options.precision == "int8":
-            quantize(ctx, mode=mode, method=options.calibration_method, nodes_to_exclude=options.nodes_to_exclude)
+            method, exclude = options.calibration_method, options.nodes_to_exclude
+            ctx.timed("int8", lambda: quantize(ctx, mode=mode, method=method, nodes_to_exclude=exclude))
 
     def provide(self, product: str, ctx: ExportContext) -> OnnxFile:
         assert product == "onnx-plain" and ctx.program is not None

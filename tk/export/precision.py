@@ -175,8 +175,3 @@ def module_at_precision(
     if precision in ("fp32", "tf32", "int8"):
         return module
     return MixedPrecision(module, DTYPES[precision], device, keep_fp32).eval()
-
-
-def strip_wrapper(path: str) -> str:
-    """A module path of the wrapped model (``module.blocks.2``) as the user's model names it (``blocks.2``)."""
-    return path.removeprefix("module.") if path != "module" else ""
