@@ -42,15 +42,28 @@ def _calibration(n: int = 16) -> list[dict[str, np.ndarray]]:
     return calibration_batches(random_feeds(spec.signature.inputs, {"batch": n, "seq": 16}, seed=5))
 
 
-@pytest.mark.slow
-def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch, caplog):
-    # tiny's random weights quantize badly: the default judge (8 batches per check shape) sees
-    # their long SQNR tail and leaves every layer float32; 3 per shape keeps some quantized
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
-    out = tmp_path / "int8"
+@pytest.fixture(scope="module")
+def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Transformer after 100 training steps: random weights lose every layer to the int8
+    floor (an export that then fails), a briefly trained model keeps most of them int8."""
+    from tk.models.checkpoint import state_dict_bytes
+    from tk.models.train import train
+
     torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    train(spec, steps=100, seed=0)
+    path = tmp_path_factory.mktemp("trained") / "transformer.safetensors"
+    path.write_bytes(state_dict_bytes(spec.module))
+    return path
+
+
+@pytest.mark.slow
+def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch, caplog, trained_checkpoint):
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # 3 judged batches per check shape: shorter
+    out = tmp_path / "int8"
     caplog.set_level("INFO", logger="tk.export")
-    result = export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",), precision="int8"))
+    options = ExportOptions(formats=("onnx",), precision="int8", checkpoint=trained_checkpoint)
+    result = export(build_model("transformer", size="tiny"), out, options)
     assert result.passed
     quant = result.manifest.formats["onnx"]["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "minmax" and quant["per_channel"]
@@ -111,8 +124,8 @@ def test_unknown_method_and_empty_calibration_are_usage_errors(fp32_onnx, tmp_pa
 
 
 @pytest.mark.slow
-def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, monkeypatch):
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # tiny's random weights: see the test above
+def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, monkeypatch, trained_checkpoint):
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     feeds = random_feeds(spec.signature.inputs, {"batch": 16, "seq": 16}, seed=9)
@@ -120,6 +133,7 @@ def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, m
     np.savez(good, **feeds)
     out = tmp_path / "art"
     args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--out", str(out)]
+    args += ["--checkpoint", str(trained_checkpoint)]
     result = CliRunner().invoke(cli, [*args, "--calibrate", str(good), "--calibration-method", "percentile"])
     assert result.exit_code == 0, result.output
     shown = CliRunner().invoke(cli, ["inspect", str(out)])
@@ -135,10 +149,12 @@ def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, m
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["entropy", "percentile"])
-def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path, monkeypatch, method):
+def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(
+    tmp_path, monkeypatch, trained_checkpoint, method
+):
     """onnxruntime stacks the histogram methods' activations across batches: random:N calibration
     (which otherwise cycles through sequence lengths) and a file of 13 samples must both work."""
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # tiny's random weights: see the test above
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     uneven = tmp_path / "calib.npz"
@@ -146,6 +162,7 @@ def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(tmp_path,
     for i, calibrate in enumerate(("random:16", str(uneven))):
         out = tmp_path / f"art{i}"
         args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--out", str(out)]
+        args += ["--checkpoint", str(trained_checkpoint)]
         result = CliRunner().invoke(cli, [*args, "--calibrate", calibrate, "--calibration-method", method])
         assert result.exit_code == 0, result.output
         shown = CliRunner().invoke(cli, ["inspect", str(out)])
