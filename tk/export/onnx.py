@@ -57,14 +57,12 @@ class OnnxOptions:
     """The ``onnx`` writer's settings; None means the default."""
 
     opset: int | None = option("--opset", shapes="onnx-plain")  # default 20, at least 18
-    fusions: bool | None = option(
-        "--fuse/--no-fuse"
-    )  # onnxruntime's transformer fusions (tk.export.onnx_optimize); default on
+    # onnxruntime's transformer fusions (tk.export.onnx_optimize); default on
+    fusions: bool | None = option("--fuse/--no-fuse")
     keep_unfused: bool | None = option("--keep-unfused")  # also ship the graph before fusion, as model.unfused.onnx
     int8_mode: str | None = option("--int8-mode")  # static (calibrated QDQ, default) | dynamic (per call)
-    calibration_method: str | None = option(
-        "--calibration-method"
-    )  # static int8: minmax (default) | entropy | percentile
+    # static int8 activation ranges: minmax (default) | entropy | percentile
+    calibration_method: str | None = option("--calibration-method")
     nodes_to_exclude: tuple[str, ...] = option("nodes_to_exclude", default=())  # ONNX nodes int8 keeps in float32
 
 

@@ -43,10 +43,10 @@ class TrtOptions:
 
     workspace_gb: float | None = option("--trt-workspace")  # builder workspace limit, GiB; default 4
     optimization_level: int | None = option("--trt-opt-level")  # builder optimization level 0-5; default 3
-    hardware_compatibility: str | None = option(
-        "--trt-hardware-compat"
-    )  # none | ampere+ (default) | same-compute-capability
-    timing_cache: Path | None = option("--trt-timing-cache")  # noqa: RUF009 (None) default: ~/.cache/tk/trt-timing.cache
+    # none | ampere+ (default) | same-compute-capability
+    hardware_compatibility: str | None = option("--trt-hardware-compat")
+    # default: ~/.cache/tk/trt-timing.cache
+    timing_cache: Path | None = option("--trt-timing-cache")  # noqa: RUF009 (its default is None)
 
     def resolved(self) -> TrtOptions:
         return TrtOptions(
