@@ -25,6 +25,26 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 MIN_SQNR_DB: dict[str, float] = {"int8": 35.0, "bf16": 25.0, "fp16": 30.0, "tf32": 40.0}
 
 
+def checked_tolerance(value: Any, what: str) -> float:
+    """``value`` as a float when it is a finite tolerance of 0 or more; else ``UsageError`` naming ``what``.
+
+    The one check every form of tolerance goes through (``--rtol``/``--atol``, ``--tol NAME=RTOL:ATOL``,
+    a golden file's): a NaN tolerance compares false everywhere, which the parity check would read
+    as "no error found", and an infinite one accepts anything.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{what}: expected a finite tolerance of 0 or more, got {value!r}")
+    number = float(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise UsageError(f"{what}: expected a finite tolerance of 0 or more, got {value}")
+    return number
+
+
+def checked_pair(rtol: Any, atol: Any, what: str) -> tuple[float, float]:
+    """(rtol, atol) through ``checked_tolerance``, named ``what rtol`` and ``what atol``."""
+    return checked_tolerance(rtol, f"{what} rtol"), checked_tolerance(atol, f"{what} atol")
+
+
 def tolerance_for(
     precision: str,
     *,
@@ -35,9 +55,8 @@ def tolerance_for(
     """(rtol, atol) for ``precision``: the table, then the model's override, then explicit values."""
     if precision not in TOLERANCES:
         raise UsageError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
-    for name, value in (("--rtol", rtol), ("--atol", atol)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise UsageError(f"{name}: expected a finite tolerance of 0 or more, got {value}")
+    rtol = None if rtol is None else checked_tolerance(rtol, "--rtol")
+    atol = None if atol is None else checked_tolerance(atol, "--atol")
     base_rtol, base_atol = (model_overrides or {}).get(precision, TOLERANCES[precision])
     return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
 

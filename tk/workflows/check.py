@@ -25,7 +25,7 @@ from tk.runtime import available_engines, engine_options, load, unavailable_reas
 from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
 from tk.spec import shapes_to_check
-from tk.tolerances import artifact_tolerance
+from tk.tolerances import artifact_tolerance, checked_pair
 
 log = logging.getLogger("tk.export")
 
@@ -169,7 +169,7 @@ def check_artifact(
         names = [n for n in names if n not in ("eager", "compile")]  # both rebuild the model the golden file replaces
     if not names:
         raise UsageError(f"no engine to compare with the reference {reference}")
-    per_output = dict(tolerances or {})
+    per_output = {name: checked_pair(*pair, f"--tol {name}") for name, pair in (tolerances or {}).items()}
     stored = load_golden(golden, manifest.signature) if golden is not None else None
     if stored is not None and stored.precision == manifest.precision:
         per_output = {**stored.tolerances, **per_output}

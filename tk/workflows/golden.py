@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
 from tk.runtime.inputs import _load_npz
 from tk.spec import Signature, require_names
+from tk.tolerances import checked_pair
 
 FORMAT = "tk-golden"
 VERSION = 1
@@ -110,17 +112,30 @@ def _golden_from(arrays: dict[str, np.ndarray], meta: dict[str, Any], signature:
     for i in range(runs):
         require_names([s.name for s in signature.inputs], sorted(feeds[i]), f"--golden {path} run {i} inputs")
         require_names([s.name for s in signature.outputs], sorted(outputs[i]), f"--golden {path} run {i} outputs")
+    where = f"--golden {path}:"
+    rtol, atol = checked_pair(meta["rtol"], meta["atol"], where)
+    per_output = meta.get("tolerances", {})
+    if not isinstance(per_output, dict):
+        raise UsageError(f"{where} expected its tolerances as an object of NAME: [RTOL, ATOL], found {per_output!r}")
+    tolerances = {}
+    for key, pair in per_output.items():
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise UsageError(f"{where} tolerance of {key}: expected [RTOL, ATOL], found {pair!r}")
+        tolerances[str(key)] = checked_pair(pair[0], pair[1], f"{where} tolerance of {key}")
+    min_sqnr = meta.get("min_sqnr_db")
+    if min_sqnr is not None and not (isinstance(min_sqnr, (int, float)) and math.isfinite(min_sqnr)):
+        raise UsageError(f"{where} min_sqnr_db: expected a finite number or null, found {min_sqnr!r}")
     return Golden(
         feeds,
         outputs,
         [dict(s) for s in meta.get("shapes", [])],
         meta["precision"],
-        float(meta["rtol"]),
-        float(meta["atol"]),
-        meta.get("min_sqnr_db"),
+        rtol,
+        atol,
+        min_sqnr,
         meta.get("reference", "eager"),
         meta.get("model", {}),
-        {k: (float(v[0]), float(v[1])) for k, v in meta.get("tolerances", {}).items()},
+        tolerances,
         meta.get("signature", {}),
     )
 
@@ -137,6 +152,5 @@ def parse_tolerances(items: tuple[str, ...] | list[str]) -> dict[str, tuple[floa
             parsed[name] = (float(rtol_text), float(atol_text))
         except ValueError:
             raise UsageError(f"--tol: expected NAME=RTOL:ATOL such as logits=1e-3:1e-4, got {item!r}") from None
-        if min(parsed[name]) < 0:
-            raise UsageError(f"--tol {item}: tolerances must be zero or more")
+        parsed[name] = checked_pair(*parsed[name], f"--tol {name}")
     return parsed
