@@ -117,3 +117,65 @@ def test_missing_format_is_refused(exported, tmp_path):
     with pytest.raises(UsageError, match="no trt file"):
         deploy_triton(art.root, tmp_path / "repo", fmt="trt")
     assert not Path(tmp_path / "repo").exists()
+
+
+def test_non_empty_out_is_refused_unless_force(exported, tmp_path):
+    art = exported("transformer", ("onnx",))
+    repo = tmp_path / "repo"
+    (repo / "transformer").mkdir(parents=True)
+    (repo / "transformer" / "config.pbtxt").write_text("name: 'theirs'\n")
+    with pytest.raises(
+        UsageError,
+        match=r"^--out .*repo: expected an empty or new directory, found 1 entries \(transformer\); pass --force",
+    ):
+        deploy_triton(art.root, repo)
+    assert (repo / "transformer" / "config.pbtxt").read_text() == "name: 'theirs'\n"  # untouched
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+
+    run = CliRunner().invoke(cli, ["deploy", "triton", str(art.root), "--out", str(repo)])
+    assert run.exit_code == 2 and "pass --force" in run.stderr
+    run = CliRunner().invoke(cli, ["deploy", "triton", str(art.root), "--out", str(repo), "--force"])
+    assert run.exit_code == 0, run.output
+    assert read_config(repo / "transformer" / "config.pbtxt").name == "transformer"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="expected a directory, found a file"):
+        deploy_triton(art.root, tmp_path / "file", force=True)
+
+
+def test_default_name_is_safe_and_errors_name_only_flags_given(exported, tmp_path):
+    from types import SimpleNamespace
+
+    from tk.serve.protocol import default_model_name
+
+    def named(name):
+        return default_model_name(SimpleNamespace(model={"name": name}))
+
+    assert named("hf:/abs/path/to/MiniLM-L6 v2") == "MiniLM-L6-v2"
+    assert named("hf:/abs/dir/") == "dir"
+    assert named("tests.planted:build") == "tests.planted-build"
+    assert named("../..") == "model" and named("") == "model"
+    art = exported("transformer", ("onnx",))
+    with pytest.raises(UsageError, match=r"^--name '\.\./evil': expected"):
+        deploy_triton(art.root, tmp_path / "r1", name="../evil")
+
+
+@pytest.mark.slow
+def test_hf_artifact_deploys_and_serves_under_its_directory_name(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import DistilBertConfig, DistilBertModel
+
+    from tk.export import ExportOptions
+    from tk.models import build_model
+    from tk.serve.app import ServeConfig, resolve
+    from tk.workflows.export import export
+
+    directory = tmp_path / "my model.v1"
+    config = DistilBertConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=16)
+    DistilBertModel(config).save_pretrained(directory)
+    art = tmp_path / "art"
+    export(build_model(f"hf:{directory}"), art, ExportOptions(formats=("onnx",), dims={}))
+    result = deploy_triton(art, tmp_path / "repo")
+    assert result.root == tmp_path / "repo" / "my-model.v1" and result.config.name == "my-model.v1"
+    assert resolve(ServeConfig(artifact=str(art))).name == "my-model.v1"

@@ -148,7 +148,11 @@ def deploy_group() -> None:
     default=None,
     help="Which file Triton loads (default: trt if the artifact has a plan, else onnx).",
 )
-@click.option("--name", default=None, help="Model name in the repository (default: the manifest's model name).")
+@click.option(
+    "--name",
+    default=None,
+    help="Model name in the repository (default: the manifest's model name made safe; for hf:DIR, DIR's own name).",
+)
 @click.option("--instances", type=int, default=1, show_default=True, help="instance_group count.")
 @click.option(
     "--max-queue-delay-us",
@@ -157,14 +161,21 @@ def deploy_group() -> None:
     show_default=True,
     help="dynamic_batching max_queue_delay_microseconds.",
 )
+@click.option("--force", is_flag=True, help="Write into a non-empty --out (files of the same names are replaced).")
 def deploy_triton_cmd(
-    artifact: Path, out: Path, fmt: str | None, name: str | None, instances: int, max_queue_delay_us: int
+    artifact: Path,
+    out: Path,
+    fmt: str | None,
+    name: str | None,
+    instances: int,
+    max_queue_delay_us: int,
+    force: bool,
 ) -> None:
     """Write a Triton model repository (config.pbtxt from the manifest, the model file, a warmup sample)."""
     from tk.serve.triton import deploy_triton
 
     result = deploy_triton(
-        artifact, out, fmt=fmt, name=name, instances=instances, max_queue_delay_us=max_queue_delay_us
+        artifact, out, fmt=fmt, name=name, instances=instances, max_queue_delay_us=max_queue_delay_us, force=force
     )
     for path in result.files:
         click.echo(f"wrote {out / path}")

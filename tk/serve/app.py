@@ -41,6 +41,8 @@ from tk.serve.cluster import RayConnection, connect, disconnect, serve_is_runnin
 from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
 from tk.serve.protocol import (
     InferRequest,
+    check_model_name,
+    default_model_name,
     encode_infer_response,
     error_body,
     model_metadata,
@@ -115,9 +117,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
     if not 0 < config.port < 65536:
         raise UsageError(f"--port: expected 1 to 65535, got {config.port}")
     ingress = check_ingress(config.ingress)
-    name = config.name or str(manifest.model.get("name", "model"))
-    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise UsageError(f"--name {name!r}: expected letters, digits, '-', '_' or '.'")
+    name = check_model_name(config.name) if config.name is not None else default_model_name(manifest)
     max_ongoing = config.max_ongoing or max(8, 2 * max_batch)
     # onnxruntime's idle threads spin by default; in a server they take the cores from the ingress
     # and the event loop between requests (one client, small Transformer at seq 16, haproxy ingress:

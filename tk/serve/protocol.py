@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tk.errors import InputError
+from tk.errors import InputError, UsageError
 from tk.manifest import Manifest
 from tk.runtime.inputs import check_arrays, sample_dim
 from tk.spec import Dim, TensorSpec, numpy_dtype
@@ -41,6 +43,29 @@ DATATYPES: dict[str, str] = {
     "int32": "INT32",
     "bool": "BOOL",
 }
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def default_model_name(manifest: Manifest) -> str:
+    """The name a model is served (and deployed) under when the user gives none: the manifest's
+    model name made safe for URLs and directories. For ``hf:/abs/dir`` that is the directory's own
+    name (``dir``); ``pkg.module:build`` becomes ``pkg.module-build``."""
+    raw = str(manifest.model.get("name") or "model")
+    if raw.startswith("hf:"):
+        raw = Path(raw[3:].rstrip("/")).name
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", raw).lstrip(".-")[:128]
+    return safe or "model"
+
+
+def check_model_name(name: str) -> str:
+    """``name`` (from ``--name``) when it is safe in a URL and as a directory; else one line."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise UsageError(
+            f"--name {name!r}: expected 1 to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-'"
+        )
+    return name
 
 
 def datatype_of(array: np.ndarray) -> str:

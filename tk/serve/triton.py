@@ -27,6 +27,7 @@ from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
 from tk.manifest import Manifest, read_verified, verify_artifact
 from tk.runtime.inputs import sample_dim
+from tk.serve.protocol import check_model_name, default_model_name
 from tk.spec import TensorSpec, random_feeds
 
 # tk dtype -> Triton's DataType enum name
@@ -177,11 +178,15 @@ def deploy_triton(
     instances: int = 1,
     kind: str | None = None,
     max_queue_delay_us: int = 1000,
+    force: bool = False,
 ) -> TritonModel:
     """Write ``out/NAME/config.pbtxt``, ``out/NAME/1/<model file>`` and the warmup sample.
 
     ``fmt`` defaults to trt when the artifact has a plan, else onnx; ``name`` to the manifest's
-    model name. Files are verified (sha256) before they are copied, and written atomically.
+    model name made safe (``default_model_name``). Files are verified (sha256) before they are
+    copied, and written atomically. A non-empty ``out`` is refused unless ``force`` (then files of
+    the same names are replaced, others kept), so an existing repository is never overwritten by
+    accident.
     """
     from google.protobuf import text_format
 
@@ -189,9 +194,7 @@ def deploy_triton(
     root = Path(root)
     if fmt is None:
         fmt = "trt" if "trt" in manifest.formats else "onnx"
-    name = name or str(manifest.model.get("name", "model"))
-    if not name or "/" in name or name.startswith("."):
-        raise UsageError(f"--name {name!r}: expected a plain directory name")
+    name = check_model_name(name) if name is not None else default_model_name(manifest)
     if not 1 <= instances <= 2**31 - 1:
         raise UsageError(f"--instances: expected 1 to {2**31 - 1}, got {instances}")
     if not 0 <= max_queue_delay_us < 2**63:
@@ -200,6 +203,7 @@ def deploy_triton(
         manifest, fmt, name=name, instances=instances, kind=kind, max_queue_delay_us=max_queue_delay_us
     )
     model_dir = Path(out) / name
+    _require_empty(Path(out), force)
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -223,6 +227,20 @@ def deploy_triton(
     atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
     written.append(model_dir / "config.pbtxt")
     return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
+
+
+def _require_empty(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: expected a directory, found a file")
+    if force or not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise UsageError(
+            f"--out {out}: expected an empty or new directory, found {len(entries)} entries ({shown}); "
+            "pass --force to write into it (files of the same names are replaced)"
+        )
 
 
 def read_config(path: str | Path) -> Any:
