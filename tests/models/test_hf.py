@@ -171,3 +171,36 @@ def test_the_command_lines_tasks_are_the_models_tasks():
     from tk.registries import HF_TASKS
 
     assert tuple(TASKS) == HF_TASKS
+
+
+def test_estimated_bytes_match_the_built_model(tmp_path):
+    from itertools import chain
+
+    from transformers import BertConfig, BertModel
+
+    from tk.models.hf import estimated_bytes
+
+    directory = tmp_path / "bert5"
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=64
+    )
+    model = BertModel(config)
+    model.save_pretrained(directory)
+    real = sum(t.numel() * t.element_size() for t in chain(model.parameters(), model.buffers()))
+    assert estimated_bytes(directory, "feature-extraction") == real  # 5 layers: extrapolated from 1 and 2
+
+
+def test_a_config_asking_for_2000_layers_is_refused_before_allocating(hf_dirs, tmp_path):
+    directory = tmp_path / "deep"
+    directory.mkdir()
+    config = json.loads((hf_dirs["bert"] / "config.json").read_text())
+    config.update(num_hidden_layers=2000, hidden_size=768, num_attention_heads=12, intermediate_size=3072)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes((hf_dirs["bert"] / "model.safetensors").read_bytes())
+    result = CliRunner().invoke(cli, ["--max-memory", "1G", "export", f"hf:{directory}", "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit)  # a TkError, not a crash
+    lines = [line for line in result.stderr.splitlines() if line]
+    assert len(lines) == 1, result.stderr
+    # 2,000 BERT-base layers hold about 14.2e9 float32 parameters: 52.8 GiB
+    assert f"hf:{directory.resolve()}" in lines[0] and "52.8 GiB, over tk's memory budget of 1.0 GiB" in lines[0]
+    assert not (tmp_path / "o").exists()

@@ -16,8 +16,10 @@ sequence range runs up to the config's ``max_position_embeddings``; the output i
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError, first_line
+from tk.limits import require_within_budget
 from tk.models.base import ModelSpec
 from tk.spec import Dim, Signature, TensorSpec
 
@@ -125,12 +128,48 @@ def _tokenizer_input_names(directory: Path) -> list[str] | None:
     return list(tokenizer.model_input_names)
 
 
+def estimated_bytes(directory: Path, task: str) -> int:
+    """Bytes of the float32 parameters and buffers the directory's config describes, measured on
+    the meta device (nothing allocated). A config with many layers is measured at 1 and 2 layers
+    and extrapolated, so a config asking for 2,000 layers costs two small meta builds."""
+    import transformers
+
+    auto_cls = getattr(transformers, TASKS[task][0])
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+
+        def meta_bytes(layers: int | None) -> int:
+            cfg = config
+            if layers is not None:
+                cfg = copy.deepcopy(config)
+                cfg.num_hidden_layers = layers
+            with torch.device("meta"):
+                model = auto_cls.from_config(cfg, dtype=torch.float32)
+            return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+
+        layers = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 2:
+            try:
+                one, two = meta_bytes(1), meta_bytes(2)
+            except Exception:  # a config whose other fields must agree with the layer count: build it whole
+                return meta_bytes(None)
+            return one + max(0, two - one) * (layers - 1)
+        return meta_bytes(None)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        raise UsageError(
+            f"hf:{directory}: transformers cannot build the model its config.json describes as {task} "
+            f"({type(exc).__name__}: {first_line(exc)})"
+        ) from exc
+
+
 def load_hf_module(directory: Path, task: str) -> tuple[nn.Module, Any]:
-    """The transformers model for ``task`` at ``directory`` in float32 eval mode, and its config."""
+    """The transformers model for ``task`` at ``directory`` in float32 eval mode, and its config;
+    refused before anything is allocated when it would exceed tk's memory budget."""
     import transformers
 
     auto_name = TASKS[task][0]
     auto_cls = getattr(transformers, auto_name)
+    require_within_budget(estimated_bytes(directory, task), f"hf:{directory} (the model its config.json describes)")
     try:
         model = auto_cls.from_pretrained(
             str(directory),
