@@ -133,3 +133,60 @@ def test_parquet_columns_become_arrays_and_ragged_or_null_rows_are_refused(expor
     pq.write_table(pa.table(nulls), tmp_path / "nulls.parquet")
     with pytest.raises(InputError, match="1 missing"):
         read_parquet(tmp_path / "nulls.parquet", specs)
+
+
+def _bomb(path):
+    """A Parquet file of a few KB whose 2,000 rows of 4,096 equal token ids decode to 64 MiB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = np.ones(4096, np.int64)
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(np.tile(row, 2000)), 4096)
+    pq.write_table(pa.table({"input_ids": ids, "attention_mask": ids}), path)
+    return path
+
+
+def test_parquet_decoded_size_comes_from_the_footer(exported, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tk.errors import ResourceError
+    from tk.serve.data import parquet_decoded_bytes, read_parquet
+
+    art = exported("transformer", ("onnx",))
+    specs = art.manifest.signature.inputs
+    feeds = random_feeds(specs, {"batch": 5, "seq": 12}, seed=3)
+    pq.write_table(pa.table({n: list(a) for n, a in feeds.items()}), tmp_path / "ok.parquet")
+    decoded = sum(a.nbytes for a in read_parquet(tmp_path / "ok.parquet", specs).values())
+    assert decoded <= parquet_decoded_bytes(tmp_path / "ok.parquet") <= 4 * decoded
+    bomb = _bomb(tmp_path / "bomb.parquet")
+    assert bomb.stat().st_size < 100_000
+    assert parquet_decoded_bytes(bomb) >= 2 * 2 * 2000 * 4096 * 8  # two 64 MiB columns, Arrow + NumPy
+    monkeypatch.setenv("TK_MAX_MEMORY", "64M")
+    with pytest.raises(
+        ResourceError, match=r"bomb\.parquet \(the values its Parquet footer declares\) would need 250\.\d MiB"
+    ):
+        read_parquet(bomb, specs)  # what each Ray actor runs before reading a row group
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    from tk.errors import UsageError
+
+    with pytest.raises(UsageError, match="cannot read it as Parquet"):
+        parquet_decoded_bytes(tmp_path / "broken.parquet")
+
+
+def test_infer_ray_refuses_a_parquet_bomb_before_ray_starts(exported, tmp_path):
+    import ray
+
+    art = exported("transformer", ("onnx",))
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _bomb(shards / "bomb.parquet")
+    was_running = ray.is_initialized()
+    result = CliRunner().invoke(
+        cli,
+        ["--max-memory", "64M", "infer", str(art.root), "--ray", "--inputs", str(shards), "--out", str(tmp_path / "o")],
+    )
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.stderr.splitlines() if line]
+    assert len(lines) == 1 and "bomb.parquet" in lines[0] and "over tk's memory budget of 64.0 MiB" in lines[0]
+    assert ray.is_initialized() == was_running  # refused before Ray was started

@@ -11,6 +11,7 @@ progress callback as shards finish.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from tk import limits
 from tk.errors import InputError, TkError, UsageError, first_line
+from tk.limits import require_within_budget
 from tk.manifest import verify_artifact
 from tk.runtime import engine_options, load
 from tk.runtime.batching import BatchRunner, infer_file, save_npz
@@ -64,10 +67,45 @@ def list_shards(inputs: str | Path) -> list[Path]:
     return shards
 
 
-def read_parquet(path: Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-    """A Parquet file's columns as arrays: one column per input, one row per sample (lists for axes > 0)."""
+# bytes per decoded value of Parquet's physical types (strings: their encoded size, plus a pointer each)
+_PHYSICAL_WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+def parquet_decoded_bytes(path: Path) -> int:
+    """What reading the Parquet file ``path`` would allocate, from its footer alone: every column
+    chunk's value count times its decoded width, twice (the Arrow table and its NumPy copy). A
+    small file can decode to far more than its size (dictionary and run-length encodings)."""
     import pyarrow.parquet as pq
 
+    try:
+        metadata = pq.read_metadata(path)
+    except Exception as exc:  # pyarrow raises several types for damaged files
+        raise UsageError(f"{path}: cannot read it as Parquet ({first_line(exc)})") from exc
+    total = 0
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            width = _PHYSICAL_WIDTH.get(column.physical_type)
+            if width is None:  # BYTE_ARRAY, FIXED_LEN_BYTE_ARRAY: no fixed width in the footer
+                total += column.total_uncompressed_size + 16 * column.num_values
+            else:
+                total += width * column.num_values
+        total += 8 * group.num_rows * group.num_columns  # list offsets and validity
+    return 2 * total
+
+
+def require_parquet_within_budget(path: Path) -> None:
+    """One line before any row group is read when decoding ``path`` would exceed tk's memory budget."""
+    require_within_budget(parquet_decoded_bytes(path), f"{path} (the values its Parquet footer declares)")
+
+
+def read_parquet(path: Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """A Parquet file's columns as arrays: one column per input, one row per sample (lists for axes > 0).
+    Sized against the memory budget from the file's footer before any row group is read."""
+    import pyarrow.parquet as pq
+
+    require_parquet_within_budget(path)
     try:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for damaged files
@@ -176,6 +214,9 @@ def infer_ray(
         with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest) as probe:
             BatchRunner(probe, batch_size)
     shards = list_shards(inputs)
+    for shard in shards:  # each actor checks again (its budget is its own); here it is one line before Ray starts
+        if shard.suffix == ".parquet":
+            require_parquet_within_budget(shard)
     out = Path(out)
     if out.suffix == ".npz":
         raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
@@ -184,7 +225,8 @@ def infer_ray(
     if "threads" not in values and "threads" in engine_options(engine, {"threads": 1}):
         values["threads"] = max(1, int(cpus_per_actor))
     targets = [out / f"{s.stem}.npz" for s in shards]
-    connection = connect(address=address)
+    budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
+    connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
     context = ray.data.DataContext.get_current()
     saved = (
         context.execution_options.preserve_order,
