@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -154,3 +155,110 @@ def test_every_bad_request_gets_one_clear_message(case):
     message = str(info.value)
     assert fragment in message, message
     assert "\n" not in message
+
+
+FLOAT_INPUTS = [TensorSpec("x", "float32", ("batch", 4))]
+HALF_INPUTS = [TensorSpec("x", "float16", ("batch", 4))]
+
+
+def parse_float(body, headers=None, specs=FLOAT_INPUTS):
+    return parse_infer_request(body, headers or {}, specs, OUTPUTS, DIMS, 8)
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        (float("nan"), "expected finite FP32 values, got nan"),
+        (float("inf"), "expected finite FP32 values, got inf"),
+        (1e39, "value 1e+39 is outside the range of FP32"),
+        (-1e39, "value -1e+39 is outside the range of FP32"),
+    ],
+)
+def test_non_finite_and_out_of_range_floats_are_400s(value, fragment):
+    data = [0.5, 1.0, value, 2.0]
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": data}]}).encode()
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        parse_float(body)
+    blob = np.array([data], np.float64).astype(np.float32)  # the binary form: 1e39 is already inf here
+    if np.isfinite(blob).all():
+        return
+    body, headers = body_of([tensor("x", blob, "FP32", binary=True)], (blob.tobytes(),))
+    with pytest.raises(InputError, match="expected finite FP32 values"):
+        parse_float(body, headers)
+
+
+def test_float16_range_and_good_floats():
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP16", "data": [1, 2, 3, 1e5]}]})
+    with pytest.raises(InputError, match=r"value 100000\.0 is outside the range of FP16"):
+        parse_float(body.encode(), specs=HALF_INPUTS)
+    ok = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, -2.5, 3e38, 0]}]})
+    assert parse_float(ok.encode()).feeds["x"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        (2**63, "value 9223372036854775808 is outside the range of INT64"),
+        (2**64, "expected integers"),
+        (-(2**63) - 1, "expected integers"),
+    ],
+)
+def test_integers_outside_int64_are_400s_not_wrapped(value, fragment):
+    ids, mask = sample(batch=1, seq=2)
+    entry = tensor("input_ids", ids)
+    entry["data"] = [value, value]
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        parse(json.dumps({"inputs": [entry, tensor("attention_mask", mask)]}).encode())
+
+
+def test_deep_nesting_huge_numbers_and_many_dims_are_400s():
+    deep = b'{"inputs": [{"name": "input_ids", "data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+    with pytest.raises(InputError, match="nested too deeply"):
+        parse(deep)
+    with pytest.raises(InputError, match="malformed JSON"):
+        parse(b'{"inputs": [], "id": ' + b"9" * 5000 + b"}")  # past Python's int digit limit
+    ids, mask = sample(batch=1, seq=1)
+    shaped = tensor("input_ids", ids, binary=True)
+    shaped["shape"] = [1] * 65
+    body, headers = body_of([shaped, tensor("attention_mask", mask, binary=True)], (ids.tobytes(), mask.tobytes()))
+    with pytest.raises(InputError, match=r"expected rank 2 \(a \"shape\" of 2 sizes\), got 65"):
+        parse(body, headers)
+    nested = tensor("input_ids", ids)
+    nested["data"] = json.loads("[" * 200 + "1" + "]" * 200)
+    with pytest.raises(InputError):
+        parse(json.dumps({"inputs": [nested, tensor("attention_mask", mask)]}).encode())
+
+
+def test_default_request_limit_fits_the_largest_valid_request():
+    from tk.serve.protocol import JSON_VALUE_WIDTH, declared_length, max_request_bytes
+
+    limit = max_request_bytes(INPUTS, DIMS, 64)
+    ids = np.full((64, 64), 999, np.int64)
+    mask = np.ones((64, 64), np.int64)
+    largest_json, _ = body_of([tensor("input_ids", ids), tensor("attention_mask", mask)])
+    largest_binary, _ = body_of(
+        [tensor("input_ids", ids, binary=True), tensor("attention_mask", mask, binary=True)],
+        (ids.tobytes(), mask.tobytes()),
+    )
+    assert len(largest_json) < limit and len(largest_binary) < limit
+    assert limit == 2 * 64 * 64 * JSON_VALUE_WIDTH + (64 << 10)  # 2 inputs x batch 64 x seq 64 values
+    assert max_request_bytes(INPUTS, DIMS, 8) < limit  # a smaller --max-batch lowers it
+    assert declared_length({"Content-Length": "12"}) == 12 and declared_length({}) is None
+    with pytest.raises(InputError, match="Content-Length: expected a byte count"):
+        declared_length({"content-length": "-5"})
+
+
+def test_replies_are_strict_json():
+    from tk.serve.protocol import InferRequest, NonFiniteOutputError, error_body
+
+    request = InferRequest({}, 1, ["logits"], {"logits": False})
+    with pytest.raises(NonFiniteOutputError, match="output logits holds NaN or infinite values"):
+        encode_infer_response("m", request, {"logits": np.array([[np.nan, 1.0]], np.float32)})
+    binary = InferRequest({}, 1, ["logits"], {"logits": True})
+    body, headers = encode_infer_response("m", binary, {"logits": np.array([[np.nan, 1.0]], np.float32)})
+    json.loads(body[: int(headers["inference-header-content-length"])], parse_constant=_no_constants)
+    json.loads(error_body("x"), parse_constant=_no_constants)
+
+
+def _no_constants(name):
+    raise AssertionError(f"bare {name} in a reply")

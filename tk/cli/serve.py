@@ -60,6 +60,12 @@ from tk.serve.ingress import INGRESSES
     "stats page and Prometheus exporter then listen on every interface).",
 )
 @click.option("--address", default=None, help="Join this Ray cluster (default: start a local Ray instance).")
+@click.option(
+    "--max-request-bytes",
+    default=None,
+    help="Largest request body, in bytes (512K, 8M, ...); larger ones get 413 before they are read "
+    "(default: the largest valid request at the artifact's max shapes, JSON or binary).",
+)
 @engine_options
 def serve_cmd(
     artifact: Path,
@@ -77,6 +83,7 @@ def serve_cmd(
     request_timeout: float,
     ingress: str,
     address: str | None,
+    max_request_bytes: str | None,
     device: str,
     provider: str | None,
     threads: int | None,
@@ -86,6 +93,7 @@ def serve_cmd(
     trust_model_code: bool,
 ) -> None:
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
+    from tk.limits import parse_size
     from tk.serve.app import RunningServer, ServeConfig, serve_forever
 
     options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
@@ -104,6 +112,7 @@ def serve_cmd(
         max_queue=max_queue,
         request_timeout_s=request_timeout,
         ingress=ingress,
+        max_request_bytes=parse_size(max_request_bytes) if max_request_bytes is not None else None,
         device=device,
         options=options,
         allow_failed=allow_failed,
@@ -118,7 +127,7 @@ def serve_cmd(
                 if resolved.batching
                 else "no batching, "
             )
-            + f"max queue {resolved.max_queue}) at {running.url}/v2/models/{resolved.name}/infer; "
+            + f"max queue {resolved.max_queue}, max request {resolved.max_request_bytes} bytes) at {running.url}/v2/models/{resolved.name}/infer; "
             f"metrics at {running.url}/metrics; Ctrl-C stops",
             err=True,
         )

@@ -41,12 +41,18 @@ from tk.serve.cluster import RayConnection, connect, disconnect, serve_is_runnin
 from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
 from tk.serve.protocol import (
     InferRequest,
+    NonFiniteOutputError,
+    RequestTooLarge,
     check_model_name,
+    declared_length,
     default_model_name,
     encode_infer_response,
     error_body,
+    json_body,
+    max_request_bytes,
     model_metadata,
     parse_infer_request,
+    too_large,
 )
 from tk.spec import random_feeds
 
@@ -75,6 +81,7 @@ class ServeConfig:
     max_ongoing: int | None = None  # requests a replica holds at once (default: 2 x max_batch, at least 8)
     request_timeout_s: float = 20.0  # the proxy answers an error past this (while a replica restarts, say): no hangs
     ingress: str = "proxy"  # or haproxy (tk.serve.ingress)
+    max_request_bytes: int | None = None  # larger bodies get 413 unread (default: the largest valid request)
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)  # engine options by name
     allow_failed: bool = False
@@ -119,6 +126,12 @@ def resolve(config: ServeConfig) -> ServeConfig:
     ingress = check_ingress(config.ingress)
     name = check_model_name(config.name) if config.name is not None else default_model_name(manifest)
     max_ongoing = config.max_ongoing or max(8, 2 * max_batch)
+    sig = manifest.signature
+    max_bytes = config.max_request_bytes
+    if max_bytes is None:
+        max_bytes = max_request_bytes(sig.inputs, sig.dims, max_batch)
+    elif max_bytes < 1:
+        raise UsageError(f"--max-request-bytes: expected 1 or more, got {max_bytes}")
     # onnxruntime's idle threads spin by default; in a server they take the cores from the ingress
     # and the event loop between requests (one client, small Transformer at seq 16, haproxy ingress:
     # 6.8 ms served with spinning, 4.2 ms without, engine alone 1.7-2.3 ms)
@@ -130,6 +143,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
             "name": name,
             "max_batch": max_batch,
             "max_ongoing": max_ongoing,
+            "max_request_bytes": max_bytes,
             "options": options,
             "ingress": ingress,
         }
@@ -309,6 +323,11 @@ def deployment(config: ServeConfig) -> Any:
     max_batch = int(config.max_batch or 1)
     delay_s = config.max_delay_ms / 1000.0
     batching = config.batching
+    max_bytes = int(config.max_request_bytes or 1)
+
+    class StrictJSONResponse(JSONResponse):
+        def render(self, content: Any) -> bytes:
+            return json_body(content)
 
     @serve.deployment(
         name="tk-model",
@@ -336,11 +355,11 @@ def deployment(config: ServeConfig) -> Any:
             kind = server.route(request.method, request.url.path)
             if kind in ("live", "ready", "model_ready"):
                 # a replica takes traffic only once its engine is open and warm, so answering is being ready
-                return JSONResponse({"live": True} if kind == "live" else {"ready": True})
+                return StrictJSONResponse({"live": True} if kind == "live" else {"ready": True})
             if kind == "server":
-                return JSONResponse({"name": "tk", "version": "1", "extensions": ["binary_tensor_data"]})
+                return StrictJSONResponse({"name": "tk", "version": "1", "extensions": ["binary_tensor_data"]})
             if kind == "model":
-                return JSONResponse(server.metadata)
+                return StrictJSONResponse(server.metadata)
             if kind == "metrics":
                 text, content_type = server.metrics.text()
                 return Response(text, media_type=content_type)
@@ -351,7 +370,10 @@ def deployment(config: ServeConfig) -> Any:
                 }
                 return self._error(404, what.get(kind, f"no route {request.method} {request.url.path}"))
             try:
-                parsed = server.parse(await request.body(), request.headers)
+                body = await _read_body(request, max_bytes)
+                parsed = server.parse(body, request.headers)
+            except RequestTooLarge as exc:
+                return self._error(413, first_line(exc))
             except TkError as exc:
                 return self._error(400, first_line(exc))
             parsed.enqueued = time.perf_counter()
@@ -361,7 +383,10 @@ def deployment(config: ServeConfig) -> Any:
                 (result,) = await asyncio.to_thread(server.compute, [parsed])
             if isinstance(result, Exception):
                 return self._error(500, f"engine failed: {first_line(result)}")
-            body, headers = encode_infer_response(server.name, parsed, result)
+            try:
+                body, headers = encode_infer_response(server.name, parsed, result)
+            except NonFiniteOutputError as exc:
+                return self._error(500, first_line(exc))
             server.metrics.answered(200)
             return Response(body, headers=headers, media_type=headers["content-type"])
 
@@ -370,6 +395,23 @@ def deployment(config: ServeConfig) -> Any:
             return Response(error_body(message), status_code=code, media_type="application/json")
 
     return TkModel.bind(config)
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The request's body, or ``RequestTooLarge`` as soon as it is known to exceed ``limit`` bytes:
+    from its Content-Length before reading anything, else while reading (a chunked body, or one
+    longer than it said), so an oversized body is never held whole, let alone parsed."""
+    length = declared_length(request.headers)
+    if length is not None and length > limit:
+        raise too_large(length, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,28 @@ changes nothing and ``disconnect`` leaves it open. Environment variables for Ray
 (``env_vars``) travel as the job's runtime environment, so they reach the actors this job creates
 (Serve's controller, proxies and replicas when this job starts Serve) without touching this
 process's own environment.
+
+A local instance listens on the loopback address only (127.0.0.1: GCS, raylet, object manager,
+workers, the dashboard and runtime-env agents and the metrics export port), since nothing outside
+this machine needs to reach it. Ray resolves a node address of 127.0.0.1 given to ``ray.init`` to the
+machine's outward address (``resolve_ip_for_localhost``) unless its cluster mode is off, which is
+what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does (read once, when Ray is imported); with the node
+address on loopback, Ray's gRPC servers and agents bind 127.0.0.1 instead of every interface.
+``TK_RAY_NODE_IP`` (an address of this machine) starts it on that address instead, for a user who
+wants other machines to reach it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+
+NODE_IP_ENV = "TK_RAY_NODE_IP"
+LOOPBACK = "127.0.0.1"
+_CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass(frozen=True)
@@ -38,8 +53,33 @@ def connect(
     if address:
         ray.init(address=address, **common)
         return RayConnection(connected=True, local=False)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+    node_ip = os.environ.get(NODE_IP_ENV) or None
+    if node_ip is not None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip, **common)
+    else:
+        with _loopback_only():
+            ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
     return RayConnection(connected=True, local=True)
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Ray's node address is 127.0.0.1 for the instance started inside (its processes inherit the
+    setting at start); both settings are restored after."""
+    from ray._private import ray_constants
+
+    before_env = os.environ.get(_CLUSTER_MODE_ENV)
+    before_constant = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_CLUSTER_MODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # the value Ray read at import, when this process imported it first
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_constant
+        if before_env is None:
+            os.environ.pop(_CLUSTER_MODE_ENV, None)
+        else:
+            os.environ[_CLUSTER_MODE_ENV] = before_env
 
 
 def serve_is_running() -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import InputError, UsageError
+from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import Manifest
 from tk.runtime.inputs import check_arrays, sample_dim
 from tk.spec import Dim, TensorSpec, numpy_dtype
@@ -68,6 +68,9 @@ def check_model_name(name: str) -> str:
     return name
 
 
+FLOAT_DATATYPES = ("FP32", "FP16", "BF16", "FP64")
+
+
 def datatype_of(array: np.ndarray) -> str:
     """The KServe v2 datatype of a NumPy array (bfloat16 through ml_dtypes)."""
     name = array.dtype.name
@@ -87,6 +90,51 @@ class InferRequest:
     id: str | None = None
     enqueued: float = 0.0  # perf_counter when the request was queued for a batch
     shape_key: tuple[tuple[int, ...], ...] = field(default=())  # non-batch shapes: requests that can share a call
+
+
+JSON_VALUE_WIDTH = 32  # characters per value a JSON request may spend ("-1.2345678901234567e-308, " is 26)
+REQUEST_OVERHEAD = 64 << 10  # bytes for the JSON around the values: names, shapes, parameters, id
+
+
+def max_request_bytes(specs: list[TensorSpec], dims: Mapping[str, Dim], max_samples: int) -> int:
+    """The default request size limit: the larger of the JSON and the binary form of a request at
+    every dimension's max size (the batch at ``max_samples``), JSON at ``JSON_VALUE_WIDTH``
+    characters a value, plus ``REQUEST_OVERHEAD``. No valid request is larger."""
+    batch = sample_dim(specs)
+    values = binary = 0
+    for spec in specs:
+        count = 1
+        for d in spec.shape:
+            if isinstance(d, int):
+                count *= d
+            elif d == batch:
+                count *= max_samples
+            else:
+                count *= dims[d].max if d in dims else 1
+        values += count
+        binary += count * numpy_dtype(spec.dtype).itemsize
+    return max(values * JSON_VALUE_WIDTH, binary + 1024 * len(specs)) + REQUEST_OVERHEAD
+
+
+def declared_length(headers: Mapping[str, str]) -> int | None:
+    """The request's Content-Length, or None when it has none (chunked); ``InputError`` when it is no size."""
+    text = next((v for k, v in headers.items() if k.lower() == "content-length"), None)
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise InputError(f"header Content-Length: expected a byte count, got {_short(text)}")
+    return int(text)
+
+
+class RequestTooLarge(TkError):
+    """A request body over the server's limit (answered 413)."""
+
+
+def too_large(size: int | str, limit: int) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"request body of {size} bytes is over this server's limit of {limit} bytes "
+        "(tk serve --max-request-bytes; the default fits the largest valid request)"
+    )
 
 
 def model_metadata(manifest: Manifest, name: str, platform: str) -> dict[str, Any]:
@@ -118,6 +166,21 @@ def parse_infer_request(
 
     ``max_samples`` bounds the samples of one request (the server's max batch).
     """
+    try:
+        return _parse(body, headers, specs, output_specs, dims, max_samples)
+    except (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+        # whatever a request's content makes the parser raise is the request's fault: a 400, never a 500
+        raise InputError(f"malformed request ({type(exc).__name__}: {first_line(exc)})") from None
+
+
+def _parse(
+    body: bytes,
+    headers: Mapping[str, str],
+    specs: list[TensorSpec],
+    output_specs: list[TensorSpec],
+    dims: dict[str, Dim],
+    max_samples: int,
+) -> InferRequest:
     lowered = {k.lower(): v for k, v in headers.items()}
     header_length = lowered.get(HEADER_LENGTH)
     if header_length is not None:
@@ -135,8 +198,10 @@ def parse_infer_request(
         json_length = len(body)
     try:
         request = json.loads(body[:json_length])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"malformed JSON in the request body: {exc}") from None
+    except RecursionError:
+        raise InputError("malformed JSON in the request body: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers past Python's digit limit
+        raise InputError(f"malformed JSON in the request body: {first_line(exc)}") from None
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
         raise InputError('request: expected a JSON object with an "inputs" list')
     binary = memoryview(body)[json_length:]
@@ -148,7 +213,7 @@ def parse_infer_request(
             raise InputError('request: every entry of "inputs" must be an object with a "name"')
         name = item["name"]
         if name not in by_name:
-            raise InputError(f"unknown input {name!r}: this model takes {[s.name for s in specs]}")
+            raise InputError(f"unknown input {_short(name)}: this model takes {[s.name for s in specs]}")
         if name in feeds:
             raise InputError(f"input {name!r} is given twice")
         array, offset = _tensor(item, by_name[name], binary, offset)
@@ -175,10 +240,14 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
     prefix = f"input {spec.name!r}"
     expected = DATATYPES[spec.dtype]
     if item.get("datatype") != expected:
-        raise InputError(f"{prefix}: expected datatype {expected}, got {item.get('datatype')!r}")
+        raise InputError(f"{prefix}: expected datatype {expected}, got {_short(item.get('datatype'))}")
     shape = item.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise InputError(f'{prefix}: expected "shape" as a list of sizes, got {shape!r}')
+        raise InputError(f'{prefix}: expected "shape" as a list of sizes, got {_short(shape)}')
+    if len(shape) != len(spec.shape):
+        raise InputError(
+            f'{prefix}: expected rank {len(spec.shape)} (a "shape" of {len(spec.shape)} sizes), got {len(shape)}'
+        )
     dtype = numpy_dtype(spec.dtype)
     count = math.prod(shape)
     parameters = item.get("parameters") or {}
@@ -186,12 +255,13 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
     if size is not None:
         if not isinstance(size, int) or size != count * dtype.itemsize:
             raise InputError(
-                f"{prefix}: binary_data_size is {size!r}, expected {count * dtype.itemsize} bytes for shape {shape} "
+                f"{prefix}: binary_data_size is {_short(size)}, expected {count * dtype.itemsize} bytes for shape {shape} "
                 f"of {expected}"
             )
         if offset + size > len(binary):
             raise InputError(f"{prefix}: expected {size} bytes of binary data, the body holds {len(binary) - offset}")
         array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape).copy()
+        _require_finite(array, prefix, expected)
         return array, offset + size
     if "data" not in item:
         raise InputError(f'{prefix}: expected "data" or parameters.binary_data_size')
@@ -205,10 +275,49 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
         raise InputError(f"{prefix}: expected {what} for datatype {expected}, got {raw.dtype.kind!r}-kind values")
     if raw.size != count:
         raise InputError(f'{prefix}: shape {shape} holds {count} values, "data" has {raw.size}')
+    if raw.size and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low, high = raw.min(), raw.max()
+        if low < info.min or high > info.max:
+            bad = low if low < info.min else high
+            raise InputError(f"{prefix}: value {bad} is outside the range of {expected} ({info.min} to {info.max})")
+    if raw.size and raw.dtype.kind == "f":
+        _require_finite(raw, prefix, expected)
     try:
-        return raw.astype(dtype).reshape(shape), offset
+        array = raw.astype(dtype).reshape(shape)
     except (OverflowError, ValueError) as exc:
         raise InputError(f"{prefix}: values do not fit {expected} ({exc})") from None
+    if raw.size and expected in FLOAT_DATATYPES:
+        finite = np.isfinite(_as_float(array)).reshape(-1)
+        if not finite.all():  # finite before the cast: 1e39 for FP32, 1e5 for FP16
+            raise InputError(f"{prefix}: value {raw.reshape(-1)[~finite][0]} is outside the range of {expected}")
+    return array, offset
+
+
+def _as_float(array: np.ndarray) -> np.ndarray:
+    """``array`` in a dtype NumPy's ``isfinite`` takes (bfloat16 through float32)."""
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
+
+
+def _require_finite(array: np.ndarray, prefix: str, datatype: str) -> None:
+    """NaN and infinities are no valid input: the model's answer to them means nothing."""
+    if datatype in FLOAT_DATATYPES:
+        values = _as_float(array)
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise InputError(
+                f"{prefix}: expected finite {datatype} values, got {values.reshape(-1)[~finite.reshape(-1)][0]} "
+                f"({int((~finite).sum())} non-finite)"
+            )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a hostile request's fields can be huge or deep)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _requested_outputs(request: dict[str, Any], specs: list[TensorSpec]) -> tuple[list[str], dict[str, bool]]:
@@ -225,7 +334,7 @@ def _requested_outputs(request: dict[str, Any], specs: list[TensorSpec]) -> tupl
     for item in wanted:
         name = item.get("name") if isinstance(item, dict) else None
         if name not in names:
-            raise InputError(f"unknown output {name!r}: this model returns {names}")
+            raise InputError(f"unknown output {_short(name)}: this model returns {names}")
         params = item.get("parameters") or {}
         outputs.append(name)
         binary[name] = bool(params.get("binary_data", all_binary)) if isinstance(params, dict) else all_binary
@@ -255,7 +364,14 @@ def encode_infer_response(
     reply: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": entries}
     if request.id is not None:
         reply["id"] = request.id
-    header = json.dumps(reply, separators=(",", ":")).encode()
+    try:
+        header = json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError:
+        bad = [e["name"] for e in entries if "data" in e and not np.isfinite(np.asarray(e["data"], float)).all()]
+        raise NonFiniteOutputError(
+            f"output {', '.join(bad)} holds NaN or infinite values, which JSON cannot carry; "
+            'ask for it as binary data (parameters {"binary_data": true})'
+        ) from None
     if not chunks:
         return header, {"content-type": "application/json"}
     return header + b"".join(chunks), {
@@ -264,6 +380,15 @@ def encode_infer_response(
     }
 
 
+class NonFiniteOutputError(TkError):
+    """An output a request asked for as JSON holds NaN or infinities (the model's doing, not the request's)."""
+
+
 def error_body(message: str) -> bytes:
     """A KServe v2 error reply: ``{"error": message}``."""
-    return json.dumps({"error": message}).encode()
+    return json.dumps({"error": message}, allow_nan=False).encode()
+
+
+def json_body(value: Any) -> bytes:
+    """Strict JSON (RFC 8259: no bare NaN or Infinity) for every reply."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
