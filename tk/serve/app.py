@@ -37,7 +37,7 @@ from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import verify_artifact
 from tk.runtime import engine_options, load
 from tk.runtime.inputs import sample_dim
-from tk.serve.cluster import RayConnection, connect, disconnect, serve_is_running
+from tk.serve.cluster import RayConnection, connect, disconnect, keep_replica_grpc_on_loopback, serve_is_running
 from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
 from tk.serve.protocol import (
     InferRequest,
@@ -340,6 +340,7 @@ def deployment(config: ServeConfig) -> Any:
     )
     class TkModel:
         def __init__(self, config: ServeConfig) -> None:
+            keep_replica_grpc_on_loopback()
             self.server = ModelServer(config)
             self._batch.set_max_batch_size(max_batch)
             self._batch.set_batch_wait_timeout_s(delay_s)

@@ -82,6 +82,35 @@ def _loopback_only() -> Iterator[None]:
             os.environ[_CLUSTER_MODE_ENV] = before_env
 
 
+def keep_replica_grpc_on_loopback() -> None:
+    """In a Serve replica on a loopback node: bind the replica's inter-deployment gRPC server to
+    127.0.0.1, not ``[::]``.
+
+    Ray Serve 2.60 starts that server on every interface, hard-coded
+    (``ray.serve._private.replica``: ``add_port_to_grpc_server(self._server, "[::]:0")``, after the
+    deployment's constructor), with no setting to change it; its clients dial the node's address, which
+    is 127.0.0.1 here. A Ray without that helper is left as it is."""
+    import ray
+
+    try:
+        from ray.serve._private import replica
+    except ImportError:
+        return
+    original = getattr(replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "_tk_loopback", False):
+        return
+    if ray.util.get_node_ip_address() != LOOPBACK:
+        return
+
+    def on_loopback(server: object, address: str) -> int:
+        if address.startswith("[::]:"):
+            address = f"{LOOPBACK}:{address.rsplit(':', 1)[1]}"
+        return original(server, address)
+
+    on_loopback._tk_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = on_loopback
+
+
 def serve_is_running() -> bool:
     """Whether Ray Serve's controller already runs on the connected cluster."""
     import ray

@@ -284,7 +284,8 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
     if raw.size and raw.dtype.kind == "f":
         _require_finite(raw, prefix, expected)
     try:
-        array = raw.astype(dtype).reshape(shape)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below, in one line
+            array = raw.astype(dtype).reshape(shape)
     except (OverflowError, ValueError) as exc:
         raise InputError(f"{prefix}: values do not fit {expected} ({exc})") from None
     if raw.size and expected in FLOAT_DATATYPES:
