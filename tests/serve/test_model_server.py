@@ -174,3 +174,13 @@ def test_serve_on_a_taken_port_is_one_line_before_ray_starts(exported):
         f"error: --port {port}: expected a free port on 127.0.0.1, found it taken (Address already in use)"
     ]
     assert "Traceback" not in result.output
+
+
+def test_max_request_bytes_flag_is_checked_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+
+    run = CliRunner().invoke(cli, ["serve", str(tmp_path), "--max-request-bytes", "lots"])
+    assert run.exit_code == 2
+    assert "--max-request-bytes: expected a byte count such as 65536, 512K or 8M, got 'lots'" in run.stderr

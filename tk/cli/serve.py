@@ -93,7 +93,6 @@ def serve_cmd(
     trust_model_code: bool,
 ) -> None:
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
-    from tk.limits import parse_size
     from tk.serve.app import RunningServer, ServeConfig, serve_forever
 
     options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
@@ -112,7 +111,7 @@ def serve_cmd(
         max_queue=max_queue,
         request_timeout_s=request_timeout,
         ingress=ingress,
-        max_request_bytes=parse_size(max_request_bytes) if max_request_bytes is not None else None,
+        max_request_bytes=_request_bytes(max_request_bytes),
         device=device,
         options=options,
         allow_failed=allow_failed,
@@ -140,6 +139,20 @@ def serve_cmd(
 
     serve_forever(config, address=address, on_ready=on_ready)
     click.echo("stopped", err=True)
+
+
+def _request_bytes(text: str | None) -> int | None:
+    from tk.errors import UsageError
+    from tk.limits import parse_size
+
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except UsageError:
+        raise UsageError(
+            f"--max-request-bytes: expected a byte count such as 65536, 512K or 8M, got {text!r}"
+        ) from None
 
 
 @click.group("deploy")
