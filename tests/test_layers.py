@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tk.manifest",
             "tk.parity",
             "tk.limits",
+            "tk.accuracy",
         ),
     ),
     ("models", ("tk.models",)),

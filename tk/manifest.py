@@ -55,6 +55,14 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)  # step -> seconds
     created: str = ""
     format_version: int = FORMAT_VERSION
+    # tk optimize: the recommendation (format, precision, engine, options) and the candidates table
+    optimize: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def recommended_engine(self) -> str | None:
+        """The engine ``tk optimize`` recommends for this artifact, or None."""
+        engine = (self.optimize.get("recommended") or {}).get("engine")
+        return engine if isinstance(engine, str) else None
 
     def file(self, role: str) -> FileEntry:
         for entry in self.files:
@@ -77,6 +85,7 @@ class Manifest:
             "versions": self.versions,
             "timings": self.timings,
             "check": self.check,
+            **({"optimize": self.optimize} if self.optimize else {}),
         }
 
     @classmethod
@@ -94,6 +103,7 @@ class Manifest:
             timings=data.get("timings", {}),
             created=data.get("created", ""),
             format_version=data["format_version"],
+            optimize=data.get("optimize", {}),
         )
 
 
@@ -175,9 +185,12 @@ def schema_problem(data: dict[str, Any]) -> str | None:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
     try:
-        for key in ("model", "signature", "formats", "versions", "check", "timings"):
+        for key in ("model", "signature", "formats", "versions", "check", "timings", "optimize"):
             need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
         need(isinstance(data.get("files"), list), "files", "a list", data.get("files"))
+        recommended = data.get("optimize", {}).get("recommended")
+        need(recommended is None or (isinstance(recommended, dict) and isinstance(recommended.get("engine"), str)),
+             "optimize.recommended", "an object naming an engine", recommended)  # fmt: skip
         need(data.get("status", "unchecked") in STATUSES, "status", f"one of {STATUSES}", data.get("status"))
         need(data.get("precision") in PRECISIONS, "precision", f"one of {PRECISIONS}", data.get("precision"))
         need(data.get("device") in DEVICES, "device", f"one of {DEVICES}", data.get("device"))

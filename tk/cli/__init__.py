@@ -97,9 +97,9 @@ def main() -> None:
 
 
 def _register() -> None:
-    from tk.cli import artifact, debug, run, serve, train
+    from tk.cli import artifact, debug, optimize, run, serve, train
 
-    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS, *debug.COMMANDS, *serve.COMMANDS):
+    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS, *debug.COMMANDS, *optimize.COMMANDS, *serve.COMMANDS):
         cli.add_command(command)
 
 

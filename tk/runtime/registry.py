@@ -54,7 +54,7 @@ def engine_options(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
 
 def load(
     root: str | Path,
-    engine: str = "onnx",
+    engine: str | None = None,
     *,
     device: str = "cpu",
     allow_failed: bool = False,
@@ -66,8 +66,12 @@ def load(
 
     Options come as the engine's ``Options`` dataclass, a mapping, or keywords; a name the engine
     does not declare is refused with the list of those it does. An artifact whose export-time
-    check failed is refused unless ``allow_failed`` is set.
+    check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
+    manifest recommends (``tk optimize``), else onnx.
     """
+    if engine is None:
+        manifest = manifest if manifest is not None else verify_artifact(root)
+        engine = manifest.recommended_engine or "onnx"
     cls = engine_class(engine)
     reason = cls.unavailable_reason(device)
     if reason is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tk.manifest import Manifest
 from tk.parity import check_engines
-from tk.runtime import available_engines, open_engines
+from tk.runtime import available_engines, open_engines, unavailable_reason
 from tk.tolerances import artifact_tolerance
 from tk.workflows.bench import measure
 
@@ -32,9 +32,12 @@ class AutoChoice:
     engine: str
     batch_size: int
     candidates: list[Candidate] = field(default_factory=list)
+    recommended: str | None = None  # why: tk optimize chose this engine for the artifact (its manifest says so)
 
     @property
     def reason(self) -> str:
+        if self.recommended:
+            return self.recommended
         chosen = next(c for c in self.candidates if c.engine == self.engine)
         others = [
             f"{c.engine} {c.p50_ms:.3g} ms" if c.passed and c.p50_ms is not None else f"{c.engine} {c.note}"
@@ -116,9 +119,16 @@ def choose_engine(
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
+    An artifact written by ``tk optimize`` names its engine: that one is returned, untimed.
+
     ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per
     engine; ``options`` holds engine options by name (each engine takes the ones it declares).
     """
+    recommended = manifest.recommended_engine
+    if recommended is not None and unavailable_reason(recommended, device) is None:
+        how = manifest.optimize.get("recommended", {})
+        why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
+        return AutoChoice(recommended, batch_size, [Candidate(recommended, True, 0.0)], recommended=why)
     values = options or {}
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:

@@ -1,0 +1,140 @@
+"""``tk optimize``: the fastest artifact that keeps the user's accuracy, chosen and proven here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tk.cli.common import build, console, model_options, task_option
+from tk.errors import ParityError, UsageError
+from tk.registries import DEVICES
+
+
+def _split(text: str | None) -> tuple[str, ...] | None:
+    return tuple(p.strip() for p in text.split(",") if p.strip()) if text else None
+
+
+def _size_and_range(name: str, text: str | None, default: Any) -> tuple[int | None, Any]:
+    """``--batch 32`` (time at 32, the model's range widened to hold it) or ``--batch 1:32:64`` (time at the opt)."""
+    from tk.spec import Dim
+
+    if text is None:
+        return None, None
+    if ":" in text:
+        dim = Dim.parse(name, text)
+        return dim.opt, dim
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--{name}: expected a size N (1 or more) or MIN:OPT:MAX, got {text!r}")
+    size = int(text)
+    if default is None:
+        return size, None
+    opt = size if size >= 2 else default.opt  # torch.export specializes an opt of 1
+    return size, Dim(name, min(default.min, size), max(min(default.min, size), opt), max(default.max, size))
+
+
+def _dims_and_sizes(spec: Any, batch: str | None, seq: str | None, dims: tuple[str, ...]) -> tuple[dict, dict]:
+    from tk.cli.artifact import _parse_dims
+
+    ranges = _parse_dims(None, None, dims)
+    sizes: dict[str, int] = {}
+    for name, text in (("batch", batch), ("seq", seq)):
+        size, dim = _size_and_range(name, text, spec.signature.dims.get(name))
+        if size is not None:
+            sizes[name] = size
+        if dim is not None:
+            ranges[name] = dim
+    return ranges, sizes
+
+
+@click.command("optimize")
+@click.argument("model")
+@model_options
+@task_option
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Weights from `tk train`.")
+@click.option("--accuracy", default=None, metavar="SPEC",
+              help="What must hold against the float32 model, comma-separated: sqnr>=DB, cosine>=X, top1>=PCT, "
+              "max_abs<=X (default sqnr>=35).")  # fmt: skip
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Inputs file (.npz/.npy like tk infer --inputs; a 'labels' array makes top1 an accuracy): half "
+              "calibrates int8, half judges. Default: synthetic token ids and padding masks of mixed lengths.")  # fmt: skip
+@click.option("--batch", default=None, metavar="N|MIN:OPT:MAX", help="Batch to time at (N, or a range timed at OPT).")
+@click.option("--seq", default=None, metavar="N|MIN:OPT:MAX", help="Sequence length to time at (N, or a range).")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other dimension.")
+@click.option("--time-budget", type=float, default=None, metavar="MIN",
+              help="Start no new candidate after this many minutes (the rest: skipped, budget).")  # fmt: skip
+@click.option("--keep", type=click.Choice(["best", "all"]), default="best", show_default=True,
+              help="all: also the other passing candidates' artifacts, under OUT/candidates.")  # fmt: skip
+@click.option("--formats", default=None, metavar="F[,F...]", help="Only these formats (default: every one).")
+@click.option("--precisions", default=None, metavar="P[,P...]", help="Only these precisions: fp32,bf16,fp16,int8.")
+@click.option("--candidates", "names", default=None, metavar="NAME[,NAME...]",
+              help='Only these candidates, by the names the table shows (e.g. "onnx fp32,onnx int8 dynamic").')  # fmt: skip
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
+@click.option("--seconds", type=float, default=2.0, show_default=True, help="Timing budget per candidate, seconds.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where candidate artifacts are cached for re-runs (default: OUT/.candidates).")  # fmt: skip
+@click.option("--no-peaks", is_flag=True, help="Skip measuring the matmul peaks (no share-of-peak column).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Artifact directory for the winner.")
+def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: str | None, checkpoint: Path | None,
+                 accuracy: str | None, data: Path | None, batch: str | None, seq: str | None, dims: tuple[str, ...],
+                 time_budget: float | None, keep: str, formats: str | None, precisions: str | None, names: str | None,
+                 device: str,
+                 seconds: float, cache_dir: Path | None, no_peaks: bool, out: Path) -> None:  # fmt: skip
+    """Find the fastest artifact of MODEL on this machine that keeps --accuracy, and write it to --out."""
+    from tk.accuracy import parse_accuracy
+    from tk.workflows.optimize import OptimizeOptions, optimize
+
+    parse_accuracy(accuracy)  # a bad spec fails before the model is built
+    if time_budget is not None and time_budget <= 0:
+        raise UsageError(f"--time-budget: expected minutes above 0, got {time_budget}")
+    spec = build(model, size, inputs, task)
+    ranges, sizes = _dims_and_sizes(spec, batch, seq, dims)
+    options = OptimizeOptions(
+        accuracy=accuracy, data=data, sizes=sizes, dims=ranges, checkpoint=checkpoint, device=device,
+        formats=_split(formats), precisions=_split(precisions), candidates=_split(names),
+        time_budget_min=time_budget, keep=keep,
+        cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks,
+    )  # fmt: skip
+    try:
+        result = _run_with_progress(spec, out, options, optimize)
+    except ParityError as exc:
+        if hasattr(exc, "result"):
+            _print(exc.result)
+        raise
+    _print(result)
+    win = result.winner
+    click.echo(f"winner: {win.candidate} (engine {win.engine}), {win.p50_ms:.3g} ms, {win.speedup:.2f}× eager fp32")
+    click.echo(f"artifact: {out} (tk.runtime.load({str(out)!r}) and --engine auto open {win.engine})")
+    click.echo(f"table: {out / 'optimize.json'}  plot: {out / 'optimize.png'}")
+
+
+def _run_with_progress(spec: Any, out: Path, options: Any, optimize: Any) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("optimize", total=1)
+
+        def progress(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=stage[:60], completed=done, total=max(total, 1))
+
+        return optimize(spec, out, options, progress)
+
+
+def _print(result: Any) -> None:
+    from tk.workflows.optimize.table import render
+
+    record = result.record
+    cpu = (record.get("timing") or {}).get("machine", {}).get("cpu", "this CPU")
+    batch = ", ".join(f"{k} {v}" for k, v in record["sizes"].items())
+    title = (
+        f"tk optimize: {record['accuracy']} on {record['held_out_samples']} held-out samples; timed at {batch} on {cpu}"
+    )
+    console().print(render(result.rows, title))
+    cache = record["cache"]
+    click.echo(f"cache: {cache['hits']} candidate artifacts reused, {cache['exports']} exported ({cache['dir']})")
+
+
+COMMANDS = (optimize_cmd,)

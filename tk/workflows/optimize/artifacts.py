@@ -1,0 +1,198 @@
+"""Writing the candidates' artifacts (one checked export per group: one capture for every format of a
+precision and setting), caching them, and writing the winner as an ordinary artifact.
+
+The cache holds finished candidate artifacts under a directory named by a hash of what decides
+them (model, checkpoint, dimension ranges, precision, options, formats, calibration data, torch
+version and the CPU's packing features), so a re-run reuses every artifact it already wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tk.errors import IntegrityError, ParityError, TkError, UsageError, first_line
+from tk.export import ExportOptions, write_artifact
+from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir
+from tk.formats.aoti import packing_features
+from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, verify_artifact
+from tk.models import ModelSpec
+from tk.workflows.check import run_export_check
+from tk.workflows.optimize.candidates import Candidate, group_key
+
+log = logging.getLogger("tk.optimize")
+CACHE = ".candidates"
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass
+class Written:
+    """What one group's export gave each candidate: its artifact, or why there is none."""
+
+    artifacts: dict[Candidate, tuple[Path, Manifest]] = dataclasses.field(default_factory=dict)
+    errors: dict[Candidate, str] = dataclasses.field(default_factory=dict)
+    cache_hits: int = 0
+    exports: int = 0
+
+
+def arrays_digest(arrays: dict[str, np.ndarray] | None) -> str:
+    if arrays is None:
+        return "random"
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        digest.update(name.encode() + str(arrays[name].dtype).encode() + str(arrays[name].shape).encode())
+        digest.update(np.ascontiguousarray(arrays[name]).tobytes())
+    return digest.hexdigest()
+
+
+def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, checkpoint_sha: str | None,
+              spec: ModelSpec) -> Path:  # fmt: skip
+    precision, options = candidates[0].group
+    parts = {
+        "version": CACHE_VERSION,
+        "model": spec.reference(),
+        "checkpoint": checkpoint_sha,
+        "dims": {n: dataclasses.asdict(d) for n, d in base.dims.items()},
+        "precision": precision,
+        "options": dict(options),
+        "formats": sorted(c.format for c in candidates),
+        "calibration": arrays_digest(base.calibration_data) if precision == "int8" else None,
+        "device": base.device,
+        "torch": torch.__version__,
+        "cpu": packing_features(),
+    }
+    slug = "-".join(str(v) if not isinstance(v, bool) else ("fused" if v else "unfused") for _, v in options)
+    return cache / f"{precision}-{slug or 'default'}-{group_key(parts)}"
+
+
+def cached(root: Path, formats: list[str]) -> Manifest | None:
+    """The checked artifact at ``root`` holding every one of ``formats``, or None."""
+    if not (root / MANIFEST).is_file():
+        return None
+    try:
+        manifest = verify_artifact(root)
+    except (IntegrityError, UsageError) as exc:
+        log.info("optimize cache: %s is damaged (%s); writing it again", root, first_line(exc))
+        return None
+    if manifest.status == "unchecked" or any(f not in manifest.check for f in formats):
+        return None
+    return manifest
+
+
+def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:
+    """The artifact of one group, from the cache or a checked export; a group whose export fails for
+    another reason than parity is retried one format at a time, so one format's failure is its own."""
+    formats = [c.format for c in candidates]
+    written = Written()
+    manifest = cached(root, formats)
+    if manifest is not None:
+        log.info("optimize cache hit: %s (%s)", root.name, ", ".join(c.name for c in candidates))
+        written.cache_hits = 1
+        written.artifacts = {c: (root, manifest) for c in candidates}
+        return written
+    precision, options = candidates[0].group
+    export_options = dataclasses.replace(base, formats=tuple(formats), precision=precision, **dict(options))
+    try:
+        written.exports = 1
+        write_artifact(spec, root, export_options, check=run_export_check)
+    except ParityError:
+        pass  # written and marked failed by the precision's own tolerance: the user's spec judges it next
+    except (TkError, RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # a writer's failure
+        if len(candidates) > 1:
+            log.info(
+                "optimize: the %s export failed (%s); trying its formats one at a time", root.name, first_line(exc)
+            )
+            return _one_at_a_time(spec, root, candidates, base)
+        written.errors[candidates[0]] = f"export failed: {type(exc).__name__}: {first_line(exc)}"
+        return written
+    manifest = verify_artifact(root)
+    written.artifacts = {c: (root, manifest) for c in candidates}
+    return written
+
+
+def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:
+    written = Written()
+    for candidate in candidates:
+        one = write_group(spec, root.with_name(f"{root.name}-{candidate.format}"), [candidate], base)
+        written.artifacts.update(one.artifacts)
+        written.errors.update(one.errors)
+        written.cache_hits += one.cache_hits
+        written.exports += one.exports
+    return written
+
+
+def refuse_foreign_out(out: Path) -> None:
+    """``out`` may be absent, empty, an artifact, or hold only the optimize cache; nothing else is replaced."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
+    if (out / MANIFEST).is_file() or all(p.name == CACHE for p in out.iterdir()):
+        return
+    raise UsageError(
+        f"--out {out}: this directory holds files and no {MANIFEST}, so it is not a tk artifact and optimize "
+        "will not replace it; choose another --out, or empty it first"
+    )
+
+
+def _kept_files(manifest: Manifest, fmt: str) -> list[FileEntry]:
+    """The weights (eager's reference) and the files of format ``fmt`` (its role, or roles ``fmt-*``)."""
+    return [e for e in manifest.files if e.role == "weights" or e.role == fmt or e.role.startswith(f"{fmt}-")]
+
+
+def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate, judged: dict[str, Any],
+                 record: dict[str, Any], extras: dict[str, bytes], others: list[Path], cache: Path) -> None:  # fmt: skip
+    """``out`` as an artifact holding the winner's format, its manifest recording ``record``; ``extras``
+    (name -> bytes: the table's JSON, the plot) listed in it; ``others`` (--keep all) under candidates/."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = exclusive_temp_dir(out.parent, f".{out.name}.", ".partial")
+    try:
+        kept = _kept_files(manifest, candidate.format)
+        for entry in kept:
+            (staging / entry.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / entry.path, staging / entry.path)
+        files = list(kept)
+        for name, data in extras.items():
+            atomic_write_bytes(staging / name, data)
+            files.append(FileEntry.of(staging, name, f"optimize-{Path(name).suffix.lstrip('.')}"))
+        report = {
+            **manifest.check[candidate.format],
+            "passed": True,
+            "judged_by": record["accuracy"],
+            "accuracy": judged,
+        }
+        final = dataclasses.replace(
+            manifest, files=files, formats={candidate.format: manifest.formats.get(candidate.format, {})},
+            check={candidate.format: report}, status="passed", optimize=record,
+        )  # fmt: skip
+        atomic_write_bytes(staging / MANIFEST, manifest_bytes(final))
+        for other in others:
+            shutil.copytree(other, staging / "candidates" / other.name, symlinks=True)
+        if cache == out / CACHE and cache.is_dir():
+            os.replace(cache, staging / CACHE)  # the cache lives in the artifact: it moves with it
+        _swap_into_place(staging, out)
+    except BaseException:
+        if (staging / CACHE).is_dir() and not cache.exists():
+            os.replace(staging / CACHE, cache)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(staging: Path, out: Path) -> None:
+    if not (out.exists() or out.is_symlink()):
+        os.replace(staging, out)
+    elif exchange_paths(staging, out):
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        old = exclusive_temp_dir(out.parent, f".{out.name}.", ".old")
+        os.replace(out, old / "artifact")
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,174 @@
+"""The candidates ``tk optimize`` tries: every format x precision x setting, and why some are skipped.
+
+Formats and engines come from the registries (``tk.registries``), so a format added there (OpenVINO,
+say) becomes a candidate with no change here. A candidate is skipped, with its reason, where this
+machine cannot run it or where it cannot win: bfloat16 without AVX512-BF16/AMX runs emulated, and
+float16 has no fast CPU kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tk.errors import UsageError
+from tk.registries import ENGINE_FILE_ROLE, ENGINES, FORMATS
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")  # a CPU without them runs float16 products emulated
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One artifact setting: a format written at a precision with export options, run by an engine."""
+
+    format: str
+    precision: str
+    engine: str
+    options: tuple[tuple[str, Any], ...] = ()  # ExportOptions fields this candidate sets (fusions, int8 mode)
+
+    @property
+    def name(self) -> str:
+        words = [self.format, self.precision]
+        opts = dict(self.options)
+        if "int8_mode" in opts:
+            words.append(opts["int8_mode"])
+        if opts.get("onnx_fusions") is False:
+            words.append("unfused")
+        if self.engine != self.format:
+            words.append(f"({self.engine})")
+        return " ".join(words)
+
+    @property
+    def group(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
+        """Candidates of one group are written by one export (one capture): same precision and options.
+
+        Options only the ONNX writer reads (fusions) do not split the other formats off: they join the
+        fused group."""
+        return self.precision, self.options
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "precision": self.precision,
+            "engine": self.engine,
+            "options": dict(self.options),
+        }
+
+
+@dataclass
+class Skipped:
+    candidate: Candidate
+    reason: str
+
+
+@dataclass
+class CandidateSet:
+    tried: list[Candidate] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def engine_for(fmt: str) -> str | None:
+    """The engine that runs format ``fmt`` (the first registered engine whose file role it is)."""
+    return next((name for name in ENGINES if ENGINE_FILE_ROLE[name] == fmt), None)
+
+
+def variants(fmt: str, precision: str) -> list[tuple[tuple[str, Any], ...]]:
+    """The export settings worth trying for one format at one precision."""
+    if precision == "int8":
+        return (
+            [(("int8_mode", "static"),), (("int8_mode", "dynamic"),)] if fmt == "onnx" else [(("int8_mode", "static"),)]
+        )
+    if fmt == "onnx":
+        return [(("onnx_fusions", True),), (("onnx_fusions", False),)]
+    return [(("onnx_fusions", True),)]  # the fused group: the other formats share its capture
+
+
+def enumerate_candidates(
+    device: str,
+    *,
+    formats: tuple[str, ...] | None = None,
+    precisions: tuple[str, ...] | None = None,
+    names: tuple[str, ...] | None = None,
+) -> CandidateSet:
+    """Every format x precision x setting of the registries; those that cannot run or win here skipped.
+
+    ``formats``, ``precisions`` and ``names`` (candidate names such as ``onnx int8 dynamic``) narrow the set."""
+    found = CandidateSet()
+    known = {Candidate(f, p, engine_for(f) or f, o).name for p in PRECISIONS for f in FORMATS for o in variants(f, p)}
+    unknown = sorted(set(names or ()) - known)
+    if unknown:
+        raise UsageError(
+            f"--candidates: unknown {', '.join(unknown)}; expected names such as {', '.join(sorted(known)[:4])}"
+        )
+    for precision in PRECISIONS:
+        for fmt in FORMATS:
+            engine = engine_for(fmt)
+            for options in variants(fmt, precision):
+                candidate = Candidate(fmt, precision, engine or fmt, options)
+                reason = skip_reason(candidate, device, formats, precisions, engine_known=engine is not None)
+                if reason is None and names is not None and candidate.name not in names:
+                    reason = "not among --candidates"
+                if reason is None:
+                    found.tried.append(candidate)
+                else:
+                    found.skipped.append(Skipped(candidate, reason))
+    return found
+
+
+def skip_reason(
+    candidate: Candidate,
+    device: str,
+    formats: tuple[str, ...] | None,
+    precisions: tuple[str, ...] | None,
+    *,
+    engine_known: bool = True,
+) -> str | None:
+    """Why ``candidate`` is not tried here, or None."""
+    if formats is not None and candidate.format not in formats:
+        return "not among --formats"
+    if precisions is not None and candidate.precision not in precisions:
+        return "not among --precisions"
+    if not engine_known:
+        return f"no engine runs the {candidate.format} format"
+    from tk.export import format_unavailable_reason
+    from tk.runtime import unavailable_reason
+
+    reason = format_unavailable_reason(candidate.format, device, candidate.precision)
+    reason = reason or unavailable_reason(candidate.engine, device)
+    if reason:
+        return reason
+    return hardware_reason(candidate.precision, device)
+
+
+def hardware_reason(precision: str, device: str, flags: frozenset[str] | None = None) -> str | None:
+    """Why ``precision`` cannot win on this CPU (it would run emulated), or None."""
+    if device != "cpu":
+        return None
+    from tk.formats.aoti import cpu_flags
+    from tk.workflows.hardware import cpu_precision_reason
+
+    flags = cpu_flags() if flags is None else flags
+    if precision == "bf16":
+        return cpu_precision_reason("bf16", flags)
+    if precision == "fp16" and not any(f in flags for f in FP16_FLAGS):
+        return f"this CPU has no {' or '.join(FP16_FLAGS)}: float16 products would run emulated (bf16 is the CPU's)"
+    return None
+
+
+def group_key(parts: dict[str, Any]) -> str:
+    """A stable hash of what decides a group's artifact (model, checkpoint, options, versions)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def int8_layers(manifest_format: dict[str, Any]) -> tuple[int, int] | None:
+    """(layers int8, layers that could be) of an int8 format's manifest record; None when it does not say."""
+    quant = manifest_format.get("quantization")
+    if not isinstance(quant, dict):
+        return None
+    total = int(quant.get("quantizable_nodes", quant.get("quantizable_modules", 0)) or 0)
+    int8 = quant.get("int8_modules", total - len(quant.get("excluded", [])))
+    return int(int8), total

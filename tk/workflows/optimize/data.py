@@ -1,0 +1,83 @@
+"""The inputs of an optimize run: calibration samples for int8 and held-out samples that judge.
+
+With ``--data FILE`` (what ``tk infer --inputs`` reads) the first half calibrates and the second
+half judges; an array named ``labels`` in the file makes ``top1`` an accuracy against it. Without a
+file both are synthetic but realistic: token ids drawn from the whole vocabulary and right-padded
+attention masks of mixed lengths (never all ones), from the model's input specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tk.errors import UsageError
+from tk.models import ModelSpec
+from tk.runtime.inputs import check_arrays, random_inputs, read_inputs
+from tk.spec import Dim, TensorSpec
+
+HELD_OUT_SAMPLES = 32  # synthetic samples that judge each candidate
+LABELS = "labels"
+
+
+@dataclass
+class OptimizeData:
+    held_out: dict[str, np.ndarray]
+    calibration: dict[str, np.ndarray] | None  # None: the export's own random calibration (random:32)
+    labels: np.ndarray | None = None
+    source: str = "synthetic"
+
+    @property
+    def mask(self) -> np.ndarray | None:
+        """The attention mask of the held-out samples, when the model takes one."""
+        return next((v for k, v in self.held_out.items() if "mask" in k), None)
+
+    @property
+    def samples(self) -> int:
+        return int(next(iter(self.held_out.values())).shape[0])
+
+
+def optimize_data(
+    spec: ModelSpec, dims: dict[str, Dim], sizes: dict[str, int], data: str | Path | None
+) -> OptimizeData:
+    """Held-out (and calibration) samples: from ``data``, else synthetic at ``sizes`` (other than the batch)."""
+    inputs = spec.signature.inputs
+    if data is None:
+        other = {k: v for k, v in sizes.items() if k != "batch"}
+        held = random_inputs(inputs, dims, HELD_OUT_SAMPLES, seed=4321, sizes=other)
+        return OptimizeData(held, None)
+    path = Path(data)
+    label_spec = _label_spec(spec) if _has_labels(path) else None
+    arrays = read_inputs(path, inputs + ([label_spec] if label_spec else []))
+    labels = arrays.pop(LABELS, None)
+    check_arrays(arrays, inputs, dims=dims, source=str(path))
+    total = int(next(iter(arrays.values())).shape[0])
+    if total < 2:
+        raise UsageError(f"--data {path}: expected 2 or more samples (half calibrate, half judge), found {total}")
+    cut = total - total // 2
+    held = {k: np.ascontiguousarray(v[cut:]) for k, v in arrays.items()}
+    calibration = {k: np.ascontiguousarray(v[:cut]) for k, v in arrays.items()}
+    return OptimizeData(held, calibration, None if labels is None else labels[cut:], source=str(path))
+
+
+def _has_labels(path: Path) -> bool:
+    if path.is_dir():
+        return (path / f"{LABELS}.npy").is_file()
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return LABELS in getattr(archive, "files", [])
+    except (OSError, ValueError):
+        return False  # read_inputs says what is wrong with the file
+
+
+def _label_spec(spec: ModelSpec) -> TensorSpec:
+    """Labels index the last axis of the first output: (batch,) for a classifier, (batch, seq) per token."""
+    out = spec.signature.outputs[0]
+    if len(out.shape) < 2:
+        raise UsageError(f"--data: {LABELS} need a class-score output; {out.name} has shape {list(out.shape)}")
+    classes = out.shape[-1]
+    return TensorSpec(
+        LABELS, "int64", tuple(out.shape[:-1]), kind="ids", low=0, high=classes if isinstance(classes, int) else None
+    )

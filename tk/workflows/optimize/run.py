@@ -1,0 +1,262 @@
+"""``tk optimize``: the fastest artifact that keeps the user's accuracy, chosen on this machine.
+
+Capture once per precision and setting, write every candidate format (cached), judge each with the
+accuracy spec across its shape range and on held-out samples, time the ones that pass interleaved
+beside eager float32 at the user's batch and sequence, and write the fastest as an ordinary
+artifact whose manifest names the recommended engine and holds the whole candidates table.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tk.accuracy import AccuracySpec, parse_accuracy
+from tk.errors import ParityError, UsageError
+from tk.export import ExportOptions, resolve_dims
+from tk.fileio import sha256_file
+from tk.manifest import Manifest
+from tk.models import ModelSpec
+from tk.spec import Dim
+from tk.workflows.optimize.artifacts import CACHE, refuse_foreign_out, write_group, write_winner
+from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
+from tk.workflows.optimize.data import OptimizeData, optimize_data
+from tk.workflows.optimize.judge import Reference, headline, judge_candidate
+from tk.workflows.optimize.table import Row, plot_bytes
+from tk.workflows.optimize.timing import time_candidates
+
+log = logging.getLogger("tk.optimize")
+KEEP = ("best", "all")
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class OptimizeOptions:
+    """How to optimize. ``None`` means the default."""
+
+    accuracy: str | None = None  # tk.accuracy spec; default sqnr>=35
+    data: Path | None = None  # inputs file: half calibrates int8, half judges; default synthetic
+    sizes: dict[str, int] = field(default_factory=dict)  # where candidates are timed: batch, seq...; default opt
+    dims: dict[str, Dim] = field(default_factory=dict)  # the artifacts' dimension ranges (tk export's --batch/--seq)
+    checkpoint: Path | None = None
+    device: str = "cpu"
+    formats: tuple[str, ...] | None = None  # only these formats (--formats); default every one
+    precisions: tuple[str, ...] | None = None  # only these precisions (--precisions); default every one
+    candidates: tuple[str, ...] | None = None  # only these candidates by name (--candidates "onnx fp32,...")
+    time_budget_min: float | None = None  # no new candidate group starts after this many minutes
+    keep: str = "best"  # best: the winner only; all: the others' artifacts too, under DIR/candidates
+    cache_dir: Path | None = None  # default: DIR/.candidates
+    seconds: float = 2.0  # timing budget per candidate
+    peaks: bool = True  # measure the matmul peaks for the share-of-peak column
+
+
+@dataclass
+class OptimizeResult:
+    out: Path
+    rows: list[Row]
+    winner: Row | None
+    record: dict[str, Any]
+    cache_hits: int = 0  # candidate groups reused from the cache
+    exports: int = 0  # candidate groups exported in this run
+
+
+def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None = None,
+             progress: Progress | None = None) -> OptimizeResult:  # fmt: skip
+    """Write the fastest candidate that keeps ``options.accuracy`` to ``out``; see the module docstring.
+
+    Raises ``ParityError`` (with the table in ``err.result``) when no candidate keeps the spec.
+    """
+    options = options or OptimizeOptions()
+    out = Path(out)
+    say = progress or (lambda *_: None)
+    accuracy = parse_accuracy(options.accuracy)
+    if options.keep not in KEEP:
+        raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
+    refuse_foreign_out(out)
+    dims = resolve_dims(spec, options.dims, True)
+    sizes = timing_sizes(dims, options.sizes)
+    data = optimize_data(spec, dims, sizes, options.data)
+    found = enumerate_candidates(
+        options.device, formats=options.formats, precisions=options.precisions, names=options.candidates
+    )
+    if not found.tried:
+        raise UsageError(
+            "no candidate can run here: " + "; ".join(f"{s.candidate.name}: {s.reason}" for s in found.skipped)
+        )
+    rows = [_row(s.candidate, "skipped", s.reason) for s in found.skipped]
+    state = _Run(spec, out, options, accuracy, data, sizes, say)
+    state.base = _export_options(spec, options, dims, data)
+    entries = state.write_and_judge(found.tried, rows)
+    winner = state.time_and_pick(entries, rows)
+    record = _record(state, rows, winner)
+    result = OptimizeResult(out, rows, winner, record, state.cache_hits, state.exports)
+    if winner is None:
+        error = ParityError(f"no candidate keeps {accuracy}: " + "; ".join(
+            f"{r.candidate}: {r.reason}" for r in rows if r.status == "failed") or "none could be written")  # fmt: skip
+        error.result = result  # type: ignore[attr-defined]
+        raise error
+    say("write", 0, 1)
+    state.write(winner, record, rows)
+    say("write", 1, 1)
+    return result
+
+
+def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
+    """Where candidates are timed: ``sizes``, each other dimension at its opt; each inside its range."""
+    unknown = sorted(set(sizes) - set(dims))
+    if unknown:
+        raise UsageError(f"--{unknown[0]}: this model has no dimension {unknown[0]!r}; it has {', '.join(dims)}")
+    chosen = {n: d.opt for n, d in dims.items()} | sizes
+    for name, size in chosen.items():
+        dim = dims[name]
+        if not dim.min <= size <= dim.max:
+            raise UsageError(f"--{name} {size}: outside the artifact's range {dim.min}:{dim.opt}:{dim.max}")
+    return chosen
+
+
+def _export_options(
+    spec: ModelSpec, options: OptimizeOptions, dims: dict[str, Dim], data: OptimizeData
+) -> ExportOptions:
+    return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
+                         calibration_data=data.calibration)  # fmt: skip
+
+
+def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
+    return Row(candidate.name, candidate.format, candidate.precision, candidate.engine, dict(candidate.options),
+               status, reason)  # fmt: skip
+
+
+class _Run:
+    """One optimize run's state, stage by stage."""
+
+    def __init__(self, spec: ModelSpec, out: Path, options: OptimizeOptions, accuracy: AccuracySpec,
+                 data: OptimizeData, sizes: dict[str, int], say: Progress) -> None:  # fmt: skip
+        self.spec, self.out, self.options, self.accuracy = spec, out, options, accuracy
+        self.data, self.sizes, self.say = data, sizes, say
+        self.cache = options.cache_dir or out / CACHE
+        self.reference = Reference(data, sizes.get("batch", 1), options.device)
+        self.checkpoint_sha = sha256_file(options.checkpoint) if options.checkpoint else None
+        self.started = time.monotonic()
+        self.cache_hits = self.exports = 0
+        self.base = ExportOptions()
+        self.judged: dict[str, tuple[Candidate, Path, Manifest, dict[str, Any]]] = {}
+        self.timing: dict[str, Any] = {}
+
+    def over_budget(self) -> bool:
+        budget = self.options.time_budget_min
+        return budget is not None and time.monotonic() - self.started > budget * 60
+
+    def write_and_judge(self, tried: list[Candidate], rows: list[Row]) -> list[tuple[Candidate, Path, Manifest]]:
+        """Export each group (or take it from the cache), then judge each of its candidates."""
+        from tk.workflows.optimize.artifacts import group_dir
+
+        groups: dict[Any, list[Candidate]] = {}
+        for candidate in tried:
+            groups.setdefault(candidate.group, []).append(candidate)
+        passed: list[tuple[Candidate, Path, Manifest]] = []
+        for done, members in enumerate(groups.values()):
+            names = ", ".join(c.name for c in members)
+            if self.over_budget():
+                rows.extend(_row(c, "skipped", "budget: --time-budget spent") for c in members)
+                continue
+            self.say(f"export {names}", done, len(groups))
+            root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec)
+            written = write_group(self.spec, root, members, self.base)
+            self.cache_hits += written.cache_hits
+            self.exports += written.exports
+            for candidate in members:
+                if candidate in written.errors:
+                    rows.append(_row(candidate, "failed", written.errors[candidate]))
+                    continue
+                where, manifest = written.artifacts[candidate]
+                self.say(f"judge {candidate.name}", done, len(groups))
+                row = self._judge(candidate, where, manifest, cached=written.cache_hits > 0)
+                rows.append(row)
+                if row.status == "passed":
+                    passed.append((candidate, where, manifest))
+        self.say("judge", len(groups), len(groups))
+        return passed
+
+    def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
+        judgement = judge_candidate(root, manifest, candidate, self.accuracy, self.reference)
+        verdict = judgement.verdict
+        row = _row(candidate, "passed" if verdict.passed else "failed", "; ".join(verdict.failures))
+        layers = int8_layers(manifest.formats.get(candidate.format, {})) if candidate.precision == "int8" else None
+        if layers is not None and layers[0] == 0:  # every layer left in float32: the fp32 graph under another name
+            row.status, row.reason = "failed", f"no layer stayed int8 (0 of {layers[1]}); it is the fp32 graph"
+        elif layers is not None:
+            row.reason = "; ".join(filter(None, [f"{layers[0]} of {layers[1]} layers int8", row.reason]))
+        row.accuracy = {k: v for k, v in verdict.values.items() if v is not None}
+        row.accuracy_text = headline(verdict, self.accuracy)
+        row.shape_range = judgement.shape_range
+        row.cached, row.artifact = cached, str(root)
+        self.judged[candidate.name] = (
+            candidate,
+            root,
+            manifest,
+            {**verdict.to_json(), "shape_range": judgement.shape_range},
+        )
+        log.info("optimize %-24s %s %s", candidate.name, row.status, row.accuracy_text)
+        return row
+
+    def time_and_pick(self, entries: list[tuple[Candidate, Path, Manifest]], rows: list[Row]) -> Row | None:
+        """Time the passing candidates beside eager fp32; the fastest is the winner."""
+        if not entries:
+            return None
+        self.say(f"time {len(entries)} candidates", 0, 1)
+        timed = time_candidates(entries, self.sizes, device=self.options.device, seconds=self.options.seconds,
+                                progress=lambda text: self.say(f"time: {text}", 0, 1), peaks=self.options.peaks)  # fmt: skip
+        self.say("time", 1, 1)
+        self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager"), "peaks": timed.peaks}
+        by_name = {r.candidate: r for r in rows}
+        for candidate, _, _ in entries:
+            row = by_name[candidate.name]
+            row.p50_ms = timed.p50_ms.get(candidate.name)
+            row.speedup = timed.speedup.get(candidate.name)
+            row.peak_share = timed.peak_share.get(candidate.name)
+            row.busy = timed.busy
+        timed_rows = [by_name[c.name] for c, _, _ in entries if by_name[c.name].p50_ms is not None]
+        if not timed_rows:
+            return None
+        winner = min(timed_rows, key=lambda r: r.p50_ms)
+        winner.winner = True
+        return winner
+
+    def write(self, winner: Row, record: dict[str, Any], rows: list[Row]) -> None:
+        import json
+
+        candidate, root, manifest, judged = self.judged[winner.candidate]
+        title = f"{self.spec.name} {self.spec.size or ''}: {self.accuracy} at {self.sizes}"
+        extras = {"optimize.json": (json.dumps(record, indent=2) + "\n").encode()}
+        extras["optimize.png"] = plot_bytes(rows, self.accuracy.criteria[0].metric, title)
+        others = []
+        if self.options.keep == "all":
+            others = sorted({Path(r.artifact) for r in rows if r.status == "passed" and r.artifact and not r.winner})
+        write_winner(self.out, root, manifest, candidate, judged, record, extras, others, self.cache)
+
+
+def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
+    """What the manifest and optimize.json hold: the recommendation and the whole table."""
+    recommended = None
+    if winner is not None:
+        recommended = {
+            "candidate": winner.candidate, "format": winner.format, "precision": winner.precision,
+            "engine": winner.engine, "options": winner.options, "p50_ms": winner.p50_ms, "speedup": winner.speedup,
+            "cpu": state.timing.get("machine", {}).get("cpu"),
+        }  # fmt: skip
+    order = {"passed": 0, "failed": 1, "skipped": 2}
+    rows.sort(key=lambda r: (not r.winner, order[r.status], r.p50_ms if r.p50_ms is not None else float("inf")))
+    return {
+        "accuracy": str(state.accuracy),
+        "sizes": state.sizes,
+        "data": state.data.source,
+        "held_out_samples": state.data.samples,
+        "recommended": recommended,
+        "candidates": [r.to_json() for r in rows],
+        "timing": state.timing,
+        "cache": {"dir": str(state.cache), "hits": state.cache_hits, "exports": state.exports},
+    }
