@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The main job: set up, then train the Transformer briefly, export it to every format this machine
-# supports, check each against PyTorch, benchmark them side by side, and print the tables.
-#   SIZE=small (default) | tiny | base     STEPS=100     OUT=runs/pipeline
+# The main job: set up, train the Transformer briefly, then `tk optimize` it: every format and
+# precision this machine can run is exported, judged against PyTorch (default accuracy sqnr>=35, over
+# the shape range and on held-out inputs) and the ones that pass timed side by side; the fastest is
+# written as an artifact that names its engine. Prints the winner and the candidates table.
+#   SIZE=small (default) | tiny | base     STEPS=100     BATCH=32  SEQ=128 (tiny: 8 and 16)
+#   ACCURACY=sqnr>=35     BUDGET=20 (minutes before no new candidate starts)     OUT=runs/pipeline
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 SIZE=${SIZE:-small}
 STEPS=${STEPS:-100}
 OUT=${OUT:-runs/pipeline}
+if [ "$SIZE" = tiny ]; then BATCH=${BATCH:-8}; SEQ=${SEQ:-16}; else BATCH=${BATCH:-32}; SEQ=${SEQ:-128}; fi
+ACCURACY=${ACCURACY:-sqnr>=35}
+BUDGET=${BUDGET:-20}
 TK=".venv/bin/python -m tk"
 mkdir -p "$OUT"
 $TK train transformer --size "$SIZE" --steps "$STEPS" --out "$OUT/transformer-$SIZE.safetensors"
-$TK export transformer --size "$SIZE" --checkpoint "$OUT/transformer-$SIZE.safetensors" --format all --out "$OUT/transformer-$SIZE"
+$TK optimize transformer --size "$SIZE" --checkpoint "$OUT/transformer-$SIZE.safetensors" \
+  --accuracy "$ACCURACY" --batch "$BATCH" --seq "$SEQ" --time-budget "$BUDGET" --out "$OUT/transformer-$SIZE"
 $TK inspect "$OUT/transformer-$SIZE"
-$TK check "$OUT/transformer-$SIZE" --engine all --json "$OUT/check.json"
-$TK bench "$OUT/transformer-$SIZE" --engine all --batch-sizes 1,8,32 --seconds 2 --json "$OUT/bench.json" --plot "$OUT/bench.png"

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from tk.cli import cli
-from tk.errors import IntegrityError
+from tk.errors import IntegrityError, UsageError
 from tk.export import ExportOptions
 from tk.manifest import _canonical, read_manifest, verify_artifact
 from tk.models import build_model
@@ -118,3 +118,26 @@ def test_exporting_again_replaces_the_directory_whole(tmp_path):
     export(build_model("linear", size="tiny"), out, ExportOptions(formats=("torch",)))
     assert not (out / "stale.txt").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".a.")], "no staging directories left behind"
+
+
+def test_an_optimize_recommendation_round_trips_and_is_checked(artifact, tmp_path):
+    import dataclasses
+
+    from tk.manifest import manifest_bytes
+    from tk.runtime import load
+
+    root = copy_of(artifact, tmp_path)
+    manifest = verify_artifact(root)
+    assert manifest.recommended_engine is None and "optimize" not in manifest.to_json()
+    with pytest.raises(UsageError, match="no onnx file"):  # no recommendation: the default engine, onnx
+        load(root)
+    record = {"recommended": {"engine": "torch", "format": "torch"}, "candidates": []}
+    (root / "manifest.json").write_bytes(manifest_bytes(dataclasses.replace(manifest, optimize=record)))
+    assert read_manifest(root).recommended_engine == "torch"
+    with load(root) as engine:
+        assert engine.name == "torch"
+    data = json.loads((root / "manifest.json").read_text())
+    data["optimize"]["recommended"] = {"format": "torch"}
+    (root / "manifest.json").write_bytes(manifest_bytes(dataclasses.replace(manifest, optimize=data["optimize"])))
+    with pytest.raises(IntegrityError, match=r"optimize\.recommended: expected an object naming an engine"):
+        read_manifest(root)

@@ -16,8 +16,8 @@ def _split(text: str | None) -> tuple[str, ...] | None:
     return tuple(p.strip() for p in text.split(",") if p.strip()) if text else None
 
 
-def _size_and_range(name: str, text: str | None, default: Any) -> tuple[int | None, Any]:
-    """``--batch 32`` (time at 32, the model's range widened to hold it) or ``--batch 1:32:64`` (time at the opt)."""
+def _size_or_range(name: str, text: str | None) -> tuple[int | None, Any]:
+    """``--batch 32`` (time at 32; the model's range widened to hold it) or ``--batch 1:32:64`` (time at the opt)."""
     from tk.spec import Dim
 
     if text is None:
@@ -27,20 +27,16 @@ def _size_and_range(name: str, text: str | None, default: Any) -> tuple[int | No
         return dim.opt, dim
     if not text.isdigit() or int(text) < 1:
         raise UsageError(f"--{name}: expected a size N (1 or more) or MIN:OPT:MAX, got {text!r}")
-    size = int(text)
-    if default is None:
-        return size, None
-    opt = size if size >= 2 else default.opt  # torch.export specializes an opt of 1
-    return size, Dim(name, min(default.min, size), max(min(default.min, size), opt), max(default.max, size))
+    return int(text), None
 
 
-def _dims_and_sizes(spec: Any, batch: str | None, seq: str | None, dims: tuple[str, ...]) -> tuple[dict, dict]:
+def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> tuple[dict, dict]:
     from tk.cli.artifact import _parse_dims
 
     ranges = _parse_dims(None, None, dims)
     sizes: dict[str, int] = {}
     for name, text in (("batch", batch), ("seq", seq)):
-        size, dim = _size_and_range(name, text, spec.signature.dims.get(name))
+        size, dim = _size_or_range(name, text)
         if size is not None:
             sizes[name] = size
         if dim is not None:
@@ -89,7 +85,7 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     if time_budget is not None and time_budget <= 0:
         raise UsageError(f"--time-budget: expected minutes above 0, got {time_budget}")
     spec = build(model, size, inputs, task)
-    ranges, sizes = _dims_and_sizes(spec, batch, seq, dims)
+    ranges, sizes = _dims_and_sizes(batch, seq, dims)
     options = OptimizeOptions(
         accuracy=accuracy, data=data, sizes=sizes, dims=ranges, checkpoint=checkpoint, device=device,
         formats=_split(formats), precisions=_split(precisions), candidates=_split(names),

@@ -49,12 +49,17 @@ class Candidate:
         fused group."""
         return self.precision, self.options
 
+    @property
+    def export_options(self) -> dict[str, Any]:
+        """The options that shape this candidate's own file (fusions are the ONNX writer's only)."""
+        return {k: v for k, v in self.options if k != "onnx_fusions" or self.format == "onnx"}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
             "precision": self.precision,
             "engine": self.engine,
-            "options": dict(self.options),
+            "options": self.export_options,
         }
 
 

@@ -41,7 +41,8 @@ class OptimizeOptions:
     accuracy: str | None = None  # tk.accuracy spec; default sqnr>=35
     data: Path | None = None  # inputs file: half calibrates int8, half judges; default synthetic
     sizes: dict[str, int] = field(default_factory=dict)  # where candidates are timed: batch, seq...; default opt
-    dims: dict[str, Dim] = field(default_factory=dict)  # the artifacts' dimension ranges (tk export's --batch/--seq)
+    # the artifacts' ranges (tk export's --batch/--seq); default: the model's, widened to hold ``sizes``, opt there
+    dims: dict[str, Dim] = field(default_factory=dict)
     checkpoint: Path | None = None
     device: str = "cpu"
     formats: tuple[str, ...] | None = None  # only these formats (--formats); default every one
@@ -77,7 +78,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     if options.keep not in KEEP:
         raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
     refuse_foreign_out(out)
-    dims = resolve_dims(spec, options.dims, True)
+    dims = resolve_dims(spec, ranges_for_sizes(spec.signature.dims, options.dims, options.sizes), True)
     sizes = timing_sizes(dims, options.sizes)
     data = optimize_data(spec, dims, sizes, options.data)
     found = enumerate_candidates(
@@ -105,6 +106,19 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     return result
 
 
+def ranges_for_sizes(model_dims: dict[str, Dim], dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, Dim]:
+    """The artifacts' ranges: ``dims`` where given, else the model's widened to hold the timing size, with
+    that size as the opt (where torch.export traces; an opt of 1 stays the model's, which it would specialize)."""
+    ranges = dict(dims)
+    for name, size in sizes.items():
+        default = model_dims.get(name)
+        if name in ranges or default is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            continue
+        low = min(default.min, size)
+        ranges[name] = Dim(name, low, max(low, size if size >= 2 else default.opt), max(default.max, size))
+    return ranges
+
+
 def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
     """Where candidates are timed: ``sizes``, each other dimension at its opt; each inside its range."""
     unknown = sorted(set(sizes) - set(dims))
@@ -126,7 +140,7 @@ def _export_options(
 
 
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
-    return Row(candidate.name, candidate.format, candidate.precision, candidate.engine, dict(candidate.options),
+    return Row(candidate.name, candidate.format, candidate.precision, candidate.engine, candidate.export_options,
                status, reason)  # fmt: skip
 
 
