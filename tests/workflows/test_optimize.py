@@ -167,3 +167,45 @@ def test_the_timing_size_becomes_the_opt_of_a_widened_range() -> None:
     assert ranges["seq"] == Dim("seq", 1, 16, 64)  # an opt of 1 would be specialized by torch.export
     given = Dim("batch", 2, 4, 8)
     assert ranges_for_sizes(model, {"batch": given}, {"batch": 4})["batch"] == given
+
+
+def test_keep_all_copies_the_other_passing_artifacts(runs: dict[str, Any]) -> None:
+    from dataclasses import replace
+
+    base = runs["base"]
+    torch.manual_seed(0)
+    options = replace(_options(base / "cache"), keep="all", peaks=False)
+    result = optimize(build_model("transformer", size="tiny"), base / "keep-all", options)
+    assert result.exports == 0
+    kept = sorted(p.name for p in (base / "keep-all" / "candidates").iterdir())
+    assert kept == [Path(_row(result, "onnx fp32").artifact).name]  # onnx and torch fp32 share one artifact
+    assert verify_artifact(base / "keep-all" / "candidates" / kept[0]).formats.keys() >= {"onnx", "torch"}
+
+
+def test_a_spent_budget_skips_every_candidate_and_writes_nothing(tmp_path: Path) -> None:
+    from tk.errors import ParityError
+
+    options = OptimizeOptions(candidates=("onnx fp32",), time_budget_min=1e-9, cache_dir=tmp_path / "cache")
+    with pytest.raises(ParityError, match="no candidate keeps sqnr>=35") as info:
+        optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    row = _row(info.value.result, "onnx fp32")  # type: ignore[attr-defined]
+    assert (row.status, row.reason) == ("skipped", "budget: --time-budget spent")
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_splits_into_calibration_and_held_out_with_labels(tmp_path: Path) -> None:
+    from tk.workflows.optimize.data import optimize_data
+
+    spec = build_model("transformer", size="tiny")
+    feeds = random_feeds(spec.signature.inputs, {"batch": 7, "seq": 12}, seed=1)
+    np.savez(tmp_path / "data.npz", **feeds, labels=np.arange(7) % 2)
+    data = optimize_data(spec, spec.signature.dims, {"batch": 4, "seq": 12}, tmp_path / "data.npz")
+    assert data.calibration is not None and data.calibration["input_ids"].shape == (4, 12)
+    assert data.held_out["input_ids"].shape == (3, 12) and data.labels.tolist() == [0, 1, 0]
+    np.testing.assert_array_equal(data.held_out["attention_mask"], feeds["attention_mask"][4:])
+    synthetic = optimize_data(spec, spec.signature.dims, {"batch": 4, "seq": 12}, None)
+    lengths = synthetic.mask.sum(axis=1)
+    assert synthetic.calibration is None and synthetic.mask.shape == (32, 12) and len(set(lengths.tolist())) > 1
+    np.savez(tmp_path / "one.npz", **{k: v[:1] for k, v in feeds.items()})
+    with pytest.raises(UsageError, match="expected 2 or more samples"):
+        optimize_data(spec, spec.signature.dims, {"batch": 4}, tmp_path / "one.npz")
