@@ -99,7 +99,14 @@ def main() -> None:
 def _register() -> None:
     from tk.cli import artifact, debug, optimize, run, serve, train
 
-    for command in (*train.COMMANDS, *artifact.COMMANDS, *run.COMMANDS, *debug.COMMANDS, *optimize.COMMANDS, *serve.COMMANDS):
+    for command in (
+        *train.COMMANDS,
+        *artifact.COMMANDS,
+        *run.COMMANDS,
+        *debug.COMMANDS,
+        *optimize.COMMANDS,
+        *serve.COMMANDS,
+    ):
         cli.add_command(command)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tk.accuracy import AccuracySpec, parse_accuracy
-from tk.errors import ParityError, UsageError
+from tk.errors import ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
 from tk.manifest import Manifest
@@ -196,7 +196,12 @@ class _Run:
         return passed
 
     def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
-        judgement = judge_candidate(root, manifest, candidate, self.accuracy, self.reference)
+        try:
+            judgement = judge_candidate(root, manifest, candidate, self.accuracy, self.reference)
+        except TkError as exc:  # the engine cannot open or run this artifact here: that candidate's failure
+            row = _row(candidate, "failed", f"cannot run: {first_line(exc)}")
+            row.cached, row.artifact = cached, str(root)
+            return row
         verdict = judgement.verdict
         row = _row(candidate, "passed" if verdict.passed else "failed", "; ".join(verdict.failures))
         layers = int8_layers(manifest.formats.get(candidate.format, {})) if candidate.precision == "int8" else None
