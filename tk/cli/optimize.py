@@ -70,13 +70,16 @@ def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -
 @click.option("--seconds", type=float, default=2.0, show_default=True, help="Timing budget per candidate, seconds.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where candidate artifacts are cached for re-runs (default: OUT/.candidates).")  # fmt: skip
+@click.option("--wait-quiet", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+              help="Before timing, wait up to this long for the load average to drop to the core count; rows timed "
+              "above it are marked busy either way.")  # fmt: skip
 @click.option("--no-peaks", is_flag=True, help="Skip measuring the matmul peaks (no share-of-peak column).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Artifact directory for the winner.")
 def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: str | None, checkpoint: Path | None,
                  accuracy: str | None, data: Path | None, batch: str | None, seq: str | None, dims: tuple[str, ...],
                  time_budget: float | None, keep: str, formats: str | None, precisions: str | None, names: str | None,
                  device: str,
-                 seconds: float, cache_dir: Path | None, no_peaks: bool, out: Path) -> None:  # fmt: skip
+                 seconds: float, cache_dir: Path | None, wait_quiet: float, no_peaks: bool, out: Path) -> None:  # fmt: skip
     """Find the fastest artifact of MODEL on this machine that keeps --accuracy, and write it to --out."""
     from tk.accuracy import parse_accuracy
     from tk.workflows.optimize import OptimizeOptions, optimize
@@ -90,7 +93,7 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         accuracy=accuracy, data=data, sizes=sizes, dims=ranges, checkpoint=checkpoint, device=device,
         formats=_split(formats), precisions=_split(precisions), candidates=_split(names),
         time_budget_min=time_budget, keep=keep,
-        cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks,
+        cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks, wait_quiet_s=wait_quiet,
     )  # fmt: skip
     try:
         result = _run_with_progress(spec, out, options, optimize)

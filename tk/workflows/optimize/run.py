@@ -52,7 +52,8 @@ class OptimizeOptions:
     keep: str = "best"  # best: the winner only; all: the others' artifacts too, under DIR/candidates
     cache_dir: Path | None = None  # default: DIR/.candidates
     seconds: float = 2.0  # timing budget per candidate
-    peaks: bool = True  # measure the matmul peaks for the share-of-peak column
+    peaks: bool = True  # sample the matmul rates at the model's shapes for the share-of-peak column
+    wait_quiet_s: float = 0.0  # wait up to this long for the load to drop to the cores before timing
 
 
 @dataclass
@@ -228,9 +229,10 @@ class _Run:
             return None
         self.say(f"time {len(entries)} candidates", 0, 1)
         timed = time_candidates(entries, self.sizes, device=self.options.device, seconds=self.options.seconds,
-                                progress=lambda text: self.say(f"time: {text}", 0, 1), peaks=self.options.peaks)  # fmt: skip
+                                wait_quiet_s=self.options.wait_quiet_s, peaks=self.options.peaks,
+                                progress=lambda text: self.say(f"time: {text}", 0, 1))  # fmt: skip
         self.say("time", 1, 1)
-        self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager"), "peaks": timed.peaks}
+        self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager")}
         by_name = {r.candidate: r for r in rows}
         for candidate, _, _ in entries:
             row = by_name[candidate.name]
