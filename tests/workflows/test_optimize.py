@@ -81,7 +81,7 @@ def test_every_skipped_candidate_says_why(runs: dict[str, Any]) -> None:
     assert _row(runs["first"], "aoti fp32").reason == "not among --candidates"
     if not torch.cuda.is_available():
         assert "CUDA" in _row(runs["first"], "trt fp32").reason or "cuda" in _row(runs["first"], "trt fp32").reason
-    assert "int8 is written for the onnx and aoti formats" in _row(runs["first"], "torch int8 static").reason
+    assert "--precision int8 is written for the" in _row(runs["first"], "torch int8 static").reason
 
 
 def test_passing_candidates_are_timed_against_eager(runs: dict[str, Any]) -> None:

@@ -98,8 +98,7 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
         written.cache_hits = 1
         written.artifacts = {c: (root, manifest) for c in candidates}
         return written
-    precision, options = candidates[0].group
-    export_options = dataclasses.replace(base, formats=tuple(formats), precision=precision, **dict(options))
+    export_options = group_export_options(candidates, base)
     try:
         written.exports = 1
         write_artifact(spec, root, export_options, check=run_export_check)
@@ -116,6 +115,23 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
     manifest = verify_artifact(root)
     written.artifacts = {c: (root, manifest) for c in candidates}
     return written
+
+
+def group_export_options(candidates: list[Candidate], base: ExportOptions) -> ExportOptions:
+    """``base`` for one group: its formats and precision, and the ONNX writer's settings its options name
+    (fusions; the int8 mode, which only the ONNX writer has: the aoti int8 package is always static)."""
+    from tk.export.onnx import OnnxOptions
+
+    precision, options = candidates[0].group
+    formats = tuple(c.format for c in candidates)
+    chosen = dict(options)
+    onnx: dict[str, Any] = {}
+    if "onnx_fusions" in chosen:
+        onnx["fusions"] = chosen["onnx_fusions"]
+    if "int8_mode" in chosen:
+        onnx["int8_mode"] = chosen["int8_mode"]
+    settings = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
+    return dataclasses.replace(base, formats=formats, precision=precision, settings=settings)
 
 
 def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:
