@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,25 @@ def requires(**kwargs: object) -> pytest.MarkDecorator:
     """``@requires(cuda=True, tensorrt=True)``: skip with every missing requirement in the reason."""
     missing = missing_requirements(**kwargs)  # type: ignore[arg-type]
     return pytest.mark.skipif(bool(missing), reason="needs " + "; ".join(missing) if missing else "")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_signing_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The user's config directory (signing key, trusted keys) for this session: never the real ~/.config.
+
+    Set in ``os.environ`` so that ``tk`` run in a subprocess signs and verifies with the same key.
+    """
+    saved = {k: os.environ.get(k) for k in ("XDG_CONFIG_HOME", "TK_TRUSTED_KEYS", "TK_SIGNING_KEY")}
+    config = tmp_path_factory.mktemp("xdg-config")
+    os.environ["XDG_CONFIG_HOME"] = str(config)
+    os.environ.pop("TK_TRUSTED_KEYS", None)
+    os.environ.pop("TK_SIGNING_KEY", None)
+    yield config
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 MODELS = ("transformer", "mlp", "linear", "resnet18")

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tk.parity",
             "tk.limits",
             "tk.accuracy",
+            "tk.signing",
         ),
     ),
     ("models", ("tk.models",)),

@@ -36,6 +36,10 @@ class IntegrityError(TkError):
     """An artifact or checkpoint is missing, truncated, altered or unsafe to load."""
 
 
+class UntrustedArtifactError(IntegrityError):
+    """An artifact's native code (AOTInductor, TensorRT) is not signed by a key the user trusts."""
+
+
 class EngineError(TkError):
     """A backend failed while running feeds that passed the input checks (its message is quoted)."""
 

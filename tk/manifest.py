@@ -1,14 +1,14 @@
 """``manifest.json``: what an artifact directory holds, and the proof that it is whole.
 
 Export writes the manifest last, so a directory without a complete manifest is not an artifact.
-Every loader reads it first and checks each file's size and sha256 before loading anything;
-with ``TK_SIGNING_KEY`` set, an HMAC of the manifest is written and verified as well.
+Every loader reads it first and checks each file's size and sha256 before loading anything.
+Who made an artifact is proven by its public-key signature (``model.sig``, see ``tk.signing``),
+which covers these very manifest bytes (``Manifest.source_sha256``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -24,7 +24,7 @@ from tk.spec import Signature
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SIGNING_ENV = "TK_SIGNING_KEY"
+LEGACY_HMAC_ENV = "TK_SIGNING_KEY"  # the shared-secret HMAC that public-key signatures replaced
 STATUSES = ("passed", "failed", "unchecked")
 
 
@@ -57,6 +57,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # tk optimize: the recommendation (format, precision, engine, options) and the candidates table
     optimize: dict[str, Any] = field(default_factory=dict)
+    # sha256 of the manifest.json bytes this was parsed from ("" when built in memory): what a signature must name
+    source_sha256: str = field(default="", compare=False, repr=False)
 
     @property
     def recommended_engine(self) -> str | None:
@@ -107,12 +109,14 @@ class Manifest:
         )
 
 
-def signing_key() -> str | None:
-    """``TK_SIGNING_KEY``, or None when unset; set but empty is an error, never a silent unsigned export."""
-    key = os.environ.get(SIGNING_ENV)
-    if key is not None and not key.strip():
-        raise UsageError(f"{SIGNING_ENV} is set but empty: set it to a secret key to sign and verify, or unset it")
-    return key
+def refuse_legacy_hmac_key() -> None:
+    """``TK_SIGNING_KEY`` (a shared-secret HMAC of the manifest) was replaced by public-key signatures:
+    a user who still sets it expects a protection that is no longer there, so say so instead of ignoring it."""
+    if LEGACY_HMAC_ENV in os.environ:
+        raise UsageError(
+            f"{LEGACY_HMAC_ENV} is set, but tk no longer uses its HMAC: artifacts are signed with your public key "
+            "(model.sig, see docs/security.md); unset it, and trust other people's keys with --public-key or TK_TRUSTED_KEYS"
+        )
 
 
 def _canonical(data: dict[str, Any]) -> bytes:
@@ -121,18 +125,16 @@ def _canonical(data: dict[str, Any]) -> bytes:
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
-    """The manifest as written: JSON with its own sha256 (which catches accidental edits and
-    corruption), plus an HMAC-SHA256 when ``TK_SIGNING_KEY`` is set (which catches deliberate ones)."""
+    """The manifest as written: JSON with its own sha256, which catches accidental edits and
+    corruption (deliberate ones are caught by the artifact's signature, ``tk.signing``)."""
+    refuse_legacy_hmac_key()
     data = manifest.to_json()
     data["checksum"] = hashlib.sha256(_canonical(data)).hexdigest()
-    key = signing_key()
-    if key:
-        data["hmac"] = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()
     return (json.dumps(data, indent=2) + "\n").encode()
 
 
 def read_manifest(root: str | Path) -> Manifest:
-    """Read and validate ``root/manifest.json`` (and its HMAC when a signing key is set)."""
+    """Read and validate ``root/manifest.json``; the result remembers the sha256 of the bytes it was read from."""
     root = Path(root)
     path = root / MANIFEST
     if not root.is_dir():
@@ -153,17 +155,14 @@ def read_manifest(root: str | Path) -> Manifest:
         raise IntegrityError(
             f"{path}: edited or damaged after export (its checksum does not match its content); re-export the artifact"
         )
-    key = signing_key()
-    if key:
-        expected = hmac.new(key.encode(), _canonical(data), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(str(data.get("hmac", "")), expected):
-            what = "no signature" if "hmac" not in data else "a signature that does not match"
-            raise IntegrityError(f"{path}: {SIGNING_ENV} is set, and the manifest has {what}; refusing to load it")
+    refuse_legacy_hmac_key()
     problem = schema_problem(data)
     if problem:
         raise IntegrityError(f"{path}: malformed manifest: {problem}")
     try:
-        return Manifest.from_json(data)
+        manifest = Manifest.from_json(data)
+        manifest.source_sha256 = sha256_bytes(raw)
+        return manifest
     except (KeyError, TypeError, ValueError, AttributeError, UsageError) as exc:
         raise IntegrityError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from exc
 

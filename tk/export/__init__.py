@@ -35,9 +35,10 @@ from tk.export.writers import (
 from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir, sha256_file
 from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
-from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, signing_key
+from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, refuse_legacy_hmac_key
 from tk.models import ModelSpec
 from tk.registries import FORMATS as REGISTRY
+from tk.signing import sign_artifact
 from tk.spec import Dim, feeds_nbytes
 from tk.versions import library_versions
 
@@ -127,6 +128,7 @@ def write_artifact(
             ctx.timed("check", lambda: check(staging, manifest, formats, ctx))
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
+        sign_artifact(staging)  # after the last write to the directory: the signature covers every file
         _replace_dir(staging, out)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -166,7 +168,7 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
     settings = resolve_settings(options.formats, options.settings, skipped)
     for fmt in in_use(formats):
         writer(fmt).validate(settings[fmt], options)
-    signing_key()  # an empty key is an error now, not after the export
+    refuse_legacy_hmac_key()  # a stale setting is an error now, not after the export
     return formats, skipped, settings
 
 

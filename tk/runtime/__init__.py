@@ -9,6 +9,7 @@ from tk.runtime.registry import (
     engine_options,
     load,
     open_engines,
+    trusted_engines,
     unavailable_reason,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "engine_options",
     "load",
     "open_engines",
+    "trusted_engines",
     "unavailable_reason",
 ]

@@ -17,12 +17,14 @@ from tk.manifest import read_verified
 from tk.runtime.base import rebuild_command
 from tk.runtime.torch_engine import TorchEngine
 from tk.safefiles import private_copy
+from tk.signing import require_trusted_code
 
 
 class AOTInductorEngine(TorchEngine):
     name = "aoti"
 
     def _load_model(self) -> None:
+        require_trusted_code(self.root, self.manifest, self.trust, self.name)  # before any of its code loads
         self._refuse_foreign_package()
         entry = self.manifest.file("aoti")
         path = self.root / entry.path

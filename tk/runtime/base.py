@@ -25,6 +25,7 @@ from tk.formats.precision import matmul_precision
 from tk.manifest import Manifest
 from tk.runtime.dtypes import Array
 from tk.runtime.inputs import check_arrays
+from tk.signing import TrustPolicy
 from tk.spec import Dim, TensorSpec
 
 
@@ -89,8 +90,10 @@ class Engine(ABC):
         *,
         device: str = "cpu",
         options: EngineOptions | Mapping[str, Any] | None = None,
+        trust: TrustPolicy | None = None,
     ) -> None:
         self.root = Path(root)
+        self.trust = trust or TrustPolicy()  # whose signatures let native code (or user model code) load
         self.manifest = manifest
         self.device = device
         if not isinstance(options, EngineOptions):

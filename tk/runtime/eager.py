@@ -14,15 +14,18 @@ from tk.limits import require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
 from tk.runtime.torch_engine import TorchEngine
+from tk.signing import TrustPolicy, check_signature
 
 
-def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = False) -> nn.Module:
+def module_from_manifest(
+    root: Any, manifest: Any, *, trust_model_code: bool = False, trust: TrustPolicy | None = None
+) -> nn.Module:
     """The float32 PyTorch model the artifact was exported from, with its weights, in eval mode.
 
     A user model (``package.module:callable``) is rebuilt by importing and calling that code, so it
-    is refused unless ``trust_model_code`` is set or the manifest's signature was verified.
+    is refused unless ``trust_model_code`` is set or the artifact's signature verifies against a
+    key ``trust`` trusts (the user's own, by default: their own exports rebuild without a flag).
     """
-    from tk.manifest import SIGNING_ENV, signing_key
     from tk.models import build_model
     from tk.models.checkpoint import load_weights
 
@@ -31,10 +34,11 @@ def module_from_manifest(root: Any, manifest: Any, *, trust_model_code: bool = F
 
     name = str(model.get("name", ""))
     user_code = ":" in name and not is_hf_name(name)  # hf:DIR runs transformers' own classes only
-    if user_code and not (trust_model_code or signing_key()):
+    if user_code and not (trust_model_code or check_signature(root, manifest, trust).trusted):
         raise IntegrityError(
-            f"{root}: the reference model is user code ({model['name']!r}) and rebuilding it runs that code; "
-            f"pass --trust-model-code if you trust this artifact, or sign artifacts with {SIGNING_ENV}"
+            f"{root}: the reference model is user code ({model['name']!r}), rebuilding it runs that code, and the "
+            "artifact is not signed by a key you trust; pass --trust-model-code if you trust this artifact, "
+            "or --public-key FILE of its signer"
         )
 
     def build() -> Any:
@@ -82,8 +86,9 @@ class EagerEngine(TorchEngine):
     Options = EagerOptions
 
     def _load_model(self) -> None:
-        trust = self.options.trust_model_code
-        self.module = module_from_manifest(self.root, self.manifest, trust_model_code=trust).to(self.device)
+        trust_code = self.options.trust_model_code
+        module = module_from_manifest(self.root, self.manifest, trust_model_code=trust_code, trust=self.trust)
+        self.module = module.to(self.device)
 
     def _forward(self, *args: torch.Tensor) -> Any:
         return self.module(*args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,9 +16,19 @@ from typing import TYPE_CHECKING, Any
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.manifest import Manifest, verify_artifact
 from tk.registries import ENGINE_FILE_ROLE, ENGINES
+from tk.signing import (
+    NATIVE_CODE_FORMATS,
+    TrustPolicy,
+    check_signature,
+    how_to_trust,
+    require_trusted_code,
+    untrusted_reason,
+)
 
 if TYPE_CHECKING:
     from tk.runtime.base import Engine, EngineOptions
+
+log = logging.getLogger("tk.runtime")
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -60,6 +71,7 @@ def load(
     allow_failed: bool = False,
     manifest: Manifest | None = None,
     options: EngineOptions | Mapping[str, Any] | None = None,
+    trust: TrustPolicy | None = None,
     **option_values: Any,
 ) -> Engine:
     """Open the artifact at ``root`` with ``engine``, after verifying every file's size and sha256.
@@ -67,7 +79,10 @@ def load(
     Options come as the engine's ``Options`` dataclass, a mapping, or keywords; a name the engine
     does not declare is refused with the list of those it does. An artifact whose export-time
     check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
-    manifest recommends (``tk optimize``), else onnx.
+    manifest recommends (``tk optimize``), else onnx. An engine that runs the artifact's
+    native code (aoti, trt) is refused unless its signature verifies against a key ``trust``
+    trusts (default: the user's own and the trusted-keys settings) or ``trust.trust_artifact_code``;
+    the engine checks it again when it loads.
     """
     if engine is None:
         manifest = manifest if manifest is not None else verify_artifact(root)
@@ -88,7 +103,31 @@ def load(
             "re-export it, or pass --allow-failed to inspect it anyway"
         )
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
-    return cls(root, manifest, device=device, options=options)
+    if ENGINE_FILE_ROLE[engine] in NATIVE_CODE_FORMATS:
+        require_trusted_code(root, manifest, trust, engine)
+    return cls(root, manifest, device=device, options=options, trust=trust)
+
+
+def trusted_engines(
+    root: str | Path, manifest: Manifest, names: list[str], trust: TrustPolicy | None = None
+) -> list[str]:
+    """``names`` less the engines that would run native code the user does not trust, each left
+    out with a note on stderr: what ``--engine all`` and ``auto`` run."""
+    native = [n for n in names if ENGINE_FILE_ROLE.get(n) in NATIVE_CODE_FORMATS]
+    policy = trust or TrustPolicy()
+    if not native or policy.trust_artifact_code:
+        return names
+    found = check_signature(root, manifest, policy)
+    if found.trusted:
+        return names
+    for name in native:
+        log.warning(
+            "note: skipping %s, which runs the artifact's native code, because %s; %s",
+            name,
+            untrusted_reason(found),
+            how_to_trust(root),
+        )
+    return [n for n in names if n not in native]
 
 
 def open_engines(
@@ -100,6 +139,7 @@ def open_engines(
     device: str = "cpu",
     values: Mapping[str, Any] | None = None,
     allow_failed: bool = False,
+    trust: TrustPolicy | None = None,
 ) -> dict[str, Engine]:
     """Each engine of ``names`` loaded on ``stack`` (closed with it), given the options it declares of ``values``."""
     return {
@@ -111,6 +151,7 @@ def open_engines(
                 manifest=manifest,
                 allow_failed=allow_failed,
                 options=engine_options(name, values or {}),
+                trust=trust,
             )
         )
         for name in names

@@ -20,6 +20,7 @@ from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.formats.tensorrt import trt_logger, unavailable_reason
 from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions, rebuild_command
+from tk.signing import require_trusted_code
 
 log = logging.getLogger("tk.runtime")
 
@@ -62,6 +63,7 @@ class TensorRTEngine(Engine):
         return unavailable_reason(device)
 
     def _load(self) -> None:
+        require_trusted_code(self.root, self.manifest, self.trust, self.name)  # plans can carry plugins: native code
         import tensorrt as trt
 
         self._refuse_foreign_engine(trt)

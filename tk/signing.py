@@ -1,0 +1,392 @@
+"""Public-key signatures of artifacts (OpenSSF model signing) and the user's decision whom to trust.
+
+Every user has an elliptic-curve key (P-256), made on first use in ``$XDG_CONFIG_HOME/tk``
+(else ``~/.config/tk``), and ``tk export`` signs each artifact with it: ``ARTIFACT/model.sig`` is
+a Sigstore bundle over every file of the directory, so ``model_signing verify key ARTIFACT
+--signature ARTIFACT/model.sig --public_key PUB`` accepts it as well.
+
+Formats that hold native code (an AOTInductor ``.so``, a TensorRT plan) load only from an
+artifact whose signature verifies against a key the user trusts: their own, ``--public-key
+FILE``, the files of ``$TK_TRUSTED_KEYS`` and those in the config directory's ``trusted-keys/``;
+or, one time, when the user says ``--trust-artifact-code``.
+
+The chain from signature to loaded bytes: the signature holds the sha256 of ``manifest.json``;
+that must be the sha256 of the very bytes the manifest in use was parsed from
+(``Manifest.source_sha256``); the manifest holds the sha256 of each file, and engines load the
+bytes they verified against it (``read_verified``). A file swapped after any of these checks
+breaks the next link, never passes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
+from tk.fileio import atomic_write_bytes
+from tk.manifest import MANIFEST, Manifest
+from tk.safefiles import open_inside, private_copy, read_inside
+
+log = logging.getLogger("tk.signing")
+
+SIGNATURE = "model.sig"  # the artifact's signature file, beside manifest.json
+TRUSTED_KEYS_ENV = "TK_TRUSTED_KEYS"  # os.pathsep-separated public key files (PEM)
+PRIVATE_KEY = "signing-key.pem"  # in the config directory, mode 0600
+PUBLIC_KEY = "signing-key.pub.pem"  # beside it: what the user hands to others
+TRUSTED_DIR = "trusted-keys"  # in the config directory: *.pem public keys the user trusts
+NATIVE_CODE_FORMATS = frozenset({"aoti", "trt"})  # file roles whose loading runs the artifact's code
+_MAX_SIGNATURE_BYTES = 16 << 20  # a bundle lists one digest per file: kilobytes, never megabytes
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """The user's decision for one command: keys trusted besides the standing ones, and the one-off override.
+
+    ``public_keys``: PEM public key files whose signatures are trusted (``--public-key``), in
+    addition to the user's own key and the trusted-keys settings. ``trust_artifact_code``: load
+    native code from this artifact even unsigned or signed by an unknown key (``--trust-artifact-code``),
+    with a warning on stderr unless ``warn`` is off (the export-time check, which runs code this
+    process compiled a moment earlier, before the artifact is signed).
+    """
+
+    public_keys: tuple[Path, ...] = ()
+    trust_artifact_code: bool = False
+    warn: bool = True
+
+
+@dataclass(frozen=True)
+class SignatureCheck:
+    """What ``check_signature`` found: whether a trusted key signed the artifact and which.
+
+    ``fingerprint``: the signing key's (verified when ``trusted``, else the key hint the bundle
+    claims, or None). ``key``: the trusted public key file that verified it. ``reason``: why it is
+    not trusted (empty when it is).
+    """
+
+    signed: bool
+    trusted: bool
+    fingerprint: str | None
+    key: Path | None
+    reason: str
+
+
+# ----------------------------------------------------------------------------------- keys
+def config_dir() -> Path:
+    """``$XDG_CONFIG_HOME/tk``, else ``~/.config/tk``: where the user's key and trusted keys live."""
+    base = os.environ.get("XDG_CONFIG_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".config") / "tk"
+
+
+def own_key_paths() -> tuple[Path, Path]:
+    """The user's private and public key files (which may not exist yet)."""
+    directory = config_dir()
+    return directory / PRIVATE_KEY, directory / PUBLIC_KEY
+
+
+def fingerprint_of(public_pem: bytes) -> str:
+    """A public key's fingerprint: sha256 of its PEM SubjectPublicKeyInfo, hex (model_signing's key hint)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = _load_public_key(public_pem, "public key")
+    canonical = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(canonical).hexdigest()
+
+
+_key_lock = threading.Lock()
+
+
+def ensure_own_key() -> tuple[Path, Path]:
+    """The user's key pair, made on first use (EC P-256, private key mode 0600, written atomically).
+
+    Two processes making it at once end with one key: each writes a private temporary file and
+    links it into place; the second link fails and that process uses the first one's key.
+    """
+    private, public = own_key_paths()
+    with _key_lock:
+        if not private.exists():
+            _create_private_key(private)
+        if not public.exists():
+            _write_public_key(private, public)
+    return private, public
+
+
+def _create_private_key(private: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        private.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {private.parent} for your signing key ({exc.strerror or exc})") from exc
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    tmp = private.parent / f".{private.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(FileExistsError):  # another process made the key first: keep theirs
+            os.link(tmp, private)
+    except OSError as exc:
+        raise UsageError(f"cannot write your signing key {private} ({exc.strerror or exc})") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_public_key(private: Path, public: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = _load_private_key(private)
+    pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    atomic_write_bytes(public, pem)
+
+
+def _load_private_key(path: Path) -> Any:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the private key ({exc.strerror or exc})") from exc
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{path}: expected an unencrypted PEM private key, found something else ({exc})") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise UsageError(f"{path}: expected an elliptic-curve private key (P-256), found {type(key).__name__}")
+    return key
+
+
+def _load_public_key(data: bytes, what: str) -> Any:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{what}: expected a PEM public key, found something else ({exc})") from exc
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise UsageError(f"{what}: expected an elliptic-curve public key, found {type(key).__name__}")
+    return key
+
+
+def trusted_key_files(policy: TrustPolicy | None = None) -> list[Path]:
+    """Every public key file trusted under ``policy``: the user's own (once it exists), ``policy.public_keys``,
+    the files of ``$TK_TRUSTED_KEYS`` and ``trusted-keys/*.pem`` in the config directory."""
+    policy = policy or TrustPolicy()
+    files: list[Path] = []
+    own = own_key_paths()[1]
+    if own.is_file():
+        files.append(own)
+    files.extend(Path(p) for p in policy.public_keys)
+    for item in os.environ.get(TRUSTED_KEYS_ENV, "").split(os.pathsep):
+        if item.strip():
+            files.append(Path(item.strip()))
+    trusted_dir = config_dir() / TRUSTED_DIR
+    if trusted_dir.is_dir():
+        files.extend(sorted(trusted_dir.glob("*.pem")))
+    return files
+
+
+def _trusted_keys(policy: TrustPolicy | None) -> dict[str, Path]:
+    """Fingerprint -> key file for every trusted key; a named file that is missing or not a key is an error."""
+    keys: dict[str, Path] = {}
+    for path in trusted_key_files(policy):
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            where = f"${TRUSTED_KEYS_ENV}, --public-key or {config_dir() / TRUSTED_DIR}"
+            raise UsageError(f"{path}: cannot read this trusted public key (from {where}): {exc.strerror or exc}") from exc
+        keys.setdefault(fingerprint_of_file(path, data), path)
+    return keys
+
+
+def fingerprint_of_file(path: Path, data: bytes | None = None) -> str:
+    try:
+        return fingerprint_of(path.read_bytes() if data is None else data)
+    except UsageError as exc:
+        raise UsageError(f"{path}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------------- signing
+def sign_artifact(root: str | Path, private_key: str | Path | None = None) -> str:
+    """Write ``root/model.sig`` over every file of ``root`` (``model.sig`` itself left out) and
+    return the signing key's fingerprint. ``private_key``: a PEM EC key file (default: the user's own)."""
+    import model_signing
+
+    root = Path(root)
+    if not root.is_dir():
+        raise UsageError(f"expected an artifact directory, found no directory at {root}")
+    key_path = Path(private_key) if private_key is not None else ensure_own_key()[0]
+    key = _load_private_key(key_path)
+    from cryptography.hazmat.primitives import serialization
+
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+    config = model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path).set_hashing_config(hashing)
+    try:
+        with private_copy({}) as scratch:  # signed outside the directory, so no temporary file is hashed
+            config.sign(root, scratch / SIGNATURE)
+            bundle = (scratch / SIGNATURE).read_bytes()
+    except ValueError as exc:  # a symbolic link or an unsupported key, from model_signing
+        raise UsageError(f"{root}: cannot sign it ({exc})") from exc
+    atomic_write_bytes(root / SIGNATURE, bundle)
+    return fingerprint_of(public_pem)
+
+
+# ----------------------------------------------------------------------------------- verifying
+_verified: dict[tuple[str, str, frozenset[str]], tuple[str, Path]] = {}  # (root, manifest sha256, keys) -> signer
+_verified_lock = threading.Lock()
+
+
+def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | None = None) -> SignatureCheck:
+    """Whether ``root/model.sig`` verifies against a trusted key, covers every file of ``root`` as
+    it is now, and names the sha256 of the bytes ``manifest`` was read from.
+
+    A positive answer is remembered for this process (by directory, manifest sha256 and trusted
+    keys): what the manifest lists is bound to it by sha256, so it stays true for every file an
+    engine loads through ``read_verified``.
+    """
+    root = Path(root)
+    keys = _trusted_keys(policy)
+    cache_key = (os.path.realpath(root), manifest.source_sha256, frozenset(keys))
+    with _verified_lock:
+        known = _verified.get(cache_key)
+    if known is not None:
+        return SignatureCheck(True, True, known[0], known[1], "")
+    if not os.path.lexists(root / SIGNATURE):
+        return SignatureCheck(False, False, None, None, f"it has no {SIGNATURE}")
+    try:
+        raw = _read_signature(root)
+        bundle = json.loads(raw)
+        hint = bundle["verificationMaterial"]["publicKey"]["hint"]
+        payload = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True))
+        resources = payload["predicate"]["resources"]
+        serialization = payload["predicate"]["serialization"]
+    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+        return SignatureCheck(True, False, None, None, f"its {SIGNATURE} is not a model_signing bundle ({exc})")
+    hint = hint if isinstance(hint, str) else None
+    if hint not in keys:
+        return SignatureCheck(True, False, hint, None, "it is signed by a key you do not trust")
+    key = keys[hint]
+    problem = _verify_bundle(root, raw, key)
+    if problem:
+        return SignatureCheck(True, False, hint, key, problem)
+    signed = _signed_manifest_digest(resources, serialization)
+    if signed is None:
+        return SignatureCheck(True, False, hint, key, f"its signature does not cover {MANIFEST} by sha256")
+    if not manifest.source_sha256 or signed != manifest.source_sha256:
+        return SignatureCheck(True, False, hint, key, f"its {MANIFEST} is not the one that was signed")
+    with _verified_lock:
+        _verified[cache_key] = (hint, key)
+    return SignatureCheck(True, True, hint, key, "")
+
+
+def _read_signature(root: Path) -> bytes:
+    with open_inside(root, SIGNATURE) as (_, info):
+        if info.st_size > _MAX_SIGNATURE_BYTES:
+            raise ValueError(f"{info.st_size} bytes, expected at most {_MAX_SIGNATURE_BYTES}")
+    return read_inside(root, SIGNATURE)
+
+
+def _verify_bundle(root: Path, raw: bytes, key: Path) -> str:
+    """Verify the bundle ``raw`` with ``key`` and every file of ``root`` against it: '' or why not.
+
+    model_signing reads the signature from a path: it gets a private copy of the bytes read
+    here, so the payload checked below is the one it verified.
+    """
+    import model_signing
+
+    config = model_signing.verifying.Config().use_elliptic_key_verifier(public_key=key)
+    try:
+        with private_copy({SIGNATURE: raw}) as copy:
+            config.verify(root, copy / SIGNATURE)
+    except Exception as exc:  # noqa: BLE001 - model_signing raises ValueError, cryptography InvalidSignature, ...
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if type(exc).__name__ == "InvalidSignature":
+            text = "the signature does not verify with that key"
+        return f"its files do not match their signature: {text[:300]}"
+    return ""
+
+
+def _signed_manifest_digest(resources: Any, serialization: Any) -> str | None:
+    if not isinstance(serialization, dict) or serialization.get("method") != "files":
+        return None
+    for item in resources if isinstance(resources, list) else []:
+        if isinstance(item, dict) and item.get("name") == MANIFEST and item.get("algorithm") == "sha256":
+            digest = item.get("digest")
+            return digest if isinstance(digest, str) else None
+    return None
+
+
+def holds_native_code(manifest: Manifest) -> list[str]:
+    """The formats of ``manifest`` whose loading runs code from the artifact (aoti, trt)."""
+    return sorted({e.role for e in manifest.files} & NATIVE_CODE_FORMATS)
+
+
+_overridden: set[tuple[str, str]] = set()
+
+
+def require_trusted_code(root: str | Path, manifest: Manifest, policy: TrustPolicy | None, what: str) -> None:
+    """Refuse to load ``what`` (native code from ``root``) unless a trusted key signed the artifact
+    or ``policy.trust_artifact_code`` (then one warning on stderr). Call it before any of the code loads."""
+    policy = policy or TrustPolicy()
+    found = check_signature(root, manifest, policy)
+    if found.trusted:
+        return
+    if policy.trust_artifact_code:
+        once = (os.path.realpath(root), manifest.source_sha256)
+        if policy.warn and once not in _overridden:
+            _overridden.add(once)
+            log.warning(
+                "warning: loading %s native code from %s, which %s, because of --trust-artifact-code",
+                what,
+                root,
+                found.reason,
+            )
+        return
+    raise UntrustedArtifactError(untrusted_message(root, what, found))
+
+
+def untrusted_message(root: str | Path, what: str, found: SignatureCheck) -> str:
+    """The one-line refusal: which engine, why the artifact is not trusted, and how to trust it."""
+    return (
+        f"{root}: refusing to load the {what} engine, which runs the artifact's native code, because "
+        f"{untrusted_reason(found)}; {how_to_trust(root)}"
+    )
+
+
+def untrusted_reason(found: SignatureCheck) -> str:
+    signer = f" (key {found.fingerprint[:16]}…)" if found.fingerprint and not found.key else ""
+    return found.reason + signer
+
+
+def how_to_trust(root: str | Path) -> str:
+    return (
+        f"to trust it: --public-key FILE (its signer's public key), `tk sign {root}` if you made it, "
+        "or --trust-artifact-code for this one run"
+    )
+
+
+def signature_summary(root: str | Path, manifest: Manifest, policy: TrustPolicy | None = None) -> SignatureCheck:
+    """``check_signature`` for display (``tk inspect``): a bad trusted-key setting becomes the reason, not an error."""
+    try:
+        return check_signature(root, manifest, policy)
+    except (UsageError, IntegrityError) as exc:
+        return SignatureCheck(os.path.lexists(Path(root) / SIGNATURE), False, None, None, str(exc))
