@@ -128,9 +128,7 @@ def _create_private_key(private: Path) -> None:
     except OSError as exc:
         raise UsageError(f"cannot create {private.parent} for your signing key ({exc.strerror or exc})") from exc
     key = ec.generate_private_key(ec.SECP256R1())
-    pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     tmp = private.parent / f".{private.name}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -210,7 +208,9 @@ def _trusted_keys(policy: TrustPolicy | None) -> dict[str, Path]:
             data = path.read_bytes()
         except OSError as exc:
             where = f"${TRUSTED_KEYS_ENV}, --public-key or {config_dir() / TRUSTED_DIR}"
-            raise UsageError(f"{path}: cannot read this trusted public key (from {where}): {exc.strerror or exc}") from exc
+            raise UsageError(
+                f"{path}: cannot read this trusted public key (from {where}): {exc.strerror or exc}"
+            ) from exc
         keys.setdefault(fingerprint_of_file(path, data), path)
     return keys
 
@@ -317,7 +317,7 @@ def _verify_bundle(root: Path, raw: bytes, key: Path) -> str:
     try:
         with private_copy({SIGNATURE: raw}) as copy:
             config.verify(root, copy / SIGNATURE)
-    except Exception as exc:  # noqa: BLE001 - model_signing raises ValueError, cryptography InvalidSignature, ...
+    except Exception as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if type(exc).__name__ == "InvalidSignature":
             text = "the signature does not verify with that key"
@@ -333,6 +333,13 @@ def _signed_manifest_digest(resources: Any, serialization: Any) -> str | None:
             digest = item.get("digest")
             return digest if isinstance(digest, str) else None
     return None
+
+
+def explicit_policy(policy: TrustPolicy | None) -> TrustPolicy:
+    """``policy`` with every trusted key file named: for a process elsewhere (a Ray replica) whose
+    environment and config directory may differ from the caller's."""
+    policy = policy or TrustPolicy()
+    return TrustPolicy(tuple(trusted_key_files(policy)), policy.trust_artifact_code, policy.warn)
 
 
 def holds_native_code(manifest: Manifest) -> list[str]:

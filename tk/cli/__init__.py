@@ -97,7 +97,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from tk.cli import artifact, debug, optimize, run, serve, train
+    from tk.cli import artifact, debug, optimize, run, serve, sign, train
 
     for command in (
         *train.COMMANDS,
@@ -106,6 +106,7 @@ def _register() -> None:
         *debug.COMMANDS,
         *optimize.COMMANDS,
         *serve.COMMANDS,
+        *sign.COMMANDS,
     ):
         cli.add_command(command)
 

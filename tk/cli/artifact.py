@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, model_options, print_check_reports, size_text, task_option
+from tk.cli.common import build, model_options, print_check_reports, size_text, task_option, trust_options, trust_policy
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 
@@ -223,6 +223,7 @@ def _quantization_text(quant: object) -> str:
 @click.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+@trust_options
 def inspect_cmd(artifact: Path, as_json: bool) -> None:
     """Summarize an artifact's manifest (and verify every file's hash)."""
     from tk.manifest import manifest_bytes, verify_artifact
@@ -245,6 +246,7 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
     for label, specs in (("input", manifest.signature.inputs), ("output", manifest.signature.outputs)):
         for s in specs:
             click.echo(f"{label:<10} {s.name}: {s.dtype}[{', '.join(map(str, s.shape))}]")
+    _print_signature(artifact, manifest)
     for entry in manifest.files:
         click.echo(
             f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
@@ -275,6 +277,26 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
         click.echo(
             f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
         )
+
+
+def _print_signature(artifact: Path, manifest: Any) -> None:
+    """Who signed the artifact, whether that key is trusted here, and whether loading it runs its native code."""
+    from tk.signing import SIGNATURE, holds_native_code, signature_summary
+
+    found = signature_summary(artifact, manifest, trust_policy())
+    if found.trusted:
+        click.echo(f"signed     by key {found.fingerprint} ({found.key}): verified, trusted")
+    elif found.signed:
+        who = f"by key {found.fingerprint}" if found.fingerprint else "by an unknown key"
+        click.echo(f"signed     {who}: NOT trusted here, because {found.reason}")
+    else:
+        click.echo(f"signed     no ({SIGNATURE} missing): sign it with `tk sign {artifact}`")
+    native = holds_native_code(manifest)
+    if native:
+        verdict = "loads" if found.trusted else "refused unless trusted (--public-key, tk sign, --trust-artifact-code)"
+        click.echo(f"native     {', '.join(native)}: runs the artifact's own code when loaded; {verdict}")
+    else:
+        click.echo("native     none: no format here loads code from the artifact")
 
 
 COMMANDS = (export_cmd, inspect_cmd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
@@ -108,12 +109,48 @@ def engine_options(fn: Any) -> Any:
         "compile: Inductor's own graphs under reduce-overhead).",
     )(fn)
     fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
+    fn = trust_options(fn)
     fn = click.option(
         "--trust-model-code",
         is_flag=True,
         help="Let eager/compile rebuild a user model (package.module:callable) named in the manifest: runs its code.",
     )(fn)
     return fn
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    ctx.meta[f"tk.{param.name}"] = value
+    return value
+
+
+def trust_options(fn: Any) -> Any:
+    """``--public-key FILE`` (repeatable) and ``--trust-artifact-code``; read them with ``trust_policy()``."""
+    fn = click.option(
+        "--public-key",
+        "public_keys",
+        multiple=True,
+        type=click.Path(path_type=Path, dir_okay=False),
+        callback=_remember,
+        expose_value=False,
+        help="Trust artifacts signed by this PEM public key (repeatable), besides your own key, $TK_TRUSTED_KEYS "
+        "and the trusted-keys directory (docs/security.md).",
+    )(fn)
+    fn = click.option(
+        "--trust-artifact-code",
+        is_flag=True,
+        callback=_remember,
+        expose_value=False,
+        help="Load native code (aoti, trt) from this artifact even if no key you trust signed it: runs its code.",
+    )(fn)
+    return fn
+
+
+def trust_policy() -> Any:
+    """The ``TrustPolicy`` of the running command's ``--public-key`` and ``--trust-artifact-code``."""
+    from tk.signing import TrustPolicy
+
+    meta = click.get_current_context().meta
+    return TrustPolicy(tuple(meta.get("tk.public_keys") or ()), bool(meta.get("tk.trust_artifact_code")))
 
 
 def engine_option_values(

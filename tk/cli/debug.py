@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tk.cli.common import console
+from tk.cli.common import console, trust_options, trust_policy
 
 
 @click.group("debug")
@@ -38,6 +38,7 @@ def _abs(value: float, nonfinite: int) -> str:
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the table of largest error growth.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write every module's row.")
 @click.option("--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code.")
+@trust_options
 def locate_cmd(
     artifact: Path,
     engine: str,
@@ -65,6 +66,7 @@ def locate_cmd(
         rtol=rtol,
         atol=atol,
         trust_model_code=trust_model_code,
+        trust=trust_policy(),
     )
     click.echo(f"locate {engine} ({result.precision}) via {result.via}")
     for note in result.notes:
@@ -107,12 +109,13 @@ def locate_cmd(
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the search as JSON.")
 @click.option("--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code.")
+@trust_options
 def precision_cmd(artifact: Path, seed: int, json_path: Path | None, trust_model_code: bool) -> None:
     """Find a small set of modules that, kept in float32, make an fp16/bf16/int8 artifact's check pass."""
     from tk.fileio import atomic_write_json
     from tk.workflows.debug.precision import find_fp32_modules
 
-    result = find_fp32_modules(artifact, seed=seed, trust_model_code=trust_model_code)
+    result = find_fp32_modules(artifact, seed=seed, trust_model_code=trust_model_code, trust=trust_policy())
 
     def line(label: str, trial: object) -> str:
         t = trial  # a Trial

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import console, engine_option_values, engine_options, print_check_reports
+from tk.cli.common import console, engine_option_values, engine_options, print_check_reports, trust_policy
 from tk.errors import UsageError
 from tk.registries import ENGINES
 
@@ -111,6 +111,7 @@ def infer_cmd(
             allow_failed=allow_failed,
             on_choice=on_choice,
             progress=on_progress,
+            trust=trust_policy(),
         )
     finally:
         progress.stop()
@@ -163,6 +164,7 @@ def _infer_ray(
             options=options,
             allow_failed=allow_failed,
             progress=lambda done, total: progress.update(task_id, completed=done, total=total),
+            trust=trust_policy(),
         )
     click.echo(
         f"{result.samples} samples in {result.shards} shards on {actors} actor(s), {result.wall_seconds:.2f} s "
@@ -263,6 +265,7 @@ def check_cmd(
         golden=golden_path,
         save_golden=save_golden_path,
         tolerances=parse_tolerances(tols),
+        trust=trust_policy(),
     )
     for name, count in result.nonfinite_inputs.items():
         if count:
@@ -384,6 +387,7 @@ def bench_cmd(
         progress=lambda line: click.echo(line, err=True),
         roofline=roofline,
         wait_quiet=wait_quiet,
+        trust=trust_policy(),
     )
     console().print(render_table(report))
     for choice in choices:

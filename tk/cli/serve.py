@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tk.cli.common import engine_option_values, engine_options
+from tk.cli.common import engine_option_values, engine_options, trust_policy
 from tk.registries import ENGINES
 from tk.serve.ingress import INGRESSES
 
@@ -115,6 +115,7 @@ def serve_cmd(
         device=device,
         options=options,
         allow_failed=allow_failed,
+        trust=trust_policy(),
     )
 
     def on_ready(running: RunningServer) -> None:

@@ -54,6 +54,7 @@ from tk.serve.protocol import (
     parse_infer_request,
     too_large,
 )
+from tk.signing import TrustPolicy, explicit_policy
 from tk.spec import random_feeds
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class ServeConfig:
     device: str = "cpu"
     options: Mapping[str, Any] = field(default_factory=dict)  # engine options by name
     allow_failed: bool = False
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  # whose signatures let aoti/trt load
 
 
 def resolve(config: ServeConfig) -> ServeConfig:
@@ -118,6 +120,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
         manifest=manifest,
         allow_failed=config.allow_failed,
         options=engine_options(config.engine, dict(config.options)),
+        trust=config.trust,
     )
     if config.max_queue < -1 or config.max_queue == 0:
         raise UsageError(f"--max-queue: expected 1 or more (or -1 for unbounded), got {config.max_queue}")
@@ -146,6 +149,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
             "max_request_bytes": max_bytes,
             "options": options,
             "ingress": ingress,
+            "trust": explicit_policy(config.trust),
         }
     )
 
@@ -212,6 +216,7 @@ class ModelServer:
             manifest=self.manifest,
             allow_failed=config.allow_failed,
             options=options,
+            trust=config.trust,
         ).load()
         self.specs = self.engine.inputs
         self.batch_dim = sample_dim(self.specs)

@@ -27,6 +27,7 @@ from tk.runtime import engine_options, load
 from tk.runtime.batching import BatchRunner, infer_file, save_npz
 from tk.runtime.inputs import file_samples, sample_dim
 from tk.serve.cluster import connect, disconnect
+from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, require_trusted_code
 from tk.spec import TensorSpec, numpy_dtype
 
 SHARD_SUFFIXES = (".npz", ".npy", ".parquet")
@@ -150,8 +151,11 @@ class ShardRunner:
         options: Mapping[str, Any],
         allow_failed: bool,
         batch_size: int | None,
+        trust: TrustPolicy | None = None,
     ) -> None:
-        self.engine = load(root, engine, device=device, allow_failed=allow_failed, options=dict(options)).load()
+        self.engine = load(
+            root, engine, device=device, allow_failed=allow_failed, options=dict(options), trust=trust
+        ).load()
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -190,12 +194,13 @@ def infer_ray(
     options: Mapping[str, Any] | None = None,
     allow_failed: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    trust: TrustPolicy | None = None,
 ) -> RayInferResult:
     """Run every shard of the directory ``inputs`` on ``actors`` Ray actors; write ``out/<shard>.npz``.
 
     Starts a local Ray instance unless one is running or ``address`` names a cluster (which is
     left running). ``options``: engine options by name; ``threads`` defaults to ``cpus_per_actor``.
-    ``progress(shards_done, shards)`` after each shard.
+    ``progress(shards_done, shards)`` after each shard. ``trust``: whose signatures let aoti/trt load.
     """
     import time
 
@@ -210,8 +215,10 @@ def infer_ray(
         raise UsageError(f"--actors: expected 1 or more, got {actors}")
     manifest = verify_artifact(root)
     sample_dim(manifest.signature.inputs)
+    if engine in NATIVE_CODE_FORMATS:  # refused here, in one line, rather than inside every actor
+        require_trusted_code(root, manifest, trust, engine)
     if batch_size is not None:  # the same refusal single-process tk infer gives, before Ray starts
-        with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest) as probe:
+        with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest, trust=trust) as probe:
             BatchRunner(probe, batch_size)
     shards = list_shards(inputs)
     for shard in shards:  # each actor checks again (its budget is its own); here it is one line before Ray starts
@@ -253,6 +260,7 @@ def infer_ray(
                 "options": values,
                 "allow_failed": allow_failed,
                 "batch_size": batch_size,
+                "trust": trust,
             },
             batch_size=1,
             batch_format="numpy",

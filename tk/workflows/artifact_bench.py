@@ -11,6 +11,7 @@ from typing import Any
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
 from tk.runtime import open_engines
+from tk.signing import TrustPolicy
 from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
@@ -48,6 +49,7 @@ def bench_artifact(
     progress: Callable[[str], None] | None = None,
     roofline: bool = False,
     wait_quiet: float = DEFAULT_WAIT_QUIET_S,
+    trust: TrustPolicy | None = None,
 ) -> tuple[BenchReport, list[AutoChoice]]:
     """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and
     compile (unless ``baselines`` is off).
@@ -59,19 +61,24 @@ def bench_artifact(
     matrix-product rate at the model's linear shapes, between the engines' calls, and each
     engine's share of it (``tk.workflows.roofline``). Each batch size's rounds wait up to
     ``wait_quiet`` seconds for a quiet machine and are marked busy otherwise (``tk.workflows.load_guard``).
+    With ``all`` or ``auto``, engines running native code that ``trust`` does not allow are left out with a note.
     """
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
     if roofline and device != "cpu":
         raise UsageError("--roofline measures the CPU's matrix-product peak: use it with --device cpu")
     manifest = verify_artifact(root)
-    names = engines_to_check(engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True)
+    names = engines_to_check(
+        engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True, root=root, trust=trust
+    )
     values = {"spinning": len(names) == 1, **(options or {})}
     with ExitStack() as stack:
-        opened = open_engines(stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed)
+        opened = open_engines(
+            stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed, trust=trust
+        )
         eager = opened.get("eager")
         if eager is None and (roofline or engines == "auto"):  # the model's FLOPs and parity need it, untimed
-            eager = open_engines(stack, root, ["eager"], manifest, device=device, values=values)["eager"]
+            eager = open_engines(stack, root, ["eager"], manifest, device=device, values=values, trust=trust)["eager"]
         candidates = None
         if engines == "auto":
             batch_dim = manifest.signature.dims.get("batch")

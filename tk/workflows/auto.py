@@ -13,7 +13,8 @@ from typing import Any
 
 from tk.manifest import Manifest
 from tk.parity import check_engines
-from tk.runtime import available_engines, open_engines, unavailable_reason
+from tk.runtime import available_engines, open_engines, trusted_engines, unavailable_reason
+from tk.signing import TrustPolicy
 from tk.tolerances import artifact_tolerance
 from tk.workflows.bench import measure
 
@@ -116,6 +117,7 @@ def choose_engine(
     seconds: float = 0.5,
     options: dict[str, Any] | None = None,
     allow_failed: bool = False,
+    trust: TrustPolicy | None = None,
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
@@ -123,17 +125,24 @@ def choose_engine(
 
     ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per
     engine; ``options`` holds engine options by name (each engine takes the ones it declares).
+    Engines running native code that ``trust`` does not allow are left out with a note.
     """
     recommended = manifest.recommended_engine
-    if recommended is not None and unavailable_reason(recommended, device) is None:
+    if (
+        recommended is not None
+        and unavailable_reason(recommended, device) is None
+        and trusted_engines(root, manifest, [recommended], trust)  # an untrusted native one: a note, then the others
+    ):
         how = manifest.optimize.get("recommended", {})
         why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
         return AutoChoice(recommended, batch_size, [Candidate(recommended, True, 0.0)], recommended=why)
     values = options or {}
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
-        names = available_engines(manifest, device)
-        engines = open_engines(stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed)
+        names = trusted_engines(root, manifest, available_engines(manifest, device), trust)
+        engines = open_engines(
+            stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed, trust=trust
+        )
         candidates = check_candidates(engines["eager"], engines, manifest, shape)
         passing = {c.engine: engines[c.engine] for c in candidates if c.passed}
         bench = measure(passing, [batch_size], seconds=seconds, sizes={k: v for k, v in shape.items() if k != "batch"})

@@ -21,9 +21,10 @@ from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import ParityReport, ReferenceRuns, check_engines, reference_runs, report_from_outputs
 from tk.registries import ENGINES
-from tk.runtime import available_engines, engine_options, load, unavailable_reason
+from tk.runtime import available_engines, engine_options, load, trusted_engines, unavailable_reason
 from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
+from tk.signing import TrustPolicy
 from tk.spec import shapes_to_check
 from tk.tolerances import artifact_tolerance, checked_pair
 
@@ -44,7 +45,11 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
                 fmt_device = "cpu"  # the ONNX file is device-free; check it where onnxruntime runs
-            with load(root, fmt, device=fmt_device, manifest=manifest, allow_failed=True) as candidate:
+            # the native code was compiled by this process a moment ago; the artifact is signed after the check
+            built_here = TrustPolicy(trust_artifact_code=True, warn=False)
+            with load(
+                root, fmt, device=fmt_device, manifest=manifest, allow_failed=True, trust=built_here
+            ) as candidate:
                 report = check_engines(
                     reference,
                     candidate,
@@ -92,15 +97,25 @@ class CheckResult:
 
 
 def engines_to_check(
-    text: str, manifest: Manifest, device: str, *, baselines: tuple[str, ...] = (), keep_eager: bool = False
+    text: str,
+    manifest: Manifest,
+    device: str,
+    *,
+    baselines: tuple[str, ...] = (),
+    keep_eager: bool = False,
+    root: str | Path | None = None,
+    trust: TrustPolicy | None = None,
 ) -> list[str]:
     """``all`` (every engine this machine runs for the artifact) or a comma-separated list.
 
-    ``baselines`` come first. Eager (the reference of a check) is left out unless ``keep_eager``
+    With ``all``/``auto`` and ``root``, engines that would run native code ``trust`` does not
+    allow are left out with a note (a named one is refused when it loads). ``baselines`` come first. Eager (the reference of a check) is left out unless ``keep_eager``
     or it is a baseline; an empty list is an error.
     """
     if text in ("all", "auto"):
         names = available_engines(manifest, device)
+        if root is not None:
+            names = trusted_engines(root, manifest, names, trust)
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in ENGINES]
@@ -134,6 +149,7 @@ def check_artifact(
     golden: str | Path | None = None,
     save_golden: str | Path | None = None,
     tolerances: Mapping[str, tuple[float, float]] | None = None,
+    trust: TrustPolicy | None = None,
 ) -> CheckResult:
     """Compare each engine of the artifact at ``root`` with a reference: its PyTorch model (eager), another engine, or a golden file.
 
@@ -147,7 +163,8 @@ def check_artifact(
     ``golden``: a file from ``save_golden``; its inputs and outputs are the reference, so the
     model is not rebuilt, and its tolerances apply when its precision is the artifact's (else the
     artifact's own). ``save_golden``: write the inputs, the reference's outputs and the
-    tolerances there. Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
+    tolerances there. ``trust``: whose signatures let aoti/trt load (with ``all``, an untrusted
+    one is skipped with a note). Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
     """
     from tk.workflows.golden import Golden, load_golden
     from tk.workflows.golden import save_golden as write_golden
@@ -163,7 +180,9 @@ def check_artifact(
     if reference not in ENGINES:
         raise UsageError(f"--reference: unknown engine {reference!r}; expected one of {', '.join(ENGINES)}")
     manifest = verify_artifact(root)
-    names = engines if isinstance(engines, list) else engines_to_check(engines, manifest, device)
+    names = (
+        engines if isinstance(engines, list) else engines_to_check(engines, manifest, device, root=root, trust=trust)
+    )
     names = [n for n in names if n != reference]
     if golden is not None and engines in ("all", "auto"):
         names = [n for n in names if n not in ("eager", "compile")]  # both rebuild the model the golden file replaces
@@ -184,7 +203,7 @@ def check_artifact(
 
     def open_engine(name: str) -> Any:
         opts = engine_options(name, values)
-        return load(root, name, device=device, allow_failed=allow_failed, manifest=manifest, options=opts)
+        return load(root, name, device=device, allow_failed=allow_failed, manifest=manifest, options=opts, trust=trust)
 
     result = CheckResult({}, rtol, atol)
     with contextlib.ExitStack() as stack:

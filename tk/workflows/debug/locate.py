@@ -38,6 +38,7 @@ from tk.runtime import load
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs, read_inputs
 from tk.safefiles import private_copy
+from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, require_trusted_code
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
 
@@ -304,11 +305,13 @@ def locate(
     rtol: float | None = None,
     atol: float | None = None,
     trust_model_code: bool = False,
+    trust: TrustPolicy | None = None,
 ) -> LocateResult:
     """Compare the intermediate outputs of ``engine``'s graph with the float32 model's, module by module.
 
     Inputs: the file ``inputs``, ``samples`` random samples, or random inputs at the opt sizes.
-    Tolerances: the artifact's (as ``tk check``), or ``rtol``/``atol``. CPU only.
+    Tolerances: the artifact's (as ``tk check``), or ``rtol``/``atol``. CPU only. ``trust``:
+    whose signatures let the aoti package load (checked first, before any work).
     """
     if engine not in ENGINES:
         raise UsageError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
@@ -316,9 +319,12 @@ def locate(
     manifest = verify_artifact(root)
     if manifest.precision == "int8" and engine != "onnx":
         raise UsageError("an int8 artifact holds only the onnx format: use --engine onnx")
+    if engine in NATIVE_CODE_FORMATS:
+        manifest.file(engine)
+        require_trusted_code(root, manifest, trust, engine)
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
     feeds = choose_feeds(manifest, inputs=inputs, samples=samples, seed=seed)
-    model = module_from_manifest(root, manifest, trust_model_code=trust_model_code)
+    model = module_from_manifest(root, manifest, trust_model_code=trust_model_code, trust=trust)
     args = _args(manifest, feeds)
     with recording(model) as records, torch.inference_mode():
         final = _arrays(model(*args))  # the float32 model runs once: its outputs are the engine's reference too
@@ -387,7 +393,7 @@ def locate(
             "or nodes without scope metadata such as onnxruntime's quantized ones): listed under unmatched"
         )
     found = LocateResult(engine, manifest.precision, via, notes, rtol, atol, min_sqnr, rows, unmatched)
-    with load(root, engine, allow_failed=True, manifest=manifest) as candidate:
+    with load(root, engine, allow_failed=True, manifest=manifest, trust=trust) as candidate:
         reference_out = dict(zip([s.name for s in manifest.signature.outputs], final, strict=True))
         found.engine_outputs = compare(reference_out, candidate.run(feeds), rtol=rtol, atol=atol, min_sqnr_db=min_sqnr)
     if found.first is not None and found.engine_passed:

@@ -34,6 +34,7 @@ from tk.errors import UsageError
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import OutputParity, compare
 from tk.runtime.eager import module_from_manifest
+from tk.signing import TrustPolicy
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
 from tk.workflows.check import shapes_to_check
@@ -201,13 +202,15 @@ def export_command(manifest: Manifest, keep: list[str], root: str | Path) -> str
     )
 
 
-def find_fp32_modules(root: str | Path, *, seed: int = 0, trust_model_code: bool = False) -> PrecisionResult:
+def find_fp32_modules(
+    root: str | Path, *, seed: int = 0, trust_model_code: bool = False, trust: TrustPolicy | None = None
+) -> PrecisionResult:
     """Bisect over the model's modules for a small set that, kept in float32, passes the check (CPU)."""
     start = time.perf_counter()
     manifest = verify_artifact(root)
     if manifest.precision == "fp32":
         raise UsageError(f"{root}: a float32 artifact has nothing to keep in float32; expected fp16, bf16 or int8")
-    model = module_from_manifest(root, manifest, trust_model_code=trust_model_code)
+    model = module_from_manifest(root, manifest, trust_model_code=trust_model_code, trust=trust)
     tolerance = artifact_tolerance(manifest.precision, manifest.model)
     shapes = shapes_to_check(manifest.signature.dims)
     feeds = [random_feeds(manifest.signature.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
