@@ -23,7 +23,7 @@ import torch
 from click.testing import CliRunner
 
 from tk.cli import cli
-from tk.errors import IntegrityError, TkError
+from tk.errors import IntegrityError, TkError, UntrustedArtifactError
 from tk.export import ExportOptions
 from tk.manifest import FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
@@ -428,8 +428,108 @@ def test_export_numbers_are_checked(tmp_path, args, fragment):
     assert_one_line(code, stderr, fragment)
 
 
-def test_an_empty_signing_key_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("TK_SIGNING_KEY", "")
+@pytest.mark.parametrize("value", ["", "secret"])
+def test_the_retired_hmac_key_is_an_error_not_a_false_protection(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("TK_SIGNING_KEY", value)
     code, stderr = run_cli("export", "mlp", "--size", "tiny", "--format", "torch", "--out", str(tmp_path / "x"))
-    assert_one_line(code, stderr, "TK_SIGNING_KEY is set but empty")
+    assert_one_line(code, stderr, "TK_SIGNING_KEY is set, but tk no longer uses its HMAC")
     assert not (tmp_path / "x").exists()
+
+
+# -- issue #20, critical: an AOTInductor package runs native code only when its signer is trusted ------------
+PLANTED_C = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("the package's code ran\\n", f); fclose(f); }
+}
+"""
+
+
+@pytest.fixture
+def crafted_aoti(exported, tmp_path):
+    """A copy of a tiny aoti+onnx+torch artifact whose package's .so is replaced by a library with a
+    constructor that writes ``marker``; the manifest re-hashed (sizes, sha256, checksum) as anyone can."""
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler (cc) to build the planted library")
+    marker = tmp_path / "marker"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_C)
+    library = tmp_path / "planted.so"
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(library), str(source)], check=True, timeout=120
+    )
+    root = tmp_path / "crafted"
+    shutil.copytree(exported("mlp", ("torch", "onnx", "aoti")).root, root)
+    package = root / "model.aoti.pt2"
+    original = zipfile.ZipFile(io.BytesIO(package.read_bytes()))
+    replaced = io.BytesIO()
+    with zipfile.ZipFile(replaced, "w") as out:
+        libraries = [i for i in original.infolist() if i.filename.endswith(".so")]
+        assert libraries, "the package holds a shared library"
+        for info in original.infolist():
+            out.writestr(info, library.read_bytes() if info in libraries else original.read(info))
+    rehash(root, {"model.aoti.pt2": replaced.getvalue()})
+    verify_artifact(root)  # every hash matches: only the signature can tell
+    return root, marker
+
+
+def run_tk(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m tk`` in a fresh process (a library loaded there cannot touch the test process)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "tk", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_a_crafted_aoti_package_runs_no_code(crafted_aoti, tmp_path):
+    root, marker = crafted_aoti
+    for args in (
+        ["infer", str(root), "--engine", "aoti", "--random", "2", "--out", str(tmp_path / "o.npz")],
+        ["check", str(root), "--engine", "aoti"],
+        ["bench", str(root), "--engine", "aoti", "--iters", "1", "--batch-sizes", "1", "--no-baselines"],
+        ["debug", "locate", str(root), "--engine", "aoti"],
+    ):
+        code, stderr = run_cli(*args)
+        assert_one_line(code, stderr, "refusing to load the aoti engine")
+        for how in ("--public-key FILE", f"tk sign {root}", "--trust-artifact-code"):
+            assert how in stderr, stderr
+        assert "(changed: manifest.json, model.aoti.pt2)" in stderr, stderr
+        assert not marker.exists(), f"{args[0]}: the planted library's code ran"
+    with pytest.raises(UntrustedArtifactError):
+        load(root, "aoti")
+    from tk.serve.app import ServeConfig, resolve
+
+    with pytest.raises(UntrustedArtifactError, match="refusing to load the aoti engine"):
+        resolve(ServeConfig(artifact=str(root), engine="aoti"))  # before Ray or any replica starts
+    assert not marker.exists()
+    (root / "model.sig").unlink()  # no signature at all: refused the same way
+    code, stderr = run_cli("check", str(root), "--engine", "aoti")
+    assert_one_line(code, stderr, "because it has no model.sig")
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_the_crafted_package_is_a_real_attack(crafted_aoti, tmp_path):
+    """The control: told to trust the artifact's code, tk loads it and the constructor runs
+    (in a separate process), so the refusals above are what keeps it from running."""
+    root, marker = crafted_aoti
+    done = run_tk(
+        "infer", str(root), "--engine", "aoti", "--random", "2", "--out", str(tmp_path / "o.npz"),
+        "--trust-artifact-code", cwd=tmp_path,
+    )  # fmt: skip
+    assert marker.exists(), done.stderr
+    assert "warning: --trust-artifact-code: loading the aoti engine's native code" in done.stderr
+
+
+@pytest.mark.slow
+def test_engine_all_skips_an_untrusted_aoti_and_checks_the_others(crafted_aoti):
+    root, marker = crafted_aoti
+    result = CliRunner().invoke(cli, ["check", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "note: skipping aoti, which runs the artifact's native code" in result.stderr
+    passed = [ln for ln in result.stdout.splitlines() if ln.startswith("parity passed for ")]
+    checked = set(passed[0].removeprefix("parity passed for ").split(", ")) if len(passed) == 1 else set()
+    assert {"onnx", "torch"} <= checked and "aoti" not in checked, result.stdout
+    assert not marker.exists()

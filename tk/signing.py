@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,12 +318,26 @@ def _verify_bundle(root: Path, raw: bytes, key: Path) -> str:
     try:
         with private_copy({SIGNATURE: raw}) as copy:
             config.verify(root, copy / SIGNATURE)
-    except Exception as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if type(exc).__name__ == "InvalidSignature":
-            text = "the signature does not verify with that key"
-        return f"its files do not match their signature: {text[:300]}"
+    except Exception as exc:  # model_signing raises ValueError, cryptography InvalidSignature, OSError ...
+        return _mismatch_reason(exc)
     return ""
+
+
+def _mismatch_reason(exc: BaseException) -> str:
+    """model_signing's verification error as a short reason naming the files that differ."""
+    text = str(exc)
+    if type(exc).__name__ == "InvalidSignature":
+        return "its signature does not verify with the key it names"
+    changed = re.findall(r"Hash mismatch for \\*'([^'\\]+)", text)  # quotes come escaped inside its list
+    extra = re.search(r"Extra files found in model \\*'[^']*': ([^\]\"'\\]+)", text)
+    missing = re.search(r"Missing files in model \\*'[^']*': ([^\]\"'\\]+)", text)
+    parts = [f"removed: {missing.group(1).strip()}"] if missing else []
+    parts += [f"added: {extra.group(1).strip()}"] if extra else []
+    parts += [f"changed: {', '.join(changed)}"] if changed else []
+    if parts:
+        return f"its files do not match their signature ({'; '.join(parts)})"
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return f"its signature does not verify ({first[:200]})"
 
 
 def _signed_manifest_digest(resources: Any, serialization: Any) -> str | None:
@@ -362,10 +377,10 @@ def require_trusted_code(root: str | Path, manifest: Manifest, policy: TrustPoli
         if policy.warn and once not in _overridden:
             _overridden.add(once)
             log.warning(
-                "warning: loading %s native code from %s, which %s, because of --trust-artifact-code",
+                "warning: --trust-artifact-code: loading the %s engine's native code from %s although %s",
                 what,
                 root,
-                found.reason,
+                untrusted_reason(found),
             )
         return
     raise UntrustedArtifactError(untrusted_message(root, what, found))
