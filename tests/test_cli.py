@@ -110,11 +110,18 @@ def test_import_tk_cli_stays_light():
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
-def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path):
+def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path, monkeypatch):
     out = tmp_path / "scorer"
     assert invoke("export", "examples.user_model:scorer", "--format", "torch", "--out", str(out)).exit_code == 0
+    own = invoke("check", str(out), "--engine", "torch")  # signed with the user's own key: trusted
+    assert own.exit_code == 0, own.output
+    from tk.signing import ensure_own_key
+
+    signer = ensure_own_key()[1]
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))  # someone else receives it
     refused = invoke("check", str(out), "--engine", "torch")
-    assert_one_line_error(refused, 2, "user code", "--trust-model-code")
-    trusted = invoke("check", str(out), "--engine", "torch", "--trust-model-code")
-    assert trusted.exit_code == 0, trusted.output
-    assert "parity passed for torch" in trusted.stdout
+    assert_one_line_error(refused, 2, "user code", "--trust-model-code", "--public-key")
+    for flags in (["--trust-model-code"], ["--public-key", str(signer)]):
+        trusted = invoke("check", str(out), "--engine", "torch", *flags)
+        assert trusted.exit_code == 0, trusted.output
+        assert "parity passed for torch" in trusted.stdout
