@@ -13,4 +13,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf,int8]' 'torch==2.14.1' 'torchvision==0.29.1' \
-  'torchao==0.18.0'
+  'torchao==0.18.0' 'model-signing==1.1.1' 'pyopenssl'
