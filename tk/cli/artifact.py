@@ -7,7 +7,15 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, model_options, print_check_reports, size_text, task_option, trust_options, trust_policy
+from tk.cli.common import (
+    build,
+    model_options,
+    print_check_reports,
+    public_key_option,
+    size_text,
+    task_option,
+    trust_policy,
+)
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 
@@ -223,7 +231,7 @@ def _quantization_text(quant: object) -> str:
 @click.command("inspect")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
-@trust_options
+@public_key_option
 def inspect_cmd(artifact: Path, as_json: bool) -> None:
     """Summarize an artifact's manifest (and verify every file's hash)."""
     from tk.manifest import manifest_bytes, verify_artifact

@@ -123,9 +123,9 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
-def trust_options(fn: Any) -> Any:
-    """``--public-key FILE`` (repeatable) and ``--trust-artifact-code``; read them with ``trust_policy()``."""
-    fn = click.option(
+def public_key_option(fn: Any) -> Any:
+    """``--public-key FILE`` (repeatable); read it with ``trust_policy()``."""
+    return click.option(
         "--public-key",
         "public_keys",
         multiple=True,
@@ -135,6 +135,11 @@ def trust_options(fn: Any) -> Any:
         help="Trust artifacts signed by this PEM public key (repeatable), besides your own key, $TK_TRUSTED_KEYS "
         "and the trusted-keys directory (docs/security.md).",
     )(fn)
+
+
+def trust_options(fn: Any) -> Any:
+    """``--public-key FILE`` (repeatable) and ``--trust-artifact-code``; read them with ``trust_policy()``."""
+    fn = public_key_option(fn)
     fn = click.option(
         "--trust-artifact-code",
         is_flag=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tk.cli.common import console, trust_options, trust_policy
+from tk.cli.common import console, public_key_option, trust_options, trust_policy
 
 
 @click.group("debug")
@@ -109,7 +109,7 @@ def locate_cmd(
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the search as JSON.")
 @click.option("--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code.")
-@trust_options
+@public_key_option
 def precision_cmd(artifact: Path, seed: int, json_path: Path | None, trust_model_code: bool) -> None:
     """Find a small set of modules that, kept in float32, make an fp16/bf16/int8 artifact's check pass."""
     from tk.fileio import atomic_write_json
