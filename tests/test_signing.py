@@ -319,3 +319,20 @@ def test_the_retired_hmac_key_is_refused_in_one_line(torch_artifact, monkeypatch
     monkeypatch.setenv("TK_SIGNING_KEY", "secret")
     result = invoke("inspect", str(torch_artifact))
     assert result.exit_code == 2 and "TK_SIGNING_KEY is set, but tk no longer uses its HMAC" in result.stderr
+
+
+def test_an_ignored_cache_directory_may_change_without_breaking_the_signature(copy):
+    """tk optimize keeps its candidates' cache inside the winner's directory; the manifest never lists it."""
+    (copy / ".candidates").mkdir()
+    (copy / ".candidates" / "a.json").write_text("{}")
+    sign_artifact(copy, ignore=(".candidates",))
+    (copy / ".candidates" / "b.json").write_text("{}")
+    assert check_signature(copy, read_manifest(copy)).trusted
+    done = subprocess.run(
+        [str(MODEL_SIGNING), "verify", "key", str(copy), "--signature", str(copy / SIGNATURE),
+         "--public_key", str(ensure_own_key()[1])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (copy / "extra.bin").write_bytes(b"x")  # anything else still breaks it
+    assert not check_signature(copy, read_manifest(copy)).trusted

@@ -224,9 +224,11 @@ def fingerprint_of_file(path: Path, data: bytes | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------- signing
-def sign_artifact(root: str | Path, private_key: str | Path | None = None) -> str:
+def sign_artifact(root: str | Path, private_key: str | Path | None = None, *, ignore: tuple[str, ...] = ()) -> str:
     """Write ``root/model.sig`` over every file of ``root`` (``model.sig`` itself left out) and
-    return the signing key's fingerprint. ``private_key``: a PEM EC key file (default: the user's own)."""
+    return the signing key's fingerprint. ``private_key``: a PEM EC key file (default: the user's own).
+    ``ignore``: relative paths left out too (a cache that lives in the directory but is no part of
+    the artifact: the manifest never lists it, so nothing ``tk`` loads comes from there)."""
     import model_signing
 
     root = Path(root)
@@ -239,7 +241,7 @@ def sign_artifact(root: str | Path, private_key: str | Path | None = None) -> st
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+    hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE, *ignore], ignore_git_paths=False)
     config = model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path).set_hashing_config(hashing)
     try:
         with private_copy({}) as scratch:  # signed outside the directory, so no temporary file is hashed
@@ -252,7 +254,8 @@ def sign_artifact(root: str | Path, private_key: str | Path | None = None) -> st
 
 
 # ----------------------------------------------------------------------------------- verifying
-_verified: dict[tuple[str, str, frozenset[str]], tuple[str, Path]] = {}  # (root, manifest sha256, keys) -> signer
+# (root, manifest sha256, keys, the directory's file metadata) -> signer
+_verified: dict[tuple[str, str, frozenset[str], tuple[Any, ...]], tuple[str, Path]] = {}
 _verified_lock = threading.Lock()
 
 
@@ -260,13 +263,14 @@ def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | 
     """Whether ``root/model.sig`` verifies against a trusted key, covers every file of ``root`` as
     it is now, and names the sha256 of the bytes ``manifest`` was read from.
 
-    A positive answer is remembered for this process (by directory, manifest sha256 and trusted
-    keys): what the manifest lists is bound to it by sha256, so it stays true for every file an
-    engine loads through ``read_verified``.
+    A positive answer is remembered for this process (by directory, manifest sha256, trusted keys
+    and every file's size, mtime and inode, so a file added or rewritten since is hashed again):
+    what the manifest lists is bound to it by sha256 in any case, so it stays true for every file
+    an engine loads through ``read_verified``.
     """
     root = Path(root)
     keys = _trusted_keys(policy)
-    cache_key = (os.path.realpath(root), manifest.source_sha256, frozenset(keys))
+    cache_key = (os.path.realpath(root), manifest.source_sha256, frozenset(keys), _directory_state(root))
     with _verified_lock:
         known = _verified.get(cache_key)
     if known is not None:
@@ -297,6 +301,19 @@ def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | 
     with _verified_lock:
         _verified[cache_key] = (hint, key)
     return SignatureCheck(True, True, hint, key, "")
+
+
+def _directory_state(root: Path) -> tuple[Any, ...]:
+    """Every entry below ``root`` with its size, mtime and inode (cheap: no file is read)."""
+    state = []
+    for directory, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files + dirs):
+            info = os.lstat(os.path.join(directory, name))
+            state.append(
+                (os.path.relpath(os.path.join(directory, name), root), info.st_size, info.st_mtime_ns, info.st_ino)
+            )
+    return tuple(state)
 
 
 def _read_signature(root: Path) -> bytes:

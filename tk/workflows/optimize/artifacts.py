@@ -25,6 +25,7 @@ from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir
 from tk.formats.aoti import packing_features
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, verify_artifact
 from tk.models import ModelSpec
+from tk.signing import sign_artifact
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize.candidates import Candidate, group_key
 
@@ -194,6 +195,7 @@ def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate
             shutil.copytree(other, staging / "candidates" / other.name, symlinks=True)
         if cache == out / CACHE and cache.is_dir():
             os.replace(cache, staging / CACHE)  # the cache lives in the artifact: it moves with it
+        sign_artifact(staging, ignore=(CACHE,))  # after the last write; the cache is no part of the artifact
         _swap_into_place(staging, out)
     except BaseException:
         if (staging / CACHE).is_dir() and not cache.exists():
