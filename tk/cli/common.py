@@ -92,7 +92,7 @@ def engine_options(fn: Any) -> Any:
         help="onnxruntime execution provider, e.g. CPUExecutionProvider (default: the best available).",
     )(fn)
     fn = click.option(
-        "--threads", type=int, default=None, help="Threads for onnxruntime and torch (default: all cores)."
+        "--threads", type=int, default=None, help="Threads for onnxruntime, OpenVINO and torch (default: all cores)."
     )(fn)
     fn = click.option(
         "--mode",

@@ -63,8 +63,11 @@ def unavailable_reason(device: str, precision: str = "fp32") -> str | None:
 def validate(ctx: ExportContext) -> None:
     """Refuse the export options this writer cannot honour."""
     options = ctx.options
-    if options.keep_fp32:
-        raise UsageError("--keep-fp32: the openvino format does not keep modules in float32; export without it")
+    if options.keep_fp32 and options.precision != "fp32":
+        raise UsageError(
+            f"--keep-fp32: the openvino format does not keep modules in float32 at --precision {options.precision}; "
+            "export without it"
+        )
     if options.nodes_to_exclude:
         raise UsageError("nodes_to_exclude names ONNX nodes; the openvino format excludes its own layers at int8")
     if options.precision == "int8" and options.int8_mode != "static":
