@@ -140,15 +140,20 @@ def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
             f"openvino.convert_model could not convert the exported program ({type(exc).__name__}: {first_line(exc)}); "
             "export --format onnx or aoti instead"
         ) from exc
-    got_in = [p.get_any_name() for p in model.inputs]
-    want_in = [s.name for s in signature.inputs]
-    if got_in != want_in or len(model.outputs) != len(signature.outputs):
+    if len(model.inputs) != len(signature.inputs) or len(model.outputs) != len(signature.outputs):
         raise ConversionError(
-            f"the OpenVINO model has inputs {got_in} and {len(model.outputs)} outputs; the model's signature expects "
-            f"{want_in} and {len(signature.outputs)} outputs"
+            f"the OpenVINO model has {len(model.inputs)} inputs and {len(model.outputs)} outputs; the model's "
+            f"signature expects {len(signature.inputs)} and {len(signature.outputs)} (does forward take inputs the "
+            "model ignores, or return extra values?)"
         )
-    for port, spec in zip(model.outputs, signature.outputs, strict=True):
+    # the program's inputs come in the signature's order under forward's argument names; name them as tk does
+    for port, spec in [
+        *zip(model.inputs, signature.inputs, strict=True),
+        *zip(model.outputs, signature.outputs, strict=True),
+    ]:
         port.get_tensor().set_names({spec.name})
+    for port, spec in zip(model.inputs, signature.inputs, strict=True):
+        port.get_node().set_friendly_name(spec.name)
     model.reshape(bounded_shapes(signature, ctx.dims))
     return model
 
