@@ -168,7 +168,7 @@ def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     _, out, result = trained_int8
     assert result.passed
     quant = result.manifest.formats["openvino"]["quantization"]
-    assert quant["tool"] == "nncf.quantize" and quant["model_type"] == "transformer"
+    assert quant["quantizer"] == "nncf.quantize" and quant["mode"] == "static" and quant["model_type"] == "transformer"
     assert quant["quantizable_nodes"] >= 5
     assert quant["sqnr_db_export"] >= MIN_SQNR_DB["int8"]
     assert result.manifest.versions["nncf"]

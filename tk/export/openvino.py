@@ -235,10 +235,12 @@ def int8_ir_from_ir(
     sqnr = judged.sqnr_db(quantized)
     log.info("export int8   OpenVINO SQNR %.1f dB on %d batches", sqnr, len(judged.batches))
     record: dict[str, Any] = {
-        "tool": "nncf.quantize",
+        "mode": "static",
+        "quantizer": "nncf.quantize",
         "model_type": "transformer" if transformer else None,
         "calibration_batches": len(calibration),
         "quantizable_nodes": len(layers),
+        "excluded": [],
         "automatic_exclusions": [],
     }
     if min_sqnr_db is not None and sqnr < min_sqnr_db + MARGIN_DB and layers:
@@ -255,7 +257,7 @@ def int8_ir_from_ir(
         excluded, last = exclude_costliest(costs, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS)
         if last is not None:
             quantized, sqnr = best["model"], last
-        record["automatic_exclusions"] = excluded
+        record["automatic_exclusions"] = record["excluded"] = excluded
         record["layer_sqnr_db"] = {name: round(value, 2) for name, value in costs.items()}
     record["sqnr_db_export"] = round(sqnr, 2)
     return quantized, record
