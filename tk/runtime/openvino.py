@@ -73,9 +73,9 @@ class OpenVINOEngine(Engine):
             raise load_failure(exc, f"{self.root / xml_entry.path} (OpenVINO)", fix) from exc
         self._in_names = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
-        got_in = [p.get_any_name() for p in model.inputs]
-        got_out = [next(iter(sorted(p.get_names())), "") for p in model.outputs]
-        if sorted(got_in) != sorted(self._in_names) or sorted(got_out) != sorted(self._out_names):
+        if not (_names_match(model.inputs, self._in_names) and _names_match(model.outputs, self._out_names)):
+            got_in = [sorted(p.get_names()) for p in model.inputs]
+            got_out = [sorted(p.get_names()) for p in model.outputs]
             raise IntegrityError(
                 f"{self.root / xml_entry.path}: the IR has inputs {got_in} and outputs {got_out}; "
                 f"the manifest expects {self._in_names} and {self._out_names}"
@@ -126,3 +126,8 @@ class OpenVINOEngine(Engine):
 
     def _close(self) -> None:
         del self._compiled, self._ports, self._local
+
+
+def _names_match(ports: list[Any], names: list[str]) -> bool:
+    """Whether ``ports`` are as many as ``names`` and each name is one port's tensor name."""
+    return len(ports) == len(names) and all(any(n in p.get_names() for p in ports) for n in names)
