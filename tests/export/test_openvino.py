@@ -180,3 +180,12 @@ def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     assert quantized >= 1 and fake_quantize >= quantized  # some products are int8, each with its quantizers
     with load(out, "openvino") as engine:
         assert engine.settings()["inference_precision"] == "f32"  # the layers left float stay float32
+
+
+def test_static_export_fixes_the_irs_input_shapes(exported):
+    e = exported("mlp", OV, dynamic=False)
+    assert e.manifest.status == "passed"
+    batch = e.manifest.signature.dims["batch"]
+    assert batch.min == batch.max == batch.opt
+    xml = (e.root / XML).read_text()
+    assert re.search(rf'<dim>{batch.opt}</dim>\s*<dim>8</dim>', xml), "the parameter's shape is fixed at opt"
