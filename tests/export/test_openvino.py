@@ -188,4 +188,4 @@ def test_static_export_fixes_the_irs_input_shapes(exported):
     batch = e.manifest.signature.dims["batch"]
     assert batch.min == batch.max == batch.opt
     xml = (e.root / XML).read_text()
-    assert re.search(rf'<dim>{batch.opt}</dim>\s*<dim>8</dim>', xml), "the parameter's shape is fixed at opt"
+    assert re.search(rf"<dim>{batch.opt}</dim>\s*<dim>8</dim>", xml), "the parameter's shape is fixed at opt"
