@@ -172,7 +172,7 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
     assert int8_unavailable("cpu") is None  # this x86 machine, torchao installed (the module skips otherwise)
     assert (
         format_unavailable_reason("torch", "cpu", "int8")
-        == "--precision int8 is written for the onnx and aoti formats only"
+        == "--precision int8 is written for the onnx, aoti and openvino formats only"
     )
     spec = build_model("mlp", size="tiny")
     with pytest.raises(UsageError, match="int8 aoti packages calibrate with histogram or minmax, got 'entropy'"):
@@ -199,7 +199,7 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
             tmp_path / "b",
             ExportOptions(formats=("aoti",), precision="int8", settings={"onnx": OnnxOptions(int8_mode="dynamic")}),
         )
-    with pytest.raises(BackendUnavailableError, match="onnx and aoti formats only"):
+    with pytest.raises(BackendUnavailableError, match="onnx, aoti and openvino formats only"):
         export(spec, tmp_path / "c", ExportOptions(formats=("torch",), precision="int8"))
     result = CliRunner().invoke(
         cli,

@@ -118,10 +118,12 @@ def test_tk_check_engine_all_runs_openvino(exported, tmp_path):
 
 
 def test_precisions_and_options_it_cannot_honour_are_refused():
-    from tk.export.openvino import unavailable_reason
+    from tk.export.openvino import WRITER
 
-    assert "export --device cpu" in unavailable_reason("cuda")  # also where a GPU is present
-    assert "writes fp32, bf16, int8" in format_unavailable_reason("openvino", "cpu", "fp16")
+    assert "export --device cpu" in WRITER.unavailable_reason("cuda", "fp32")  # also where a GPU is present
+    assert WRITER.precisions == ("fp32", "bf16", "int8")
+    fp16 = format_unavailable_reason("openvino", "cpu", "fp16")
+    assert fp16 == "--precision fp16 is written for the torch, onnx, aoti and trt formats only"
     bf16 = format_unavailable_reason("openvino", "cpu", "bf16")
     if HAS_BF16:
         assert bf16 is None
@@ -130,6 +132,28 @@ def test_precisions_and_options_it_cannot_honour_are_refused():
     spec = build_model("mlp", size="tiny")
     with pytest.raises(BackendUnavailableError, match="--format openvino: --precision fp16"):
         export(spec, "/nonexistent/never", ExportOptions(formats=OV, precision="fp16"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--int8-mode", "dynamic"], "--int8-mode: applies to --format onnx only; this export writes openvino"),
+        (
+            ["--calibration-method", "minmax"],
+            "--calibration-method: applies to --format onnx or aoti only; this export writes openvino",
+        ),
+    ],
+)
+def test_int8_flags_of_other_formats_are_refused_in_one_line(tmp_path, args, message):
+    from tk.cli import cli
+
+    out = tmp_path / "a"
+    argv = ["export", "mlp", "--size", "tiny", "--format", "openvino", "--precision", "int8", "--out", str(out)]
+    result = CliRunner().invoke(cli, [*argv, *args])
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not out.exists()
 
 
 def test_keep_fp32_is_refused(tmp_path):

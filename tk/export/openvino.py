@@ -27,90 +27,94 @@ from typing import Any
 import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.context import ExportContext
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.writer import NoOptions, Writer
 from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
 
 log = logging.getLogger("tk.export")
 
-PRECISIONS = tuple(PRECISION_HINTS)  # fp32, bf16, int8
 MAX_ROUNDS = 8  # int8 exclusion rounds before giving up (the check then reports the SQNR)
 
 
-def unavailable_reason(device: str, precision: str = "fp32") -> str | None:
-    if device != "cpu":
-        return f"OpenVINO IRs are written for the CPU; export --device cpu (got {device})"
-    if precision not in PRECISIONS:
-        return f"--precision {precision}: the openvino format writes {', '.join(PRECISIONS)}"
-    reason = missing_reason()
-    if reason:
-        return reason
-    if precision == "int8":
-        import importlib.util
+class OpenVinoWriter(Writer):
+    """``model.xml`` + ``model.bin``: the IR ``openvino.convert_model`` makes of the float32 program,
+    quantized by NNCF under int8. It takes no options of its own: NNCF chooses the int8 ranges."""
 
-        if importlib.util.find_spec("nncf") is None:
-            return "int8 OpenVINO IRs are quantized by NNCF, which is not installed (pip install 'tk[openvino]')"
-    if precision == "bf16":
-        from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+    name = "openvino"
+    Options = NoOptions
+    precisions = tuple(PRECISION_HINTS)  # fp32, bf16, int8
 
-        if not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
-            return (
-                f"--precision bf16: this CPU has no {' or '.join(NATIVE_FLAGS['bf16'])}, and OpenVINO compiles bf16 "
-                "as f32 there, so the check could not test it; export it on such a CPU"
+    def unavailable_reason(self, device: str, precision: str) -> str | None:
+        if device != "cpu":
+            return f"OpenVINO IRs are written for the CPU; export --device cpu (got {device})"
+        reason = missing_reason()
+        if reason:
+            return reason
+        if precision == "int8":
+            import importlib.util
+
+            if importlib.util.find_spec("nncf") is None:
+                return "int8 OpenVINO IRs are quantized by NNCF, which is not installed (pip install 'tk[openvino]')"
+        if precision == "bf16":
+            from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+
+            if not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
+                return (
+                    f"--precision bf16: this CPU has no {' or '.join(NATIVE_FLAGS['bf16'])}, and OpenVINO compiles "
+                    "bf16 as f32 there, so the check could not test it; export it on such a CPU"
+                )
+        return None
+
+    def validate(self, options: NoOptions, export: ExportOptions) -> None:
+        if export.keep_fp32 and export.precision != "fp32":
+            raise UsageError(
+                f"--keep-fp32: the openvino format does not keep modules in float32 at --precision {export.precision}; "
+                "export without it"
             )
-    return None
+
+    def write(self, ctx: ExportContext) -> None:
+        import openvino as ov
+
+        model = ir_from_exported_program(_float32_program(ctx), ctx)
+        quantization = None
+        if ctx.options.precision == "int8":
+            model, quantization = _int8_ir(model, ctx)
+        xml = ctx.add_file(XML, ROLE)
+        ctx.add_file(BIN, WEIGHTS_ROLE)
+        ov.save_model(model, str(xml), compress_to_fp16=False)
+        info: dict[str, Any] = {
+            "file": XML,
+            "weights": BIN,
+            "inference_precision_hint": PRECISION_HINTS[ctx.options.precision],
+            "compress_to_fp16": False,
+        }
+        if quantization is not None:
+            info["quantization"] = quantization
+        ctx.formats[self.name] = info
+        ctx.versions.setdefault("openvino", ov.__version__)
 
 
-def validate(ctx: ExportContext) -> None:
-    """Refuse the export options this writer cannot honour."""
-    options = ctx.options
-    if options.keep_fp32 and options.precision != "fp32":
-        raise UsageError(
-            f"--keep-fp32: the openvino format does not keep modules in float32 at --precision {options.precision}; "
-            "export without it"
-        )
-    if options.nodes_to_exclude:
-        raise UsageError("nodes_to_exclude names ONNX nodes; the openvino format excludes its own layers at int8")
-    if options.precision == "int8" and options.int8_mode != "static":
-        raise UsageError(f"--int8-mode {options.int8_mode}: NNCF's int8 OpenVINO IR is calibrated; expected static")
-    if options.precision == "int8" and options.calibration_method is not None:
-        raise UsageError(
-            f"--calibration-method {options.calibration_method}: NNCF chooses the OpenVINO IR's ranges itself; "
-            "export without it"
-        )
+WRITER = OpenVinoWriter()
 
 
-def write(ctx: ExportContext) -> None:
-    import openvino as ov
+def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
+    """``model`` quantized by NNCF on tk's calibration batches, judged at the int8 SQNR floor."""
+    import nncf
 
-    validate(ctx)
-    model = ir_from_exported_program(_float32_program(ctx), ctx)
-    quantization = None
-    if ctx.options.precision == "int8":
-        import nncf
+    from tk.export.calibration import calibration_feeds, judge_feeds, require_int8_layers
+    from tk.tolerances import MIN_SQNR_DB
 
-        from tk.export.calibration import calibration_feeds, judge_feeds
-        from tk.tolerances import MIN_SQNR_DB
-
-        model, quantization = int8_ir_from_ir(
-            model,
-            calibration_feeds(ctx),
-            judge_feeds(ctx),
-            transformer=has_attention(model),
-            min_sqnr_db=MIN_SQNR_DB["int8"],
-        )
-        ctx.versions.setdefault("nncf", nncf.__version__)
-    xml = ctx.add_file(XML, ROLE)
-    ctx.add_file(BIN, WEIGHTS_ROLE)
-    ov.save_model(model, str(xml), compress_to_fp16=False)
-    ctx.formats["openvino"] = {
-        "file": XML,
-        "weights": BIN,
-        "inference_precision_hint": PRECISION_HINTS[ctx.options.precision],
-        "compress_to_fp16": False,
-    }
-    if quantization is not None:
-        ctx.formats["openvino"]["quantization"] = quantization
-    ctx.versions.setdefault("openvino", ov.__version__)
+    quantized, record = int8_ir_from_ir(
+        model,
+        calibration_feeds(ctx),
+        judge_feeds(ctx),
+        transformer=has_attention(model),
+        min_sqnr_db=MIN_SQNR_DB["int8"],
+    )
+    layers = record["quantizable_nodes"]
+    require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
+    ctx.versions.setdefault("nncf", nncf.__version__)
+    return quantized, record
 
 
 def _float32_program(ctx: ExportContext) -> Any:
