@@ -1,14 +1,12 @@
-"""Engine names to classes (the names live in ``tk.registries``), and ``load``.
+"""Engine names to classes (the names live in ``tk.registries``), and ``load``, which opens one.
 
 Modules are imported on first use, so ``import tk.runtime.registry`` stays light.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Mapping
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,15 +39,6 @@ def available_engines(manifest: Manifest | None = None, device: str = "cpu") -> 
         if unavailable_reason(name, device) is None:
             names.append(name)
     return names
-
-
-def engine_options(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The subset of ``values`` that engine ``name`` declares, ``None`` values left out (the default).
-
-    The command line has one set of flags for every engine; this picks each engine's own.
-    """
-    declared = {f.name for f in dataclasses.fields(engine_class(name).Options)}
-    return {key: value for key, value in values.items() if key in declared and value is not None}
 
 
 def load(
@@ -89,29 +78,3 @@ def load(
         )
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
     return cls(root, manifest, device=device, options=options)
-
-
-def open_engines(
-    stack: ExitStack,
-    root: str | Path,
-    names: list[str],
-    manifest: Manifest,
-    *,
-    device: str = "cpu",
-    values: Mapping[str, Any] | None = None,
-    allow_failed: bool = False,
-) -> dict[str, Engine]:
-    """Each engine of ``names`` loaded on ``stack`` (closed with it), given the options it declares of ``values``."""
-    return {
-        name: stack.enter_context(
-            load(
-                root,
-                name,
-                device=device,
-                manifest=manifest,
-                allow_failed=allow_failed,
-                options=engine_options(name, values or {}),
-            )
-        )
-        for name in names
-    }

@@ -2,7 +2,7 @@
 
 Each shard (``.npz``, ``.npy``, a directory of ``<input>.npy`` files, or a ``.parquet`` file with
 one column per input) is one row of a Ray dataset; ``map_batches`` hands the rows to a pool of
-``actors`` actors, each of which opens the engine once (``tk.runtime.load``, with its integrity
+``actors`` actors, each of which opens the engine once (``tk.runtime.open_engine``, with its integrity
 checks) and runs each shard through ``tk.runtime.batching.infer_file``, the same code as
 single-process ``tk infer``, so every output array holds the same bytes. Each shard's outputs are
 written atomically to ``OUT/<shard name>.npz``. Rows come back in input order and drive the
@@ -12,7 +12,7 @@ progress callback as shards finish.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,8 @@ from tk import limits
 from tk.errors import InputError, TkError, UsageError, first_line
 from tk.limits import require_within_budget
 from tk.manifest import verify_artifact
-from tk.runtime import engine_options, load
 from tk.runtime.batching import BatchRunner, infer_file, save_npz
+from tk.runtime.choice import EngineChoice, open_engine
 from tk.runtime.inputs import file_samples, sample_dim
 from tk.serve.cluster import connect, disconnect
 from tk.spec import TensorSpec, numpy_dtype
@@ -142,16 +142,8 @@ def _column_array(column: Any, path: Path, name: str) -> np.ndarray:
 class ShardRunner:
     """A Ray Data actor: opens the engine once, then runs whole shards (``batch_size=1`` rows)."""
 
-    def __init__(
-        self,
-        root: str,
-        engine: str,
-        device: str,
-        options: Mapping[str, Any],
-        allow_failed: bool,
-        batch_size: int | None,
-    ) -> None:
-        self.engine = load(root, engine, device=device, allow_failed=allow_failed, options=dict(options)).load()
+    def __init__(self, root: str, choice: EngineChoice, batch_size: int | None) -> None:
+        self.engine = open_engine(root, choice).load()
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -177,7 +169,7 @@ class ShardRunner:
 
 def infer_ray(
     root: str | Path,
-    engine: str,
+    choice: EngineChoice,
     inputs: str | Path,
     out: str | Path,
     *,
@@ -186,15 +178,12 @@ def infer_ray(
     gpus_per_actor: float = 0.0,
     batch_size: int | None = None,
     address: str | None = None,
-    device: str = "cpu",
-    options: Mapping[str, Any] | None = None,
-    allow_failed: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> RayInferResult:
     """Run every shard of the directory ``inputs`` on ``actors`` Ray actors; write ``out/<shard>.npz``.
 
     Starts a local Ray instance unless one is running or ``address`` names a cluster (which is
-    left running). ``options``: engine options by name; ``threads`` defaults to ``cpus_per_actor``.
+    left running). ``choice``: one engine; its ``threads`` option defaults to ``cpus_per_actor``.
     ``progress(shards_done, shards)`` after each shard.
     """
     import time
@@ -204,15 +193,16 @@ def infer_ray(
         import ray.data
     except ImportError as exc:
         raise UsageError(f"tk infer --ray needs Ray Data: pip install 'tk[serve]' ({first_line(exc)})") from exc
-    if engine == "auto":
+    if choice.name == "auto":
         raise UsageError("--ray: name an engine (--engine onnx, torch, ...); auto is for single-process tk infer")
     if actors < 1:
         raise UsageError(f"--actors: expected 1 or more, got {actors}")
     manifest = verify_artifact(root)
     sample_dim(manifest.signature.inputs)
-    if batch_size is not None:  # the same refusal single-process tk infer gives, before Ray starts
-        with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest) as probe:
-            BatchRunner(probe, batch_size)
+    choice = choice.with_defaults({"threads": max(1, int(cpus_per_actor))}, [choice.name])
+    probe = open_engine(root, choice, manifest=manifest)  # what an actor would refuse, refused before Ray starts
+    if batch_size is not None:  # the same refusal single-process tk infer gives
+        BatchRunner(probe, batch_size)
     shards = list_shards(inputs)
     for shard in shards:  # each actor checks again (its budget is its own); here it is one line before Ray starts
         if shard.suffix == ".parquet":
@@ -221,9 +211,6 @@ def infer_ray(
     if out.suffix == ".npz":
         raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
     out.mkdir(parents=True, exist_ok=True)
-    values = engine_options(engine, dict(options or {}))
-    if "threads" not in values and "threads" in engine_options(engine, {"threads": 1}):
-        values["threads"] = max(1, int(cpus_per_actor))
     targets = [out / f"{s.stem}.npz" for s in shards]
     budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
     connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
@@ -248,10 +235,7 @@ def infer_ray(
             ShardRunner,
             fn_constructor_kwargs={
                 "root": str(Path(root).resolve()),
-                "engine": engine,
-                "device": device,
-                "options": values,
-                "allow_failed": allow_failed,
+                "choice": choice,
                 "batch_size": batch_size,
             },
             batch_size=1,
