@@ -11,8 +11,9 @@ progress callback as shards finish.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,7 +215,47 @@ def infer_ray(
     targets = [out / f"{s.stem}.npz" for s in shards]
     budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
     connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
-    context = ray.data.DataContext.get_current()
+    started = time.perf_counter()
+    samples = 0
+    engine_seconds = 0.0
+    done = 0
+    try:
+        with _ordered_quiet(ray.data.DataContext.get_current()):
+            dataset = ray.data.from_items(
+                [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
+            )
+            results = dataset.map_batches(
+                ShardRunner,
+                fn_constructor_kwargs={
+                    "root": str(Path(root).resolve()),
+                    "choice": choice,
+                    "batch_size": batch_size,
+                },
+                batch_size=1,
+                batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=actors),
+                num_cpus=cpus_per_actor,
+                num_gpus=gpus_per_actor or None,
+            )
+            for row in results.iter_rows():
+                samples += int(row["samples"])
+                engine_seconds += float(row["seconds"])
+                done += 1
+                if progress is not None:
+                    progress(done, len(shards))
+    except Exception as exc:
+        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
+        if cause is not None:
+            raise type(cause)(first_line(cause)) from exc
+        raise
+    finally:
+        disconnect(connection)
+    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+@contextlib.contextmanager
+def _ordered_quiet(context: Any) -> Iterator[None]:
+    """Ray Data's ``context`` set for tk inside the block, restored after."""
     saved = (
         context.execution_options.preserve_order,
         context.enable_progress_bars,
@@ -223,46 +264,14 @@ def infer_ray(
     context.execution_options.preserve_order = True  # rows come back in shard order
     context.enable_progress_bars = False  # the caller's progress callback is the one bar
     context.raise_original_map_exception = True  # a bad shard's TkError, not Ray's wrapping of it
-    started = time.perf_counter()
-    samples = 0
-    engine_seconds = 0.0
-    done = 0
     try:
-        dataset = ray.data.from_items(
-            [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
-        )
-        results = dataset.map_batches(
-            ShardRunner,
-            fn_constructor_kwargs={
-                "root": str(Path(root).resolve()),
-                "choice": choice,
-                "batch_size": batch_size,
-            },
-            batch_size=1,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            num_cpus=cpus_per_actor,
-            num_gpus=gpus_per_actor or None,
-        )
-        for row in results.iter_rows():
-            samples += int(row["samples"])
-            engine_seconds += float(row["seconds"])
-            done += 1
-            if progress is not None:
-                progress(done, len(shards))
-    except Exception as exc:
-        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
-        if cause is not None:
-            raise type(cause)(first_line(cause)) from exc
-        raise
+        yield
     finally:
         (
             context.execution_options.preserve_order,
             context.enable_progress_bars,
             context.raise_original_map_exception,
         ) = saved
-        disconnect(connection)
-    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
 
 
 def _tk_error_in(exc: BaseException) -> TkError | None:
