@@ -213,3 +213,18 @@ def test_threads_below_one_is_refused_by_every_engine_command(exported, tmp_path
     root = exported("linear", ("torch", "onnx")).root
     for args in (["infer", str(root), "--random", "1", "--out", str(tmp_path / "o.npz")], ["check", str(root)]):
         assert_one_line_error(invoke(*args, "--threads", "0"), 2, "--threads: expected 1 or more, got 0")
+
+
+def test_infer_ray_refuses_a_flag_its_engine_does_not_take_before_ray_starts(exported, tmp_path):
+    pytest.importorskip("ray")
+    root = exported("linear", ("torch", "onnx")).root
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.savez(shards / "a.npz", x=np.zeros((2, 16), np.float32))
+    args = ["infer", str(root), "--ray", "--inputs", str(shards), "--out", str(tmp_path / "out")]
+    assert_one_line_error(
+        invoke(*args, "--engine", "torch", "--mode", "max-autotune"),
+        2,
+        "--mode applies to the compile engine, not torch",
+    )
+    assert not (tmp_path / "out").exists()
