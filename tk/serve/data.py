@@ -205,14 +205,8 @@ def infer_ray(
     if batch_size is not None:  # the same refusal single-process tk infer gives
         BatchRunner(probe, batch_size)
     shards = list_shards(inputs)
-    for shard in shards:  # each actor checks again (its budget is its own); here it is one line before Ray starts
-        if shard.suffix == ".parquet":
-            require_parquet_within_budget(shard)
     out = Path(out)
-    if out.suffix == ".npz":
-        raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
-    out.mkdir(parents=True, exist_ok=True)
-    targets = [out / f"{s.stem}.npz" for s in shards]
+    targets = _targets(shards, out)
     budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
     connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
     started = time.perf_counter()
@@ -251,6 +245,17 @@ def infer_ray(
     finally:
         disconnect(connection)
     return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+def _targets(shards: list[Path], out: Path) -> list[Path]:
+    """``out/<shard>.npz`` for each shard, after what would fail in an actor is refused here, before Ray starts."""
+    for shard in shards:  # each actor checks again (its budget is its own)
+        if shard.suffix == ".parquet":
+            require_parquet_within_budget(shard)
+    if out.suffix == ".npz":
+        raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
+    out.mkdir(parents=True, exist_ok=True)
+    return [out / f"{s.stem}.npz" for s in shards]
 
 
 @contextlib.contextmanager
