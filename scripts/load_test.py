@@ -40,7 +40,7 @@ from rich.table import Table
 
 from tk.export import ExportOptions
 from tk.models import build_model
-from tk.runtime import load
+from tk.runtime import EngineChoice, load
 from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop
 from tk.serve.ingress import free_ports
 from tk.spec import random_feeds
@@ -328,13 +328,12 @@ def main() -> None:
         one = single[: args.one_client_requests]
         base = ServeConfig(
             str(root),
-            engine="onnx",
+            engine=EngineChoice("onnx", options={"threads": args.threads}),
             port=free_ports(1)[0],
             max_batch=args.max_batch,
             max_delay_ms=args.max_delay_ms,
             max_queue=-1,
             cpus_per_replica=1,
-            options={"threads": args.threads},
             ingress=args.ingress,
         )
         rows = []

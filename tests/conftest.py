@@ -26,7 +26,11 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def missing_requirements(
-    *, cuda: bool = False, tensorrt: bool = False, min_compute_capability: tuple[int, int] | None = None
+    *,
+    cuda: bool = False,
+    tensorrt: bool = False,
+    min_compute_capability: tuple[int, int] | None = None,
+    openvino: bool = False,
 ) -> list[str]:
     """Every requirement of a hardware-gated test that this machine lacks."""
     missing = []
@@ -38,11 +42,13 @@ def missing_requirements(
     if min_compute_capability and has_cuda and torch.cuda.get_device_capability() < min_compute_capability:
         got = "{}.{}".format(*torch.cuda.get_device_capability())
         missing.append(f"compute capability >= {min_compute_capability[0]}.{min_compute_capability[1]} (found {got})")
+    if openvino and importlib.util.find_spec("openvino") is None:
+        missing.append("the openvino package (pip install 'tk[openvino]')")
     return missing
 
 
 def requires(**kwargs: object) -> pytest.MarkDecorator:
-    """``@requires(cuda=True, tensorrt=True)``: skip with every missing requirement in the reason."""
+    """``@requires(cuda=True, tensorrt=True)`` (or ``openvino=True``): skip with every missing requirement in the reason."""
     missing = missing_requirements(**kwargs)  # type: ignore[arg-type]
     return pytest.mark.skipif(bool(missing), reason="needs " + "; ".join(missing) if missing else "")
 

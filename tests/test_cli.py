@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -125,3 +126,112 @@ def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path, monkeyp
         trusted = invoke("check", str(out), "--engine", "torch", *flags)
         assert trusted.exit_code == 0, trusted.output
         assert "parity passed for torch" in trusted.stdout
+
+
+# -- engine flags: each applies to the engines that declare it, never silently dropped ---------------
+@pytest.mark.parametrize(
+    "engine, flag, message",
+    [
+        ("torch", ["--provider", "CPUExecutionProvider"], "--provider applies to the onnx engine, not torch"),
+        ("onnx", ["--mode", "max-autotune"], "--mode applies to the compile engine, not onnx"),
+        ("onnx", ["--cuda-graph"], "--cuda-graph applies to the eager, compile, torch, aoti and trt engines, not onnx"),
+        ("onnx", ["--trust-model-code"], "--trust-model-code applies to the eager and compile engines, not onnx"),
+    ],
+)
+def test_infer_refuses_an_engine_flag_its_engine_does_not_take(exported, tmp_path, engine, flag, message):
+    root = exported("linear", ("torch", "onnx")).root
+    out = tmp_path / "out.npz"
+    result = invoke("infer", str(root), "--engine", engine, *flag, "--random", "2", "--out", str(out))
+    assert_one_line_error(result, 2, message)
+    assert not out.exists()
+
+
+def test_infer_with_a_flag_its_engine_takes_runs(exported, tmp_path):
+    root = exported("linear", ("torch", "onnx")).root
+    out = tmp_path / "out.npz"
+    result = invoke(
+        "infer",
+        str(root),
+        "--engine",
+        "onnx",
+        "--provider",
+        "cpu",
+        "--threads",
+        "1",
+        "--random",
+        "3",
+        "--out",
+        str(out),
+    )
+    assert result.exit_code == 0, result.output
+    with np.load(out) as arrays:
+        assert arrays["y"].shape[0] == 3
+
+
+def test_infer_auto_refuses_a_flag_none_of_the_engines_here_takes(exported, tmp_path):
+    root = exported("linear", ("torch",)).root  # no onnx file: auto's candidates are eager, compile and torch
+    result = invoke(
+        "infer", str(root), "--engine", "auto", "--provider", "cpu", "--random", "2", "--out", str(tmp_path / "o.npz")
+    )
+    assert_one_line_error(result, 2, "--provider applies to the onnx engine, not eager, compile, torch")
+
+
+def test_check_applies_a_flag_to_the_reference_and_the_engines_compared(exported):
+    root = exported("linear", ("torch", "onnx")).root
+    refused = invoke("check", str(root), "--engine", "torch", "--provider", "cpu")
+    assert_one_line_error(refused, 2, "--provider applies to the onnx engine, not eager, torch")
+    refused = invoke("check", str(root), "--engine", "torch", "--mode", "max-autotune")
+    assert_one_line_error(refused, 2, "--mode applies to the compile engine, not eager, torch")
+    passed = invoke("check", str(root), "--engine", "torch,onnx", "--provider", "cpu", "--samples", "4")
+    assert passed.exit_code == 0, passed.output
+    assert "parity passed for torch, onnx" in passed.output
+    trusted = invoke("check", str(root), "--engine", "onnx", "--trust-model-code", "--samples", "4")  # eager takes it
+    assert trusted.exit_code == 0, trusted.output
+
+
+def test_check_all_refuses_a_flag_none_of_the_artifacts_engines_takes(exported):
+    root = exported("linear", ("torch",)).root
+    result = invoke("check", str(root), "--engine", "all", "--provider", "cpu")
+    assert_one_line_error(result, 2, "--provider applies to the onnx engine, not eager, compile, torch")
+
+
+def test_bench_applies_a_flag_to_the_engines_and_baselines_it_times(exported, tmp_path):
+    root = exported("linear", ("torch", "onnx")).root
+    common = ["--no-baselines", "--iters", "1", "--warmup", "0", "--batch-sizes", "1"]
+    refused = invoke("bench", str(root), "--engine", "torch", "--provider", "cpu", *common)
+    assert_one_line_error(refused, 2, "--provider applies to the onnx engine, not torch")
+    refused = invoke("bench", str(root), "--engine", "onnx", "--mode", "max-autotune", *common)
+    assert_one_line_error(refused, 2, "--mode applies to the compile engine, not onnx")
+    out = tmp_path / "bench.json"
+    timed = invoke("bench", str(root), "--engine", "onnx", "--provider", "cpu", *common, "--json", str(out))
+    assert timed.exit_code == 0, timed.output
+    settings = json.loads(out.read_text())["settings"]["engines"]["onnx"]
+    assert settings["provider"] == "cpu" and settings["spinning"] is True  # one engine: onnxruntime's default
+
+
+def test_serve_refuses_a_flag_its_engine_does_not_take_before_starting(exported):
+    pytest.importorskip("ray")
+    root = exported("linear", ("torch", "onnx")).root
+    result = invoke("serve", str(root), "--engine", "torch", "--provider", "cpu")
+    assert_one_line_error(result, 2, "--provider applies to the onnx engine, not torch")
+
+
+def test_threads_below_one_is_refused_by_every_engine_command(exported, tmp_path):
+    root = exported("linear", ("torch", "onnx")).root
+    for args in (["infer", str(root), "--random", "1", "--out", str(tmp_path / "o.npz")], ["check", str(root)]):
+        assert_one_line_error(invoke(*args, "--threads", "0"), 2, "--threads: expected 1 or more, got 0")
+
+
+def test_infer_ray_refuses_a_flag_its_engine_does_not_take_before_ray_starts(exported, tmp_path):
+    pytest.importorskip("ray")
+    root = exported("linear", ("torch", "onnx")).root
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.savez(shards / "a.npz", x=np.zeros((2, 16), np.float32))
+    args = ["infer", str(root), "--ray", "--inputs", str(shards), "--out", str(tmp_path / "out")]
+    assert_one_line_error(
+        invoke(*args, "--engine", "torch", "--mode", "max-autotune"),
+        2,
+        "--mode applies to the compile engine, not torch",
+    )
+    assert not (tmp_path / "out").exists()

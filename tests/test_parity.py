@@ -26,6 +26,7 @@ ENGINE_CASES = {
     "onnx": ("onnx", []),
     "aoti": ("aoti", [pytest.mark.slow]),
     "trt": ("trt", [pytest.mark.trt, requires(cuda=True, tensorrt=True, min_compute_capability=(8, 0))]),
+    "openvino": ("openvino", [requires(openvino=True)]),
 }
 
 SHAPES = [{"batch": 1, "seq": 1}, {"batch": 3, "seq": 7}, {"batch": 8, "seq": 16}, {"batch": 5, "seq": 64}]

@@ -27,7 +27,7 @@ from tk.errors import IntegrityError, TkError, UntrustedArtifactError
 from tk.export import ExportOptions
 from tk.manifest import FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
-from tk.runtime import load
+from tk.runtime import EngineChoice, load
 from tk.spec import random_feeds
 from tk.workflows.export import export
 
@@ -502,7 +502,7 @@ def test_a_crafted_aoti_package_runs_no_code(crafted_aoti, tmp_path):
     from tk.serve.app import ServeConfig, resolve
 
     with pytest.raises(UntrustedArtifactError, match="refusing to load the aoti engine"):
-        resolve(ServeConfig(artifact=str(root), engine="aoti"))  # before Ray or any replica starts
+        resolve(ServeConfig(artifact=str(root), engine=EngineChoice("aoti")))  # before Ray or any replica starts
     assert not marker.exists()
     (root / "model.sig").unlink()  # no signature at all: refused the same way
     code, stderr = run_cli("check", str(root), "--engine", "aoti")

@@ -14,6 +14,7 @@ from tk.cli import cli
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.models import build_model
+from tk.runtime import EngineChoice
 from tk.tolerances import checked_pair, checked_tolerance, tolerance_for
 from tk.workflows.check import check_artifact
 from tk.workflows.export import export
@@ -58,7 +59,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _golden_off_by_100(artifact: Path, path: Path, rtol: object, atol: object, per_output: object) -> Path:
-    check_artifact(artifact, "torch", save_golden=path, options={"trust_model_code": True})
+    check_artifact(artifact, EngineChoice("torch", options={"trust_model_code": True}), save_golden=path)
     with np.load(path, allow_pickle=False) as archive:
         arrays = {k: archive[k] for k in archive.files}
     meta = json.loads(arrays["meta"].tobytes().decode())
@@ -90,12 +91,12 @@ def test_cli_nan_tolerance_is_refused_not_passed(artifact: Path):
 def test_golden_file_form(artifact: Path, tmp_path: Path, rtol, atol, per_output, fragment):
     golden = _golden_off_by_100(artifact, tmp_path / "g.npz", rtol, atol, per_output)
     with pytest.raises(UsageError, match=f"^--golden {golden}:.*{fragment}".replace("[", r"\[")):
-        check_artifact(artifact, "torch", golden=golden)
+        check_artifact(artifact, EngineChoice("torch"), golden=golden)
     run = CliRunner().invoke(cli, ["check", str(artifact), "--engine", "torch", "--golden", str(golden)])
     assert run.exit_code == 2 and "--rtol" not in run.stderr and "--atol" not in run.stderr
 
 
 def test_golden_off_by_100_with_sound_tolerances_fails(artifact: Path, tmp_path: Path):
     golden = _golden_off_by_100(artifact, tmp_path / "g.npz", 1e-4, 1e-5, {"logits": [1e-4, 1e-5]})
-    result = check_artifact(artifact, "torch", golden=golden)
+    result = check_artifact(artifact, EngineChoice("torch"), golden=golden)
     assert not result.passed and result.reports["torch"].outputs[0].max_abs > 99

@@ -15,6 +15,7 @@ ENGINES: dict[str, str] = {
     "aoti": "tk.runtime.aoti:AOTInductorEngine",
     "onnx": "tk.runtime.onnxrt:OnnxRuntimeEngine",
     "trt": "tk.runtime.tensorrt:TensorRTEngine",
+    "openvino": "tk.runtime.openvino:OpenVINOEngine",
 }
 
 # engine name -> the artifact file role it runs (eager and compile rebuild the model from its weights)
@@ -25,6 +26,7 @@ ENGINE_FILE_ROLE: dict[str, str] = {
     "aoti": "aoti",
     "onnx": "onnx",
     "trt": "trt",
+    "openvino": "openvino",
 }
 
 # export format -> its writer object, "module:OBJECT" (a tk.export.writer.Writer; see tk.export.writers)
@@ -33,6 +35,7 @@ FORMATS: dict[str, str] = {
     "onnx": "tk.export.onnx:WRITER",
     "aoti": "tk.export.aoti:WRITER",
     "trt": "tk.export.tensorrt:WRITER",
+    "openvino": "tk.export.openvino:WRITER",
 }
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8")

@@ -16,6 +16,7 @@ from tk.cli import cli
 from tk.errors import ParityError, UsageError
 from tk.export import ExportOptions
 from tk.models import build_model
+from tk.runtime import EngineChoice
 from tk.workflows.check import check_artifact
 from tk.workflows.export import export
 from tk.workflows.golden import parse_tolerances
@@ -42,7 +43,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_golden_round_trip_without_the_model_code(artifacts: dict[str, Path], tmp_path: Path) -> None:
     golden = artifacts["dir"] / "planted.golden.npz"
-    saved = check_artifact(artifacts["a"], "onnx", save_golden=golden, options=TRUST)
+    saved = check_artifact(artifacts["a"], EngineChoice("onnx", options=TRUST), save_golden=golden)
     assert saved.passed and golden.is_file()
     with np.load(golden, allow_pickle=False) as archive:  # plain arrays, no pickle
         meta = json.loads(archive["meta"].tobytes().decode())
@@ -73,15 +74,15 @@ def test_golden_round_trip_without_the_model_code(artifacts: dict[str, Path], tm
 
 def test_golden_catches_the_fp16_overflow(artifacts: dict[str, Path]) -> None:
     golden = artifacts["dir"] / "fp32.golden.npz"
-    check_artifact(artifacts["a"], "torch", save_golden=golden, options=TRUST)
-    result = check_artifact(artifacts["fp16"], "torch", golden=golden, allow_failed=True)
+    check_artifact(artifacts["a"], EngineChoice("torch", options=TRUST), save_golden=golden)
+    result = check_artifact(artifacts["fp16"], EngineChoice("torch", allow_failed=True), golden=golden)
     report = result.reports["torch"]
     assert not result.passed and report.outputs[0].nan > 0
     assert report.rtol == 2e-2  # the golden's fp32 tolerances do not apply to an fp16 artifact
 
 
 def test_reference_engine_and_per_output_tolerance(artifacts: dict[str, Path]) -> None:
-    result = check_artifact(artifacts["a"], "torch", reference="onnx", samples=16)
+    result = check_artifact(artifacts["a"], EngineChoice("torch"), reference="onnx", samples=16)
     report = result.reports["torch"]
     assert result.passed and report.reference == "onnx"
     out = report.outputs[0]
@@ -103,10 +104,10 @@ def test_tolerance_errors(artifacts: dict[str, Path]) -> None:
 
 def test_golden_refuses_other_inputs(artifacts: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="--golden brings its own inputs"):
-        check_artifact(artifacts["b"], "torch", golden=tmp_path / "g.npz", samples=4)
+        check_artifact(artifacts["b"], EngineChoice("torch"), golden=tmp_path / "g.npz", samples=4)
     run = invoke("check", str(artifacts["b"]), "--engine", "torch", "--golden", str(tmp_path / "missing.npz"))
     assert run.exit_code == 2 and "no such file" in run.stderr
     foreign = tmp_path / "foreign.npz"
     np.savez(foreign, x=np.zeros((2, 16), np.float32))
     with pytest.raises(UsageError, match="found no meta"):
-        check_artifact(artifacts["b"], "torch", golden=foreign)
+        check_artifact(artifacts["b"], EngineChoice("torch"), golden=foreign)

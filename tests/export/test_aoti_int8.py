@@ -172,7 +172,7 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
     assert int8_unavailable("cpu") is None  # this x86 machine, torchao installed (the module skips otherwise)
     assert (
         format_unavailable_reason("torch", "cpu", "int8")
-        == "--precision int8 is written for the onnx and aoti formats only"
+        == "--precision int8 is written for the onnx, aoti and openvino formats only"
     )
     spec = build_model("mlp", size="tiny")
     with pytest.raises(UsageError, match="int8 aoti packages calibrate with histogram or minmax, got 'entropy'"):
@@ -199,7 +199,7 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
             tmp_path / "b",
             ExportOptions(formats=("aoti",), precision="int8", settings={"onnx": OnnxOptions(int8_mode="dynamic")}),
         )
-    with pytest.raises(BackendUnavailableError, match="onnx and aoti formats only"):
+    with pytest.raises(BackendUnavailableError, match="onnx, aoti and openvino formats only"):
         export(spec, tmp_path / "c", ExportOptions(formats=("torch",), precision="int8"))
     result = CliRunner().invoke(
         cli,
@@ -223,3 +223,40 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
         "error: --calibration-method: int8 aoti packages calibrate with histogram or minmax, got 'entropy'"
     ]
     assert not (tmp_path / "d").exists()
+
+
+class _UnusedPooler(torch.nn.Module):
+    """An encoder whose pooler (dense, then tanh) is computed and never returned, as in a Hugging Face model
+    exported for its last hidden state: torchao's quantizer failed on the tanh's partition with no output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.act = torch.nn.GELU()
+        self.down = torch.nn.Linear(32, 16)
+        self.pooler = torch.nn.Linear(16, 16)
+        self.pool_act = torch.nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.down(self.act(self.up(x)))
+        self.pool_act(self.pooler(hidden[:, 0]))  # the pooled vector nobody reads
+        return hidden
+
+
+def test_a_computed_but_unused_pooler_does_not_stop_quantization():
+    from tk.spec import Dim, Signature, TensorSpec
+
+    torch.manual_seed(0)
+    module = _UnusedPooler().eval()
+    dims = {"batch": Dim("batch", 1, 4, 8)}
+    signature = Signature(
+        [TensorSpec("x", "float32", ("batch", 4, 16))], [TensorSpec("hidden", "float32", ("batch", 4, 16))], dims
+    )
+    example = (torch.randn(4, 4, 16),)
+    program = torch.export.export(module, example, dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    calibration = [{"x": np.random.default_rng(i).standard_normal((4, 4, 16)).astype(np.float32)} for i in range(2)]
+    quantized, result = int8_program(program, signature, dims, example, calibration)
+    assert result.quantizable == 2 and result.int8_modules == 2  # up and down; the dead pooler is not counted
+    out = quantized.module()(*example)
+    assert out.shape == (4, 4, 16)
+    assert worst_sqnr_db([module(*example).detach().numpy()], [out.detach().numpy()]) > 20

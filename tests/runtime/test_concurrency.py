@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from tests.conftest import requires
 from tk.export import ExportOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
@@ -33,10 +34,11 @@ def artifact(tmp_path_factory):
         "onnx",
         pytest.param("compile", marks=pytest.mark.slow),
         pytest.param("aoti", marks=pytest.mark.slow),
+        pytest.param("openvino", marks=requires(openvino=True)),
     ],
 )
 def test_threads_match_sequential_calls(artifact, exported, engine_name):
-    root = exported("transformer", ("aoti",)).root if engine_name == "aoti" else artifact
+    root = exported("transformer", (engine_name,)).root if engine_name in ("aoti", "openvino") else artifact
     if engine_name not in available_engines(read_manifest(root)):
         pytest.skip(f"engine {engine_name} cannot run here")
     with load(root, engine_name) as engine:

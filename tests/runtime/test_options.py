@@ -11,7 +11,7 @@ import torch
 
 from tk.errors import UsageError
 from tk.registries import ENGINES
-from tk.runtime import engine_class, engine_options, load
+from tk.runtime import EngineChoice, engine_class, load, open_engine
 from tk.runtime.eager import CompileOptions
 from tk.runtime.onnxrt import OnnxOptions
 from tk.spec import random_feeds
@@ -38,11 +38,62 @@ def test_a_misspelled_option_is_refused_with_the_valid_ones(exported):
         load(e.root, "eager", options={"provider": "cpu"})
 
 
-def test_engine_options_keeps_what_each_engine_declares():
+def test_an_engine_says_which_options_it_declares():
+    assert engine_class("onnx").option_names() == {"threads", "provider", "optimization", "spinning"}
+    assert {"mode", "trust_model_code", "cuda_graph"} <= engine_class("compile").option_names()
+    assert "provider" not in engine_class("aoti").option_names()
+
+
+def test_a_choice_gives_each_engine_what_it_declares_among_those_opened():
     values = {"provider": "cpu", "threads": 2, "mode": "default", "cuda_graph": None, "trust_model_code": True}
-    assert engine_options("onnx", values) == {"provider": "cpu", "threads": 2}
-    assert engine_options("compile", values) == {"threads": 2, "mode": "default", "trust_model_code": True}
-    assert engine_options("torch", values) == {"threads": 2}
+    choice = EngineChoice("all", options=values)
+    assert choice.options == {"provider": "cpu", "threads": 2, "mode": "default", "trust_model_code": True}
+    among = ["onnx", "compile", "torch"]
+    assert choice.options_for("onnx", among) == {"provider": "cpu", "threads": 2}
+    assert choice.options_for("compile", among) == {"threads": 2, "mode": "default", "trust_model_code": True}
+    assert choice.options_for("torch", among) == {"threads": 2}
+
+
+@pytest.mark.parametrize(
+    ("engine", "options", "message"),
+    [
+        ("aoti", {"provider": "cpu"}, "--provider applies to the onnx engine, not aoti"),
+        ("onnx", {"mode": "max-autotune"}, "--mode applies to the compile engine, not onnx"),
+        ("torch", {"trust_model_code": True}, "--trust-model-code applies to the eager and compile engines, not torch"),
+        (
+            "onnx",
+            {"cuda_graph": True},
+            "--cuda-graph applies to the eager, compile, torch, aoti and trt engines, not onnx",
+        ),
+    ],
+)
+def test_an_option_the_chosen_engine_does_not_declare_is_refused(engine, options, message):
+    with pytest.raises(UsageError, match=f"^{message}$"):
+        EngineChoice(engine, options=options).options_for(engine)
+
+
+def test_an_option_is_refused_only_when_no_engine_opened_together_declares_it():
+    choice = EngineChoice("all", options={"provider": "cpu"})
+    assert choice.options_for("torch", ["torch", "onnx"]) == {}  # onnx takes it
+    with pytest.raises(UsageError, match=r"^--provider applies to the onnx engine, not torch, aoti$"):
+        choice.options_for("torch", ["torch", "aoti"])
+
+
+def test_defaults_of_a_caller_go_only_where_declared_and_never_over_the_users():
+    choice = EngineChoice("onnx", options={"threads": 2})
+    assert choice.with_defaults({"spinning": False}, ["onnx"]).options == {"spinning": False, "threads": 2}
+    assert choice.with_defaults({"spinning": False}, ["torch"]) is choice
+    assert choice.with_defaults({"threads": 1}, ["onnx"]).options == {"threads": 2}
+
+
+def test_open_engine_refuses_before_loading_and_opens_with_the_declared_options(exported):
+    e = exported("linear", ONNX)
+    with pytest.raises(UsageError, match=r"^--mode applies to the compile engine, not onnx$"):
+        open_engine(e.root, EngineChoice("onnx", options={"mode": "max-autotune"}))
+    engine = open_engine(e.root, EngineChoice("onnx", options={"threads": 1, "provider": "cpu"}))
+    assert engine.options == OnnxOptions(threads=1, provider="cpu")
+    with pytest.raises(UsageError, match=r"engine 'onnx': unknown option\(s\) optimisation"):
+        open_engine(e.root, EngineChoice("onnx", options={"optimisation": "basic"}))  # no engine declares it
 
 
 def test_options_arrive_typed_and_settings_report_them(exported):

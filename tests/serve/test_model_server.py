@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from tk.cli import cli
 from tk.errors import UsageError
+from tk.runtime import EngineChoice
 from tk.serve.app import ModelServer, ServeConfig, resolve
 from tk.serve.protocol import InferRequest
 from tk.spec import random_feeds
@@ -29,7 +30,7 @@ def request_of(feeds) -> InferRequest:
 def test_a_batch_of_requests_gives_each_its_own_rows(exported, eager_outputs, dynamic):
     art = exported("transformer", ("onnx",), dynamic=dynamic)
     rtol, atol, _ = artifact_tolerance(art.manifest.precision, art.manifest.model)
-    server = ModelServer(resolve(ServeConfig(str(art.root), engine="onnx", options={"threads": 1})))
+    server = ModelServer(resolve(ServeConfig(str(art.root), engine=EngineChoice("onnx", options={"threads": 1}))))
     sig = art.manifest.signature
     seqs = [16] if not dynamic else [16, 16, 9, 16, 9]
     sizes = [1, 3, 2, 1, 1]  # 8 samples at most: fits the static batch, so a static group is padded
@@ -119,9 +120,9 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, serve_process, ingr
 def test_resolve_refuses_what_a_replica_could_not_open(exported):
     art = exported("transformer", ("onnx",))
     with pytest.raises(UsageError, match="artifact has no aoti file"):
-        resolve(ServeConfig(str(art.root), engine="aoti"))
+        resolve(ServeConfig(str(art.root), engine=EngineChoice("aoti")))
     with pytest.raises(UsageError, match="threads must be a positive integer"):
-        resolve(ServeConfig(str(art.root), options={"threads": 0}))
+        resolve(ServeConfig(str(art.root), engine=EngineChoice(options={"threads": 0})))
     with pytest.raises(UsageError, match="--max-delay-ms: expected a finite"):
         resolve(ServeConfig(str(art.root), max_delay_ms=float("nan")))
 
@@ -132,9 +133,13 @@ def test_resolve_checks_the_ingress_and_turns_onnx_spinning_off(exported, monkey
     art = exported("transformer", ("onnx",))
     resolved = resolve(ServeConfig(str(art.root)))
     assert resolved.ingress == "proxy"
-    assert resolved.options == {"spinning": False}  # idle onnxruntime threads would take the server's cores
-    assert resolve(ServeConfig(str(art.root), options={"spinning": True})).options == {"spinning": True}
-    assert resolve(ServeConfig(str(art.root), engine="eager")).options == {}  # no such option there
+    assert resolved.engine.options == {"spinning": False}  # idle onnxruntime threads would take the server's cores
+    assert resolve(ServeConfig(str(art.root), engine=EngineChoice(options={"spinning": True}))).engine.options == {
+        "spinning": True
+    }
+    assert (
+        resolve(ServeConfig(str(art.root), engine=EngineChoice("eager"))).engine.options == {}
+    )  # no such option there
     with pytest.raises(UsageError, match="--ingress: expected one of proxy, haproxy, got 'nginx'"):
         resolve(ServeConfig(str(art.root), ingress="nginx"))
     monkeypatch.setattr(ingress, "haproxy_binary", lambda: None)

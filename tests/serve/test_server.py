@@ -23,6 +23,7 @@ http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from tk.runtime import EngineChoice  # noqa: E402
 from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop  # noqa: E402
 from tk.serve.ingress import haproxy_binary  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
@@ -47,11 +48,10 @@ def server(request, exported):
     art = exported("transformer", ("onnx",))
     config = ServeConfig(
         str(art.root),
-        engine="onnx",
+        engine=EngineChoice("onnx", options={"threads": 1}),
         port=free_port(),
         max_batch=16,
         max_delay_ms=5,
-        options={"threads": 1},
         ingress=request.param,
     )
     running = start(config, num_cpus=2)

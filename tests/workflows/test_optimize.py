@@ -15,7 +15,7 @@ from tk.cli import cli
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
 from tk.models import build_model
-from tk.runtime import load
+from tk.runtime import EngineChoice, load
 from tk.spec import Dim, random_feeds
 from tk.tolerances import TOLERANCES
 from tk.workflows.optimize import OptimizeOptions, optimize, timing_sizes
@@ -117,7 +117,7 @@ def test_auto_opens_the_recommended_engine(runs: dict[str, Any]) -> None:
     from tk.workflows.auto import choose_engine
 
     out = runs["base"] / "out"
-    choice = choose_engine(out, verify_artifact(out), batch_size=2)
+    choice = choose_engine(out, verify_artifact(out), EngineChoice(), batch_size=2)
     assert choice.engine == runs["first"].winner.engine
     assert "tk optimize recommends" in choice.reason
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,37 +87,76 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
             click.echo(f"tolerance of {name}: rtol {rtol:g}, atol {atol:g}")
 
 
-def engine_options(fn: Any) -> Any:
-    fn = click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)(fn)
-    fn = click.option(
+def engine_choice(
+    *, default: str = "onnx", choices: Sequence[str] | None = None, help: str | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--engine`` and every engine flag, handed to the command as one ``choice: EngineChoice``.
+
+    ``choices``: the engine names the command takes (``None``: free text, such as all or onnx,torch).
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            from tk.runtime.choice import EngineChoice  # torch: only once a command runs
+
+            values = {key: kwargs.pop(key) for key in ENGINE_FLAGS}
+            threads = values["threads"]
+            if threads is not None and threads < 1:
+                raise UsageError(f"--threads: expected 1 or more, got {threads}")
+            choice = EngineChoice(
+                name=kwargs.pop("engine"),
+                device=kwargs.pop("device"),
+                allow_failed=kwargs.pop("allow_failed"),
+                options={key: None if value is False else value for key, value in values.items()},  # unset flags
+                trust=trust_policy(),
+            )
+            return fn(*args, choice=choice, **kwargs)
+
+        engine = click.option(
+            "--engine",
+            type=click.Choice(list(choices)) if choices is not None else None,
+            default=default,
+            show_default=True,
+            help=help,
+        )
+        for option in reversed((engine, *ENGINE_OPTIONS, trust_options)):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+ENGINE_FLAGS = ("provider", "threads", "mode", "cuda_graph", "trust_model_code")  # engine options, by their name
+ENGINE_OPTIONS = (
+    click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True),
+    click.option(
         "--provider",
         default=None,
         help="onnxruntime execution provider, e.g. CPUExecutionProvider (default: the best available).",
-    )(fn)
-    fn = click.option(
-        "--threads", type=int, default=None, help="Threads for onnxruntime and torch (default: all cores)."
-    )(fn)
-    fn = click.option(
+    ),
+    click.option(
+        "--threads", type=int, default=None, help="Threads for onnxruntime, OpenVINO and torch (default: all cores)."
+    ),
+    click.option(
         "--mode",
         type=click.Choice(["default", "reduce-overhead", "max-autotune"]),
-        default="default",
-        show_default=True,
-        help="torch.compile mode of the compile engine.",
-    )(fn)
-    fn = click.option(
+        default=None,
+        help="torch.compile mode of the compile engine (default: default).",
+    ),
+    click.option(
         "--cuda-graph",
         is_flag=True,
         help="On CUDA, capture each input shape once into a CUDA graph and replay it (eager, torch, aoti, trt; "
         "compile: Inductor's own graphs under reduce-overhead).",
-    )(fn)
-    fn = click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed.")(fn)
-    fn = trust_options(fn)
-    fn = click.option(
+    ),
+    click.option("--allow-failed", is_flag=True, help="Open an artifact whose export-time check failed."),
+    click.option(
         "--trust-model-code",
         is_flag=True,
         help="Let eager/compile rebuild a user model (package.module:callable) named in the manifest: runs its code.",
-    )(fn)
-    return fn
+    ),
+)
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
@@ -156,22 +197,3 @@ def trust_policy() -> Any:
 
     meta = click.get_current_context().meta
     return TrustPolicy(tuple(meta.get("tk.public_keys") or ()), bool(meta.get("tk.trust_artifact_code")))
-
-
-def engine_option_values(
-    provider: str | None,
-    threads: int | None,
-    mode: str,
-    cuda_graph: bool,
-    trust_model_code: bool,
-) -> dict[str, Any]:
-    """The engine flags as one mapping of option values; each engine takes the ones it declares."""
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads: expected 1 or more, got {threads}")
-    return {
-        "provider": provider,
-        "threads": threads,
-        "mode": mode,
-        "cuda_graph": cuda_graph or None,
-        "trust_model_code": trust_model_code or None,
-    }

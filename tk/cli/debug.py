@@ -9,6 +9,11 @@ import click
 
 from tk.cli.common import console, public_key_option, trust_options, trust_policy
 
+# both commands rebuild the float32 model (their reference) from the manifest
+TRUST_MODEL_CODE = click.option(
+    "--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code."
+)
+
 
 @click.group("debug")
 def debug_group() -> None:
@@ -37,7 +42,7 @@ def _abs(value: float, nonfinite: int) -> str:
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the table of largest error growth.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write every module's row.")
-@click.option("--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code.")
+@TRUST_MODEL_CODE
 @trust_options
 def locate_cmd(
     artifact: Path,
@@ -108,7 +113,7 @@ def locate_cmd(
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the search as JSON.")
-@click.option("--trust-model-code", is_flag=True, help="Rebuild a user model (package.module:callable): runs its code.")
+@TRUST_MODEL_CODE
 @public_key_option
 def precision_cmd(artifact: Path, seed: int, json_path: Path | None, trust_model_code: bool) -> None:
     """Find a small set of modules that, kept in float32, make an fp16/bf16/int8 artifact's check pass."""

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import console, engine_option_values, engine_options, print_check_reports, trust_policy
+from tk.cli.common import console, engine_choice, print_check_reports
 from tk.errors import UsageError
 from tk.registries import ENGINES
+
+if TYPE_CHECKING:
+    from tk.runtime.choice import EngineChoice
 
 
 @click.command("infer")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option(
-    "--engine",
-    "engine_name",
-    type=click.Choice([*ENGINES, "auto"]),
-    default="onnx",
-    show_default=True,
-    help="Engine to run; auto picks the fastest one here whose parity passes.",
-)
 @click.option(
     "--inputs",
     "inputs_path",
@@ -40,10 +35,9 @@ from tk.registries import ENGINES
 @click.option("--ray", "use_ray", is_flag=True, help="Run a directory of shards on Ray Data; --out is a directory.")
 @click.option("--address", default=None, help="With --ray: join this Ray cluster (default: a local Ray instance).")
 @click.option("--actors", type=int, default=2, show_default=True, help="With --ray: actors, each with one engine.")
-@engine_options
+@engine_choice(choices=[*ENGINES, "auto"], help="Engine to run; auto picks the fastest one here whose parity passes.")
 def infer_cmd(
     artifact: Path,
-    engine_name: str,
     inputs_path: Path | None,
     random_samples: int | None,
     out: Path,
@@ -52,13 +46,7 @@ def infer_cmd(
     use_ray: bool,
     address: str | None,
     actors: int,
-    device: str,
-    provider: str | None,
-    threads: int | None,
-    mode: str,
-    cuda_graph: bool,
-    allow_failed: bool,
-    trust_model_code: bool,
+    choice: EngineChoice,
 ) -> None:
     """Run an artifact over every sample of an input file, in batches, and save the outputs.
 
@@ -69,13 +57,12 @@ def infer_cmd(
 
     from tk.workflows.infer import infer_artifact
 
-    options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
     if use_ray:
-        _infer_ray(artifact, engine_name, inputs_path, out, batch_size, address, actors, device, options, allow_failed)
+        _infer_ray(artifact, choice, inputs_path, out, batch_size, address, actors)
         return
     if address is not None:
         raise UsageError("--address applies to --ray")
-    label = {"name": engine_name}
+    label = {"name": choice.name}
 
     def on_choice(choice: Any) -> None:
         click.echo(f"auto: chose {choice.engine}, the {choice.reason}", err=True)
@@ -100,18 +87,14 @@ def infer_cmd(
     try:
         result = infer_artifact(
             artifact,
-            engine_name,
+            choice,
             out,
             inputs=inputs_path,
             random=random_samples,
             batch_size=batch_size,
             seed=seed,
-            device=device,
-            options=options,
-            allow_failed=allow_failed,
             on_choice=on_choice,
             progress=on_progress,
-            trust=trust_policy(),
         )
     finally:
         progress.stop()
@@ -127,15 +110,12 @@ def infer_cmd(
 
 def _infer_ray(
     artifact: Path,
-    engine_name: str,
+    choice: EngineChoice,
     inputs_path: Path | None,
     out: Path,
     batch_size: int | None,
     address: str | None,
     actors: int,
-    device: str,
-    options: dict[str, Any],
-    allow_failed: bool,
 ) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -144,7 +124,7 @@ def _infer_ray(
     if inputs_path is None:
         raise UsageError("--ray: expected --inputs DIR, a directory of shards")
     progress = Progress(
-        TextColumn(f"infer --ray {engine_name} shards"),
+        TextColumn(f"infer --ray {choice.name} shards"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -154,17 +134,13 @@ def _infer_ray(
     with progress:
         result = infer_ray(
             artifact,
-            engine_name,
+            choice,
             inputs_path,
             out,
             actors=actors,
             batch_size=batch_size,
             address=address,
-            device=device,
-            options=options,
-            allow_failed=allow_failed,
             progress=lambda done, total: progress.update(task_id, completed=done, total=total),
-            trust=trust_policy(),
         )
     click.echo(
         f"{result.samples} samples in {result.shards} shards on {actors} actor(s), {result.wall_seconds:.2f} s "
@@ -174,13 +150,6 @@ def _infer_ray(
 
 @click.command("check")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option(
-    "--engine",
-    "engine_text",
-    default="all",
-    show_default=True,
-    help="Engine to compare with eager, or all that this machine can run.",
-)
 @click.option(
     "--inputs",
     "inputs_path",
@@ -221,10 +190,9 @@ def _infer_ray(
     help="Save the inputs, the reference's outputs and the tolerances here (.npz with JSON meta).",
 )
 @click.option("--tol", "tols", multiple=True, metavar="NAME=RTOL:ATOL", help="Tolerance of one output (repeatable).")
-@engine_options
+@engine_choice(default="all", help="Engine to compare with eager, or all that this machine can run.")
 def check_cmd(
     artifact: Path,
-    engine_text: str,
     inputs_path: Path | None,
     samples: int | None,
     batch_size: int | None,
@@ -236,13 +204,7 @@ def check_cmd(
     golden_path: Path | None,
     save_golden_path: Path | None,
     tols: tuple[str, ...],
-    device: str,
-    provider: str | None,
-    threads: int | None,
-    mode: str,
-    cuda_graph: bool,
-    allow_failed: bool,
-    trust_model_code: bool,
+    choice: EngineChoice,
 ) -> None:
     """Compare an artifact's engines with the PyTorch model (or --reference, --golden), output by output; exit 1 on a failure."""
     from tk.fileio import atomic_write_json
@@ -251,21 +213,17 @@ def check_cmd(
 
     result = check_artifact(
         artifact,
-        engine_text,
+        choice,
         inputs=inputs_path,
         samples=samples,
         batch_size=batch_size,
         rtol=rtol,
         atol=atol,
         seed=seed,
-        device=device,
-        options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
-        allow_failed=allow_failed,
         reference=reference,
         golden=golden_path,
         save_golden=save_golden_path,
         tolerances=parse_tolerances(tols),
-        trust=trust_policy(),
     )
     for name, count in result.nonfinite_inputs.items():
         if count:
@@ -287,13 +245,6 @@ def check_cmd(
 
 @click.command("bench")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option(
-    "--engine",
-    "engine_text",
-    default="all",
-    show_default=True,
-    help="Comma-separated engines, all, or auto (all whose parity passes, and which one auto picks); eager and compile are always added as baselines.",
-)
 @click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
 @click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
@@ -344,10 +295,12 @@ def check_cmd(
     help="Wait up to this long before each batch size for the 1-minute load average to drop to the core count; "
     "rows timed above it are marked busy either way.",
 )
-@engine_options
+@engine_choice(
+    default="all",
+    help="Comma-separated engines, all, or auto (all whose parity passes, and which one auto picks); eager and compile are always added as baselines.",
+)
 def bench_cmd(
     artifact: Path,
-    engine_text: str,
     batch_sizes: str,
     seconds: float | None,
     iters: int | None,
@@ -359,13 +312,7 @@ def bench_cmd(
     plot_path: Path | None,
     roofline: bool,
     wait_quiet: float,
-    device: str,
-    provider: str | None,
-    threads: int | None,
-    mode: str,
-    cuda_graph: bool,
-    allow_failed: bool,
-    trust_model_code: bool,
+    choice: EngineChoice,
 ) -> None:
     """Measure every engine side by side (interleaved) at several batch sizes."""
     from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
@@ -373,7 +320,7 @@ def bench_cmd(
 
     report, choices = bench_artifact(
         artifact,
-        engine_text,
+        choice,
         batch_sizes=parse_batch_sizes(batch_sizes),
         seconds=seconds,
         iters=iters,
@@ -381,13 +328,9 @@ def bench_cmd(
         io=io,
         baselines=baselines,
         sizes={"seq": seq} if seq is not None else None,
-        device=device,
-        options=engine_option_values(provider, threads, mode, cuda_graph, trust_model_code),
-        allow_failed=allow_failed,
         progress=lambda line: click.echo(line, err=True),
         roofline=roofline,
         wait_quiet=wait_quiet,
-        trust=trust_policy(),
     )
     console().print(render_table(report))
     for choice in choices:

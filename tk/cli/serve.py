@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from tk.cli.common import engine_option_values, engine_options, trust_policy
+from tk.cli.common import engine_choice
 from tk.registries import ENGINES
 from tk.serve.ingress import INGRESSES
+
+if TYPE_CHECKING:
+    from tk.runtime.choice import EngineChoice
 
 
 @click.command("serve")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--engine", "engine_name", type=click.Choice(list(ENGINES)), default="onnx", show_default=True)
 @click.option("--name", default=None, help="Model name in the URLs (default: the manifest's model name).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -66,10 +69,9 @@ from tk.serve.ingress import INGRESSES
     help="Largest request body, in bytes (512K, 8M, ...); larger ones get 413 before they are read "
     "(default: the largest valid request at the artifact's max shapes, JSON or binary).",
 )
-@engine_options
+@engine_choice(choices=list(ENGINES))
 def serve_cmd(
     artifact: Path,
-    engine_name: str,
     name: str | None,
     host: str,
     port: int,
@@ -84,21 +86,14 @@ def serve_cmd(
     ingress: str,
     address: str | None,
     max_request_bytes: str | None,
-    device: str,
-    provider: str | None,
-    threads: int | None,
-    mode: str,
-    cuda_graph: bool,
-    allow_failed: bool,
-    trust_model_code: bool,
+    choice: EngineChoice,
 ) -> None:
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
     from tk.serve.app import RunningServer, ServeConfig, serve_forever
 
-    options = engine_option_values(provider, threads, mode, cuda_graph, trust_model_code)
     config = ServeConfig(
         artifact=str(artifact),
-        engine=engine_name,
+        engine=choice,
         name=name,
         host=host,
         port=port,
@@ -112,16 +107,12 @@ def serve_cmd(
         request_timeout_s=request_timeout,
         ingress=ingress,
         max_request_bytes=_request_bytes(max_request_bytes),
-        device=device,
-        options=options,
-        allow_failed=allow_failed,
-        trust=trust_policy(),
     )
 
     def on_ready(running: RunningServer) -> None:
         resolved = running.config
         click.echo(
-            f"serving {resolved.name} ({resolved.engine}, {resolved.replicas} replica(s), {resolved.ingress} ingress, "
+            f"serving {resolved.name} ({resolved.engine.name}, {resolved.replicas} replica(s), {resolved.ingress} ingress, "
             + (
                 f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
                 if resolved.batching

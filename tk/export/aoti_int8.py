@@ -187,7 +187,7 @@ class _Quantizer:
         excluded_in_bf16: bool,
     ) -> None:
         self.program = program
-        self.float_module = program.module()
+        self.float_module = live_module(program)
         self.calibration = list(calibration)
         self.method = method
         self.keep_fp32 = list(keep_fp32)
@@ -203,7 +203,7 @@ class _Quantizer:
         # program's own tensors (the quantizer writes new int8 constants and never changes them). Each
         # trial's module stays reachable after it (a reference inside torch.fx or torchao, not traced),
         # so deep copies grew by a whole model per trial; fresh modules add almost nothing
-        prepared = prepare_pt2e(self.program.module(), quantizer)
+        prepared = prepare_pt2e(live_module(self.program), quantizer)
         for args in self.calibration:
             prepared(*args)
         return prepared
@@ -222,6 +222,19 @@ class _Quantizer:
         """Every quantizable module (or ``only`` those) in int8, but the ``keep_fp32`` ones (float32) and
         ``exclude`` (bfloat16 where ``excluded_in_bf16``, else float32)."""
         return self.convert(self.prepare(only=only, exclude=exclude), exclude)
+
+
+def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """A fresh module of ``program`` without nodes whose results nothing uses.
+
+    Hugging Face encoders compute a pooler (dense, then tanh) that a model returning only
+    ``last_hidden_state`` never reads; torch.export keeps it, and torchao's x86 quantizer then
+    fails on the tanh's partition, which has no output node (``partition.output_nodes[0]``).
+    """
+    module = program.module()
+    if module.graph.eliminate_dead_code():
+        module.recompile()
+    return module
 
 
 @dataclass

@@ -36,8 +36,13 @@ def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") ->
     w = writer(fmt)
     if precision not in w.precisions:
         takers = [f for f in REGISTRY if precision in writer(f).precisions]
-        return f"--precision {precision} is written for the {' and '.join(takers)} formats only"
+        return f"--precision {precision} is written for the {_listing(takers)} formats only"
     return w.unavailable_reason(device, precision)
+
+
+def _listing(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def resolve_formats(

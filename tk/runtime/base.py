@@ -104,6 +104,11 @@ class Engine(ABC):
         self._loaded = False
         self._load_lock = threading.Lock()
 
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The options this engine declares (the fields of its ``Options``)."""
+        return frozenset(f.name for f in dataclasses.fields(cls.Options))
+
     # -- what subclasses provide -------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:

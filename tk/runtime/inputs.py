@@ -209,7 +209,7 @@ def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarr
                 )
             arrays = {specs[0].name: _load_npy(path)}
         elif magic.startswith(ZIP_MAGIC):
-            arrays = _load_npz(path)
+            arrays = load_npz(path)
         else:
             found = "an empty file" if not magic else f"a file starting with {magic[:8]!r}"
             raise UsageError(f"{path}: expected a NumPy .npz or .npy file, found {found}")
@@ -304,7 +304,8 @@ def _npz_declared_bytes(archive: Any, path: Path) -> int:
     return total
 
 
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
+def load_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path``, never unpickled, within the memory budget (``UsageError`` if damaged)."""
     arrays: dict[str, np.ndarray] = {}
     try:
         with np.load(path, allow_pickle=False) as archive:

@@ -1,15 +1,13 @@
-"""Engine names to classes (the names live in ``tk.registries``), and ``load``.
+"""Engine names to classes (the names live in ``tk.registries``), and ``load``, which opens one.
 
 Modules are imported on first use, so ``import tk.runtime.registry`` stays light.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 from collections.abc import Mapping
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,15 +50,6 @@ def available_engines(manifest: Manifest | None = None, device: str = "cpu") -> 
         if unavailable_reason(name, device) is None:
             names.append(name)
     return names
-
-
-def engine_options(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The subset of ``values`` that engine ``name`` declares, ``None`` values left out (the default).
-
-    The command line has one set of flags for every engine; this picks each engine's own.
-    """
-    declared = {f.name for f in dataclasses.fields(engine_class(name).Options)}
-    return {key: value for key, value in values.items() if key in declared and value is not None}
 
 
 def load(
@@ -128,31 +117,3 @@ def trusted_engines(
             how_to_trust(root),
         )
     return [n for n in names if n not in native]
-
-
-def open_engines(
-    stack: ExitStack,
-    root: str | Path,
-    names: list[str],
-    manifest: Manifest,
-    *,
-    device: str = "cpu",
-    values: Mapping[str, Any] | None = None,
-    allow_failed: bool = False,
-    trust: TrustPolicy | None = None,
-) -> dict[str, Engine]:
-    """Each engine of ``names`` loaded on ``stack`` (closed with it), given the options it declares of ``values``."""
-    return {
-        name: stack.enter_context(
-            load(
-                root,
-                name,
-                device=device,
-                manifest=manifest,
-                allow_failed=allow_failed,
-                options=engine_options(name, values or {}),
-                trust=trust,
-            )
-        )
-        for name in names
-    }

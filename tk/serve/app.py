@@ -35,7 +35,7 @@ import numpy as np
 
 from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import verify_artifact
-from tk.runtime import engine_options, load
+from tk.runtime.choice import EngineChoice, open_engine
 from tk.runtime.inputs import sample_dim
 from tk.serve.cluster import RayConnection, connect, disconnect, keep_replica_grpc_on_loopback, serve_is_running
 from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
@@ -54,7 +54,7 @@ from tk.serve.protocol import (
     parse_infer_request,
     too_large,
 )
-from tk.signing import TrustPolicy, explicit_policy
+from tk.signing import explicit_policy
 from tk.spec import random_feeds
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class ServeConfig:
     """What ``tk serve`` runs. ``None`` means the default, resolved by ``resolve``."""
 
     artifact: str
-    engine: str = "onnx"
+    engine: EngineChoice = field(default_factory=EngineChoice)  # one engine name, device, options, failure policy
     name: str | None = None  # model name in URLs (default: the manifest's model name)
     host: str = "127.0.0.1"  # address the HTTP proxy binds
     port: int = DEFAULT_PORT
@@ -83,10 +83,6 @@ class ServeConfig:
     request_timeout_s: float = 20.0  # the proxy answers an error past this (while a replica restarts, say): no hangs
     ingress: str = "proxy"  # or haproxy (tk.serve.ingress)
     max_request_bytes: int | None = None  # larger bodies get 413 unread (default: the largest valid request)
-    device: str = "cpu"
-    options: Mapping[str, Any] = field(default_factory=dict)  # engine options by name
-    allow_failed: bool = False
-    trust: TrustPolicy = field(default_factory=TrustPolicy)  # whose signatures let aoti/trt load
 
 
 def resolve(config: ServeConfig) -> ServeConfig:
@@ -113,15 +109,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
         )
     # what a replica's load would refuse (engine missing here, format absent, failed check, a bad option),
     # refused now in one line: constructing the engine runs those checks and loads nothing
-    load(
-        config.artifact,
-        config.engine,
-        device=config.device,
-        manifest=manifest,
-        allow_failed=config.allow_failed,
-        options=engine_options(config.engine, dict(config.options)),
-        trust=config.trust,
-    )
+    open_engine(config.artifact, config.engine, manifest=manifest)
     if config.max_queue < -1 or config.max_queue == 0:
         raise UsageError(f"--max-queue: expected 1 or more (or -1 for unbounded), got {config.max_queue}")
     if not 0 < config.port < 65536:
@@ -138,7 +126,8 @@ def resolve(config: ServeConfig) -> ServeConfig:
     # onnxruntime's idle threads spin by default; in a server they take the cores from the ingress
     # and the event loop between requests (one client, small Transformer at seq 16, haproxy ingress:
     # 6.8 ms served with spinning, 4.2 ms without, engine alone 1.7-2.3 ms)
-    options = {**engine_options(config.engine, {"spinning": False}), **config.options}
+    engine = config.engine.with_defaults({"spinning": False}, [config.engine.name])
+    engine = engine.replace(trust=explicit_policy(engine.trust))  # replicas may not share this process's settings
     return ServeConfig(
         **{
             **config.__dict__,
@@ -147,9 +136,8 @@ def resolve(config: ServeConfig) -> ServeConfig:
             "max_batch": max_batch,
             "max_ongoing": max_ongoing,
             "max_request_bytes": max_bytes,
-            "options": options,
+            "engine": engine,
             "ingress": ingress,
-            "trust": explicit_policy(config.trust),
         }
     )
 
@@ -208,22 +196,13 @@ class ModelServer:
         self.config = config
         self.name = str(config.name)
         self.manifest = verify_artifact(config.artifact)
-        options = engine_options(config.engine, dict(config.options))
-        self.engine = load(
-            config.artifact,
-            config.engine,
-            device=config.device,
-            manifest=self.manifest,
-            allow_failed=config.allow_failed,
-            options=options,
-            trust=config.trust,
-        ).load()
+        self.engine = open_engine(config.artifact, config.engine, manifest=self.manifest).load()
         self.specs = self.engine.inputs
         self.batch_dim = sample_dim(self.specs)
         limits = self.engine.dims.get(self.batch_dim)
         self.min_batch = limits.min if limits is not None else 1
         self.max_batch = int(config.max_batch or 1)
-        self.metadata = model_metadata(self.manifest, self.name, f"tk_{config.engine}")
+        self.metadata = model_metadata(self.manifest, self.name, f"tk_{config.engine.name}")
         self.metrics = Metrics(self.name, _replica_id())
         self._engine_lock = threading.Lock()
         self._warm_up()

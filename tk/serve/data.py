@@ -2,7 +2,7 @@
 
 Each shard (``.npz``, ``.npy``, a directory of ``<input>.npy`` files, or a ``.parquet`` file with
 one column per input) is one row of a Ray dataset; ``map_batches`` hands the rows to a pool of
-``actors`` actors, each of which opens the engine once (``tk.runtime.load``, with its integrity
+``actors`` actors, each of which opens the engine once (``tk.runtime.open_engine``, with its integrity
 checks) and runs each shard through ``tk.runtime.batching.infer_file``, the same code as
 single-process ``tk infer``, so every output array holds the same bytes. Each shard's outputs are
 written atomically to ``OUT/<shard name>.npz``. Rows come back in input order and drive the
@@ -11,8 +11,9 @@ progress callback as shards finish.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,11 @@ from tk import limits
 from tk.errors import InputError, TkError, UsageError, first_line
 from tk.limits import require_within_budget
 from tk.manifest import verify_artifact
-from tk.runtime import engine_options, load
 from tk.runtime.batching import BatchRunner, infer_file, save_npz
+from tk.runtime.choice import EngineChoice, open_engine
 from tk.runtime.inputs import file_samples, sample_dim
 from tk.serve.cluster import connect, disconnect
-from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, require_trusted_code
+from tk.signing import explicit_policy
 from tk.spec import TensorSpec, numpy_dtype
 
 SHARD_SUFFIXES = (".npz", ".npy", ".parquet")
@@ -143,19 +144,8 @@ def _column_array(column: Any, path: Path, name: str) -> np.ndarray:
 class ShardRunner:
     """A Ray Data actor: opens the engine once, then runs whole shards (``batch_size=1`` rows)."""
 
-    def __init__(
-        self,
-        root: str,
-        engine: str,
-        device: str,
-        options: Mapping[str, Any],
-        allow_failed: bool,
-        batch_size: int | None,
-        trust: TrustPolicy | None = None,
-    ) -> None:
-        self.engine = load(
-            root, engine, device=device, allow_failed=allow_failed, options=dict(options), trust=trust
-        ).load()
+    def __init__(self, root: str, choice: EngineChoice, batch_size: int | None) -> None:
+        self.engine = open_engine(root, choice).load()
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -181,7 +171,7 @@ class ShardRunner:
 
 def infer_ray(
     root: str | Path,
-    engine: str,
+    choice: EngineChoice,
     inputs: str | Path,
     out: str | Path,
     *,
@@ -190,17 +180,13 @@ def infer_ray(
     gpus_per_actor: float = 0.0,
     batch_size: int | None = None,
     address: str | None = None,
-    device: str = "cpu",
-    options: Mapping[str, Any] | None = None,
-    allow_failed: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    trust: TrustPolicy | None = None,
 ) -> RayInferResult:
     """Run every shard of the directory ``inputs`` on ``actors`` Ray actors; write ``out/<shard>.npz``.
 
     Starts a local Ray instance unless one is running or ``address`` names a cluster (which is
-    left running). ``options``: engine options by name; ``threads`` defaults to ``cpus_per_actor``.
-    ``progress(shards_done, shards)`` after each shard. ``trust``: whose signatures let aoti/trt load.
+    left running). ``choice``: one engine; its ``threads`` option defaults to ``cpus_per_actor``.
+    ``progress(shards_done, shards)`` after each shard.
     """
     import time
 
@@ -209,32 +195,74 @@ def infer_ray(
         import ray.data
     except ImportError as exc:
         raise UsageError(f"tk infer --ray needs Ray Data: pip install 'tk[serve]' ({first_line(exc)})") from exc
-    if engine == "auto":
+    if choice.name == "auto":
         raise UsageError("--ray: name an engine (--engine onnx, torch, ...); auto is for single-process tk infer")
     if actors < 1:
         raise UsageError(f"--actors: expected 1 or more, got {actors}")
     manifest = verify_artifact(root)
     sample_dim(manifest.signature.inputs)
-    if engine in NATIVE_CODE_FORMATS:  # refused here, in one line, rather than inside every actor
-        require_trusted_code(root, manifest, trust, engine)
-    if batch_size is not None:  # the same refusal single-process tk infer gives, before Ray starts
-        with load(root, engine, device=device, allow_failed=allow_failed, manifest=manifest, trust=trust) as probe:
-            BatchRunner(probe, batch_size)
+    choice = choice.with_defaults({"threads": max(1, int(cpus_per_actor))}, [choice.name])
+    choice = choice.replace(trust=explicit_policy(choice.trust))  # actors may not share this process's settings
+    probe = open_engine(root, choice, manifest=manifest)  # what an actor would refuse, refused before Ray starts
+    if batch_size is not None:  # the same refusal single-process tk infer gives
+        BatchRunner(probe, batch_size)
     shards = list_shards(inputs)
-    for shard in shards:  # each actor checks again (its budget is its own); here it is one line before Ray starts
+    out = Path(out)
+    targets = _targets(shards, out)
+    budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
+    connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
+    started = time.perf_counter()
+    samples = 0
+    engine_seconds = 0.0
+    done = 0
+    try:
+        with _ordered_quiet(ray.data.DataContext.get_current()):
+            dataset = ray.data.from_items(
+                [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
+            )
+            results = dataset.map_batches(
+                ShardRunner,
+                fn_constructor_kwargs={
+                    "root": str(Path(root).resolve()),
+                    "choice": choice,
+                    "batch_size": batch_size,
+                },
+                batch_size=1,
+                batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=actors),
+                num_cpus=cpus_per_actor,
+                num_gpus=gpus_per_actor or None,
+            )
+            for row in results.iter_rows():
+                samples += int(row["samples"])
+                engine_seconds += float(row["seconds"])
+                done += 1
+                if progress is not None:
+                    progress(done, len(shards))
+    except Exception as exc:
+        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
+        if cause is not None:
+            raise type(cause)(first_line(cause)) from exc
+        raise
+    finally:
+        disconnect(connection)
+    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+def _targets(shards: list[Path], out: Path) -> list[Path]:
+    """``out/<shard>.npz`` for each shard, after what would fail in an actor is refused here, before Ray starts."""
+    for shard in shards:  # each actor checks again (its budget is its own)
         if shard.suffix == ".parquet":
             require_parquet_within_budget(shard)
-    out = Path(out)
     if out.suffix == ".npz":
         raise UsageError(f"--out {out}: with --ray, expected a directory (one .npz per shard)")
     out.mkdir(parents=True, exist_ok=True)
-    values = engine_options(engine, dict(options or {}))
-    if "threads" not in values and "threads" in engine_options(engine, {"threads": 1}):
-        values["threads"] = max(1, int(cpus_per_actor))
-    targets = [out / f"{s.stem}.npz" for s in shards]
-    budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
-    connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
-    context = ray.data.DataContext.get_current()
+    return [out / f"{s.stem}.npz" for s in shards]
+
+
+@contextlib.contextmanager
+def _ordered_quiet(context: Any) -> Iterator[None]:
+    """Ray Data's ``context`` set for tk inside the block, restored after."""
     saved = (
         context.execution_options.preserve_order,
         context.enable_progress_bars,
@@ -243,50 +271,14 @@ def infer_ray(
     context.execution_options.preserve_order = True  # rows come back in shard order
     context.enable_progress_bars = False  # the caller's progress callback is the one bar
     context.raise_original_map_exception = True  # a bad shard's TkError, not Ray's wrapping of it
-    started = time.perf_counter()
-    samples = 0
-    engine_seconds = 0.0
-    done = 0
     try:
-        dataset = ray.data.from_items(
-            [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
-        )
-        results = dataset.map_batches(
-            ShardRunner,
-            fn_constructor_kwargs={
-                "root": str(Path(root).resolve()),
-                "engine": engine,
-                "device": device,
-                "options": values,
-                "allow_failed": allow_failed,
-                "batch_size": batch_size,
-                "trust": trust,
-            },
-            batch_size=1,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=actors),
-            num_cpus=cpus_per_actor,
-            num_gpus=gpus_per_actor or None,
-        )
-        for row in results.iter_rows():
-            samples += int(row["samples"])
-            engine_seconds += float(row["seconds"])
-            done += 1
-            if progress is not None:
-                progress(done, len(shards))
-    except Exception as exc:
-        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
-        if cause is not None:
-            raise type(cause)(first_line(cause)) from exc
-        raise
+        yield
     finally:
         (
             context.execution_options.preserve_order,
             context.enable_progress_bars,
             context.raise_original_map_exception,
         ) = saved
-        disconnect(connection)
-    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
 
 
 def _tk_error_in(exc: BaseException) -> TkError | None:

@@ -10,8 +10,7 @@ from typing import Any
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
-from tk.runtime import open_engines
-from tk.signing import TrustPolicy
+from tk.runtime import EngineChoice, open_engines
 from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
@@ -34,7 +33,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def bench_artifact(
     root: str | Path,
-    engines: str = "all",
+    choice: EngineChoice,
     *,
     batch_sizes: list[int],
     seconds: float | None = None,
@@ -43,44 +42,45 @@ def bench_artifact(
     warmup: int = 3,
     io: str = "host",
     baselines: bool = True,
-    device: str = "cpu",
-    options: dict[str, Any] | None = None,
-    allow_failed: bool = False,
     progress: Callable[[str], None] | None = None,
     roofline: bool = False,
     wait_quiet: float = DEFAULT_WAIT_QUIET_S,
-    trust: TrustPolicy | None = None,
 ) -> tuple[BenchReport, list[AutoChoice]]:
-    """Time the engines named by ``engines`` (comma-separated, ``all`` or ``auto``) beside eager and
-    compile (unless ``baselines`` is off).
+    """Time the engines named by ``choice.name`` (comma-separated, ``all`` or ``auto``) beside eager
+    and compile (unless ``baselines`` is off).
 
     With ``auto`` only engines whose parity passes at the opt shape compete, and the choice at
-    each batch size comes back with the report. ``options`` holds engine options by name; the
-    onnxruntime threads' spinning is turned off when several engines are interleaved (spinning
-    threads keep the cores from the engine timed next). ``roofline`` measures this machine's
+    each batch size comes back with the report. Each engine takes the options of ``choice`` it
+    declares; the onnxruntime threads' spinning is turned off when several engines are
+    interleaved (spinning threads keep the cores from the engine timed next). ``roofline`` measures this machine's
     matrix-product rate at the model's linear shapes, between the engines' calls, and each
     engine's share of it (``tk.workflows.roofline``). Each batch size's rounds wait up to
     ``wait_quiet`` seconds for a quiet machine and are marked busy otherwise (``tk.workflows.load_guard``).
-    With ``all`` or ``auto``, engines running native code that ``trust`` does not allow are left out with a note.
+    With ``all`` or ``auto``, engines running native code that ``choice.trust`` does not allow are left out with a note.
     """
     if seconds is not None and iters is not None:
         raise UsageError("expected at most one of --seconds and --iters")
-    if roofline and device != "cpu":
+    if roofline and choice.device != "cpu":
         raise UsageError("--roofline measures the CPU's matrix-product peak: use it with --device cpu")
     manifest = verify_artifact(root)
+    auto = choice.name == "auto"
     names = engines_to_check(
-        engines, manifest, device, baselines=BASELINES if baselines else (), keep_eager=True, root=root, trust=trust
+        choice.name,
+        manifest,
+        choice.device,
+        baselines=BASELINES if baselines else (),
+        keep_eager=True,
+        root=root,
+        trust=choice.trust,
     )
-    values = {"spinning": len(names) == 1, **(options or {})}
+    choice = choice.with_defaults({"spinning": len(names) == 1}, names)
+    untimed = ["eager"] if "eager" not in names and (roofline or auto) else []  # the FLOPs and parity need it
     with ExitStack() as stack:
-        opened = open_engines(
-            stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed, trust=trust
-        )
+        opened = open_engines(stack, root, choice, [*names, *untimed], manifest=manifest)
         eager = opened.get("eager")
-        if eager is None and (roofline or engines == "auto"):  # the model's FLOPs and parity need it, untimed
-            eager = open_engines(stack, root, ["eager"], manifest, device=device, values=values, trust=trust)["eager"]
+        opened = {name: opened[name] for name in names}
         candidates = None
-        if engines == "auto":
+        if auto:
             batch_dim = manifest.signature.dims.get("batch")
             shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
             candidates = check_candidates(eager, opened, manifest, shape)
@@ -96,7 +96,7 @@ def bench_artifact(
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
-        report.settings["auto"] = [choice.to_json() for choice in choices]
+        report.settings["auto"] = [auto_choice.to_json() for auto_choice in choices]
     return report, choices
 
 

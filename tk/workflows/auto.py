@@ -13,8 +13,7 @@ from typing import Any
 
 from tk.manifest import Manifest
 from tk.parity import check_engines
-from tk.runtime import available_engines, open_engines, trusted_engines, unavailable_reason
-from tk.signing import TrustPolicy
+from tk.runtime import EngineChoice, available_engines, open_engines, trusted_engines, unavailable_reason
 from tk.tolerances import artifact_tolerance
 from tk.workflows.bench import measure
 
@@ -110,39 +109,34 @@ def default_shape(manifest: Manifest, batch_size: int, sizes: dict[str, int] | N
 def choose_engine(
     root: str | Path,
     manifest: Manifest,
+    choice: EngineChoice,
     *,
     batch_size: int,
-    device: str = "cpu",
     sizes: dict[str, int] | None = None,
     seconds: float = 0.5,
-    options: dict[str, Any] | None = None,
-    allow_failed: bool = False,
-    trust: TrustPolicy | None = None,
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
     An artifact written by ``tk optimize`` names its engine: that one is returned, untimed.
 
-    ``sizes`` sets the other dimensions (default: their opt); ``seconds`` is the timing budget per
-    engine; ``options`` holds engine options by name (each engine takes the ones it declares).
-    Engines running native code that ``trust`` does not allow are left out with a note.
+    ``choice`` gives the device, the options (each engine takes the ones it declares) and the
+    failure policy; its name is not read. ``sizes`` sets the other dimensions (default: their
+    opt); ``seconds`` is the timing budget per engine. Engines running native code that
+    ``choice.trust`` does not allow are left out with a note.
     """
     recommended = manifest.recommended_engine
     if (
         recommended is not None
-        and unavailable_reason(recommended, device) is None
-        and trusted_engines(root, manifest, [recommended], trust)  # an untrusted native one: a note, then the others
+        and unavailable_reason(recommended, choice.device) is None
+        and trusted_engines(root, manifest, [recommended], choice.trust)  # an untrusted native one: a note, then the others
     ):
         how = manifest.optimize.get("recommended", {})
         why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
         return AutoChoice(recommended, batch_size, [Candidate(recommended, True, 0.0)], recommended=why)
-    values = options or {}
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
-        names = trusted_engines(root, manifest, available_engines(manifest, device), trust)
-        engines = open_engines(
-            stack, root, names, manifest, device=device, values=values, allow_failed=allow_failed, trust=trust
-        )
+        names = trusted_engines(root, manifest, available_engines(manifest, choice.device), choice.trust)
+        engines = open_engines(stack, root, choice, names, manifest=manifest)
         candidates = check_candidates(engines["eager"], engines, manifest, shape)
         passing = {c.engine: engines[c.engine] for c in candidates if c.passed}
         bench = measure(passing, [batch_size], seconds=seconds, sizes={k: v for k, v in shape.items() if k != "batch"})

@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tk.errors import ParityError, UsageError
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import ParityReport, ReferenceRuns, check_engines, reference_runs, report_from_outputs
 from tk.registries import ENGINES
-from tk.runtime import available_engines, engine_options, load, trusted_engines, unavailable_reason
+from tk.runtime import EngineChoice, available_engines, open_engine, trusted_engines, unavailable_reason
 from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
 from tk.signing import TrustPolicy
@@ -38,18 +36,18 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     )
     shapes = shapes_to_check(manifest.signature.dims)
     device = ctx.options.device
+    choice = EngineChoice("eager", device, allow_failed=True)  # the check decides the artifact's status
     # the model was just built from the user's own command line, so its code is trusted here
-    with load(root, "eager", device=device, manifest=manifest, allow_failed=True, trust_model_code=True) as reference:
+    trusted = choice.replace(options={"trust_model_code": True})
+    with open_engine(root, trusted, manifest=manifest) as reference:
         runs = reference_runs(reference, shapes)
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
                 fmt_device = "cpu"  # the ONNX file is device-free; check it where onnxruntime runs
             # the native code was compiled by this process a moment ago; the artifact is signed after the check
-            built_here = TrustPolicy(trust_artifact_code=True, warn=False)
-            with load(
-                root, fmt, device=fmt_device, manifest=manifest, allow_failed=True, trust=built_here
-            ) as candidate:
+            built_here = choice.replace(device=fmt_device, trust=TrustPolicy(trust_artifact_code=True, warn=False))
+            with open_engine(root, built_here, fmt, manifest=manifest) as candidate:
                 report = check_engines(
                     reference,
                     candidate,
@@ -133,7 +131,7 @@ def engines_to_check(
 
 def check_artifact(
     root: str | Path,
-    engines: str | list[str] = "all",
+    choice: EngineChoice,
     *,
     inputs: str | Path | None = None,
     samples: int | None = None,
@@ -141,34 +139,108 @@ def check_artifact(
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = 0,
-    device: str = "cpu",
-    options: Mapping[str, Any] | None = None,
-    allow_failed: bool = False,
     on_report: Callable[[str, ParityReport], None] | None = None,
     reference: str = "eager",
     golden: str | Path | None = None,
     save_golden: str | Path | None = None,
     tolerances: Mapping[str, tuple[float, float]] | None = None,
-    trust: TrustPolicy | None = None,
 ) -> CheckResult:
     """Compare each engine of the artifact at ``root`` with a reference: its PyTorch model (eager), another engine, or a golden file.
 
-    Inputs: the samples of the file ``inputs``, ``samples`` random samples, or by default valid
-    random inputs at the min, opt, max and an odd size of every dimension plus a batch-invariance
-    probe (what the export check runs). Tolerances: the artifact's precision row and model
-    overrides, then ``rtol``/``atol``; ``tolerances`` sets (rtol, atol) per output name.
-    ``options`` holds engine options by name (each engine takes the ones it declares).
+    ``choice.name``: the engines to compare (``all`` or comma-separated names); its device,
+    options (each engine, the reference too, takes the ones it declares) and failure policy
+    apply to every engine opened. Inputs: the samples of the file ``inputs``, ``samples`` random
+    samples, or by default valid random inputs at the min, opt, max and an odd size of every
+    dimension plus a batch-invariance probe (what the export check runs). Tolerances: the
+    artifact's precision row and model overrides, then ``rtol``/``atol``; ``tolerances`` sets
+    (rtol, atol) per output name.
 
     ``reference``: the engine the others are compared with (default eager, the PyTorch model).
     ``golden``: a file from ``save_golden``; its inputs and outputs are the reference, so the
     model is not rebuilt, and its tolerances apply when its precision is the artifact's (else the
     artifact's own). ``save_golden``: write the inputs, the reference's outputs and the
-    tolerances there. ``trust``: whose signatures let aoti/trt load (with ``all``, an untrusted
-    one is skipped with a note). Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
+    tolerances there. Native-code engines (aoti, trt) load only as ``choice.trust`` allows; with
+    ``all`` an untrusted one is skipped with a note. Raises nothing on a parity failure: see ``CheckResult.raise_if_failed``.
     """
-    from tk.workflows.golden import Golden, load_golden
-    from tk.workflows.golden import save_golden as write_golden
+    from tk.workflows.golden import load_golden
 
+    _refuse_conflicts(inputs, samples, golden, save_golden, reference)
+    manifest = verify_artifact(root)
+    names = _candidates(root, choice, manifest, reference, golden is not None)
+    stored = load_golden(golden, manifest.signature) if golden is not None else None
+    judge = _judge(manifest, stored, rtol, atol, tolerances)
+    among = names if stored is not None else [reference, *names]  # the engines opened: what the options apply to
+    with contextlib.ExitStack() as stack:
+        if stored is not None:
+            label = f"golden {Path(golden).name} ({stored.reference})"
+            ref = _Reference(label, ReferenceRuns(stored.shapes, stored.feeds, stored.outputs))
+        else:
+            engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
+            ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
+        if save_golden is not None:
+            _save_golden(save_golden, ref, manifest, judge, reference)
+        result = CheckResult({}, judge.rtol, judge.atol, count_nonfinite(ref.runs.feeds[0]) if ref.samples else {})
+        for name in names:
+            with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
+                report = ref.compare(candidate, judge, batch_size)
+            result.reports[name] = report
+            if on_report is not None:
+                on_report(name, report)
+    return result
+
+
+@dataclass(frozen=True)
+class _Judge:
+    """The tolerances a check judges by."""
+
+    precision: str
+    rtol: float
+    atol: float
+    min_sqnr_db: float | None
+    per_output: dict[str, tuple[float, float]]
+
+
+@dataclass
+class _Reference:
+    """What each candidate is compared with: the reference (an engine, or a golden file's name) and
+    its runs: random inputs per shape, or one run over the user's samples (``samples``)."""
+
+    reference: Any
+    runs: ReferenceRuns
+    samples: bool = False
+
+    def compare(self, candidate: Any, judge: _Judge, batch_size: int | None) -> ParityReport:
+        tolerances = {"rtol": judge.rtol, "atol": judge.atol, "min_sqnr_db": judge.min_sqnr_db}
+        if not self.samples:
+            return check_engines(
+                self.reference,
+                candidate,
+                self.runs.shapes,
+                precision=judge.precision,
+                runs=self.runs,
+                tolerances=judge.per_output,
+                **tolerances,
+            )
+        outputs = BatchRunner(candidate, batch_size).run(self.runs.feeds[0])
+        return report_from_outputs(
+            candidate.name,
+            self.runs.outputs[0],
+            outputs,
+            precision=judge.precision,
+            shapes=self.runs.shapes,
+            reference_name=self.reference.name,
+            tolerances=judge.per_output,
+            **tolerances,
+        )
+
+
+def _refuse_conflicts(
+    inputs: str | Path | None,
+    samples: int | None,
+    golden: str | Path | None,
+    save_golden: str | Path | None,
+    reference: str,
+) -> None:
     if inputs is not None and samples is not None:
         raise UsageError("expected at most one of --inputs FILE and --samples N")
     if golden is not None and (inputs is not None or samples is not None or save_golden is not None):
@@ -179,17 +251,29 @@ def check_artifact(
         raise UsageError(f"--samples: expected 1 or more, got {samples}")
     if reference not in ENGINES:
         raise UsageError(f"--reference: unknown engine {reference!r}; expected one of {', '.join(ENGINES)}")
-    manifest = verify_artifact(root)
-    names = (
-        engines if isinstance(engines, list) else engines_to_check(engines, manifest, device, root=root, trust=trust)
-    )
-    names = [n for n in names if n != reference]
-    if golden is not None and engines in ("all", "auto"):
+
+
+def _candidates(root: str | Path, choice: EngineChoice, manifest: Manifest, reference: str, golden: bool) -> list[str]:
+    """The engines compared with ``reference``: ``choice.name`` without the reference (and, with all/auto,
+    without native-code engines ``choice.trust`` does not allow)."""
+    found = engines_to_check(choice.name, manifest, choice.device, root=root, trust=choice.trust)
+    names = [n for n in found if n != reference]
+    if golden and choice.name in ("all", "auto"):
         names = [n for n in names if n not in ("eager", "compile")]  # both rebuild the model the golden file replaces
     if not names:
         raise UsageError(f"no engine to compare with the reference {reference}")
+    return names
+
+
+def _judge(
+    manifest: Manifest,
+    stored: Any,
+    rtol: float | None,
+    atol: float | None,
+    tolerances: Mapping[str, tuple[float, float]] | None,
+) -> _Judge:
+    """The artifact's tolerances, a golden file's where it was made at the artifact's precision, then the user's."""
     per_output = {name: checked_pair(*pair, f"--tol {name}") for name, pair in (tolerances or {}).items()}
-    stored = load_golden(golden, manifest.signature) if golden is not None else None
     if stored is not None and stored.precision == manifest.precision:
         per_output = {**stored.tolerances, **per_output}
         rtol = stored.rtol if rtol is None else rtol
@@ -199,74 +283,43 @@ def check_artifact(
         have = ", ".join(s.name for s in manifest.signature.outputs)
         raise UsageError(f"--tol: no output named {', '.join(unknown)}; the outputs are {have}")
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
-    values = dict(options or {})
+    return _Judge(manifest.precision, rtol, atol, min_sqnr, per_output)
 
-    def open_engine(name: str) -> Any:
-        opts = engine_options(name, values)
-        return load(root, name, device=device, allow_failed=allow_failed, manifest=manifest, options=opts, trust=trust)
 
-    result = CheckResult({}, rtol, atol)
-    with contextlib.ExitStack() as stack:
-        ref_engine = stack.enter_context(open_engine(reference)) if stored is None else None
-        feeds: dict[str, np.ndarray] | None = None
-        runs: ReferenceRuns | None = None
-        if stored is not None:
-            runs = ReferenceRuns(stored.shapes, stored.feeds, stored.outputs)
-        elif inputs is not None:
-            feeds = read_inputs(inputs, ref_engine.inputs)
-        elif samples is not None:
-            feeds = random_inputs(ref_engine.inputs, ref_engine.dims, samples, seed=seed)
-        if feeds is not None:
-            result.nonfinite_inputs = count_nonfinite(feeds)
-            ref_out = BatchRunner(ref_engine, batch_size).run(feeds)
-            runs = ReferenceRuns([{"samples": int(next(iter(feeds.values())).shape[0])}], [feeds], [ref_out])
-        elif runs is None:  # random inputs across the ranges; the reference runs once for every engine
-            runs = reference_runs(ref_engine, shapes_to_check(manifest.signature.dims), seed=seed)
-        if save_golden is not None:
-            golden_file = Golden(
-                runs.feeds,
-                runs.outputs,
-                runs.shapes,
-                manifest.precision,
-                rtol,
-                atol,
-                min_sqnr,
-                reference,
-                {k: manifest.model.get(k) for k in ("name", "size", "config")},
-                per_output,
-                manifest.signature.to_json(),
-            )
-            write_golden(save_golden, golden_file)
-        ref_name = f"golden {Path(golden).name} ({stored.reference})" if stored is not None else reference
-        for name in names:
-            with open_engine(name) as candidate:
-                if feeds is None:
-                    report = check_engines(
-                        ref_engine if ref_engine is not None else ref_name,
-                        candidate,
-                        runs.shapes,
-                        precision=manifest.precision,
-                        rtol=rtol,
-                        atol=atol,
-                        min_sqnr_db=min_sqnr,
-                        runs=runs,
-                        tolerances=per_output,
-                    )
-                else:
-                    cand_out = BatchRunner(candidate, batch_size).run(feeds)
-                    report = report_from_outputs(
-                        name,
-                        runs.outputs[0],
-                        cand_out,
-                        precision=manifest.precision,
-                        rtol=rtol,
-                        atol=atol,
-                        min_sqnr_db=min_sqnr,
-                        shapes=runs.shapes,
-                        reference_name=ref_name,
-                        tolerances=per_output,
-                    )
-            result.reports[name] = report
-            if on_report is not None:
-                on_report(name, report)
-    return result
+def _run_reference(
+    engine: Any,
+    manifest: Manifest,
+    inputs: str | Path | None,
+    samples: int | None,
+    batch_size: int | None,
+    seed: int,
+) -> _Reference:
+    """The reference engine run once: over the file ``inputs``, ``samples`` random samples, or random inputs per shape."""
+    if inputs is None and samples is None:  # random inputs across the ranges
+        return _Reference(engine, reference_runs(engine, shapes_to_check(manifest.signature.dims), seed=seed))
+    if inputs is not None:
+        feeds = read_inputs(inputs, engine.inputs)
+    else:
+        feeds = random_inputs(engine.inputs, engine.dims, samples, seed=seed)
+    outputs = BatchRunner(engine, batch_size).run(feeds)
+    shapes = [{"samples": int(next(iter(feeds.values())).shape[0])}]
+    return _Reference(engine, ReferenceRuns(shapes, [feeds], [outputs]), samples=True)
+
+
+def _save_golden(path: str | Path, ref: _Reference, manifest: Manifest, judge: _Judge, reference: str) -> None:
+    from tk.workflows.golden import Golden, save_golden
+
+    golden = Golden(
+        ref.runs.feeds,
+        ref.runs.outputs,
+        ref.runs.shapes,
+        manifest.precision,
+        judge.rtol,
+        judge.atol,
+        judge.min_sqnr_db,
+        reference,
+        {k: manifest.model.get(k) for k in ("name", "size", "config")},
+        judge.per_output,
+        manifest.signature.to_json(),
+    )
+    save_golden(path, golden)

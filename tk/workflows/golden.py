@@ -21,7 +21,7 @@ import numpy as np
 
 from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
-from tk.runtime.inputs import _load_npz
+from tk.runtime.inputs import load_npz
 from tk.spec import Signature, require_names
 from tk.tolerances import checked_pair
 
@@ -77,7 +77,7 @@ def load_golden(path: str | Path, signature: Signature) -> Golden:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--golden {path}: no such file")
-    arrays = _load_npz(path)
+    arrays = load_npz(path)
     if "meta" not in arrays:
         raise UsageError(f"--golden {path}: expected a golden file written by `tk check --save-golden`, found no meta")
     try:

@@ -34,7 +34,7 @@ from tk.errors import BackendUnavailableError, UsageError
 from tk.formats.torch_program import load_exported_program
 from tk.manifest import Manifest, read_verified, verify_artifact
 from tk.parity import OutputParity, compare, compare_output
-from tk.runtime import load
+from tk.runtime import EngineChoice, open_engine
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs, read_inputs
 from tk.safefiles import private_copy
@@ -393,7 +393,7 @@ def locate(
             "or nodes without scope metadata such as onnxruntime's quantized ones): listed under unmatched"
         )
     found = LocateResult(engine, manifest.precision, via, notes, rtol, atol, min_sqnr, rows, unmatched)
-    with load(root, engine, allow_failed=True, manifest=manifest, trust=trust) as candidate:
+    with open_engine(root, EngineChoice(engine, allow_failed=True, trust=trust), manifest=manifest) as candidate:
         reference_out = dict(zip([s.name for s in manifest.signature.outputs], final, strict=True))
         found.engine_outputs = compare(reference_out, candidate.run(feeds), rtol=rtol, atol=atol, min_sqnr_db=min_sqnr)
     if found.first is not None and found.engine_passed:

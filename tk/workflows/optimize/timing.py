@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tk.manifest import Manifest
-from tk.runtime import engine_options, load
+from tk.runtime import EngineChoice, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.bench import measure
 from tk.workflows.load_guard import LoadGuard
@@ -49,15 +49,13 @@ def time_candidates(
     precision_of = {c.name: c.precision for c, _, _ in entries} | {EAGER: "fp32"}
     with ExitStack() as stack:
         first_root, first_manifest = entries[0][1], entries[0][2]
-        eager = stack.enter_context(
-            load(first_root, EAGER, device=device, manifest=first_manifest, allow_failed=True, trust_model_code=True)
-        )
+        choice = EngineChoice(EAGER, device, allow_failed=True)
+        trusted = choice.replace(options={"trust_model_code": True})
+        eager = stack.enter_context(open_engine(first_root, trusted, manifest=first_manifest))
         engines = {EAGER: eager}
         for candidate, root, manifest in entries:
-            opts = engine_options(candidate.engine, {"spinning": False})  # onnxruntime's spinning slows its neighbours
-            engines[candidate.name] = stack.enter_context(
-                load(root, candidate.engine, device=device, manifest=manifest, allow_failed=True, options=opts)
-            )
+            quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # spinning slows its neighbours
+            engines[candidate.name] = stack.enter_context(open_engine(root, quiet, candidate.engine, manifest=manifest))
         roofline = _roofline(eager, others, set(precision_of.values())) if peaks and device == "cpu" else None
         report = measure(
             engines, [batch], seconds=seconds, sizes=others, progress=progress, guard=LoadGuard(wait_quiet_s),

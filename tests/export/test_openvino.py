@@ -1,0 +1,215 @@
+"""The openvino format (an IR converted from the exported program) and the openvino engine.
+
+fp32 must be float32 where OpenVINO runs it (its CPU default on AVX512-BF16/AMX is bf16); int8
+comes from NNCF on a briefly trained tiny Transformer (random weights lose every layer to the
+floor), judged at the int8 SQNR floor like the other int8 writers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tests.conftest import requires
+from tk.errors import BackendUnavailableError, IntegrityError, UsageError
+from tk.export import ExportOptions, format_unavailable_reason
+from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+from tk.formats.openvino import BIN, XML
+from tk.manifest import read_manifest
+from tk.models import build_model
+from tk.runtime import available_engines, load
+from tk.spec import random_feeds
+from tk.tolerances import MIN_SQNR_DB, TOLERANCES
+from tk.workflows.export import export
+
+pytestmark = requires(openvino=True)
+OV = ("openvino",)
+HAS_BF16 = any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"])
+
+
+@pytest.mark.parametrize("name", ["transformer", "mlp"])
+def test_fp32_ir_passes_the_export_check_at_min_opt_and_max(exported, name):
+    e = exported(name, OV)
+    manifest = e.manifest
+    assert manifest.status == "passed" and manifest.precision == "fp32"
+    roles = {f.role: f.path for f in manifest.files}
+    assert roles["openvino"] == XML and roles["openvino-weights"] == BIN
+    info = manifest.formats["openvino"]
+    assert info["inference_precision_hint"] == "f32" and info["compress_to_fp16"] is False
+    assert manifest.versions["openvino"].startswith("20")
+    report = manifest.check["openvino"]
+    dims, shapes = manifest.signature.dims, report["shapes"]
+    assert {n: d.min for n, d in dims.items()} in shapes and {n: d.opt for n, d in dims.items()} in shapes
+    for name, dim in dims.items():  # each dimension at its max
+        assert any(s[name] == dim.max for s in shapes), (name, shapes)
+    rtol, atol = TOLERANCES["fp32"]
+    for output in report["outputs"]:
+        assert output["passed"] and output["max_abs"] <= atol + rtol, output
+    xml = (e.root / XML).read_text()
+    assert 'element_type="f16"' not in xml  # weights kept float32 on disk (compress_to_fp16=False)
+
+
+def test_engine_compiles_fp32_as_f32_and_reports_its_options(exported):
+    e = exported("transformer", OV)
+    with load(e.root, "openvino", threads=1, performance_hint="THROUGHPUT") as engine:
+        settings = engine.settings()
+        assert settings["inference_precision"] == "f32"  # not the CPU plugin's bf16 default on AMX
+        assert settings["inference_num_threads"] == 1 and settings["threads"] == 1
+        assert settings["performance_hint"] == "THROUGHPUT"
+        feeds = random_feeds(engine.inputs, {"batch": 3, "seq": 64}, seed=4)
+        out = engine.run(feeds)
+        assert list(out) == ["logits"] and isinstance(out["logits"], np.ndarray) and out["logits"].shape == (3, 2)
+        with torch.no_grad():
+            ref = e.spec.module(*(torch.from_numpy(feeds[s.name]) for s in engine.inputs))
+        np.testing.assert_allclose(out["logits"], ref.numpy(), rtol=1e-4, atol=1e-5)
+        as_torch = engine.run({k: torch.from_numpy(v) for k, v in feeds.items()})
+        assert isinstance(as_torch["logits"], torch.Tensor)
+        np.testing.assert_array_equal(as_torch["logits"].numpy(), out["logits"])
+    with pytest.raises(UsageError, match="performance_hint must be one of LATENCY, THROUGHPUT, got 'FAST'"):
+        load(e.root, "openvino", performance_hint="FAST")
+    with pytest.raises(UsageError, match=r"unknown option\(s\) provider; it takes threads, performance_hint"):
+        load(e.root, "openvino", provider="cpu")
+
+
+def test_shapes_outside_the_dims_are_refused_before_openvino(exported):
+    e = exported("mlp", OV)
+    with load(e.root, "openvino") as engine:
+        batch = engine.dims["batch"]
+        feeds = random_feeds(engine.inputs, {"batch": batch.max + 1})
+        with pytest.raises(Exception, match="batch"):
+            engine.run(feeds)
+
+
+def test_a_changed_weights_file_is_refused(exported, tmp_path):
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(exported("mlp", OV).root, root)
+    data = bytearray((root / BIN).read_bytes())
+    data[-1] ^= 0xFF
+    (root / BIN).write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"model\.bin"):
+        load(root, "openvino").load()
+
+
+def test_engine_is_among_the_available_ones_and_cpu_only(exported):
+    from tk.runtime.openvino import OpenVINOEngine
+
+    assert "openvino" in available_engines(read_manifest(exported("mlp", OV).root))
+    assert "CPU only" in OpenVINOEngine.unavailable_reason("cuda")
+
+
+def test_tk_check_engine_all_runs_openvino(exported, tmp_path):
+    from tk.cli import cli
+
+    root = exported("mlp", OV).root
+    report = tmp_path / "check.json"
+    result = CliRunner().invoke(cli, ["check", str(root), "--engine", "all", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert "openvino" in result.output
+    data = json.loads(report.read_text())
+    reports = data.get("reports", data)
+    assert reports["openvino"]["passed"]
+
+
+def test_precisions_and_options_it_cannot_honour_are_refused():
+    from tk.export.openvino import WRITER
+
+    assert "export --device cpu" in WRITER.unavailable_reason("cuda", "fp32")  # also where a GPU is present
+    assert WRITER.precisions == ("fp32", "bf16", "int8")
+    fp16 = format_unavailable_reason("openvino", "cpu", "fp16")
+    assert fp16 == "--precision fp16 is written for the torch, onnx, aoti and trt formats only"
+    bf16 = format_unavailable_reason("openvino", "cpu", "bf16")
+    if HAS_BF16:
+        assert bf16 is None
+    else:
+        assert "compiles bf16 as f32 there" in bf16
+    spec = build_model("mlp", size="tiny")
+    with pytest.raises(BackendUnavailableError, match="--format openvino: --precision fp16"):
+        export(spec, "/nonexistent/never", ExportOptions(formats=OV, precision="fp16"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--int8-mode", "dynamic"], "--int8-mode: applies to --format onnx only; this export writes openvino"),
+        (
+            ["--calibration-method", "minmax"],
+            "--calibration-method: applies to --format onnx or aoti only; this export writes openvino",
+        ),
+    ],
+)
+def test_int8_flags_of_other_formats_are_refused_in_one_line(tmp_path, args, message):
+    from tk.cli import cli
+
+    out = tmp_path / "a"
+    argv = ["export", "mlp", "--size", "tiny", "--format", "openvino", "--precision", "int8", "--out", str(out)]
+    result = CliRunner().invoke(cli, [*argv, *args])
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not out.exists()
+
+
+def test_keep_fp32_is_refused(tmp_path):
+    spec = build_model("transformer", size="tiny")
+    with pytest.raises(UsageError, match="--keep-fp32: the openvino format does not keep modules in float32 at"):
+        export(spec, tmp_path / "a", ExportOptions(formats=OV, precision="int8", keep_fp32=("blocks.0.attn",)))
+
+
+@pytest.mark.skipif(
+    not HAS_BF16, reason="needs a CPU with avx512_bf16 or amx_bf16 (OpenVINO compiles bf16 as f32 elsewhere)"
+)
+def test_bf16_ir_runs_bf16_and_passes_its_check(tmp_path):
+    torch.manual_seed(0)
+    result = export(
+        build_model("transformer", size="tiny"), tmp_path / "bf16", ExportOptions(formats=OV, precision="bf16")
+    )
+    assert result.passed and result.manifest.formats["openvino"]["inference_precision_hint"] == "bf16"
+    assert 'element_type="bf16"' not in (tmp_path / "bf16" / XML).read_text()  # float32 IR, bf16 by the hint
+    with load(tmp_path / "bf16", "openvino") as engine:
+        assert engine.settings()["inference_precision"] == "bf16"
+
+
+@pytest.fixture(scope="module")
+def trained_int8(tmp_path_factory):
+    from tk.models.train import train
+
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    train(spec, steps=100, seed=0)
+    out = tmp_path_factory.mktemp("ov-int8") / "int8"
+    return spec, out, export(spec, out, ExportOptions(formats=OV, precision="int8"))
+
+
+@pytest.mark.slow
+def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
+    _, out, result = trained_int8
+    assert result.passed
+    quant = result.manifest.formats["openvino"]["quantization"]
+    assert quant["quantizer"] == "nncf.quantize" and quant["mode"] == "static" and quant["model_type"] == "transformer"
+    assert quant["quantizable_nodes"] >= 5
+    assert quant["sqnr_db_export"] >= MIN_SQNR_DB["int8"]
+    assert result.manifest.versions["nncf"]
+    report = result.manifest.check["openvino"]
+    assert report["min_sqnr_db"] == MIN_SQNR_DB["int8"]
+    assert min(o["sqnr_db"] for o in report["outputs"] if o["sqnr_db"] is not None) >= MIN_SQNR_DB["int8"]
+    quantized = quant["quantizable_nodes"] - len(quant["automatic_exclusions"])
+    fake_quantize = len(re.findall(r'type="FakeQuantize"', (out / XML).read_text()))
+    assert quantized >= 1 and fake_quantize >= quantized  # some products are int8, each with its quantizers
+    with load(out, "openvino") as engine:
+        assert engine.settings()["inference_precision"] == "f32"  # the layers left float stay float32
+
+
+def test_static_export_fixes_the_irs_input_shapes(exported):
+    e = exported("mlp", OV, dynamic=False)
+    assert e.manifest.status == "passed"
+    batch = e.manifest.signature.dims["batch"]
+    assert batch.min == batch.max == batch.opt
+    xml = (e.root / XML).read_text()
+    assert re.search(rf"<dim>{batch.opt}</dim>\s*<dim>8</dim>", xml), "the parameter's shape is fixed at opt"

@@ -1,0 +1,267 @@
+"""The ``openvino`` format: the exported program converted by ``openvino.convert_model`` into an IR
+(``model.xml`` + ``model.bin``), int8 through NNCF.
+
+The IR is converted from the float32 program (captured again from the float32 model under
+``--precision bf16``: OpenVINO's CPU plugin picks bf16 kernels itself from the compile-time
+``INFERENCE_PRECISION_HINT``, which the engine takes from the manifest's precision, so the IR
+keeps float32 weights and no casts). It is saved with ``compress_to_fp16=False``: OpenVINO's
+default would round every weight to float16 on disk. The inputs are bounded by the artifact's
+dimension ranges (``Dimension(min, max)``), and the outputs carry the signature's names.
+
+bf16 is written only on a CPU with bfloat16 dot products (avx512_bf16 or amx_bf16): elsewhere
+OpenVINO does not emulate bfloat16, it silently compiles f32, so the export check could not test
+what the artifact claims. int8: ``nncf.quantize`` (``ModelType.TRANSFORMER`` for models with
+attention, which keeps attention's softmax inputs float and adds SmoothQuant) calibrated on tk's
+calibration batches, then judged, as the other int8 writers are, by the SQNR of its outputs
+against the float32 IR on the calibration and held-out batches; while below the floor plus
+``MARGIN_DB``, the costliest weight products (each measured as the graph's SQNR with only that
+one quantized) are left float32 through NNCF's ``IgnoredScope``, a few more per round.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tk.errors import ConversionError, UsageError, first_line
+from tk.export.context import ExportContext, ExportOptions
+from tk.export.writer import NoOptions, Writer
+from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
+
+log = logging.getLogger("tk.export")
+
+MAX_ROUNDS = 8  # int8 exclusion rounds before giving up (the check then reports the SQNR)
+
+
+class OpenVinoWriter(Writer):
+    """``model.xml`` + ``model.bin``: the IR ``openvino.convert_model`` makes of the float32 program,
+    quantized by NNCF under int8. It takes no options of its own: NNCF chooses the int8 ranges."""
+
+    name = "openvino"
+    Options = NoOptions
+    precisions = tuple(PRECISION_HINTS)  # fp32, bf16, int8
+
+    def unavailable_reason(self, device: str, precision: str) -> str | None:
+        if device != "cpu":
+            return f"OpenVINO IRs are written for the CPU; export --device cpu (got {device})"
+        reason = missing_reason()
+        if reason:
+            return reason
+        if precision == "int8":
+            import importlib.util
+
+            if importlib.util.find_spec("nncf") is None:
+                return "int8 OpenVINO IRs are quantized by NNCF, which is not installed (pip install 'tk[openvino]')"
+        if precision == "bf16":
+            from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+
+            if not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
+                return (
+                    f"--precision bf16: this CPU has no {' or '.join(NATIVE_FLAGS['bf16'])}, and OpenVINO compiles "
+                    "bf16 as f32 there, so the check could not test it; export it on such a CPU"
+                )
+        return None
+
+    def validate(self, options: NoOptions, export: ExportOptions) -> None:
+        if export.keep_fp32 and export.precision != "fp32":
+            raise UsageError(
+                f"--keep-fp32: the openvino format does not keep modules in float32 at --precision {export.precision}; "
+                "export without it"
+            )
+
+    def write(self, ctx: ExportContext) -> None:
+        import openvino as ov
+
+        model = ir_from_exported_program(_float32_program(ctx), ctx)
+        quantization = None
+        if ctx.options.precision == "int8":
+            model, quantization = _int8_ir(model, ctx)
+        xml = ctx.add_file(XML, ROLE)
+        ctx.add_file(BIN, WEIGHTS_ROLE)
+        ov.save_model(model, str(xml), compress_to_fp16=False)
+        info: dict[str, Any] = {
+            "file": XML,
+            "weights": BIN,
+            "inference_precision_hint": PRECISION_HINTS[ctx.options.precision],
+            "compress_to_fp16": False,
+        }
+        if quantization is not None:
+            info["quantization"] = quantization
+        ctx.formats[self.name] = info
+        ctx.versions.setdefault("openvino", ov.__version__)
+
+
+WRITER = OpenVinoWriter()
+
+
+def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
+    """``model`` quantized by NNCF on tk's calibration batches, judged at the int8 SQNR floor."""
+    import nncf
+
+    from tk.export.calibration import calibration_feeds, judge_feeds, require_int8_layers
+    from tk.tolerances import MIN_SQNR_DB
+
+    quantized, record = int8_ir_from_ir(
+        model,
+        calibration_feeds(ctx),
+        judge_feeds(ctx),
+        transformer=has_attention(model),
+        min_sqnr_db=MIN_SQNR_DB["int8"],
+    )
+    layers = record["quantizable_nodes"]
+    require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
+    ctx.versions.setdefault("nncf", nncf.__version__)
+    return quantized, record
+
+
+def _float32_program(ctx: ExportContext) -> Any:
+    """The captured program, or under bf16 (where it holds tk's casts) the float32 model captured again."""
+    assert ctx.program is not None
+    if ctx.options.precision != "bf16":
+        return ctx.program
+    from tk.export.torch_program import exported_program_from_module
+
+    return exported_program_from_module(ctx.spec.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
+
+
+def has_attention(model: Any) -> bool:
+    """Whether the OpenVINO model computes attention (a softmax over scores, fused or not)."""
+    return any(op.get_type_name() in ("ScaledDotProductAttention", "Softmax") for op in model.get_ordered_ops())
+
+
+def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
+    """``program`` as an ``openvino.Model``: inputs bounded by the dims, outputs named as the signature."""
+    import openvino as ov
+
+    signature = ctx.spec.signature
+    try:
+        model = ov.convert_model(program)
+    except Exception as exc:  # the PyTorch frontend raises OpConversionFailure and others
+        raise ConversionError(
+            f"openvino.convert_model could not convert the exported program ({type(exc).__name__}: {first_line(exc)}); "
+            "export --format onnx or aoti instead"
+        ) from exc
+    if len(model.inputs) != len(signature.inputs) or len(model.outputs) != len(signature.outputs):
+        raise ConversionError(
+            f"the OpenVINO model has {len(model.inputs)} inputs and {len(model.outputs)} outputs; the model's "
+            f"signature expects {len(signature.inputs)} and {len(signature.outputs)} (does forward take inputs the "
+            "model ignores, or return extra values?)"
+        )
+    # the program's inputs come in the signature's order under forward's argument names; name them as tk does
+    for port, spec in [
+        *zip(model.inputs, signature.inputs, strict=True),
+        *zip(model.outputs, signature.outputs, strict=True),
+    ]:
+        port.get_tensor().set_names({spec.name})
+    for port, spec in zip(model.inputs, signature.inputs, strict=True):
+        port.get_node().set_friendly_name(spec.name)
+    model.reshape(bounded_shapes(signature, ctx.dims))
+    return model
+
+
+# -- int8 through NNCF ----------------------------------------------------------------------------
+def weight_products(model: Any) -> list[str]:
+    """Friendly names of the MatMuls whose second input is a constant (a weight, possibly through a Convert)."""
+    names = []
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        source = op.input_value(1).get_node()
+        while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
+            source = source.input_value(0).get_node()
+        if source.get_type_name() == "Constant":
+            names.append(op.get_friendly_name())
+    return names
+
+
+class _Judge:
+    """The float32 IR's outputs on some batches, and the SQNR of a candidate IR against them (both compiled f32)."""
+
+    def __init__(self, reference: Any, batches: Sequence[dict[str, np.ndarray]]) -> None:
+        self.batches = list(batches)
+        self.reference = self._outputs(reference)
+
+    def _outputs(self, model: Any) -> list[list[np.ndarray]]:
+        import openvino as ov
+
+        compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        request = compiled.create_infer_request()
+        outputs = []
+        for feeds in self.batches:
+            result = request.infer(feeds)
+            outputs.append([np.array(result[port]) for port in compiled.outputs])
+        return outputs
+
+    def sqnr_db(self, model: Any) -> float:
+        from tk.parity import worst_sqnr_db
+
+        return worst_sqnr_db(self.reference, self._outputs(model))
+
+
+def int8_ir_from_ir(
+    model: Any,
+    calibration: Sequence[dict[str, np.ndarray]],
+    judge: Sequence[dict[str, np.ndarray]] = (),
+    *,
+    transformer: bool = False,
+    min_sqnr_db: float | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
+
+    With ``min_sqnr_db``, weight products are left float32 (costliest first, each measured as the
+    graph's SQNR with only it quantized) until the SQNR on the calibration and ``judge`` batches
+    reaches ``min_sqnr_db + MARGIN_DB``.
+    """
+    import nncf
+
+    from tk.export.calibration import MARGIN_DB, exclude_costliest
+
+    if not calibration:
+        raise UsageError("--calibrate: expected at least one calibration sample, got none")
+    layers = weight_products(model)
+    dataset = nncf.Dataset(list(calibration))
+    model_type = nncf.ModelType.TRANSFORMER if transformer else None
+
+    def quantize(ignored: Sequence[str]) -> Any:
+        scope = nncf.IgnoredScope(names=list(ignored), validate=False) if ignored else None
+        try:
+            return nncf.quantize(
+                model, dataset, model_type=model_type, subset_size=len(calibration), ignored_scope=scope
+            )
+        except Exception as exc:  # NNCF raises many types; each is a conversion failure
+            raise ConversionError(f"NNCF could not quantize the OpenVINO model to int8: {first_line(exc)}") from exc
+
+    judged = _Judge(model, [*calibration, *judge])
+    quantized = quantize(())
+    sqnr = judged.sqnr_db(quantized)
+    log.info("export int8   OpenVINO SQNR %.1f dB on %d batches", sqnr, len(judged.batches))
+    record: dict[str, Any] = {
+        "mode": "static",
+        "quantizer": "nncf.quantize",
+        "model_type": "transformer" if transformer else None,
+        "calibration_batches": len(calibration),
+        "quantizable_nodes": len(layers),
+        "excluded": [],
+        "automatic_exclusions": [],
+    }
+    if min_sqnr_db is not None and sqnr < min_sqnr_db + MARGIN_DB and layers:
+        ranking = _Judge(model, calibration)
+        costs = {name: ranking.sqnr_db(quantize([n for n in layers if n != name])) for name in layers}
+        best: dict[str, Any] = {}
+
+        def judge_without(excluded: list[str]) -> float:
+            best["model"] = quantize(excluded)
+            value = judged.sqnr_db(best["model"])
+            log.info("export int8   %d layers float32: SQNR %.1f dB", len(excluded), value)
+            return value
+
+        excluded, last = exclude_costliest(costs, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS)
+        if last is not None:
+            quantized, sqnr = best["model"], last
+        record["automatic_exclusions"] = record["excluded"] = excluded
+        record["layer_sqnr_db"] = {name: round(value, 2) for name, value in costs.items()}
+    record["sqnr_db_export"] = round(sqnr, 2)
+    return quantized, record
