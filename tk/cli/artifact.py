@@ -260,21 +260,8 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
             f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
         )
     for fmt, info in manifest.formats.items():
-        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions", "quantization"))
-        click.echo(f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else ""))
-        if "quantization" in info:
-            click.echo(f"int8       {fmt}: {_quantization_text(info['quantization'])}")
-        fusions = info.get("fusions")
-        if fusions:
-            ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
-            verdict = "applied" if fusions["applied"] else f"not applied: {fusions.get('reason')}"
-            nodes = (
-                f"{fusions.get('nodes_before')} -> {fusions.get('nodes_after')} nodes; "
-                if fusions.get("nodes_before")
-                else ""
-            )
-            cpu = ", ".join(f"{k} {n}" for k, n in fusions.get("cpu_rewrites", {}).items())
-            click.echo(f"fused      {fmt}: {nodes}{ops}{'; for the CPU: ' + cpu if cpu else ''} ({verdict})")
+        for line in _format_lines(artifact, fmt, info):
+            click.echo(line)
     click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
         click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
@@ -285,6 +272,32 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
         click.echo(
             f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
         )
+
+
+def _format_lines(artifact: Path, fmt: str, info: dict[str, Any]) -> list[str]:
+    """``tk inspect``'s lines of one format's record (its file and settings, int8, fusions); a record
+    whose fields are not what tk writes is a damaged manifest, said in one line."""
+    from tk.errors import IntegrityError
+
+    try:
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions", "quantization"))
+        lines = [f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else "")]
+        if "quantization" in info:
+            lines.append(f"int8       {fmt}: {_quantization_text(info['quantization'])}")
+        fusions = info.get("fusions")
+        if fusions:
+            ops = ", ".join(f"{op} {n}" for op, n in fusions.get("fused_ops", {}).items()) or "none"
+            verdict = "applied" if fusions["applied"] else f"not applied: {fusions.get('reason')}"
+            before = fusions.get("nodes_before")
+            nodes = f"{before} -> {fusions.get('nodes_after')} nodes; " if before else ""
+            cpu = ", ".join(f"{k} {n}" for k, n in fusions.get("cpu_rewrites", {}).items())
+            lines.append(f"fused      {fmt}: {nodes}{ops}{'; for the CPU: ' + cpu if cpu else ''} ({verdict})")
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+        raise IntegrityError(
+            f"{artifact / 'manifest.json'}: formats.{fmt} is not the record tk writes ({type(exc).__name__}: {exc}); "
+            "re-export the artifact"
+        ) from exc
+    return lines
 
 
 def _print_signature(artifact: Path, manifest: Any) -> None:
