@@ -52,7 +52,7 @@ def fuse(ctx: ExportContext, *, keep_unfused: bool) -> None:
 
 def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_exclude: tuple[str, ...]) -> None:
     """The shipped ``model.onnx`` in int8: ``static`` (calibrated QDQ, costly layers left out) or ``dynamic``."""
-    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx
+    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx, weight_record, weight_type
 
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
@@ -83,8 +83,11 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
         os.replace(quantized, path)
         ctx.formats["onnx"]["quantization"] = result.to_json()
     else:
-        int8_onnx_from_onnx(path, quantized, nodes_to_exclude=excluded)
+        weights = weight_type()
+        int8_onnx_from_onnx(path, quantized, nodes_to_exclude=excluded, weights=weights)
         os.replace(quantized, path)
-        ctx.formats["onnx"]["quantization"] = f"dynamic int8 ({', '.join(QUANTIZED_OPS)})"
+        ctx.formats["onnx"]["quantization"] = (
+            f"dynamic int8 ({', '.join(QUANTIZED_OPS)}), weights {weight_record(weights)}"
+        )
     if kept_modules:
         ctx.formats["onnx"]["int8_excluded_nodes"] = len(kept_modules)

@@ -9,7 +9,8 @@ The products' outputs stay float32 (``OpTypesToExcludeOutputQuantization``): wit
 product gets a QuantizeLinear/DequantizeLinear pair on its output, which onnxruntime runs as
 ``QLinearMatMul`` + ``DequantizeLinear`` and then adds the bias in float32 anyway; with it,
 ``DequantizeLinear -> MatMul`` becomes one ``MatMulIntegerToFloat`` (int8 product, float32 out):
-faster, and one rounding fewer per layer. The export fuses the float32 graph first (attention
+faster, and one rounding fewer per layer. Weights are uint8 where this CPU's int8 products saturate
+(``tk.export.quantize.weight_type``). The export fuses the float32 graph first (attention
 into ``MultiHeadAttention``, bias + GELU), so quantization sees the fused graph, which runs faster.
 
 Then the graph's signal is measured as the SQNR of its outputs against the float32 graph on the
@@ -35,6 +36,7 @@ import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
+from tk.export.quantize import quant_type, weight_record, weight_type
 from tk.parity import worst_sqnr_db
 
 log = logging.getLogger("tk.export")
@@ -54,12 +56,14 @@ class StaticInt8Result:
     quantizable: int = 0  # weight MatMul/Gemm nodes in the graph
     method: str = "minmax"
     int8_nodes: int = 0  # of the quantizable nodes, the ones left in int8
+    weights: str = "int8"  # or uint8 (a CPU whose int8 products saturate)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": "static",
             "method": self.method,
             "per_channel": True,
+            "weights": weight_record(self.weights),
             "format": "QDQ",
             "outputs": "int8" if OUTPUT_QUANTIZATION else "float32",  # the products' outputs
             "sqnr_db_export": round(self.sqnr_db, 2),
@@ -112,7 +116,9 @@ def weight_matmul_nodes(path: Path) -> list[str]:
     ]
 
 
-def _quantize(source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str]) -> None:
+def _quantize(
+    source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str], weights: str
+) -> None:
     """Quantize the nodes ``only`` (weight MatMul/Gemm names: the quantizer would take attention's
     activation products too, whatever ``MatMulConstBOnly`` says); the others stay float32."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
@@ -131,7 +137,7 @@ def _quantize(source: Path, target: Path, method: str, cache: Path, reader: _Rea
         per_channel=True,
         reduce_range=False,
         activation_type=QuantType.QUInt8,
-        weight_type=QuantType.QInt8,
+        weight_type=quant_type(weights),
         nodes_to_quantize=only,
         calibrate_method=_method(method),
         extra_options={
@@ -176,6 +182,7 @@ def static_int8_onnx_from_onnx(
     nodes_to_exclude: Sequence[str] = (),
     min_sqnr_db: float | None = None,
     judge: Sequence[dict[str, np.ndarray]] = (),
+    weights: str | None = None,
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
@@ -183,11 +190,13 @@ def static_int8_onnx_from_onnx(
     at a time) until the outputs' SQNR on the calibration batches reaches ``min_sqnr_db + MARGIN_DB``.
     ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
     plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
+    ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
     """
     judge_batches = list(judge)
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     _method(method)
+    wtype = weight_type(weights)
     exclude = list(nodes_to_exclude)
     candidates = weight_matmul_nodes(source)
     unknown = [n for n in exclude if n not in candidates]
@@ -198,10 +207,10 @@ def static_int8_onnx_from_onnx(
             cache = Path(tmp) / "ranges.json"
             reader = _Reader(calibration)
             keep = [n for n in candidates if n not in exclude]
-            _quantize(source, target, method, cache, reader, keep)  # calibrates once, fills the cache
+            _quantize(source, target, method, cache, reader, keep, wtype)  # calibrates once, fills the cache
             judge = _Judge(source, [*calibration, *judge_batches])
             sqnr = judge.sqnr_db(target)
-            result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method)
+            result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
             result.int8_nodes = len([n for n in candidates if n not in exclude])
             log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
             if min_sqnr_db is None or sqnr >= min_sqnr_db + MARGIN_DB:
@@ -211,12 +220,12 @@ def static_int8_onnx_from_onnx(
             for node in candidates:
                 if node in exclude:
                     continue
-                _quantize(source, one, method, cache, None, [node])
+                _quantize(source, one, method, cache, None, [node], wtype)
                 result.layer_sqnr_db[node] = ranking.sqnr_db(one)
             trial = Path(tmp) / "trial.onnx"
 
             def judge_without(automatic: list[str]) -> float:
-                _quantize(source, trial, method, cache, None, [n for n in keep if n not in automatic])
+                _quantize(source, trial, method, cache, None, [n for n in keep if n not in automatic], wtype)
                 sqnr = judge.sqnr_db(trial)
                 log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude) + len(automatic), sqnr)
                 trial.replace(target)
