@@ -15,6 +15,7 @@ from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.export.calibration import calibration_batches
 from tk.export.onnx import OnnxOptions
+from tk.export.quantize import weight_type
 from tk.export.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
 from tk.models import build_model
 from tk.spec import random_feeds
@@ -68,6 +69,7 @@ def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monk
     quant = result.manifest.formats["onnx"]["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "minmax" and quant["per_channel"]
     assert quant["sqnr_db_export"] >= 35.0 and quant["outputs"] == "float32"
+    assert quant["weights"].split()[0] == weight_type()  # uint8 where this CPU's int8 products saturate
     assert result.manifest.formats["onnx"]["fusions"]["applied"]  # quantized after fusion
     report = result.manifest.check["onnx"]
     assert report["min_sqnr_db"] == 35.0
