@@ -13,10 +13,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-<<<<<<< HEAD
-.venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf,int8]' 'torch==2.14.1' 'torchvision==0.29.1' \
-  'torchao==0.18.0' 'model-signing==1.1.1' 'pyopenssl'
-=======
 .venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf,int8,openvino]' 'torch==2.14.1' 'torchvision==0.29.1' \
-  'torchao==0.18.0' 'openvino==2026.4.1' 'nncf==3.4.0'
->>>>>>> main
+  'torchao==0.18.0' 'openvino==2026.4.1' 'nncf==3.4.0' 'model-signing==1.1.1' 'pyopenssl'
