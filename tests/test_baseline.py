@@ -1,0 +1,242 @@
+"""Accuracy and speed baselines: files, recipes, margins and verdicts (tk.workflows.baseline)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tk.errors import ParityError, UsageError
+from tk.parity import ParityReport, compare_output
+from tk.workflows.baseline import (
+    SQNR_CAP_DB,
+    Margins,
+    Recipe,
+    accuracy_baseline,
+    accuracy_gate,
+    load_accuracy_baseline,
+    load_speed_baseline,
+    parse_margins,
+    recipe_of,
+    resolve_recipe,
+    save_accuracy_baseline,
+    save_speed_baseline,
+    speed_baseline,
+    speed_gate,
+)
+from tk.workflows.bench import BenchReport, BenchRow
+from tk.workflows.check import CheckResult
+
+SHAPES = [{"batch": 1}, {"batch": 8}]
+
+
+def check_result(noise: float, *, engine: str = "onnx", seed: int = 0) -> CheckResult:
+    """A check of one class-score output whose candidate is the reference plus ``noise`` × N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal((64, 10)).astype(np.float32)
+    cand = (ref + noise * rng.standard_normal(ref.shape)).astype(np.float32)
+    report = ParityReport(engine, "eager", "fp32", 1e-4, 1e-5, None, shapes=[dict(s) for s in SHAPES])
+    report.outputs = [compare_output("logits", ref, cand, rtol=0.2, atol=0.2)]
+    return CheckResult({engine: report}, 1e-4, 1e-5)
+
+
+def test_margins_parse_and_refuse() -> None:
+    m = parse_margins(["sqnr=2", "cosine=1e-3", "top1=1", "max_abs=2:1e-4"])
+    assert (m.sqnr_db, m.cosine, m.top1, m.max_abs, m.max_abs_atol) == (2.0, 1e-3, 1.0, 2.0, 1e-4)
+    assert parse_margins([]) == Margins()
+    for bad in ("psnr=1", "sqnr", "sqnr=abc", "cosine=-1", "top1=inf"):
+        with pytest.raises(UsageError, match="--margin"):
+            parse_margins([bad])
+
+
+def test_accuracy_baseline_round_trip_and_same_run_passes(tmp_path: Path) -> None:
+    result = check_result(1e-3)
+    path = tmp_path / "acc.json"
+    save_accuracy_baseline(path, accuracy_baseline(result, Recipe(seed=0, shapes=SHAPES), {"precision": "fp32"}))
+    data = json.loads(path.read_text())
+    assert (data["format"], data["kind"], data["version"]) == ("tk-baseline", "accuracy", 1)
+    figures = data["engines"]["onnx"]["logits"]
+    assert set(figures) == {"max_abs", "sqnr_db", "cosine", "top1", "atol"}
+    assert figures["top1"] == pytest.approx(100.0 * result.reports["onnx"].outputs[0].top1_rate)
+    loaded = load_accuracy_baseline(path)
+    gate = accuracy_gate(check_result(1e-3), loaded)
+    assert gate.passed
+    judged = {v.figure: v for v in gate.verdicts if v.baseline is not None}
+    assert set(judged) == {"max_abs", "sqnr_db", "cosine", "top1"}
+    assert judged["sqnr_db"].limit == pytest.approx(judged["sqnr_db"].baseline - 1.0)
+    assert judged["max_abs"].limit == pytest.approx(1.5 * judged["max_abs"].baseline + 1e-5)
+
+
+def test_worse_candidate_fails_with_the_numbers() -> None:
+    before = accuracy_baseline(check_result(1e-3), Recipe(shapes=SHAPES))
+    after = check_result(3e-2)  # ~30 dB worse; still within its own loose tolerance
+    assert after.passed
+    gate = accuracy_gate(after, before)
+    failed = {v.figure: v for v in gate.failures()}
+    assert {"max_abs", "sqnr_db", "cosine"} <= set(failed)
+    sqnr = failed["sqnr_db"]
+    assert sqnr.value < sqnr.baseline - 25
+    assert "onnx logits sqnr_db" in sqnr.message and "below the baseline" in sqnr.message
+    with pytest.raises(ParityError, match="logits"):
+        gate.raise_if_failed()
+
+
+def test_margins_decide() -> None:
+    before = accuracy_baseline(check_result(1e-3), Recipe(shapes=SHAPES))
+    after = check_result(1.3e-3, seed=0)  # ~2.3 dB worse
+    sqnr = next(v for v in accuracy_gate(after, before).verdicts if v.figure == "sqnr_db")
+    assert sqnr.failed and 1.5 < sqnr.baseline - sqnr.value < 3.5
+    loose = parse_margins(["sqnr=5", "max_abs=3", "cosine=1e-3"])
+    assert not any(v.failed for v in accuracy_gate(after, before, loose).verdicts)
+
+
+def test_exact_baseline_sqnr_is_capped() -> None:
+    exact = check_result(0.0)
+    assert exact.reports["onnx"].outputs[0].sqnr_db == math.inf
+    before = accuracy_baseline(exact, Recipe(shapes=SHAPES))
+    assert before.engines["onnx"]["logits"]["sqnr_db"] is None
+    gate = accuracy_gate(check_result(1e-7), before)  # float32 rounding territory: ~140 dB
+    sqnr = next(v for v in gate.verdicts if v.figure == "sqnr_db")
+    assert sqnr.limit == SQNR_CAP_DB - 1.0 and not sqnr.failed
+
+
+def test_engines_and_shapes_that_differ() -> None:
+    before = accuracy_baseline(check_result(1e-3, engine="onnx"), Recipe(shapes=SHAPES))
+    gate = accuracy_gate(check_result(1e-3, engine="torch"), before)
+    statuses = {(v.engine, v.figure): v.status for v in gate.verdicts}
+    assert statuses[("onnx", "run")] == "skip" and statuses[("torch", "run")] == "skip"
+    assert gate.passed and gate.notes
+    other = accuracy_baseline(check_result(1e-3), Recipe(shapes=[{"batch": 2}]))
+    with pytest.raises(UsageError, match="sizes"):
+        accuracy_gate(check_result(1e-3), other)
+
+
+def test_missing_output_fails() -> None:
+    before = accuracy_baseline(check_result(1e-3), Recipe(shapes=SHAPES))
+    before.engines["onnx"]["probabilities"] = dict(before.engines["onnx"]["logits"])
+    failed = accuracy_gate(check_result(1e-3), before).failures()
+    assert [(v.item, v.figure) for v in failed] == [("probabilities", "run")]
+
+
+def test_recipe_resolution(tmp_path: Path) -> None:
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, x=np.arange(4.0))
+    recorded = recipe_of(seed=3, samples=16, inputs=inputs)
+    assert recorded.inputs["sha256"] and recorded.inputs["file"] == str(inputs)
+    opts = resolve_recipe(recorded, {})
+    assert (opts["seed"], opts["samples"], opts["inputs"]) == (3, 16, inputs)
+    with pytest.raises(UsageError, match="--seed 3, this run asks for --seed 4"):
+        resolve_recipe(recorded, {"seed": 4})
+    np.savez(tmp_path / "other.npz", x=np.arange(5.0))
+    with pytest.raises(UsageError, match="sha256"):
+        resolve_recipe(recorded, {"inputs": tmp_path / "other.npz"})
+    with pytest.raises(UsageError, match="recorded without --golden"):
+        resolve_recipe(recorded, {"golden": tmp_path / "g.npz"})
+    inputs.unlink()
+    with pytest.raises(UsageError, match="pass that file"):
+        resolve_recipe(recorded, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{not json", "not a readable JSON"),
+        ("[1, 2]", "not a tk baseline"),
+        ('{"format": "tk-baseline", "kind": "speed", "version": 1}', "a speed baseline, expected a accuracy"),
+        ('{"format": "tk-baseline", "kind": "accuracy", "version": 9}', "version 9"),
+        (
+            '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0}, "engines": {}}',
+            "no engines",
+        ),
+        (
+            '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0},'
+            ' "engines": {"onnx": {"y": {"sqnr_db": "high"}}}}',
+            "not a number",
+        ),
+    ],
+)
+def test_damaged_accuracy_files_are_one_line(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "b.json"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=match) as info:
+        load_accuracy_baseline(path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(UsageError, match="no such file"):
+        load_accuracy_baseline(tmp_path / "absent.json")
+
+
+def bench_report(
+    speedups: dict[str, float], *, cpu: str = "Test CPU", load: float = 0.1, cores: int = 2
+) -> BenchReport:
+    """Rows at batch 1 and 8 whose p50 makes the given speed-ups over eager's 10 ms."""
+    rows = []
+    for batch in (1, 8):
+        rows.append(BenchRow("eager", batch, 5, 10.0, 10.0, 10.0, 10.0, batch / 0.01, 1.0))
+        for engine, speedup in speedups.items():
+            p50 = 10.0 / speedup
+            rows.append(BenchRow(engine, batch, 5, p50, p50, p50, p50, batch / (p50 / 1e3), speedup))
+    machine = {
+        "cpu": cpu,
+        "cpu_flags": ["avx2", "fma"],
+        "usable_cores": cores,
+        "torch_threads": cores,
+        "load_average": [load, load, load],
+    }
+    return BenchReport(rows, machine, {"batch_sizes": [1, 8], "sizes": {"seq": 16}, "io": "host"})
+
+
+def test_speed_baseline_round_trip_and_slowdown(tmp_path: Path) -> None:
+    path = tmp_path / "speed.json"
+    save_speed_baseline(path, speed_baseline(bench_report({"onnx": 2.0})))
+    loaded = load_speed_baseline(path)
+    assert loaded.engines == {"onnx": {"1": 2.0, "8": 2.0}}
+    assert speed_gate(bench_report({"onnx": 1.9}), loaded, max_slowdown_pct=10).passed
+    gate = speed_gate(bench_report({"onnx": 1.7}), loaded, max_slowdown_pct=10)
+    failed = gate.failures()
+    assert [v.item for v in failed] == ["batch 1", "batch 8"]
+    assert failed[0].limit == pytest.approx(1.8) and "1.70× below the baseline's 2.00×" in failed[0].message
+    assert speed_gate(bench_report({"onnx": 1.7}), loaded, max_slowdown_pct=20).passed
+    with pytest.raises(UsageError, match="--max-slowdown"):
+        speed_gate(bench_report({"onnx": 1.7}), loaded, max_slowdown_pct=100)
+
+
+def test_speed_baseline_from_another_cpu_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "speed.json"
+    save_speed_baseline(path, speed_baseline(bench_report({"onnx": 2.0}, cpu="Other CPU")))
+    loaded = load_speed_baseline(path)
+    with pytest.raises(UsageError, match=r"measured on 'Other CPU', this is 'Test CPU'.*--any-cpu") as info:
+        speed_gate(bench_report({"onnx": 1.0}), loaded)
+    assert "\n" not in str(info.value)
+    gate = speed_gate(bench_report({"onnx": 1.0}), loaded, any_cpu=True)
+    assert not gate.passed and "another CPU" in gate.notes[0]
+
+
+def test_busy_machine_is_reported_not_judged(tmp_path: Path) -> None:
+    baseline = speed_baseline(bench_report({"onnx": 2.0}))
+    busy = speed_gate(bench_report({"onnx": 1.0}, load=5.0), baseline)
+    assert busy.passed and all(v.status == "skip" for v in busy.verdicts)
+    assert "busy machine" in busy.notes[0]
+    after = speed_gate(bench_report({"onnx": 1.0}), baseline, load_after=3.0)
+    assert after.passed and "3.0 after" in after.notes[0]
+    assert not speed_gate(bench_report({"onnx": 1.0}), baseline, load_after=1.0).passed
+
+
+def test_speed_settings_must_match() -> None:
+    baseline = speed_baseline(bench_report({"onnx": 2.0}))
+    report = bench_report({"onnx": 2.0})
+    report.settings["sizes"] = {"seq": 32}
+    with pytest.raises(UsageError, match="sizes"):
+        speed_gate(report, baseline)
+
+
+def test_damaged_speed_file(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"format": "tk-baseline", "kind": "speed", "version": 1, "machine": {"cpu": "x"},
+                                "settings": {}, "engines": {"onnx": {"one": 2.0}}}))  # fmt: skip
+    with pytest.raises(UsageError, match="not an integer"):
+        load_speed_baseline(path)
+    with pytest.raises(UsageError, match="no speed-up over eager"):
+        speed_baseline(bench_report({}))
