@@ -513,6 +513,27 @@ def load_speed_baseline(path: str | Path) -> SpeedBaseline:
     return SpeedBaseline(machine, settings, engines, str(data.get("created", "")))
 
 
+def refuse_other_cpu(
+    baseline: SpeedBaseline, machine: Mapping[str, Any], *, any_cpu: bool = False, where: str = "--baseline"
+) -> str | None:
+    """One ``UsageError`` line when ``baseline`` was measured on another CPU (model or speed flags),
+    unless ``any_cpu``: then a note to print, as when the CPU is the same (None)."""
+    here = cpu_identity(machine)
+    then = {"cpu": baseline.machine.get("cpu"), "cpu_flags": list(baseline.machine.get("cpu_flags", []))}
+    if here == then:
+        return None
+    gained = sorted(set(here["cpu_flags"]) - set(then["cpu_flags"]))
+    lost = sorted(set(then["cpu_flags"]) - set(here["cpu_flags"]))
+    flags = ", ".join([*(f"+{f}" for f in gained), *(f"-{f}" for f in lost)])
+    flags = f" (flags {flags})" if flags else ""
+    if not any_cpu:
+        raise UsageError(
+            f"{where}: measured on {then['cpu']!r}, this is {here['cpu']!r}{flags}: "
+            "speed ratios do not travel between CPUs; record a baseline here or pass --any-cpu"
+        )
+    return f"baseline from another CPU ({then['cpu']}{flags}), judged anyway (--any-cpu)"
+
+
 def busy_reason(report: BenchReport, load_after: float | None = None) -> dict[int, str]:
     """Batch sizes timed on a busy machine, with why: the load guard's marks where rows carry them,
     else the 1-minute load average before timing or ``load_after`` above the usable cores."""
@@ -529,7 +550,8 @@ def busy_reason(report: BenchReport, load_after: float | None = None) -> dict[in
     before = load[0] if load else None
     readings = [v for v in (before, load_after) if v is not None]
     if any(v > cores for v in readings):
-        why = f"load average {before} before, {load_after} after timing, on {cores} cores"
+        after = None if load_after is None else round(load_after, 2)
+        why = f"load average {before} before, {after} after timing, on {cores} cores"
         reasons = {row.batch_size: why for row in report.rows}
     return reasons
 
@@ -554,30 +576,18 @@ def speed_gate(
     gate = Gate("bench", judged=baseline is not None)
     busy = busy_reason(report, load_after)
     if baseline is not None:
-        here = cpu_identity(report.machine)
-        then = {"cpu": baseline.machine.get("cpu"), "cpu_flags": list(baseline.machine.get("cpu_flags", []))}
-        if here != then:
-            gained = sorted(set(here["cpu_flags"]) - set(then["cpu_flags"]))
-            lost = sorted(set(then["cpu_flags"]) - set(here["cpu_flags"]))
-            flags = (
-                f" (flags {'+' + ','.join(gained) if gained else ''}{' -' + ','.join(lost) if lost else ''})"
-                if gained or lost
-                else ""
-            )
-            if not any_cpu:
-                raise UsageError(
-                    f"{where}: measured on {then['cpu']!r}, this is {here['cpu']!r}{flags}: "
-                    "speed ratios do not travel between CPUs; record a baseline here or pass --any-cpu"
-                )
-            gate.notes.append(f"baseline from another CPU ({then['cpu']}{flags}), judged anyway (--any-cpu)")
+        note = refuse_other_cpu(baseline, report.machine, any_cpu=any_cpu, where=where)
+        if note:
+            gate.notes.append(note)
         for key in ("sizes", "io"):
             then_value, now_value = baseline.settings.get(key), report.settings.get(key)
             if then_value is not None and now_value is not None and then_value != now_value:
                 raise UsageError(
                     f"{where}: measured with {key} {then_value}, this run with {now_value}: not comparable"
                 )
-    if busy:
-        gate.notes.append("busy machine, not judged: " + "; ".join(f"batch {b}: {w}" for b, w in sorted(busy.items())))
+    for why in dict.fromkeys(busy.values()):
+        batches = ", ".join(str(b) for b, w in sorted(busy.items()) if w == why)
+        gate.notes.append(f"busy machine, not judged (batch {batches}): {why}")
     seen: set[tuple[str, str]] = set()
     keep = 1 - max_slowdown_pct / 100
     for row in report.rows:
@@ -639,7 +649,7 @@ def render_gate(gate: Gate, title: str | None = None) -> Table:
             column, justify="left" if column in ("engine", "output", "batch", "figure", "result") else "right"
         )
     for v in gate.verdicts:
-        if v.baseline is None and v.status == "pass":
+        if v.limit is None and v.status == "pass":  # not judged against a baseline
             continue
         if v.figure == "run":
             table.add_row(v.engine, v.item, v.figure, "", "", "", f"{v.status}: {v.message}")
