@@ -169,21 +169,25 @@ def test_damaged_accuracy_files_are_one_line(tmp_path: Path, text: str, match: s
 
 
 def bench_report(
-    speedups: dict[str, float], *, cpu: str = "Test CPU", load: float = 0.1, cores: int = 2
+    speedups: dict[str, float], *, cpu: str = "Test CPU", busy_at: tuple[int, ...] = (), cores: int = 2
 ) -> BenchReport:
-    """Rows at batch 1 and 8 whose p50 makes the given speed-ups over eager's 10 ms."""
+    """Rows at batch 1 and 8 whose p50 makes the given speed-ups over eager's 10 ms; the load guard's
+    marks say busy (load 5.0 on 2 cores) at the batch sizes ``busy_at``."""
     rows = []
     for batch in (1, 8):
         rows.append(BenchRow("eager", batch, 5, 10.0, 10.0, 10.0, 10.0, batch / 0.01, 1.0))
         for engine, speedup in speedups.items():
             p50 = 10.0 / speedup
             rows.append(BenchRow(engine, batch, 5, p50, p50, p50, p50, batch / (p50 / 1e3), speedup))
+    for row in rows:
+        load = 5.0 if row.batch_size in busy_at else 0.5
+        row.load_before, row.load_after, row.busy = load, load, row.batch_size in busy_at
     machine = {
         "cpu": cpu,
         "cpu_flags": ["avx2", "fma"],
+        "cores": cores,
         "usable_cores": cores,
         "torch_threads": cores,
-        "load_average": [load, load, load],
     }
     return BenchReport(rows, machine, {"batch_sizes": [1, 8], "sizes": {"seq": 16}, "io": "host"})
 
@@ -214,14 +218,15 @@ def test_speed_baseline_from_another_cpu_is_refused(tmp_path: Path) -> None:
     assert not gate.passed and "another CPU" in gate.notes[0]
 
 
-def test_busy_machine_is_reported_not_judged(tmp_path: Path) -> None:
+def test_busy_machine_is_reported_not_judged() -> None:
     baseline = speed_baseline(bench_report({"onnx": 2.0}))
-    busy = speed_gate(bench_report({"onnx": 1.0}, load=5.0), baseline)
+    busy = speed_gate(bench_report({"onnx": 1.0}, busy_at=(1, 8)), baseline)
     assert busy.passed and all(v.status == "skip" for v in busy.verdicts)
-    assert "busy machine" in busy.notes[0]
-    after = speed_gate(bench_report({"onnx": 1.0}), baseline, load_after=3.0)
-    assert after.passed and "3.0 after" in after.notes[0]
-    assert not speed_gate(bench_report({"onnx": 1.0}), baseline, load_after=1.0).passed
+    assert busy.notes == [
+        "busy machine, not judged (batch 1, 8): 1-minute load average 5.0 before, 5.0 after timing, on 2 cores"
+    ]
+    half = speed_gate(bench_report({"onnx": 1.0}, busy_at=(8,)), baseline)
+    assert [(v.item, v.status) for v in half.verdicts] == [("batch 1", "fail"), ("batch 8", "skip")]
 
 
 def test_speed_settings_must_match() -> None:
@@ -240,3 +245,104 @@ def test_damaged_speed_file(tmp_path: Path) -> None:
         load_speed_baseline(path)
     with pytest.raises(UsageError, match="no speed-up over eager"):
         speed_baseline(bench_report({}))
+
+
+# ---------------------------------------------------------------- through the command line
+
+
+def invoke(*args: str):
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def one_error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_bf16_fails_the_fp32_baseline_and_fp32_passes_its_own(exported, tmp_path: Path) -> None:
+    """Issue 23's goal: exit 1 and a JUnit failure naming the output; the same fp32 artifact passes on a second run."""
+    import xml.etree.ElementTree as ET
+
+    import torch
+
+    from tk.export import ExportOptions
+    from tk.models import build_model
+    from tk.workflows.export import export
+
+    fp32 = exported("mlp", ("torch",)).root
+    torch.manual_seed(0)
+    bf16 = tmp_path / "mlp-bf16"
+    export(build_model("mlp", size="tiny"), bf16, ExportOptions(formats=("torch",), precision="bf16"))
+    baseline, junit = tmp_path / "acc.json", tmp_path / "check.xml"
+
+    saved = invoke("check", fp32, "--engine", "torch", "--save-baseline", baseline)
+    assert saved.exit_code == 0, saved.output
+    recorded = json.loads(baseline.read_text())
+    assert recorded["recipe"]["seed"] == 0 and len(recorded["recipe"]["shapes"]) >= 2
+    assert recorded["engines"]["torch"]["logits"]["top1"] == 100.0
+
+    again = invoke("check", fp32, "--engine", "torch", "--baseline", baseline, "--junit", junit)
+    assert again.exit_code == 0, again.output
+    assert "accuracy against the baseline" in again.stdout
+    root = ET.parse(junit).getroot()
+    assert root.get("failures") == "0" and int(root.get("tests")) >= 5
+
+    worse = invoke("check", bf16, "--engine", "torch", "--baseline", baseline, "--junit", junit)
+    assert worse.exit_code == 1, worse.output
+    assert "torch logits sqnr_db" in one_error_line(worse)
+    failed = {c.get("name"): c.find("failure") for c in ET.parse(junit).getroot().iter("testcase")}
+    assert failed["logits sqnr_db"] is not None and failed["logits max_abs"] is not None
+    assert "torch logits sqnr_db" in failed["logits sqnr_db"].get("message")
+    assert failed["logits parity"] is None  # bf16 passes its own tolerances: only the baseline catches it
+
+
+def test_check_baseline_refusals(exported, tmp_path: Path) -> None:
+    root = exported("mlp", ("torch",)).root
+    baseline = tmp_path / "acc.json"
+    assert invoke("check", root, "--engine", "torch", "--samples", "16", "--save-baseline", baseline).exit_code == 0
+    assert json.loads(baseline.read_text())["recipe"]["samples"] == 16
+    same = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--margin", "sqnr=2")
+    assert same.exit_code == 0, same.output  # --samples 16 came from the recipe
+    other = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--samples", "8")
+    assert other.exit_code == 2 and "--samples 16" in one_error_line(other)
+    bad_margin = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--margin", "psnr=1")
+    assert bad_margin.exit_code == 2 and "--margin" in one_error_line(bad_margin)
+    baseline.write_text(baseline.read_text()[:40])
+    damaged = invoke("check", root, "--engine", "torch", "--baseline", baseline)
+    assert damaged.exit_code == 2 and "not a readable JSON" in one_error_line(damaged)
+
+
+def test_bench_baseline_through_the_command_line(exported, tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    root = exported("mlp", ("torch",)).root
+    baseline, junit = tmp_path / "speed.json", tmp_path / "bench.xml"
+    args = ["bench", root, "--engine", "eager,torch", "--no-baselines", "--iters", "2", "--warmup", "0"]
+    saved = invoke(*args, "--batch-sizes", "1,2", "--save-baseline", baseline, "--junit", junit)
+    assert saved.exit_code == 0, saved.output
+    recorded = json.loads(baseline.read_text())
+    assert set(recorded["engines"]["torch"]) == {"1", "2"} and recorded["settings"]["batch_sizes"] == [1, 2]
+    assert {c.get("name") for c in ET.parse(junit).getroot().iter("testcase")} == {"batch 1 speedup", "batch 2 speedup"}
+
+    again = invoke(*args, "--baseline", baseline, "--max-slowdown", "99", "--junit", junit)
+    assert again.exit_code == 0, again.output  # batch sizes from the baseline; 99%: only a busy mark could skip
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    assert len(cases) == 2 and all(c.find("failure") is None for c in cases)
+
+    recorded["machine"]["cpu"] = "Another CPU 9000"
+    baseline.write_text(json.dumps(recorded))
+    refused = invoke(*args, "--baseline", baseline)
+    line = one_error_line(refused)
+    assert refused.exit_code == 2 and "Another CPU 9000" in line and "--any-cpu" in line
+    assert "warm-up" not in refused.stderr  # refused before any timing
+    allowed = invoke(*args, "--baseline", baseline, "--any-cpu", "--max-slowdown", "99")
+    assert allowed.exit_code == 0, allowed.output
+    assert "another CPU" in allowed.stdout
+    alone = invoke(*args, "--max-slowdown", "5")
+    assert alone.exit_code == 2 and "--baseline" in one_error_line(alone)

@@ -48,7 +48,7 @@ def test_check_regression_is_a_failure_naming_the_output(tmp_path: Path) -> None
 def test_bench_busy_rows_are_skipped(tmp_path: Path) -> None:
     baseline = speed_baseline(bench_report({"onnx": 2.0}))
     path = tmp_path / "bench.xml"
-    write_junit(path, "tk.bench", speed_gate(bench_report({"onnx": 1.0}, load=9.0), baseline).verdicts)
+    write_junit(path, "tk.bench", speed_gate(bench_report({"onnx": 1.0}, busy_at=(1, 8)), baseline).verdicts)
     found = cases(path)
     assert set(found) == {("tk.bench.onnx", "batch 1 speedup"), ("tk.bench.onnx", "batch 8 speedup")}
     assert all(c.find("skipped") is not None and c.find("failure") is None for c in found.values())

@@ -10,7 +10,6 @@ table, writes the baseline and the JUnit file, and fails (exit 1) on a regressio
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,12 @@ def check_gates(fn: Any) -> Any:
 
     @functools.wraps(fn)
     def wrapper(
-        *, save_baseline_path: Path | None, baseline_path: Path | None, margins: tuple[str, ...], junit_path: Path | None, **kwargs: Any
+        *,
+        save_baseline_path: Path | None,
+        baseline_path: Path | None,
+        margins: tuple[str, ...],
+        junit_path: Path | None,
+        **kwargs: Any,
     ) -> Any:
         from tk.errors import UsageError
 
@@ -154,13 +158,11 @@ class BenchGates:
         )
         from tk.workflows.junit import write_junit
 
-        load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         gate = speed_gate(
             report,
             self.loaded,
             max_slowdown_pct=DEFAULT_MAX_SLOWDOWN_PCT if self.max_slowdown is None else self.max_slowdown,
             any_cpu=self.any_cpu,
-            load_after=load_after,
         )
         if self.loaded is not None:
             console().print(render_gate(gate, f"speed-up over eager against the baseline {self.baseline}"))
@@ -199,7 +201,7 @@ def bench_gates(fn: Any) -> Any:
             raise UsageError("--max-slowdown and --any-cpu apply to --baseline FILE")
         if baseline_path is not None:
             from tk.workflows.baseline import load_speed_baseline, refuse_other_cpu
-            from tk.workflows.bench import machine_description
+            from tk.workflows.hardware import machine_description
 
             gates.loaded = load_speed_baseline(baseline_path)
             refuse_other_cpu(gates.loaded, machine_description(), any_cpu=any_cpu)  # before any timing
@@ -238,4 +240,3 @@ def bench_gates(fn: Any) -> Any:
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
-

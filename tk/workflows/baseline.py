@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -534,25 +533,15 @@ def refuse_other_cpu(
     return f"baseline from another CPU ({then['cpu']}{flags}), judged anyway (--any-cpu)"
 
 
-def busy_reason(report: BenchReport, load_after: float | None = None) -> dict[int, str]:
-    """Batch sizes timed on a busy machine, with why: the load guard's marks where rows carry them,
-    else the 1-minute load average before timing or ``load_after`` above the usable cores."""
+def busy_reason(report: BenchReport) -> dict[int, str]:
+    """Batch sizes whose rows the load guard marked busy (``tk.workflows.load_guard``), with the readings."""
     reasons: dict[int, str] = {}
+    cores = report.machine.get("cores")
     for row in report.rows:
-        if getattr(row, "busy", False):
+        if row.busy:
             reasons[row.batch_size] = (
-                f"load average {getattr(row, 'load_before', None)} → {getattr(row, 'load_after', None)} above the core count"
+                f"1-minute load average {row.load_before} before, {row.load_after} after timing, on {cores} cores"
             )
-    if reasons or any(hasattr(row, "busy") for row in report.rows):
-        return reasons
-    cores = report.machine.get("usable_cores") or report.machine.get("cores") or os.cpu_count() or 1
-    load = report.machine.get("load_average")
-    before = load[0] if load else None
-    readings = [v for v in (before, load_after) if v is not None]
-    if any(v > cores for v in readings):
-        after = None if load_after is None else round(load_after, 2)
-        why = f"load average {before} before, {after} after timing, on {cores} cores"
-        reasons = {row.batch_size: why for row in report.rows}
     return reasons
 
 
@@ -562,7 +551,6 @@ def speed_gate(
     *,
     max_slowdown_pct: float = DEFAULT_MAX_SLOWDOWN_PCT,
     any_cpu: bool = False,
-    load_after: float | None = None,
     where: str = "--baseline",
 ) -> Gate:
     """Per engine × batch size: the speed-up over eager, judged against ``baseline`` unless the machine was busy.
@@ -574,7 +562,7 @@ def speed_gate(
     if not (math.isfinite(max_slowdown_pct) and 0 <= max_slowdown_pct < 100):
         raise UsageError(f"--max-slowdown: expected a percentage from 0 to below 100, got {max_slowdown_pct:g}")
     gate = Gate("bench", judged=baseline is not None)
-    busy = busy_reason(report, load_after)
+    busy = busy_reason(report)
     if baseline is not None:
         note = refuse_other_cpu(baseline, report.machine, any_cpu=any_cpu, where=where)
         if note:
