@@ -346,3 +346,14 @@ def test_bench_baseline_through_the_command_line(exported, tmp_path: Path) -> No
     assert "another CPU" in allowed.stdout
     alone = invoke(*args, "--max-slowdown", "5")
     assert alone.exit_code == 2 and "--baseline" in one_error_line(alone)
+
+
+def test_eager_precision_is_recorded_and_a_change_noted() -> None:
+    report = bench_report({"onnx": 2.0})
+    report.settings["engines"] = {"eager": {"precision": "fp32"}, "onnx": {}}
+    baseline = speed_baseline(report)
+    assert baseline.settings["eager_precision"] == "fp32"
+    now = bench_report({"onnx": 2.0})
+    now.settings["engines"] = {"eager": {"precision": "bf16"}, "onnx": {}}
+    gate = speed_gate(now, baseline)
+    assert gate.passed and "over eager in bf16 here, in fp32 in the baseline" in gate.notes[0]

@@ -482,7 +482,15 @@ def speed_baseline(report: BenchReport) -> SpeedBaseline:
         "torch_threads": report.machine.get("torch_threads"),
     }
     settings = {k: report.settings.get(k) for k in ("batch_sizes", "sizes", "io")}
+    settings["eager_precision"] = _eager_precision(report)
     return SpeedBaseline(machine, settings, engines)
+
+
+def _eager_precision(report: BenchReport) -> str | None:
+    """The precision eager ran in (the artifact's unless set: a bf16 artifact's eager runs under bf16 autocast)."""
+    engines = report.settings.get("engines")
+    eager = engines.get("eager") if isinstance(engines, dict) else None
+    return eager.get("precision") if isinstance(eager, dict) else None
 
 
 def save_speed_baseline(path: str | Path, baseline: SpeedBaseline) -> None:
@@ -573,6 +581,13 @@ def speed_gate(
                 raise UsageError(
                     f"{where}: measured with {key} {then_value}, this run with {now_value}: not comparable"
                 )
+    if baseline is not None:
+        then_precision, now_precision = baseline.settings.get("eager_precision"), _eager_precision(report)
+        if then_precision and now_precision and then_precision != now_precision:
+            gate.notes.append(
+                f"speed-ups are over eager in {now_precision} here, in {then_precision} in the baseline: "
+                "compare artifacts of one precision"
+            )
     for why in dict.fromkeys(busy.values()):
         batches = ", ".join(str(b) for b, w in sorted(busy.items()) if w == why)
         gate.notes.append(f"busy machine, not judged (batch {batches}): {why}")
