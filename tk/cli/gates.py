@@ -45,7 +45,7 @@ CHECK_RECIPE = {
 class CheckGates:
     save_baseline: Path | None = None
     baseline: Path | None = None
-    margins: tuple[str, ...] = ()
+    margins: Any = None  # Margins, parsed from --margin before the check runs
     junit: Path | None = None
     recipe: dict[str, Any] = field(default_factory=dict)  # the check's options that make its inputs
     loaded: Any = None  # the AccuracyBaseline read from ``baseline``
@@ -55,14 +55,13 @@ class CheckGates:
         from tk.workflows.baseline import (
             accuracy_baseline,
             accuracy_gate,
-            parse_margins,
             recipe_of,
             render_gate,
             save_accuracy_baseline,
         )
         from tk.workflows.junit import write_junit
 
-        gate = accuracy_gate(result, self.loaded, parse_margins(self.margins))
+        gate = accuracy_gate(result, self.loaded, self.margins)
         if self.loaded is not None:
             console().print(render_gate(gate, f"accuracy against the baseline {self.baseline}"))
         if self.junit is not None:
@@ -81,7 +80,7 @@ class CheckGates:
         result.raise_if_failed()
         gate.raise_if_failed()
         if self.loaded is not None:
-            judged = sum(v.baseline is not None for v in gate.verdicts)
+            judged = sum(v.limit is not None and v.status == "pass" for v in gate.verdicts)
             click.echo(f"baseline: {judged} figures within their margins")
 
 
@@ -98,10 +97,11 @@ def check_gates(fn: Any) -> Any:
         **kwargs: Any,
     ) -> Any:
         from tk.errors import UsageError
+        from tk.workflows.baseline import parse_margins
 
-        gates = CheckGates(save_baseline_path, baseline_path, margins, junit_path)
         if margins and baseline_path is None:
             raise UsageError("--margin applies to --baseline FILE")
+        gates = CheckGates(save_baseline_path, baseline_path, parse_margins(margins), junit_path)
         if baseline_path is not None:
             from tk.workflows.baseline import load_accuracy_baseline, resolve_recipe
 
