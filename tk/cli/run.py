@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from tk.cli.common import console, engine_choice, print_check_reports
+from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
 
@@ -190,6 +191,7 @@ def _infer_ray(
     help="Save the inputs, the reference's outputs and the tolerances here (.npz with JSON meta).",
 )
 @click.option("--tol", "tols", multiple=True, metavar="NAME=RTOL:ATOL", help="Tolerance of one output (repeatable).")
+@check_gates
 @engine_choice(default="all", help="Engine to compare with eager, or all that this machine can run.")
 def check_cmd(
     artifact: Path,
@@ -205,6 +207,7 @@ def check_cmd(
     save_golden_path: Path | None,
     tols: tuple[str, ...],
     choice: EngineChoice,
+    gates: CheckGates,
 ) -> None:
     """Compare an artifact's engines with the PyTorch model (or --reference, --golden), output by output; exit 1 on a failure."""
     from tk.fileio import atomic_write_json
@@ -239,7 +242,7 @@ def check_cmd(
         click.echo(f"golden: {save_golden_path}")
     if json_path:
         atomic_write_json(json_path, reports)
-    result.raise_if_failed()
+    gates.finish(result)
     click.echo(f"parity passed for {', '.join(reports)}")
 
 
@@ -295,6 +298,7 @@ def check_cmd(
     help="Wait up to this long before each batch size for the 1-minute load average to drop to the core count; "
     "rows timed above it are marked busy either way.",
 )
+@bench_gates
 @engine_choice(
     default="all",
     help="Comma-separated engines, all, or auto (all whose parity passes, and which one auto picks); eager and compile are always added as baselines.",
@@ -313,6 +317,7 @@ def bench_cmd(
     roofline: bool,
     wait_quiet: float,
     choice: EngineChoice,
+    gates: BenchGates,
 ) -> None:
     """Measure every engine side by side (interleaved) at several batch sizes."""
     from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
@@ -341,6 +346,7 @@ def bench_cmd(
     if plot_path:
         save_plot(report, plot_path)
         click.echo(f"plot: {plot_path}")
+    gates.finish(report)
 
 
 COMMANDS = (infer_cmd, check_cmd, bench_cmd)
