@@ -172,93 +172,95 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 def schema_problem(data: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's structure (field: expected, found), or None; checked before any use."""
-
-    def kind(value: Any) -> str:
-        return type(value).__name__
-
-    def need(ok: bool, field: str, expected: str, value: Any) -> None:
-        if not ok:
-            raise _SchemaError(f"{field}: expected {expected}, found {kind(value)} {str(value)[:60]!r}")
-
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
     try:
         for key in ("model", "signature", "formats", "versions", "check", "timings", "optimize"):
-            need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
-        need(isinstance(data.get("files"), list), "files", "a list", data.get("files"))
+            _need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
+        _need(isinstance(data.get("files"), list), "files", "a list", data.get("files"))
         recommended = data.get("optimize", {}).get("recommended")
-        need(recommended is None or (isinstance(recommended, dict) and isinstance(recommended.get("engine"), str)),
-             "optimize.recommended", "an object naming an engine", recommended)  # fmt: skip
-        need(data.get("status", "unchecked") in STATUSES, "status", f"one of {STATUSES}", data.get("status"))
-        need(data.get("precision") in PRECISIONS, "precision", f"one of {PRECISIONS}", data.get("precision"))
-        need(data.get("device") in DEVICES, "device", f"one of {DEVICES}", data.get("device"))
-        model = data["model"]
-        need(isinstance(model.get("name"), str) and bool(model.get("name")), "model.name", "a name", model.get("name"))
-        need(
-            model.get("size") is None or isinstance(model.get("size"), str), "model.size", "a string", model.get("size")
-        )
-        need(
-            model.get("config") is None or isinstance(model.get("config"), dict),
-            "model.config",
-            "an object",
-            model.get("config"),
-        )
-        descriptions = model.get("input_descriptions", [])
-        need(isinstance(descriptions, list) and all(isinstance(d, str) for d in descriptions),
-             "model.input_descriptions", "a list of strings", descriptions)  # fmt: skip
-        for precision, pair in (model.get("tolerances") or {}).items():
-            need(isinstance(pair, list) and len(pair) == 2 and all(number(v) and v >= 0 for v in pair),
-                 f"model.tolerances.{precision}", "[rtol, atol] of non-negative numbers", pair)  # fmt: skip
-        signature = data["signature"]
-        dims = signature.get("dims")
-        need(isinstance(dims, dict), "signature.dims", "an object", dims)
-        for name, dim in dims.items():
-            need(isinstance(dim, dict) and set(dim) == {"name", "min", "opt", "max"}
-                 and all(isinstance(dim[k], int) and not isinstance(dim[k], bool) for k in ("min", "opt", "max"))
-                 and dim["name"] == name, f"signature.dims.{name}", "{name, min, opt, max} integers", dim)  # fmt: skip
-        for side in ("inputs", "outputs"):
-            specs = signature.get(side)
-            need(isinstance(specs, list) and (side == "outputs" or bool(specs)), f"signature.{side}", "a list", specs)
-            for i, spec in enumerate(specs):
-                where = f"signature.{side}[{i}]"
-                need(isinstance(spec, dict) and isinstance(spec.get("name"), str), where, "an object with a name", spec)
-                need(isinstance(spec.get("shape"), list), f"{where}.shape", "a list", spec.get("shape"))
-                for d in spec["shape"]:
-                    ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (
-                        isinstance(d, str) and d in dims
-                    )
-                    need(ok, f"{where}.shape", "sizes >= 1 or names of signature.dims", d)
-                for bound in ("low", "high"):
-                    value = spec.get(bound)
-                    need(value is None or (isinstance(value, int) and not isinstance(value, bool)),
-                         f"{where}.{bound}", "an integer or null", value)  # fmt: skip
-        for i, entry in enumerate(data["files"]):
-            where = f"files[{i}]"
-            need(isinstance(entry, dict) and set(entry) == {"path", "role", "size", "sha256"}, where,
-                 "{path, role, size, sha256}", entry)  # fmt: skip
-            need(
-                isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry
-            )
-            need(isinstance(entry["size"], int) and entry["size"] >= 0, f"{where}.size", "a byte count", entry["size"])
-            need(isinstance(entry["sha256"], str) and bool(_HEX64.fullmatch(entry["sha256"])), f"{where}.sha256",
-                 "64 hex digits", entry["sha256"])  # fmt: skip
+        _need(recommended is None or (isinstance(recommended, dict) and isinstance(recommended.get("engine"), str)),
+              "optimize.recommended", "an object naming an engine", recommended)  # fmt: skip
+        _need(data.get("status", "unchecked") in STATUSES, "status", f"one of {STATUSES}", data.get("status"))
+        _need(data.get("precision") in PRECISIONS, "precision", f"one of {PRECISIONS}", data.get("precision"))
+        _need(data.get("device") in DEVICES, "device", f"one of {DEVICES}", data.get("device"))
+        _check_model(data["model"])
+        _check_signature(data["signature"])
+        _check_files(data["files"])
         for fmt, info in data.get("formats", {}).items():
-            need(isinstance(info, dict), f"formats.{fmt}", "an object", info)
-        for fmt, report in data.get("check", {}).items():
-            where = f"check.{fmt}"
-            need(isinstance(report, dict) and isinstance(report.get("passed"), bool)
-                 and isinstance(report.get("outputs"), list) and isinstance(report.get("shapes"), list)
-                 and number(report.get("rtol")) and number(report.get("atol")), where,
-                 "a parity report (passed, outputs, shapes, rtol, atol)", report)  # fmt: skip
-            for out in report["outputs"]:
-                need(isinstance(out, dict) and isinstance(out.get("passed"), bool) and number(out.get("max_abs"))
-                     and number(out.get("max_rel")), f"{where}.outputs", "per-output results", out)  # fmt: skip
+            _need(isinstance(info, dict), f"formats.{fmt}", "an object", info)
+        _check_reports(data.get("check", {}))
         for step, seconds in data.get("timings", {}).items():
-            need(number(seconds), f"timings.{step}", "seconds", seconds)
+            _need(_number(seconds), f"timings.{step}", "seconds", seconds)
     except _SchemaError as exc:
         return str(exc)
     return None
+
+
+def _need(ok: bool, field: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise _SchemaError(f"{field}: expected {expected}, found {type(value).__name__} {str(value)[:60]!r}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_model(model: dict[str, Any]) -> None:
+    _need(isinstance(model.get("name"), str) and bool(model.get("name")), "model.name", "a name", model.get("name"))
+    _need(model.get("size") is None or isinstance(model.get("size"), str), "model.size", "a string", model.get("size"))
+    config = model.get("config")
+    _need(config is None or isinstance(config, dict), "model.config", "an object", config)
+    descriptions = model.get("input_descriptions", [])
+    _need(isinstance(descriptions, list) and all(isinstance(d, str) for d in descriptions),
+          "model.input_descriptions", "a list of strings", descriptions)  # fmt: skip
+    for precision, pair in (model.get("tolerances") or {}).items():
+        _need(isinstance(pair, list) and len(pair) == 2 and all(_number(v) and v >= 0 for v in pair),
+              f"model.tolerances.{precision}", "[rtol, atol] of non-negative numbers", pair)  # fmt: skip
+
+
+def _check_signature(signature: dict[str, Any]) -> None:
+    dims = signature.get("dims")
+    _need(isinstance(dims, dict), "signature.dims", "an object", dims)
+    for name, dim in dims.items():
+        _need(isinstance(dim, dict) and set(dim) == {"name", "min", "opt", "max"}
+              and all(isinstance(dim[k], int) and not isinstance(dim[k], bool) for k in ("min", "opt", "max"))
+              and dim["name"] == name, f"signature.dims.{name}", "{name, min, opt, max} integers", dim)  # fmt: skip
+    for side in ("inputs", "outputs"):
+        specs = signature.get(side)
+        _need(isinstance(specs, list) and (side == "outputs" or bool(specs)), f"signature.{side}", "a list", specs)
+        for i, spec in enumerate(specs):
+            where = f"signature.{side}[{i}]"
+            _need(isinstance(spec, dict) and isinstance(spec.get("name"), str), where, "an object with a name", spec)
+            _need(isinstance(spec.get("shape"), list), f"{where}.shape", "a list", spec.get("shape"))
+            for d in spec["shape"]:
+                ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (isinstance(d, str) and d in dims)
+                _need(ok, f"{where}.shape", "sizes >= 1 or names of signature.dims", d)
+            for bound in ("low", "high"):
+                value = spec.get(bound)
+                _need(value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                      f"{where}.{bound}", "an integer or null", value)  # fmt: skip
+
+
+def _check_files(files: list[Any]) -> None:
+    for i, entry in enumerate(files):
+        where = f"files[{i}]"
+        _need(isinstance(entry, dict) and set(entry) == {"path", "role", "size", "sha256"}, where,
+              "{path, role, size, sha256}", entry)  # fmt: skip
+        _need(isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry)
+        _need(isinstance(entry["size"], int) and entry["size"] >= 0, f"{where}.size", "a byte count", entry["size"])
+        _need(isinstance(entry["sha256"], str) and bool(_HEX64.fullmatch(entry["sha256"])), f"{where}.sha256",
+              "64 hex digits", entry["sha256"])  # fmt: skip
+
+
+def _check_reports(reports: dict[str, Any]) -> None:
+    for fmt, report in reports.items():
+        where = f"check.{fmt}"
+        _need(isinstance(report, dict) and isinstance(report.get("passed"), bool)
+              and isinstance(report.get("outputs"), list) and isinstance(report.get("shapes"), list)
+              and _number(report.get("rtol")) and _number(report.get("atol")), where,
+              "a parity report (passed, outputs, shapes, rtol, atol)", report)  # fmt: skip
+        for out in report["outputs"]:
+            _need(isinstance(out, dict) and isinstance(out.get("passed"), bool) and _number(out.get("max_abs"))
+                  and _number(out.get("max_rel")), f"{where}.outputs", "per-output results", out)  # fmt: skip
 
 
 class _SchemaError(Exception):

@@ -125,16 +125,7 @@ def train(
     Defaults for steps, batch size and learning rate come from the task. Training stops early
     once the task's ``target_loss`` is reached (averaged over the last steps).
     """
-    task = spec.task
-    if task is None:
-        raise UsageError(f"model {spec.name!r} has no training task: train it in your own code and pass --checkpoint")
-    steps = task.steps if steps is None else steps
-    batch_size = task.batch_size if batch_size is None else batch_size
-    lr = task.lr if lr is None else lr
-    if steps < 1 or batch_size < 1 or not math.isfinite(lr) or lr <= 0:
-        raise UsageError(
-            f"expected --steps >= 1, --batch-size >= 1 and a finite --lr > 0; got {steps}, {batch_size}, {lr}"
-        )
+    task, steps, batch_size, lr = _settings(spec, steps, batch_size, lr)
     dev = resolve_device(device)
     torch.manual_seed(seed)
     module = spec.module.to(dev)
@@ -160,15 +151,7 @@ def train(
     for step in range(steps):
         inputs, target = _to(task.make_batch(data_gen, batch_size), dev)
         t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            out = model(*inputs)
-        except torch._dynamo.exc.Unsupported as exc:
-            raise capture_error_from(exc) from exc
-        loss = task.loss(out, target)
-        loss.backward()
-        optimizer.step()
-        loss_value = loss.detach().item()  # synchronizes the device, so the clock below is honest
+        loss_value = _step(model, optimizer, task, inputs, target)
         if not math.isfinite(loss_value):
             raise UsageError(
                 f"training diverged: the loss is {loss_value} at step {step + 1} (learning rate {lr:g}); "
@@ -184,12 +167,7 @@ def train(
         losses.append(loss_value)
         if on_step is not None:
             on_step(step + 1, loss_value)
-        recent = losses[-task.average_over :]
-        if (
-            task.target_loss is not None
-            and len(recent) == task.average_over
-            and sum(recent) / len(recent) < task.target_loss
-        ):
+        if _reached_target(task, losses):
             break
     end = time.perf_counter()
     steady_steps = steps_done - min(WARMUP_STEPS, steps_done)
@@ -214,6 +192,46 @@ def train(
         result.recompilations = counts["frames"] - frames_after_first
         result.graph_break_reasons = [r for r in _break_reasons() if r not in breaks_before]
     return result
+
+
+def _settings(
+    spec: ModelSpec, steps: int | None, batch_size: int | None, lr: float | None
+) -> tuple[TrainingTask, int, int, float]:
+    """The model's task and the steps, batch size and learning rate to train with (the task's where None)."""
+    task = spec.task
+    if task is None:
+        raise UsageError(f"model {spec.name!r} has no training task: train it in your own code and pass --checkpoint")
+    steps = task.steps if steps is None else steps
+    batch_size = task.batch_size if batch_size is None else batch_size
+    lr = task.lr if lr is None else lr
+    if steps < 1 or batch_size < 1 or not math.isfinite(lr) or lr <= 0:
+        raise UsageError(
+            f"expected --steps >= 1, --batch-size >= 1 and a finite --lr > 0; got {steps}, {batch_size}, {lr}"
+        )
+    return task, steps, batch_size, lr
+
+
+def _step(model: Callable[..., torch.Tensor], optimizer: Any, task: TrainingTask, inputs: Any, target: Any) -> float:
+    """One optimizer step; the loss as a float (reading it synchronizes the device, so clocks after it are honest)."""
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        out = model(*inputs)
+    except torch._dynamo.exc.Unsupported as exc:
+        raise capture_error_from(exc) from exc
+    loss = task.loss(out, target)
+    loss.backward()
+    optimizer.step()
+    return loss.detach().item()
+
+
+def _reached_target(task: TrainingTask, losses: list[float]) -> bool:
+    """Whether the mean of the last ``task.average_over`` losses is below the task's target."""
+    recent = losses[-task.average_over :]
+    return (
+        task.target_loss is not None
+        and len(recent) == task.average_over
+        and sum(recent) / len(recent) < task.target_loss
+    )
 
 
 def _to(

@@ -181,7 +181,7 @@ class OnnxRuntimeEngine(Engine):
         files = {model.path: read_verified(self.root, model)}
         data_files = {e.path: e for e in self.manifest.files if e.role == "onnx-data"}
         external = self.manifest.formats.get("onnx", {}).get("external_data")
-        if external and external not in data_files:
+        if external and (not isinstance(external, str) or external not in data_files):
             raise IntegrityError(
                 f"{self.root}: the ONNX model keeps its weights in {external}, and the manifest lists no such "
                 "onnx-data file; the artifact is incomplete, re-export it"
