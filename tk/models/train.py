@@ -186,12 +186,19 @@ def train(
         losses=losses,
     )
     if compile_options is not None:
-        counts = {key: value - counts_before[key] for key, value in _dynamo_counters().items()}
-        result.graphs = counts["graphs"]
-        result.graph_breaks = counts["breaks"]
-        result.recompilations = counts["frames"] - frames_after_first
-        result.graph_break_reasons = [r for r in _break_reasons() if r not in breaks_before]
+        _add_compile_counts(result, counts_before, frames_after_first, breaks_before)
     return result
+
+
+def _add_compile_counts(
+    result: TrainResult, counts_before: dict[str, int], frames_after_first: int, breaks_before: set[str]
+) -> None:
+    """Dynamo's graphs, breaks and recompilations of this run (its process-wide counters' change) into ``result``."""
+    counts = {key: value - counts_before[key] for key, value in _dynamo_counters().items()}
+    result.graphs = counts["graphs"]
+    result.graph_breaks = counts["breaks"]
+    result.recompilations = counts["frames"] - frames_after_first
+    result.graph_break_reasons = [r for r in _break_reasons() if r not in breaks_before]
 
 
 def _settings(

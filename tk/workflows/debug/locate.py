@@ -329,6 +329,41 @@ def locate(
     with recording(model) as records, torch.inference_mode():
         final = _arrays(model(*args))  # the float32 model runs once: its outputs are the engine's reference too
     notes: list[str] = []
+    values, via = _graph_values(root, manifest, engine, model, args, feeds, records, notes)
+    rows, unmatched = _module_rows(records, values, rtol, atol, min_sqnr)
+    if unmatched:
+        notes.append(
+            f"{len(unmatched)} module(s) have no value of their output's shape in the graph (fused, folded, "
+            "or nodes without scope metadata such as onnxruntime's quantized ones): listed under unmatched"
+        )
+    found = LocateResult(engine, manifest.precision, via, notes, rtol, atol, min_sqnr, rows, unmatched)
+    with open_engine(root, EngineChoice(engine, allow_failed=True, trust=trust), manifest=manifest) as candidate:
+        reference_out = dict(zip([s.name for s in manifest.signature.outputs], final, strict=True))
+        found.engine_outputs = compare(reference_out, candidate.run(feeds), rtol=rtol, atol=atol, min_sqnr_db=min_sqnr)
+    if found.first is not None and found.engine_passed:
+        notes.append(
+            f"the {engine} engine's own outputs are within tolerance: the divergence above appears only in the "
+            "instrumented graph"
+            + (
+                " (its extra outputs keep float16 values onnxruntime otherwise computes in float32)"
+                if engine == "onnx"
+                else ""
+            )
+        )
+    return found
+
+
+def _graph_values(
+    root: Path,
+    manifest: Manifest,
+    engine: str,
+    model: Any,
+    args: tuple[Any, ...],
+    feeds: dict[str, np.ndarray],
+    records: dict[str, Any],
+    notes: list[str],
+) -> tuple[dict[str, Any], str]:
+    """The module outputs ``engine``'s graph computes (matched to ``records``), and how they were read; adds notes."""
     wrapped = manifest.precision in REDUCED
     if engine == "torch":
         entry = manifest.file("torch")
@@ -354,6 +389,13 @@ def locate(
             "onnx: the module outputs were added as graph outputs of a copy; this can change which "
             "fusions onnxruntime runs, so the engine's own outputs are compared below"
         )
+    return values, via
+
+
+def _module_rows(
+    records: dict[str, Any], values: dict[str, Any], rtol: float, atol: float, min_sqnr: float | None
+) -> tuple[list[ModuleError], list[str]]:
+    """One row per recorded module the graph has a value for, in execution order, and the modules it has none for."""
     rows: list[ModuleError] = []
     ordered = sorted(records.values(), key=lambda r: r.end)
     errors_by_end: list[tuple[int, float]] = []
@@ -387,26 +429,7 @@ def locate(
         )
         errors_by_end.append((rec.end, rel))
     unmatched = [r.path for r in ordered if r.path not in values]
-    if unmatched:
-        notes.append(
-            f"{len(unmatched)} module(s) have no value of their output's shape in the graph (fused, folded, "
-            "or nodes without scope metadata such as onnxruntime's quantized ones): listed under unmatched"
-        )
-    found = LocateResult(engine, manifest.precision, via, notes, rtol, atol, min_sqnr, rows, unmatched)
-    with open_engine(root, EngineChoice(engine, allow_failed=True, trust=trust), manifest=manifest) as candidate:
-        reference_out = dict(zip([s.name for s in manifest.signature.outputs], final, strict=True))
-        found.engine_outputs = compare(reference_out, candidate.run(feeds), rtol=rtol, atol=atol, min_sqnr_db=min_sqnr)
-    if found.first is not None and found.engine_passed:
-        notes.append(
-            f"the {engine} engine's own outputs are within tolerance: the divergence above appears only in the "
-            "instrumented graph"
-            + (
-                " (its extra outputs keep float16 values onnxruntime otherwise computes in float32)"
-                if engine == "onnx"
-                else ""
-            )
-        )
-    return found
+    return rows, unmatched
 
 
 def _arrays(out: Any) -> list[np.ndarray]:
