@@ -12,12 +12,19 @@ reaches the engine), then queued for ``@serve.batch``: a batch closes at ``max_b
 ``max_delay_ms``. Requests whose non-batch shapes agree share one engine call; a batch below the
 artifact's batch minimum (a static batch) is padded by repeating its last sample, and each
 request gets exactly its own rows back. Ray Serve's ``max_queued_requests`` turns a full queue
-into an immediate 503. Metrics are Prometheus text from ``prometheus_client``, per replica.
+into an immediate 503. Metrics are Prometheus text from ``prometheus_client``, kept per replica
+and answered summed over every replica (``tk.serve.stats``).
+
+Triton's HTTP extensions that its clients call are served too: the model configuration
+(``GET /v2/models/NAME/config``, the ``ModelConfig`` that ``tk deploy triton`` writes, as JSON),
+statistics (``GET /v2/models/NAME/stats``, ``GET /v2/models/stats``, summed over replicas) and
+the repository index (``POST /v2/repository/index``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -54,6 +61,8 @@ from tk.serve.protocol import (
     parse_infer_request,
     too_large,
 )
+from tk.serve.stats import InferenceStats, Pusher, merge, merge_metrics, remove_board, triton_stats
+from tk.serve.triton import config_json, served_config
 from tk.signing import explicit_policy
 from tk.spec import random_feeds
 
@@ -203,9 +212,37 @@ class ModelServer:
         self.min_batch = limits.min if limits is not None else 1
         self.max_batch = int(config.max_batch or 1)
         self.metadata = model_metadata(self.manifest, self.name, f"tk_{config.engine.name}")
-        self.metrics = Metrics(self.name, _replica_id())
+        self.replica = _replica_id()
+        self.metrics = Metrics(self.name, self.replica)
+        self.stats = InferenceStats()
+        self.model_config = self._model_config()
         self._engine_lock = threading.Lock()
         self._warm_up()
+
+    def _model_config(self) -> dict[str, Any]:
+        """Triton's JSON model configuration of what this server serves (empty without tritonclient)."""
+        try:
+            message = served_config(
+                self.manifest,
+                name=self.name,
+                engine=self.config.engine.name,
+                replicas=self.config.replicas,
+                max_batch=self.max_batch,
+                batching=self.config.batching,
+                max_delay_ms=self.config.max_delay_ms,
+            )
+        except TkError:  # no tritonclient: the route answers what it can
+            return {"name": self.name, "platform": f"tk_{self.config.engine.name}", "max_batch_size": self.max_batch}
+        return config_json(message)
+
+    def answered(self, code: int, arrived: float, request: InferRequest | None = None) -> None:
+        """Count one answered request in the metrics and Triton's statistics (``arrived``: perf_counter)."""
+        self.metrics.answered(code)
+        total = int((time.perf_counter() - arrived) * 1e9)
+        if code == 200 and request is not None:
+            self.stats.request(ok=True, total_ns=total, **{f"{k}_ns": v for k, v in request.phase_ns.items()})
+        else:
+            self.stats.request(ok=False, total_ns=total)
 
     def _warm_up(self) -> None:
         """Run the engine at batch 1 and at the max batch (opt sizes otherwise) before serving."""
@@ -223,6 +260,7 @@ class ModelServer:
         started = time.perf_counter()
         for request in requests:
             self.metrics.queue.observe(started - request.enqueued)
+            request.phase_ns["queue"] = int((started - request.enqueued) * 1e9)
         self.metrics.batch_requests.observe(len(requests))
         results: list[dict[str, np.ndarray] | Exception] = [RuntimeError("not run")] * len(requests)
         groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
@@ -231,7 +269,7 @@ class ModelServer:
         for indices in groups.values():
             members = [requests[i] for i in indices]
             try:
-                outputs = self._run_group(members)
+                outputs, input_ns, infer_ns = self._run_group(members)
             except Exception as exc:  # one failed call fails its own requests only
                 log.exception("engine call failed")
                 for i in indices:
@@ -239,6 +277,7 @@ class ModelServer:
                 continue
             start = 0
             for i, request in zip(indices, members, strict=True):
+                request.phase_ns |= {"input": input_ns, "infer": infer_ns}
                 stop = start + request.samples
                 results[i] = {
                     name: value[start:stop] for name, value in outputs.items()
@@ -246,7 +285,9 @@ class ModelServer:
                 start = stop
         return results
 
-    def _run_group(self, members: list[InferRequest]) -> dict[str, np.ndarray]:
+    def _run_group(self, members: list[InferRequest]) -> tuple[dict[str, np.ndarray], int, int]:
+        """The group's outputs, and the ns spent gathering its inputs and in the engine."""
+        gathering = time.perf_counter()
         count = sum(r.samples for r in members)
         feeds = {}
         for spec in self.specs:
@@ -258,16 +299,24 @@ class ModelServer:
         with self._engine_lock:
             started = time.perf_counter()
             outputs = self.engine.run(feeds, check=False)  # every request was checked in parse
-            self.metrics.compute.observe(time.perf_counter() - started)
-        return {name: np.asarray(value) for name, value in outputs.items()}
+            finished = time.perf_counter()
+            self.metrics.compute.observe(finished - started)
+        input_ns, infer_ns = int((started - gathering) * 1e9), int((finished - started) * 1e9)
+        self.stats.executed(max(count, self.min_batch), input_ns, infer_ns)
+        return {name: np.asarray(value) for name, value in outputs.items()}, input_ns, infer_ns
 
     def route(self, method: str, path: str) -> str:
-        """Which handler a request goes to: live, ready, model, model_ready, infer, metrics or missing."""
+        """Which handler a request goes to: live, ready, server, model, model_ready, infer, config,
+        stats, all_stats, index, metrics, or missing (missing_model, missing_version)."""
         parts = [p for p in path.split("/") if p]
         if parts == ["metrics"] and method == "GET":
             return "metrics"
         if parts[:1] != ["v2"]:
             return "missing"
+        if parts == ["v2", "models", "stats"] and method == "GET":
+            return "all_stats"
+        if parts == ["v2", "repository", "index"] and method == "POST":
+            return "index"
         if parts in (["v2", "health", "live"], ["v2", "health", "ready"]) and method == "GET":
             return parts[-1]
         if parts == ["v2"] and method == "GET":
@@ -286,7 +335,13 @@ class ModelServer:
                 return "model_ready"
             if rest == ["infer"] and method == "POST":
                 return "infer"
+            if rest in (["config"], ["stats"]) and method == "GET":
+                return rest[0]
         return "missing"
+
+    def repository_index(self) -> list[dict[str, str]]:
+        """Triton's ``POST /v2/repository/index`` reply: the one model, ready."""
+        return [{"name": self.name, "version": "1", "state": "READY"}]
 
 
 def _replica_id() -> str:
@@ -328,6 +383,14 @@ def deployment(config: ServeConfig) -> Any:
             self.server = ModelServer(config)
             self._batch.set_max_batch_size(max_batch)
             self._batch.set_batch_wait_timeout_s(delay_s)
+            server = self.server
+            self.pusher = Pusher(server.replica, server.stats, lambda: server.metrics.text()[0])
+            self.pusher.push(wait=True)  # on the board before the first request, so every replica is counted
+
+        def __del__(self) -> None:
+            pusher = getattr(self, "pusher", None)
+            if pusher is not None:
+                pusher.close()
 
         @serve.batch(
             max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda items: sum(r.samples for r in items)
@@ -336,47 +399,64 @@ def deployment(config: ServeConfig) -> Any:
             return await asyncio.to_thread(self.server.compute, requests)
 
         async def __call__(self, request: Request) -> Response:
+            arrived = time.perf_counter()
             server = self.server
             kind = server.route(request.method, request.url.path)
             if kind in ("live", "ready", "model_ready"):
                 # a replica takes traffic only once its engine is open and warm, so answering is being ready
                 return StrictJSONResponse({"live": True} if kind == "live" else {"ready": True})
             if kind == "server":
-                return StrictJSONResponse({"name": "tk", "version": "1", "extensions": ["binary_tensor_data"]})
+                return StrictJSONResponse(
+                    {
+                        "name": "tk",
+                        "version": "1",
+                        "extensions": ["binary_tensor_data", "statistics", "model_configuration", "model_repository"],
+                    }
+                )
             if kind == "model":
                 return StrictJSONResponse(server.metadata)
-            if kind == "metrics":
-                text, content_type = server.metrics.text()
-                return Response(text, media_type=content_type)
+            if kind == "config":
+                return StrictJSONResponse(server.model_config)
+            if kind == "index":
+                return StrictJSONResponse(server.repository_index())
+            if kind in ("stats", "all_stats", "metrics"):
+                snapshots, texts = await asyncio.to_thread(self.pusher.read)
+                if kind == "metrics":
+                    return Response(merge_metrics(texts), media_type=server.metrics.text()[1])
+                return StrictJSONResponse(triton_stats(server.name, merge(snapshots)))
             if kind != "infer":
                 what = {
                     "missing_model": f"unknown model; this server serves {server.name!r}",
                     "missing_version": "unknown model version; this server serves version 1",
                 }
-                return self._error(404, what.get(kind, f"no route {request.method} {request.url.path}"))
+                return self._error(404, what.get(kind, f"no route {request.method} {request.url.path}"), arrived)
             try:
                 body = await _read_body(request, max_bytes)
                 parsed = server.parse(body, request.headers)
             except RequestTooLarge as exc:
-                return self._error(413, first_line(exc))
+                return self._error(413, first_line(exc), arrived)
             except TkError as exc:
-                return self._error(400, first_line(exc))
+                return self._error(400, first_line(exc), arrived)
             parsed.enqueued = time.perf_counter()
             if batching:
                 result = await self._batch(parsed)
             else:
                 (result,) = await asyncio.to_thread(server.compute, [parsed])
             if isinstance(result, Exception):
-                return self._error(500, f"engine failed: {first_line(result)}")
+                return self._error(500, f"engine failed: {first_line(result)}", arrived)
+            encoding = time.perf_counter()
             try:
                 body, headers = encode_infer_response(server.name, parsed, result)
             except NonFiniteOutputError as exc:
-                return self._error(500, first_line(exc))
-            server.metrics.answered(200)
+                return self._error(500, first_line(exc), arrived)
+            parsed.phase_ns["output"] = int((time.perf_counter() - encoding) * 1e9)
+            server.answered(200, arrived, parsed)
+            self.pusher.changed()
             return Response(body, headers=headers, media_type=headers["content-type"])
 
-        def _error(self, code: int, message: str) -> Response:
-            self.server.metrics.answered(code)
+        def _error(self, code: int, message: str, arrived: float) -> Response:
+            self.server.answered(code, arrived)
+            self.pusher.changed()
             return Response(error_body(message), status_code=code, media_type="application/json")
 
     return TkModel.bind(config)
@@ -491,6 +571,8 @@ def _shutdown(running: RunningServer) -> None:
         if running.owns_serve:
             serve.shutdown()
     finally:
+        with contextlib.suppress(Exception):  # the statistics board goes with the app
+            remove_board()
         disconnect(running.connection)
         if running.state_dir is not None:
             shutil.rmtree(running.state_dir, ignore_errors=True)

@@ -90,6 +90,7 @@ class InferRequest:
     id: str | None = None
     enqueued: float = 0.0  # perf_counter when the request was queued for a batch
     shape_key: tuple[tuple[int, ...], ...] = field(default=())  # non-batch shapes: requests that can share a call
+    phase_ns: dict[str, int] = field(default_factory=dict)  # queue, compute_input, compute_infer (Triton's stats)
 
 
 JSON_VALUE_WIDTH = 32  # characters per value a JSON request may spend ("-1.2345678901234567e-308, " is 26)

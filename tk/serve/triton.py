@@ -66,17 +66,19 @@ def triton_config(
     instances: int = 1,
     kind: str | None = None,
     max_queue_delay_us: int = 1000,
+    require_file: bool = True,
 ) -> Any:
-    """The ``ModelConfig`` message for the artifact's ``fmt`` (onnx or trt) file."""
+    """The ``ModelConfig`` message for the artifact's ``fmt`` (onnx or trt) file (``require_file=False``:
+    the same message for an artifact without that file, as ``tk serve`` describes another engine)."""
     pb = model_config_pb2()
     if fmt not in PLATFORMS:
         raise UsageError(f"--format {fmt}: Triton loads onnx (onnxruntime backend) or trt (TensorRT plan)")
-    if fmt not in manifest.formats:
+    if require_file and fmt not in manifest.formats:
         raise UsageError(f"the artifact has no {fmt} file (it holds: {', '.join(manifest.formats) or 'none'})")
     sig = manifest.signature
     batch_name = sample_dim(sig.inputs)
     batch = sig.dims.get(batch_name)
-    profile = manifest.formats[fmt].get("profile") if fmt == "trt" else None
+    profile = manifest.formats.get(fmt, {}).get("profile") if fmt == "trt" else None
     if fmt == "trt":
         if not profile:
             raise UsageError("the artifact's trt settings hold no optimization profile; re-export --format trt")
@@ -252,3 +254,78 @@ def read_config(path: str | Path) -> Any:
         return text_format.Parse(Path(path).read_text(), pb.ModelConfig())
     except text_format.ParseError as exc:
         raise UsageError(f"{path}: not a valid Triton model config ({exc})") from exc
+
+
+def served_config(
+    manifest: Manifest,
+    *,
+    name: str,
+    engine: str,
+    replicas: int,
+    max_batch: int,
+    batching: bool,
+    max_delay_ms: float,
+) -> Any:
+    """The ``ModelConfig`` that ``tk serve`` reports for what it serves: the one ``tk deploy triton``
+    writes (the plan for the trt engine, else the ONNX model's), with the server's own batch
+    limit, batch delay and replica count, and ``platform`` naming tk's engine when that is neither."""
+    fmt = "trt" if engine == "trt" and "trt" in manifest.formats else "onnx"
+    config = triton_config(
+        manifest,
+        fmt,
+        name=name,
+        instances=replicas,
+        max_queue_delay_us=int(max_delay_ms * 1000),
+        require_file=False,
+    )
+    if engine not in ("onnx", "trt"):
+        config.platform = f"tk_{engine}"
+        config.ClearField("default_model_filename")
+    if config.max_batch_size > 0:
+        config.max_batch_size = min(config.max_batch_size, max_batch)
+        if config.HasField("dynamic_batching"):
+            preferred = [min(size, max_batch) for size in config.dynamic_batching.preferred_batch_size]
+            del config.dynamic_batching.preferred_batch_size[:]
+            config.dynamic_batching.preferred_batch_size.extend(preferred)
+        if not batching:
+            config.ClearField("dynamic_batching")
+    return config
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    """``config`` in the JSON form Triton's ``GET /v2/models/NAME/config`` answers: protobuf field
+    names, enums by name, every scalar field present (defaults too), and 64-bit integers as JSON
+    numbers (protobuf's JSON mapping writes them as strings, which Triton's clients do not read)."""
+    from google.protobuf import json_format
+    from google.protobuf.descriptor import FieldDescriptor
+
+    data = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    wide = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+            FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}  # fmt: skip
+
+    def numbers(message_descriptor: Any, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        for key, item in value.items():
+            field = message_descriptor.fields_by_name.get(key)
+            if field is None:
+                continue
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                target = field.message_type
+                if target.GetOptions().map_entry:  # a map: its values' type
+                    value_field = target.fields_by_name["value"]
+                    if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+                        value[key] = {k: numbers(value_field.message_type, v) for k, v in item.items()}
+                    elif value_field.type in wide:
+                        value[key] = {k: int(v) for k, v in item.items()}
+                elif isinstance(item, list):
+                    value[key] = [numbers(target, v) for v in item]
+                else:
+                    value[key] = numbers(target, item)
+            elif field.type in wide:
+                value[key] = [int(v) for v in item] if isinstance(item, list) else int(item)
+        return value
+
+    return numbers(config.DESCRIPTOR, data)

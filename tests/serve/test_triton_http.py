@@ -1,0 +1,219 @@
+"""Triton's own clients against a real ``tk serve`` (2 replicas, local Ray on loopback, one per module):
+``tritonclient.http`` metadata, model configuration, statistics summed over both replicas, the
+repository index and infer; ``/metrics`` summed over replicas; and ``perf_analyzer`` at concurrency
+1 and 4 where its binary runs here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
+http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tk.errors import UsageError  # noqa: E402
+from tk.serve.app import ServeConfig, start, stop  # noqa: E402
+from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
+from tk.serve.protocol import model_metadata  # noqa: E402
+from tk.serve.triton import TRITON_TYPES, config_json, served_config  # noqa: E402
+from tk.spec import random_feeds  # noqa: E402
+from tk.tolerances import artifact_tolerance  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 30.0
+MODEL = "transformer"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(exported):
+    art = exported("transformer", ("onnx",))
+    config = ServeConfig(
+        str(art.root),
+        engine="onnx",
+        port=free_port(),
+        replicas=2,
+        cpus_per_replica=1,
+        max_batch=8,
+        max_delay_ms=2,
+        options={"threads": 1},
+    )
+    running = start(config, num_cpus=2)
+    try:
+        yield art, running.config
+    finally:
+        stop(running)
+
+
+def client(config):
+    return http.InferenceServerClient(
+        f"127.0.0.1:{config.port}", connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S
+    )
+
+
+def infer_inputs(feeds):
+    inputs = []
+    for name, array in feeds.items():
+        entry = http.InferInput(name, list(array.shape), "INT64")
+        entry.set_data_from_numpy(array)
+        inputs.append(entry)
+    return inputs
+
+
+def model_stats(config) -> dict:
+    (entry,) = client(config).get_inference_statistics(MODEL)["model_stats"]
+    return entry
+
+
+def test_metadata_config_and_index(server):
+    art, config = server
+    c = client(config)
+    assert c.get_model_metadata(MODEL) == model_metadata(art.manifest, MODEL, "tk_onnx")
+    got = c.get_model_config(MODEL)
+    expected = config_json(
+        served_config(art.manifest, name=MODEL, engine="onnx", replicas=2, max_batch=8, batching=True, max_delay_ms=2)
+    )
+    assert got == expected
+    # what Triton's clients read from it: names, types, dims without the batch, the batch limit
+    assert got["max_batch_size"] == 8 and got["platform"] == "onnxruntime_onnx"
+    assert got["instance_group"][0]["count"] == 2
+    assert got["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    for entry, spec in zip(got["input"], art.manifest.signature.inputs, strict=True):
+        assert entry["name"] == spec.name and entry["data_type"] == TRITON_TYPES[spec.dtype]
+        assert entry["dims"] == [-1]  # (batch, seq): seq is dynamic, the batch is left out
+    assert c.get_model_repository_index() == [{"name": MODEL, "version": "1", "state": "READY"}]
+    assert c.get_server_metadata()["extensions"] == [
+        "binary_tensor_data",
+        "statistics",
+        "model_configuration",
+        "model_repository",
+    ]
+
+
+def test_infer_matches_the_engine_and_statistics_count_every_replica(server, eager_outputs):
+    art, config = server
+    rtol, atol, _ = artifact_tolerance(art.manifest.precision, art.manifest.model)
+    before = model_stats(config)
+    clients, per_client = 6, 10
+    requests = {
+        (c, i): random_feeds(art.manifest.signature.inputs, {"batch": 1 + (c + i) % 3, "seq": 8}, seed=100 * c + i)
+        for c in range(clients)
+        for i in range(per_client)
+    }
+    results: dict = {}
+    errors: list[BaseException] = []
+
+    def work(c: int) -> None:
+        try:
+            cl = client(config)
+            for i in range(per_client):
+                results[(c, i)] = cl.infer(MODEL, infer_inputs(requests[(c, i)])).as_numpy("logits")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:3]
+    for key, feeds in requests.items():
+        expected = eager_outputs(art.spec, feeds)["logits"]
+        assert results[key].shape == expected.shape
+        np.testing.assert_allclose(results[key], expected, rtol=rtol, atol=atol)
+    after = model_stats(config)
+    sent, samples = len(requests), sum(f["input_ids"].shape[0] for f in requests.values())
+    inference = {
+        k: after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"]
+        for k in after["inference_stats"]
+    }
+    assert inference["success"] == sent and inference["fail"] == 0
+    assert inference["queue"] == inference["compute_infer"] == inference["compute_output"] == sent
+    assert after["inference_count"] - before["inference_count"] == samples
+    executions = after["execution_count"] - before["execution_count"]
+    assert 1 <= executions <= sent
+    batched = sum(b["compute_infer"]["count"] for b in after["batch_stats"])
+    assert batched == after["execution_count"]
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in after["batch_stats"]) == after["inference_count"]
+    assert after["name"] == MODEL and after["version"] == "1" and after["last_inference"] > 0
+    assert after["inference_stats"]["compute_infer"]["ns"] > before["inference_stats"]["compute_infer"]["ns"]
+    # both replicas served (one replica's copy would hold only its share), and /v2/models/stats agrees
+    import ray
+
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]]
+    assert len(replicas) == 2
+    (every,) = client(config).get_inference_statistics()["model_stats"]
+    assert every["inference_count"] == after["inference_count"]
+
+
+def test_failed_requests_are_counted(server):
+    art, config = server
+    before = model_stats(config)["inference_stats"]["fail"]["count"]
+    feeds = random_feeds(art.manifest.signature.inputs, {"batch": 9, "seq": 8})  # over --max-batch 8
+    with pytest.raises(Exception, match="at most 8 samples"):
+        client(config).infer(MODEL, infer_inputs(feeds))
+    assert model_stats(config)["inference_stats"]["fail"]["count"] - before == 1
+
+
+def test_metrics_sum_over_replicas(server):
+    art, config = server
+    import urllib.request
+
+    feeds = random_feeds(art.manifest.signature.inputs, {"batch": 1, "seq": 8})
+    stats_before = model_stats(config)
+    for _ in range(6):
+        client(config).infer(MODEL, infer_inputs(feeds))
+    with urllib.request.urlopen(f"http://127.0.0.1:{config.port}/metrics", timeout=TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    stats_after = model_stats(config)
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert "replica" not in s.labels  # one series for the model, not one per replica
+            samples[(s.name, s.labels.get("code"))] = s.value
+    # the metrics and the statistics count the same requests: every replica's
+    assert samples[("tk_requests_total", "200")] == stats_after["inference_stats"]["success"]["count"]
+    assert samples[("tk_batch_samples_sum", None)] == stats_after["inference_count"]
+    assert stats_after["inference_stats"]["success"]["count"] - stats_before["inference_stats"]["success"]["count"] == 6
+
+
+def perf_analyzer_or_skip():
+    try:
+        return find_perf_analyzer()
+    except UsageError as exc:
+        pytest.skip(str(exc))
+
+
+def test_perf_analyzer_runs_without_failures(server, tmp_path):
+    art, config = server
+    tool = perf_analyzer_or_skip()
+    samples = [
+        {name: a[0] for name, a in random_feeds(art.manifest.signature.inputs, {"batch": 1, "seq": 16}, seed=s).items()}
+        for s in range(8)
+    ]
+    before = model_stats(config)
+    rows, output = run_perf_analyzer(
+        tool,
+        f"127.0.0.1:{config.port}",
+        MODEL,
+        samples,
+        [1, 4],
+        out_dir=tmp_path,
+        requests_per_window=40,
+        stability_percent=100,  # on a shared machine: judge failures, not speed
+    )
+    assert [r.concurrency for r in rows] == [1, 4], output
+    assert all(r.inferences_per_s > 0 for r in rows), output
+    after = model_stats(config)
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"], output
+    assert after["inference_stats"]["success"]["count"] > before["inference_stats"]["success"]["count"]
