@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tk.cli.common import engine_choice
+from tk.cli.serve_tuning import tune_command, tuning_options, with_settings
 from tk.registries import ENGINES
 from tk.serve.ingress import INGRESSES
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     "(default: the largest valid request at the artifact's max shapes, JSON or binary).",
 )
 @engine_choice(choices=list(ENGINES))
+@tuning_options
 def serve_cmd(
     artifact: Path,
     name: str | None,
@@ -87,8 +89,11 @@ def serve_cmd(
     address: str | None,
     max_request_bytes: str | None,
     choice: EngineChoice,
+    **tuning: Any,
 ) -> None:
-    """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it."""
+    """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it.
+
+    --config FILE starts from a settings file (flags given win); --tune load-tests a grid and writes one."""
     from tk.serve.app import RunningServer, ServeConfig, serve_forever
 
     config = ServeConfig(
@@ -108,6 +113,11 @@ def serve_cmd(
         ingress=ingress,
         max_request_bytes=_request_bytes(max_request_bytes),
     )
+
+    config = with_settings(config, tuning.pop("config_file"))
+    if tuning.pop("tune"):
+        tune_command(config, **tuning)
+        return
 
     def on_ready(running: RunningServer) -> None:
         resolved = running.config

@@ -1,0 +1,101 @@
+"""``tk serve --config`` settings files and ``tk serve --tune``: the settings' checks and the
+recommendation's logic without Ray, then a tiny real tune (2 x 1 x 1 grid) whose file ``tk serve
+--config`` serves. No speed is asserted: the tune's numbers are whatever this machine gives."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from tests.serve.conftest import ROOT
+from tk.errors import UsageError
+from tk.serve.tune import TuneGrid, TunePoint, grid_points, read_settings, recommend, write_settings
+
+
+def test_settings_round_trip_and_refusals(tmp_path):
+    path = tmp_path / "serve.json"
+    write_settings(path, {"max_batch": 8, "max_delay_ms": 2.0, "replicas": 2, "batching": True})
+    assert read_settings(path) == {"max_batch": 8, "max_delay_ms": 2.0, "replicas": 2, "batching": True}
+    cases = {
+        '{"max_batch": 8, "colour": 1}': "unknown setting 'colour'",
+        '{"max_batch": "8"}': 'max_batch: expected int, got "8"',
+        '{"batching": 1}': "batching: expected bool, got 1",
+        '{"replicas": true}': "replicas: expected int, got true",
+        "[1, 2]": "expected a JSON object of settings, got list",
+        '{"max_batch": ': "expected JSON, got an error at line 1",
+    }
+    for text, fragment in cases.items():
+        path.write_text(text)
+        with pytest.raises(UsageError, match="--config .*" + fragment.replace("(", r"\(")):
+            read_settings(path)
+    with pytest.raises(UsageError, match="readable JSON file"):
+        read_settings(tmp_path / "missing.json")
+    assert read_settings(_write(tmp_path, {"max_delay_ms": 3})) == {"max_delay_ms": 3.0}  # an int is a float
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_grid_skips_what_the_cpus_cannot_hold_and_is_bounded():
+    points = grid_points(TuneGrid([1, 8], [1.0], [1, 2, 3]), cpus=2, cpus_per_replica=1.0)
+    assert [(p.replicas, p.max_batch) for p in points] == [(1, 1), (1, 8), (2, 1), (2, 8), (3, 1), (3, 8)]
+    assert [p.skipped for p in points][:4] == [None] * 4
+    assert points[4].skipped == "3 x 1 CPUs > 2"
+    with pytest.raises(UsageError, match="at most 64 points"):
+        grid_points(TuneGrid(list(range(1, 66)), [1.0], [1]), cpus=2, cpus_per_replica=1.0)
+    with pytest.raises(UsageError, match="--tune grid"):
+        grid_points(TuneGrid([0], [1.0], [1]), cpus=2, cpus_per_replica=1.0)
+
+
+def test_recommend_takes_the_fastest_within_budget_else_the_lowest_p99():
+    def point(batch, per_s, p99, failed=0):
+        return TunePoint(1, batch, 1.0, requests=10, failed=failed, samples_per_s=per_s, p50_ms=1.0, p99_ms=p99)
+
+    points = [point(1, 100, 5), point(8, 300, 20), point(32, 500, 80), point(64, 900, 10, failed=1)]
+    best, within = recommend(points, p99_ms=50)
+    assert best is points[1] and within  # 500/s breaks the budget, 900/s had a failure
+    assert [p.fits for p in points] == [True, True, False, False]
+    best, within = recommend(points[:3], p99_ms=1)
+    assert best is points[0] and not within
+    assert recommend([TunePoint(1, 1, 1.0, skipped="budget")], 10) == (None, False)
+    assert math.isnan(TunePoint(1, 1, 1.0).p99_ms)
+
+
+@pytest.mark.slow
+def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_process):
+    pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
+    pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
+    art = exported("transformer", ("onnx",))
+    out = tmp_path / "tuned.json"
+    tune = subprocess.run(
+        [sys.executable, "-m", "tk", "serve", str(art.root), "--tune", "--tune-batch", "1,4", "--tune-delay-ms", "2",
+         "--tune-replicas", "1", "--tune-requests", "24", "--tune-clients", "4", "--tune-budget-s", "240",
+         "--p99-ms", "60000", "--threads", "1", "--tune-out", str(out)],
+        cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    assert "<- best" in tune.stdout and f"wrote {out}" in tune.stdout, tune.stdout
+    settings = read_settings(out)
+    assert settings["replicas"] == 1 and settings["max_batch"] in (1, 4) and settings["max_delay_ms"] == 2.0
+    assert settings["batching"] is True
+    rows = [line for line in tune.stdout.splitlines() if "│" in line and ("yes" in line or "no" in line)]
+    assert len(rows) == 2, tune.stdout  # both points ran (24 requests each, none failed: the budget is loose)
+    from tests.serve.test_triton_http import free_port
+
+    port = free_port()
+    with serve_process.running(str(art.root), "--config", str(out), "--max-delay-ms", "3", "--port", str(port)):
+        line = serve_process.text()
+        assert f"max batch {settings['max_batch']}, max delay 3 ms" in line, line  # the file, and the flag wins
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/transformer/config", timeout=30) as reply:
+            config = json.loads(reply.read())
+        assert config["max_batch_size"] == settings["max_batch"]
+        assert serve_process.infer_shape(port, settings["max_batch"]) == [settings["max_batch"], 2]

@@ -1,0 +1,176 @@
+"""``tk serve --config FILE`` (a settings file) and ``tk serve --tune`` (a bounded load test that writes one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def tuning_options(command: Any) -> Any:
+    """``--config`` and the ``--tune`` flags of ``tk serve``."""
+    options = [
+        click.option(
+            "--config",
+            "config_file",
+            type=click.Path(path_type=Path, dir_okay=False),
+            default=None,
+            help="Start from this JSON settings file (what --tune writes); flags given on the command line win.",
+        ),
+        click.option(
+            "--tune", is_flag=True, help="Load-test a grid of settings on loopback, write the best, and exit."
+        ),
+        click.option(
+            "--p99-ms", type=float, default=100.0, show_default=True, help="--tune: p99 latency budget, in ms."
+        ),
+        click.option(
+            "--tune-batch", default="1,8,32", show_default=True, help="--tune: max batch sizes to try (comma list)."
+        ),
+        click.option(
+            "--tune-delay-ms", default="1,5", show_default=True, help="--tune: batch delays to try, in ms (comma list)."
+        ),
+        click.option(
+            "--tune-replicas",
+            default=None,
+            help="--tune: replica counts to try (comma list; default 1 up to the CPUs at --cpus-per-replica).",
+        ),
+        click.option(
+            "--tune-requests",
+            type=int,
+            default=200,
+            show_default=True,
+            help="--tune: single-sample requests per point.",
+        ),
+        click.option("--tune-clients", type=int, default=16, show_default=True, help="--tune: concurrent clients."),
+        click.option(
+            "--tune-budget-s",
+            type=float,
+            default=300.0,
+            show_default=True,
+            help="--tune: no point starts after this many seconds (the rest are reported skipped).",
+        ),
+        click.option(
+            "--tune-out",
+            type=click.Path(path_type=Path, dir_okay=False),
+            default=Path("tk-serve.json"),
+            show_default=True,
+            help="--tune: where to write the recommended settings (read back with --config).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+# settings-file keys whose flag has another name
+_FLAG_OF = {"request_timeout_s": "request_timeout"}
+
+
+def with_settings(config: Any, path: Path | None) -> Any:
+    """``config`` with a settings file's values wherever the command line left the default."""
+    from dataclasses import replace
+
+    from click.core import ParameterSource
+
+    from tk.serve.tune import read_settings
+
+    if path is None:
+        return config
+    context = click.get_current_context()
+    given = {
+        key: value
+        for key, value in read_settings(path).items()
+        if context.get_parameter_source(_FLAG_OF.get(key, key)) in (ParameterSource.DEFAULT, None)
+    }
+    return replace(config, **given)
+
+
+def _numbers(flag: str, text: str, kind: type) -> list[Any]:
+    from tk.errors import UsageError
+
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected a comma list of numbers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag}: expected at least one value, got {text!r}")
+    return values
+
+
+def tune_command(
+    config: Any,
+    *,
+    p99_ms: float,
+    tune_batch: str,
+    tune_delay_ms: str,
+    tune_replicas: str | None,
+    tune_requests: int,
+    tune_clients: int,
+    tune_budget_s: float,
+    tune_out: Path,
+) -> None:
+    import os
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from tk.serve.tune import TuneGrid, recommended_settings, tune, write_settings
+
+    cpus = os.cpu_count() or 1
+    replicas = (
+        _numbers("--tune-replicas", tune_replicas, int)
+        if tune_replicas
+        else list(range(1, max(1, int(cpus // max(config.cpus_per_replica, 1e-9))) + 1))
+    )
+    grid = TuneGrid(
+        _numbers("--tune-batch", tune_batch, int), _numbers("--tune-delay-ms", tune_delay_ms, float), replicas
+    )
+
+    def on_point(point: Any) -> None:
+        click.echo(
+            f"replicas {point.replicas}, max batch {point.max_batch}, delay {point.max_delay_ms:g} ms: "
+            f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
+            err=True,
+        )
+
+    result = tune(
+        config,
+        grid,
+        p99_ms=p99_ms,
+        requests=tune_requests,
+        clients=tune_clients,
+        budget_s=tune_budget_s,
+        cpus=cpus,
+        on_point=on_point,
+    )
+    table = Table(title=f"tk serve --tune: {tune_clients} clients, single-sample requests, p99 budget {p99_ms:g} ms")
+    for column in ("replicas", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms", "fits"):
+        table.add_column(column, justify="right")
+    for p in result.points:
+        if p.skipped is not None:
+            table.add_row(
+                str(p.replicas),
+                str(p.max_batch),
+                f"{p.max_delay_ms:g}",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"skipped: {p.skipped}",
+            )
+            continue
+        mark = ("yes" if p.fits else "no") + (" <- best" if p is result.best else "")
+        table.add_row(
+            str(p.replicas), str(p.max_batch), f"{p.max_delay_ms:g}", str(p.requests), str(p.failed),
+            f"{p.samples_per_s:.1f}", f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", mark,
+        )  # fmt: skip
+    Console(width=140).print(table)
+    settings = recommended_settings(result, config)
+    write_settings(tune_out, settings)
+    verdict = "" if result.within_budget else f" (no point met p99 <= {p99_ms:g} ms: lowest p99 chosen)"
+    click.echo(
+        f"recommended: {', '.join(f'{k} {v}' for k, v in settings.items())}{verdict}; wrote {tune_out} "
+        f"(tk serve ARTIFACT --config {tune_out})"
+    )

@@ -1,0 +1,293 @@
+"""``tk serve --tune``: choose max batch, batch delay and replicas by a bounded load test on loopback,
+and the settings file that ``tk serve --config`` reads.
+
+The tune starts one local Ray instance, then for each point of the grid (replicas × max batch ×
+max delay, replicas limited to what the machine's CPUs hold at ``cpus_per_replica``) deploys the
+app and sends ``requests`` single-sample requests from ``clients`` concurrent ``tritonclient.http``
+clients, each checked for a 200. A point is judged by its samples/s, and fits when no request
+failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
+most samples/s (none fitting: the one with the lowest p99, said so). The whole tune is bounded: at
+most ``MAX_POINTS`` points, and no point starts after ``budget_s`` (points left are reported as
+skipped). Numbers depend on what else the machine runs: tune on the machine that serves.
+
+The settings file is JSON: ``{"max_batch": 8, "max_delay_ms": 2.0, "replicas": 2, ...}`` with keys
+from ``SETTINGS``; ``tk serve --config FILE`` starts from it, and flags given on the command line
+win over it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.errors import UsageError
+from tk.fileio import atomic_write_bytes
+
+# the ServeConfig fields a settings file may set, and their types
+SETTINGS: dict[str, type] = {
+    "replicas": int,
+    "cpus_per_replica": float,
+    "gpus_per_replica": float,
+    "max_batch": int,
+    "batching": bool,
+    "max_delay_ms": float,
+    "max_queue": int,
+    "request_timeout_s": float,
+    "ingress": str,
+    "max_request_bytes": int,
+}
+MAX_POINTS = 64
+
+
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """A settings file's values by ``ServeConfig`` field; ``UsageError`` for anything else in it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"--config {path}: expected a readable JSON file, got {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--config {path}: expected JSON, got an error at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a JSON object of settings, got {type(data).__name__}")
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        kind = SETTINGS.get(key)
+        if kind is None:
+            raise UsageError(f"--config {path}: unknown setting {key!r}; expected some of {', '.join(SETTINGS)}")
+        ok = (
+            isinstance(value, bool)
+            if kind is bool
+            else isinstance(value, kind if kind is not float else (int, float)) and not isinstance(value, bool)
+        )
+        if not ok:
+            raise UsageError(f"--config {path}: {key}: expected {kind.__name__}, got {json.dumps(value)}")
+        settings[key] = kind(value)
+    return settings
+
+
+def write_settings(path: str | Path, settings: Mapping[str, Any]) -> None:
+    """Write ``settings`` (keys from ``SETTINGS``) as the JSON ``read_settings`` reads, atomically."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise UsageError(f"settings: unknown {sorted(unknown)}")
+    atomic_write_bytes(Path(path), (json.dumps(dict(settings), indent=2) + "\n").encode())
+
+
+@dataclass(frozen=True)
+class TuneGrid:
+    max_batch: Sequence[int]
+    max_delay_ms: Sequence[float]
+    replicas: Sequence[int]
+
+
+@dataclass
+class TunePoint:
+    replicas: int
+    max_batch: int
+    max_delay_ms: float
+    requests: int = 0
+    failed: int = 0
+    samples_per_s: float = math.nan
+    p50_ms: float = math.nan
+    p99_ms: float = math.nan
+    skipped: str | None = None  # why it did not run
+    fits: bool = False
+
+    def settings(self) -> dict[str, Any]:
+        return {"replicas": self.replicas, "max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms}
+
+
+@dataclass
+class TuneResult:
+    points: list[TunePoint]
+    best: TunePoint | None
+    within_budget: bool  # best met the p99 budget (False: the lowest p99 was chosen instead)
+    p99_ms: float
+    cpus: int
+
+
+def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float) -> list[TunePoint]:
+    """The grid's points, replicas first; those the CPUs cannot hold are skipped with the reason."""
+    points = []
+    for replicas, batch, delay in itertools.product(grid.replicas, grid.max_batch, grid.max_delay_ms):
+        if replicas < 1 or batch < 1 or not (math.isfinite(delay) and delay >= 0):
+            raise UsageError(
+                f"--tune grid: expected replicas and batches of 1 or more and delays of 0 or more ms, got {replicas}, {batch}, {delay}"
+            )
+        point = TunePoint(replicas, batch, float(delay))
+        if replicas * cpus_per_replica > cpus:
+            point.skipped = f"{replicas} x {cpus_per_replica:g} CPUs > {cpus}"
+        points.append(point)
+    if len(points) > MAX_POINTS:
+        raise UsageError(f"--tune grid: expected at most {MAX_POINTS} points, got {len(points)}")
+    return points
+
+
+def recommend(points: list[TunePoint], p99_ms: float) -> tuple[TunePoint | None, bool]:
+    """The fitting point with the most samples/s, or (none fits) the run one with the lowest p99."""
+    ran = [p for p in points if p.skipped is None and p.requests and p.failed == 0]
+    for p in ran:
+        p.fits = p.p99_ms <= p99_ms
+    fitting = [p for p in ran if p.fits]
+    if fitting:
+        return max(fitting, key=lambda p: p.samples_per_s), True
+    if ran:
+        return min(ran, key=lambda p: p.p99_ms), False
+    return None, False
+
+
+def _load(port: int, model: str, requests: list[dict[str, np.ndarray]], clients: int, deadline: float) -> dict:
+    """Send ``requests`` from ``clients`` threads (stopping at ``deadline``); latencies and failures."""
+    import tritonclient.http as http
+
+    latencies: list[float] = []
+    failed = [0]
+    lock = threading.Lock()
+
+    def work(c: int) -> None:
+        client = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60, network_timeout=60)
+        for i in range(c, len(requests), clients):
+            if time.monotonic() > deadline:
+                return
+            inputs = []
+            for name, array in requests[i].items():
+                entry = http.InferInput(name, list(array.shape), _datatype(array))
+                entry.set_data_from_numpy(array)
+                inputs.append(entry)
+            started = time.perf_counter()
+            try:
+                client.infer(model, inputs)
+                seconds = time.perf_counter() - started
+                with lock:
+                    latencies.append(seconds)
+            except Exception:
+                with lock:
+                    failed[0] += 1
+
+    threads = [threading.Thread(target=work, args=(c,), daemon=True) for c in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"latencies": latencies, "failed": failed[0], "wall": time.perf_counter() - started}
+
+
+def _datatype(array: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return str(np_to_triton_dtype(array.dtype))
+
+
+def tune(
+    base: Any,
+    grid: TuneGrid,
+    *,
+    p99_ms: float,
+    requests: int = 200,
+    clients: int = 16,
+    budget_s: float = 300.0,
+    cpus: int | None = None,
+    on_point: Any = None,
+) -> TuneResult:
+    """Load-test ``base`` (a ``ServeConfig``) at each grid point on a local Ray instance; see the module."""
+    from ray import serve
+
+    from tk.serve.app import APP_NAME, deployment, resolve, start, stop
+    from tk.serve.ingress import free_ports
+    from tk.spec import random_feeds
+
+    if not (math.isfinite(p99_ms) and p99_ms > 0):
+        raise UsageError(f"--p99-ms: expected a number of milliseconds above 0, got {p99_ms}")
+    if requests < 1 or clients < 1 or not budget_s > 0:
+        raise UsageError(
+            f"--tune-requests/--tune-clients/--tune-budget-s: expected 1 or more, got {requests}/{clients}/{budget_s}"
+        )
+    cpus = cpus or os.cpu_count() or 1
+    points = grid_points(grid, cpus, base.cpus_per_replica)
+    resolved = resolve(replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(grid.max_batch)))
+    sig = _signature(resolved)
+    feeds = [
+        random_feeds(sig.inputs, {**sig.opt_sizes(), _batch_name(sig): 1}, seed=i) for i in range(min(requests, 256))
+    ]
+    load = [feeds[i % len(feeds)] for i in range(requests)]
+    deadline = time.monotonic() + budget_s
+    runnable = [p for p in points if p.skipped is None]
+    if not runnable:
+        raise UsageError("--tune grid: no point fits this machine's CPUs")
+    first = runnable[0]
+    running = start(replace(resolved, **first.settings()), num_cpus=cpus)
+    try:
+        current = running.config
+        for point in points:
+            if point.skipped is not None:
+                continue
+            if time.monotonic() > deadline:
+                point.skipped = f"time budget of {budget_s:g} s spent"
+                continue
+            config = resolve(replace(current, **point.settings()))
+            if point is not first:
+                serve.delete(APP_NAME)
+                serve.run(deployment(config), name=APP_NAME, route_prefix="/")
+                _wait_ready(config.port)
+            _load(config.port, str(config.name), load[: min(len(load), 2 * clients)], clients, deadline)  # warm up
+            result = _load(config.port, str(config.name), load, clients, deadline)
+            latencies = sorted(result["latencies"])
+            point.requests = len(latencies) + result["failed"]
+            point.failed = result["failed"]
+            if latencies:
+                point.samples_per_s = len(latencies) / result["wall"]
+                point.p50_ms = float(np.percentile(latencies, 50)) * 1e3
+                point.p99_ms = float(np.percentile(latencies, 99)) * 1e3
+            if on_point is not None:
+                on_point(point)
+    finally:
+        stop(running)
+    best, within = recommend(points, p99_ms)
+    return TuneResult(points, best, within, p99_ms, cpus)
+
+
+def _signature(config: Any) -> Any:
+    from tk.manifest import verify_artifact
+
+    return verify_artifact(config.artifact).signature
+
+
+def _batch_name(sig: Any) -> str:
+    from tk.runtime.inputs import sample_dim
+
+    return sample_dim(sig.inputs)
+
+
+def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise UsageError(f"--tune: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
+
+
+def recommended_settings(result: TuneResult, base: Any) -> dict[str, Any]:
+    """What ``--tune`` writes: the best point's settings (batching on) with the base's CPUs per replica."""
+    if result.best is None:
+        raise UsageError("--tune: expected at least one grid point to run without failures, none did")
+    return {**result.best.settings(), "batching": True, "cpus_per_replica": float(base.cpus_per_replica)}
