@@ -2,6 +2,7 @@
 
     .venv/bin/python -m scripts.load_test                         # small Transformer, 16 clients x 2,000 requests
     .venv/bin/python -m scripts.load_test --size tiny --requests 400 --seq 16 --ingress proxy
+    .venv/bin/python -m scripts.load_test --client perf_analyzer     # Triton's load generator for "single"
 
 Exports the Transformer (ONNX, fp32) once into a temporary directory, then, on a local Ray
 instance that tk starts (2 CPUs) with one Serve replica (the onnx engine, ``--threads`` intra-op
@@ -14,6 +15,11 @@ with batching on (``--max-batch``, ``--max-delay-ms``) and off:
 - ``single``: the same clients, one sample per request (the issue's throughput goal);
 - ``one client``: one client, batch 1, each served request followed by the same call on the
   engine in this process (interleaved, so both see the same machine): the serving overhead.
+
+With ``--client perf_analyzer`` the ``single`` scenario is measured by Triton's ``perf_analyzer``
+(``tk.serve.perf_analyzer``: HTTP, concurrency 1 and ``--clients``, the same single-sample requests as
+``--input-data``) instead of this script's threads; ``mixed`` stays on ``tritonclient``, since only it
+checks every response against eager.
 
 Before Ray starts, the engine alone is timed at batch 1 and at the max batch: the ratio of their
 samples/s is the most that batching can gain on this machine, whatever the server does.
@@ -231,6 +237,40 @@ def one_client(port: int, root: Path, requests: list[dict[str, np.ndarray]], thr
     }
 
 
+def perf_analyzer_rows(
+    port: int, requests: list[dict[str, np.ndarray]], clients: int, batching: bool, **options: Any
+) -> list[dict]:
+    """The ``single`` scenario through Triton's perf_analyzer, at concurrency 1 and ``clients``
+    (``options``: ``run_perf_analyzer``'s measurement settings)."""
+    from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer
+
+    tool = find_perf_analyzer()
+    samples = [{name: a[0] for name, a in r.items()} for r in requests[:64]]
+    with tempfile.TemporaryDirectory(prefix="tk-pa-") as tmp:
+        measured, _ = run_perf_analyzer(
+            tool, f"127.0.0.1:{port}", "transformer", samples, sorted({1, clients}), out_dir=Path(tmp), **options
+        )
+    return [
+        {
+            "scenario": "single" if row.concurrency == clients else f"single c={row.concurrency}",
+            "client": "perf_analyzer",
+            "concurrency": row.concurrency,
+            "batching": batching,
+            "requests": None,
+            "samples": None,
+            "lost": 0,  # perf_analyzer ends with an error on a failed request
+            "duplicated": 0,
+            "mismatched": None,
+            "samples_per_s": row.inferences_per_s,
+            "p50_ms": row.p50_ms,
+            "p99_ms": row.p99_ms,
+            "server_queue_ms": row.server_queue_ms,
+            "server_compute_ms": row.server_compute_ms,
+        }
+        for row in measured
+    ]
+
+
 def render(rows: list[dict[str, Any]], what: str) -> Table:
     """The scenarios' table; rows timed on a busy machine say so in the load column."""
     table = Table(title=f"tk serve load test: {what}")
@@ -241,7 +281,7 @@ def render(rows: list[dict[str, Any]], what: str) -> Table:
         table.add_row(
             r["scenario"],
             "on" if r["batching"] else "off",
-            str(r["requests"]),
+            "-" if r["requests"] is None else str(r["requests"]),
             str(r["lost"]),
             str(r["duplicated"]),
             "-" if r["mismatched"] is None else str(r["mismatched"]),
@@ -291,6 +331,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="engine intra-op threads")
     parser.add_argument("--one-client-requests", type=int, default=200)
     parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy", help="tk serve --ingress")
+    parser.add_argument(
+        "--client",
+        choices=("tritonclient", "perf_analyzer"),
+        default="tritonclient",
+        help="what measures the single-sample scenario (perf_analyzer: Triton's load generator)",
+    )
     add_run_arguments(parser)
     args = parser.parse_args()
     logging.getLogger("ray").setLevel(logging.WARNING)
@@ -345,12 +391,20 @@ def main() -> None:
                     serve.delete(APP_NAME)
                     serve.run(deployment(cfg), name=APP_NAME, route_prefix="/")
                 run_clients(cfg.port, single[:32], args.clients)  # warm the connections
-                for name, reqs, exp in (("mixed 1-4", mixed, expected), ("single", single, None)):
+                scenarios = [("mixed 1-4", mixed, expected)]
+                if args.client == "tritonclient":
+                    scenarios.append(("single", single, None))
+                for name, reqs, exp in scenarios:
                     result, mark = quiet_or_marked(lambda r=reqs, p=cfg.port: run_clients(p, r, args.clients), guard)
                     rows.append(summarize(name, batching, reqs, result, exp, rtol, atol) | mark.to_json())
                     console.print(
                         f"{name} batching {'on' if batching else 'off'}: {rows[-1]['samples_per_s']:.1f} samples/s"
                     )
+                if args.client == "perf_analyzer":
+                    measured, mark = quiet_or_marked(
+                        lambda p=cfg.port, b=batching: perf_analyzer_rows(p, single, args.clients, b), guard
+                    )
+                    rows.extend(row | mark.to_json() for row in measured)
                 if not batching:
                     row, mark = quiet_or_marked(lambda c=cfg: one_client(c.port, root, one, args.threads), guard)
                     rows.append(row | mark.to_json())
@@ -369,6 +423,7 @@ def main() -> None:
         {
             "seq": seq,
             "ingress": running.config.ingress,
+            "client": args.client,
             "engine_batching": bound,
             "tolerance": {"rtol": rtol, "atol": atol},
             "rows": rows,

@@ -15,3 +15,14 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf,int8,openvino]' 'torch==2.14.1' 'torchvision==0.29.1' \
   'torchao==0.18.0' 'openvino==2026.4.1' 'nncf==3.4.0' 'model-signing==1.1.1' 'pyopenssl'
+# Triton's perf_analyzer for tests/serve/test_triton_http.py and `scripts.load_test --client perf_analyzer`,
+# apart from the venv's own newer tritonclient (wheels after 2.45.0 need glibc 2.38), with libcudart
+# beside it (tk.serve.perf_analyzer puts it on LD_LIBRARY_PATH). Its binary also needs libb64
+# (apt-get install libb64-0d, done here only when apt-get can run as root); without it the test skips.
+if [ ! -x .venv/opt/perf_analyzer/bin/perf_analyzer ]; then
+  .venv/bin/python -m pip install -q --no-deps --target .venv/opt/perf_analyzer 'tritonclient==2.45.0' \
+    'nvidia-cuda-runtime-cu12==12.9.79' || echo "perf_analyzer not installed: its tests will skip"
+fi
+if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q libb64-0d >/dev/null || echo "libb64-0d not installed: perf_analyzer tests will skip"
+fi

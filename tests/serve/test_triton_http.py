@@ -217,3 +217,19 @@ def test_perf_analyzer_runs_without_failures(server, tmp_path):
     after = model_stats(config)
     assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"], output
     assert after["inference_stats"]["success"]["count"] > before["inference_stats"]["success"]["count"]
+
+
+def test_load_test_measures_single_requests_with_perf_analyzer(server):
+    art, config = server
+    perf_analyzer_or_skip()
+    from scripts.load_test import perf_analyzer_rows
+
+    requests = [random_feeds(art.manifest.signature.inputs, {"batch": 1, "seq": 16}, seed=s) for s in range(8)]
+    before = model_stats(config)
+    rows = perf_analyzer_rows(config.port, requests, 4, True, requests_per_window=40, stability_percent=100)
+    assert [(r["scenario"], r["concurrency"], r["client"]) for r in rows] == [
+        ("single c=1", 1, "perf_analyzer"),
+        ("single", 4, "perf_analyzer"),
+    ]
+    assert all(r["samples_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+    assert model_stats(config)["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
