@@ -429,7 +429,9 @@ def deployment(config: ServeConfig) -> Any:
                     "missing_model": f"unknown model; this server serves {server.name!r}",
                     "missing_version": "unknown model version; this server serves version 1",
                 }
-                return self._error(404, what.get(kind, f"no route {request.method} {request.url.path}"), arrived)
+                self.server.metrics.answered(404)  # not an inference: Triton's statistics do not count it
+                message = what.get(kind, f"no route {request.method} {request.url.path}")
+                return Response(error_body(message), status_code=404, media_type="application/json")
             try:
                 body = await _read_body(request, max_bytes)
                 parsed = server.parse(body, request.headers)
