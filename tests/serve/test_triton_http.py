@@ -17,6 +17,7 @@ http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tk.errors import UsageError  # noqa: E402
+from tk.runtime.choice import EngineChoice  # noqa: E402
 from tk.serve.app import ServeConfig, start, stop  # noqa: E402
 from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
@@ -40,13 +41,12 @@ def server(exported):
     art = exported("transformer", ("onnx",))
     config = ServeConfig(
         str(art.root),
-        engine="onnx",
+        engine=EngineChoice("onnx", options={"threads": 1}),
         port=free_port(),
         replicas=2,
         cpus_per_replica=1,
         max_batch=8,
         max_delay_ms=2,
-        options={"threads": 1},
     )
     running = start(config, num_cpus=2)
     try:
