@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -70,9 +71,15 @@ def infer_inputs(feeds):
     return inputs
 
 
-def model_stats(config) -> dict:
-    (entry,) = client(config).get_inference_statistics(MODEL)["model_stats"]
-    return entry
+def model_stats(config, settled=None) -> dict:
+    """The model's statistics; with ``settled`` (a predicate), read again for up to 10 s until it
+    holds: other replicas' counts land within a push interval, later on a loaded machine."""
+    deadline = time.monotonic() + 10
+    while True:
+        (entry,) = client(config).get_inference_statistics(MODEL)["model_stats"]
+        if settled is None or settled(entry) or time.monotonic() > deadline:
+            return entry
+        time.sleep(0.2)
 
 
 def test_metadata_config_and_index(server):
@@ -131,8 +138,9 @@ def test_infer_matches_the_engine_and_statistics_count_every_replica(server, eag
         expected = eager_outputs(art.spec, feeds)["logits"]
         assert results[key].shape == expected.shape
         np.testing.assert_allclose(results[key], expected, rtol=rtol, atol=atol)
-    after = model_stats(config)
     sent, samples = len(requests), sum(f["input_ids"].shape[0] for f in requests.values())
+    success = before["inference_stats"]["success"]["count"]
+    after = model_stats(config, lambda s: s["inference_stats"]["success"]["count"] >= success + sent)
     inference = {
         k: after["inference_stats"][k]["count"] - before["inference_stats"][k]["count"]
         for k in after["inference_stats"]
@@ -162,7 +170,8 @@ def test_failed_requests_are_counted(server):
     feeds = random_feeds(art.manifest.signature.inputs, {"batch": 9, "seq": 8})  # over --max-batch 8
     with pytest.raises(Exception, match="at most 8 samples"):
         client(config).infer(MODEL, infer_inputs(feeds))
-    assert model_stats(config)["inference_stats"]["fail"]["count"] - before == 1
+    after = model_stats(config, lambda s: s["inference_stats"]["fail"]["count"] > before)
+    assert after["inference_stats"]["fail"]["count"] - before == 1
 
 
 def test_metrics_sum_over_replicas(server):
@@ -173,14 +182,20 @@ def test_metrics_sum_over_replicas(server):
     stats_before = model_stats(config)
     for _ in range(6):
         client(config).infer(MODEL, infer_inputs(feeds))
-    with urllib.request.urlopen(f"http://127.0.0.1:{config.port}/metrics", timeout=TIMEOUT_S) as reply:
-        text = reply.read().decode()
-    stats_after = model_stats(config)
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            assert "replica" not in s.labels  # one series for the model, not one per replica
-            samples[(s.name, s.labels.get("code"))] = s.value
+    success = stats_before["inference_stats"]["success"]["count"] + 6
+    stats_after = model_stats(config, lambda s: s["inference_stats"]["success"]["count"] >= success)
+    deadline = time.monotonic() + 10
+    while True:  # every replica's last push has landed (the statistics show it): /metrics sums the same
+        with urllib.request.urlopen(f"http://127.0.0.1:{config.port}/metrics", timeout=TIMEOUT_S) as reply:
+            text = reply.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                assert "replica" not in s.labels  # one series for the model, not one per replica
+                samples[(s.name, s.labels.get("code"))] = s.value
+        if samples.get(("tk_requests_total", "200")) == success or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     # the metrics and the statistics count the same requests: every replica's
     assert samples[("tk_requests_total", "200")] == stats_after["inference_stats"]["success"]["count"]
     assert samples[("tk_batch_samples_sum", None)] == stats_after["inference_count"]

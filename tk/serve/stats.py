@@ -10,7 +10,8 @@ batch size). ``triton_stats`` sums replicas' snapshots into the JSON that Triton
 Under Ray Serve each replica pushes its snapshot to one named actor (``StatsBoard``) from a
 background thread, at most every ``PUSH_INTERVAL_S`` and only after a change (nothing on the
 request path waits for Ray); the replica that answers a stats request pushes its own snapshot
-first, then reads every replica's. A replica that was replaced keeps its last snapshot on the
+first, waits two push intervals for the others' last pushes to land, then reads every replica's
+(on a loaded machine a push can take longer: the counts are then briefly behind, never lost). A replica that was replaced keeps its last snapshot on the
 board, so the counts are cumulative for the model, as Triton's are.
 """
 
@@ -199,10 +200,12 @@ class Pusher:
             ray.get(ref, timeout=10)
 
     def read(self) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """Every replica's snapshot, this one's fresh."""
+        """Every replica's snapshot: this one's fresh, the others' after their next push could land
+        (a replica pushes at once after a change, or at most ``PUSH_INTERVAL_S`` after its last push)."""
         import ray
 
         self.push(wait=True)
+        time.sleep(2 * PUSH_INTERVAL_S)
         return ray.get(self.board.read.remote(), timeout=10)
 
     def _loop(self) -> None:
