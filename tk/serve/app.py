@@ -357,16 +357,12 @@ def deployment(config: ServeConfig) -> Any:
     """The Ray Serve application for ``config`` (resolved), ready for ``serve.run``."""
     from ray import serve
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import Response
 
     max_batch = int(config.max_batch or 1)
     delay_s = config.max_delay_ms / 1000.0
     batching = config.batching
     max_bytes = int(config.max_request_bytes or 1)
-
-    class StrictJSONResponse(JSONResponse):
-        def render(self, content: Any) -> bytes:
-            return json_body(content)
 
     @serve.deployment(
         name="tk-model",
@@ -402,36 +398,8 @@ def deployment(config: ServeConfig) -> Any:
             arrived = time.perf_counter()
             server = self.server
             kind = server.route(request.method, request.url.path)
-            if kind in ("live", "ready", "model_ready"):
-                # a replica takes traffic only once its engine is open and warm, so answering is being ready
-                return StrictJSONResponse({"live": True} if kind == "live" else {"ready": True})
-            if kind == "server":
-                return StrictJSONResponse(
-                    {
-                        "name": "tk",
-                        "version": "1",
-                        "extensions": ["binary_tensor_data", "statistics", "model_configuration", "model_repository"],
-                    }
-                )
-            if kind == "model":
-                return StrictJSONResponse(server.metadata)
-            if kind == "config":
-                return StrictJSONResponse(server.model_config)
-            if kind == "index":
-                return StrictJSONResponse(server.repository_index())
-            if kind in ("stats", "all_stats", "metrics"):
-                snapshots, texts = await asyncio.to_thread(self.pusher.read)
-                if kind == "metrics":
-                    return Response(merge_metrics(texts), media_type=server.metrics.text()[1])
-                return StrictJSONResponse(triton_stats(server.name, merge(snapshots)))
             if kind != "infer":
-                what = {
-                    "missing_model": f"unknown model; this server serves {server.name!r}",
-                    "missing_version": "unknown model version; this server serves version 1",
-                }
-                self.server.metrics.answered(404)  # not an inference: Triton's statistics do not count it
-                message = what.get(kind, f"no route {request.method} {request.url.path}")
-                return Response(error_body(message), status_code=404, media_type="application/json")
+                return await _answer_other(kind, request, server, self.pusher)
             try:
                 body = await _read_body(request, max_bytes)
                 parsed = server.parse(body, request.headers)
@@ -462,6 +430,45 @@ def deployment(config: ServeConfig) -> Any:
             return Response(error_body(message), status_code=code, media_type="application/json")
 
     return TkModel.bind(config)
+
+
+SERVER_METADATA = {
+    "name": "tk",
+    "version": "1",
+    "extensions": ["binary_tensor_data", "statistics", "model_configuration", "model_repository"],
+}
+
+
+async def _answer_other(kind: str, request: Any, server: ModelServer, pusher: Pusher) -> Any:
+    """The reply to every route but infer: health, metadata, Triton's extensions, metrics, 404s."""
+    from starlette.responses import Response
+
+    def json_reply(content: Any) -> Any:
+        return Response(json_body(content), media_type="application/json")
+
+    if kind in ("live", "ready", "model_ready"):
+        # a replica takes traffic only once its engine is open and warm, so answering is being ready
+        return json_reply({"live": True} if kind == "live" else {"ready": True})
+    if kind == "server":
+        return json_reply(SERVER_METADATA)
+    if kind == "model":
+        return json_reply(server.metadata)
+    if kind == "config":
+        return json_reply(server.model_config)
+    if kind == "index":
+        return json_reply(server.repository_index())
+    if kind in ("stats", "all_stats", "metrics"):
+        snapshots, texts = await asyncio.to_thread(pusher.read)
+        if kind == "metrics":
+            return Response(merge_metrics(texts), media_type=server.metrics.text()[1])
+        return json_reply(triton_stats(server.name, merge(snapshots)))
+    what = {
+        "missing_model": f"unknown model; this server serves {server.name!r}",
+        "missing_version": "unknown model version; this server serves version 1",
+    }
+    server.metrics.answered(404)  # not an inference: Triton's statistics do not count it
+    message = what.get(kind, f"no route {request.method} {request.url.path}")
+    return Response(error_body(message), status_code=404, media_type="application/json")
 
 
 async def _read_body(request: Any, limit: int) -> bytes:
