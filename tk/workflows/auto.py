@@ -128,7 +128,9 @@ def choose_engine(
     if (
         recommended is not None
         and unavailable_reason(recommended, choice.device) is None
-        and trusted_engines(root, manifest, [recommended], choice.trust)  # an untrusted native one: a note, then the others
+        and trusted_engines(
+            root, manifest, [recommended], choice.trust
+        )  # an untrusted native one: a note, then the others
     ):
         how = manifest.optimize.get("recommended", {})
         why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
