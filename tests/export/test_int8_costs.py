@@ -48,13 +48,16 @@ def test_a_layers_cost_is_its_output_with_input_and_weight_rounded_as_observed()
 
     # the same rounding done independently, with torch's quantized tensors and the observers' qparams
     first = next(n for n in prepared.graph.nodes if n.target == torch.ops.aten.linear.default)
-    x_scale, x_zero = getattr(prepared, first.args[0].target).calculate_qparams()
+    x_observer = getattr(prepared, first.args[0].target)
+    x_scale, x_zero = x_observer.calculate_qparams()
     w_scale, w_zero = getattr(prepared, first.args[1].target).calculate_qparams()
     weight = torch.quantize_per_channel(model.first.weight.detach(), w_scale, w_zero, 0, torch.qint8).dequantize()
     refs, rounded = [], []
     with torch.no_grad():
         for (x,) in batches:
-            x_q = torch.quantize_per_tensor(x, float(x_scale), int(x_zero), torch.quint8).dequantize()
+            x_int = torch.quantize_per_tensor(x, float(x_scale), int(x_zero), torch.quint8).int_repr().float()
+            x_int = x_int.clamp(x_observer.quant_min, x_observer.quant_max)  # 0-127 where products saturate
+            x_q = (x_int - int(x_zero)) * float(x_scale)
             refs.append(model.first(x))
             rounded.append(nn.functional.linear(x_q, weight, model.first.bias))
     assert costs["first"] == pytest.approx(_sqnr_db(torch.cat(refs), torch.cat(rounded)), abs=1e-6)

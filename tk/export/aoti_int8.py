@@ -47,6 +47,7 @@ import torch
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.export.int8_costs import local_sqnr_db, module_path
+from tk.export.quantize import saturating_int8_products
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
@@ -66,6 +67,9 @@ def unavailable_reason(device: str) -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "--precision int8 --format aoti uses torchao's PT2E quantizer: pip install 'tk[int8]'"
     return None
+
+
+ACTIVATIONS_7BIT = "uint8 in 0-127 (this CPU has no VNNI/AMX: full-range products saturate)"
 
 
 @dataclass
@@ -91,6 +95,7 @@ class AotiInt8Result:
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
+            "activations": ACTIVATIONS_7BIT if saturating_int8_products() else "uint8",
         }
 
 
@@ -158,7 +163,9 @@ def _quantizer(method: str, only: Sequence[str] | None, exclude: Sequence[str]) 
     x86 = _torchao_x86()
     from torchao.quantization.pt2e import MinMaxObserver
 
-    config = x86.get_default_x86_inductor_quantization_config()
+    # oneDNN's uint8 x int8 products saturate on x86 CPUs without VNNI/AMX (vpmaddubsw adds pairs into
+    # int16): 7-bit activations keep every pair sum in range, as torchao's own docstring advises there
+    config = x86.get_default_x86_inductor_quantization_config(reduce_range=saturating_int8_products())
     if method == "minmax":
         minmax = dataclasses.replace(
             config.input_activation, observer_or_fake_quant_ctr=MinMaxObserver.with_args(eps=2**-12)
