@@ -16,14 +16,16 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError, first_line
-from tk.spec import Signature, random_feeds
+from tk.spec import Dim, Signature, TensorSpec, random_feeds
+
+Batch = Callable[[torch.Generator, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # (gen, n) -> (inputs, labels)
 
 
 @dataclass
 class TrainingTask:
     """A synthetic task the model can learn in a few hundred steps."""
 
-    make_batch: Callable[[torch.Generator, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]
+    make_batch: Batch
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     make_optimizer: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
     lr: float  # default learning rate
@@ -32,6 +34,29 @@ class TrainingTask:
     target_loss: float | None = None  # stop once the average training loss falls below this
     average_over: int = 10  # steps averaged for the final loss and the early stop
     classification: bool = True  # report accuracy as well as loss at validation
+
+
+def classification_task(make_batch: Batch, *, lr: float, steps: int, batch_size: int) -> TrainingTask:
+    """A classification task trained with cross-entropy and AdamW (weight decay 0.01, torch's default)."""
+    return TrainingTask(
+        make_batch=make_batch,
+        loss=torch.nn.functional.cross_entropy,
+        make_optimizer=lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+        lr=lr,
+        steps=steps,
+        batch_size=batch_size,
+    )
+
+
+def classifier_signature(
+    inputs: list[TensorSpec], num_classes: int, *, batch_max: int, dims: dict[str, Dim] | None = None
+) -> Signature:
+    """``inputs`` -> float32 ``logits`` (batch, num_classes); batch from 1 to ``batch_max`` (opt 8), plus ``dims``."""
+    return Signature(
+        inputs=inputs,
+        outputs=[TensorSpec("logits", "float32", ("batch", num_classes))],
+        dims={"batch": Dim("batch", 1, 8, batch_max), **(dims or {})},
+    )
 
 
 @dataclass

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tk.models.base import ModelEntry, ModelSpec, TrainingTask
-from tk.spec import Dim, Signature, TensorSpec
+from tk.models.base import ModelEntry, ModelSpec, TrainingTask, classification_task, classifier_signature
+from tk.spec import TensorSpec
 
 
 @dataclass
@@ -52,22 +51,12 @@ def make_task(cfg: MLPConfig) -> TrainingTask:
         x = torch.randn(batch, cfg.in_features, generator=gen)
         return (x,), (x @ rule.T).argmax(dim=1)
 
-    return TrainingTask(
-        make_batch=make_batch,
-        loss=F.cross_entropy,
-        make_optimizer=lambda params, lr: torch.optim.AdamW(params, lr=lr),
-        lr=3e-3,
-        steps=300,
-        batch_size=64,
-    )
+    return classification_task(make_batch, lr=3e-3, steps=300, batch_size=64)
 
 
 def build(cfg: MLPConfig) -> ModelSpec:
-    signature = Signature(
-        inputs=[TensorSpec("x", "float32", ("batch", cfg.in_features))],
-        outputs=[TensorSpec("logits", "float32", ("batch", cfg.num_classes))],
-        dims={"batch": Dim("batch", 1, 8, 1024)},
-    )
+    inputs = [TensorSpec("x", "float32", ("batch", cfg.in_features))]
+    signature = classifier_signature(inputs, cfg.num_classes, batch_max=1024)
     return ModelSpec("mlp", None, {}, MLP(cfg), signature, make_task(cfg))
 
 

@@ -6,10 +6,9 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from tk.models.base import ModelEntry, ModelSpec, TrainingTask
-from tk.spec import Dim, Signature, TensorSpec
+from tk.models.base import ModelEntry, ModelSpec, TrainingTask, classification_task, classifier_signature
+from tk.spec import TensorSpec
 
 
 @dataclass
@@ -40,24 +39,14 @@ def make_task(cfg: ResNetConfig) -> TrainingTask:
             images[i, :, top : top + square, left : left + square] += 2.0
         return (images,), labels % cfg.num_classes
 
-    return TrainingTask(
-        make_batch=make_batch,
-        loss=F.cross_entropy,
-        make_optimizer=lambda params, lr: torch.optim.AdamW(params, lr=lr),
-        lr=1e-3,
-        steps=100,
-        batch_size=16,
-    )
+    return classification_task(make_batch, lr=1e-3, steps=100, batch_size=16)
 
 
 def build(cfg: ResNetConfig) -> ModelSpec:
     import torchvision
 
-    signature = Signature(
-        inputs=[TensorSpec("images", "float32", ("batch", 3, cfg.image_size, cfg.image_size))],
-        outputs=[TensorSpec("logits", "float32", ("batch", cfg.num_classes))],
-        dims={"batch": Dim("batch", 1, 8, 64)},
-    )
+    inputs = [TensorSpec("images", "float32", ("batch", 3, cfg.image_size, cfg.image_size))]
+    signature = classifier_signature(inputs, cfg.num_classes, batch_max=64)
     module = torchvision.models.resnet18(weights=None, num_classes=cfg.num_classes)
     return ModelSpec("resnet18", None, {}, module, signature, make_task(cfg), tolerances={"fp32": (1e-4, 1e-4)})
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tk.models.base import ModelEntry, ModelSpec, TrainingTask
-from tk.spec import Dim, Signature, TensorSpec
+from tk.models.base import ModelEntry, ModelSpec, TrainingTask, classification_task, classifier_signature
+from tk.spec import Dim, TensorSpec
 
 
 @dataclass
@@ -137,26 +137,17 @@ def make_task(cfg: TransformerConfig) -> TrainingTask:
         mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
         return (ids * mask, mask), labels % cfg.num_classes
 
-    return TrainingTask(
-        make_batch=make_batch,
-        loss=F.cross_entropy,
-        make_optimizer=lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
-        lr=1e-3,
-        steps=300,
-        batch_size=32,
-    )
+    return classification_task(make_batch, lr=1e-3, steps=300, batch_size=32)
 
 
 def build(cfg: TransformerConfig) -> ModelSpec:
     seq_opt = min(cfg.seq_len, cfg.max_seq_len)
-    signature = Signature(
-        inputs=[
-            TensorSpec("input_ids", "int64", ("batch", "seq"), kind="ids", low=0, high=cfg.vocab_size),
-            TensorSpec("attention_mask", "int64", ("batch", "seq"), kind="mask", low=0, high=2),
-        ],
-        outputs=[TensorSpec("logits", "float32", ("batch", cfg.num_classes))],
-        dims={"batch": Dim("batch", 1, 8, 64), "seq": Dim("seq", 1, seq_opt, cfg.max_seq_len)},
-    )
+    inputs = [
+        TensorSpec("input_ids", "int64", ("batch", "seq"), kind="ids", low=0, high=cfg.vocab_size),
+        TensorSpec("attention_mask", "int64", ("batch", "seq"), kind="mask", low=0, high=2),
+    ]
+    seq = Dim("seq", 1, seq_opt, cfg.max_seq_len)
+    signature = classifier_signature(inputs, cfg.num_classes, batch_max=64, dims={"seq": seq})
     return ModelSpec("transformer", None, {}, TransformerClassifier(cfg), signature, make_task(cfg))
 
 
