@@ -16,13 +16,14 @@ request is answered 400 and never reaches an engine. This module does not import
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -32,6 +33,8 @@ from tk.runtime.inputs import check_arrays, sample_dim
 from tk.spec import Dim, TensorSpec, numpy_dtype
 
 HEADER_LENGTH = "inference-header-content-length"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # tk dtype -> KServe v2 datatype
 DATATYPES: dict[str, str] = {
@@ -155,6 +158,23 @@ def model_metadata(manifest: Manifest, name: str, platform: str) -> dict[str, An
     }
 
 
+_MALFORMED = (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError)
+
+
+def _malformed_is_input_error(parse: Callable[P, R]) -> Callable[P, R]:
+    """Whatever a request's content makes ``parse`` raise is the request's fault: an ``InputError`` (400), never a 500."""
+
+    @functools.wraps(parse)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return parse(*args, **kwargs)
+        except _MALFORMED as exc:
+            raise InputError(f"malformed request ({type(exc).__name__}: {first_line(exc)})") from None
+
+    return checked
+
+
+@_malformed_is_input_error
 def parse_infer_request(
     body: bytes,
     headers: Mapping[str, str],
@@ -167,21 +187,6 @@ def parse_infer_request(
 
     ``max_samples`` bounds the samples of one request (the server's max batch).
     """
-    try:
-        return _parse(body, headers, specs, output_specs, dims, max_samples)
-    except (RecursionError, ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError) as exc:
-        # whatever a request's content makes the parser raise is the request's fault: a 400, never a 500
-        raise InputError(f"malformed request ({type(exc).__name__}: {first_line(exc)})") from None
-
-
-def _parse(
-    body: bytes,
-    headers: Mapping[str, str],
-    specs: list[TensorSpec],
-    output_specs: list[TensorSpec],
-    dims: dict[str, Dim],
-    max_samples: int,
-) -> InferRequest:
     lowered = {k.lower(): v for k, v in headers.items()}
     header_length = lowered.get(HEADER_LENGTH)
     if header_length is not None:
