@@ -544,21 +544,27 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
 def _wait_until_ready(running: RunningServer, timeout_s: float = 30.0) -> None:
     """``/v2/health/ready`` answers 200 on the server's port (HAProxy takes a moment to learn of a
     new replica), or one line saying it did not."""
+    if not ready_within(running.url, timeout_s):
+        raise UsageError(
+            f"tk serve: expected {running.url}/v2/health/ready to answer within {timeout_s:g} s, it did not"
+        )
+
+
+def ready_within(url: str, timeout_s: float) -> bool:
+    """Whether ``URL/v2/health/ready`` answers 200 within ``timeout_s`` seconds (asked at least once)."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"{running.url}/v2/health/ready", timeout=5) as reply:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as reply:
                 if reply.status == 200:
-                    return
+                    return True
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() > deadline:
-            raise UsageError(
-                f"tk serve: expected {running.url}/v2/health/ready to answer within {timeout_s:g} s, it did not"
-            )
+            return False
         time.sleep(0.1)
 
 

@@ -271,19 +271,10 @@ def _batch_name(sig: Any) -> str:
 
 
 def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
-    import urllib.error
-    import urllib.request
+    from tk.serve.app import ready_within
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise UsageError(f"--tune: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
+    if not ready_within(f"http://127.0.0.1:{port}", timeout_s):
+        raise UsageError(f"--tune: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
 
 
 def recommended_settings(result: TuneResult, base: Any) -> dict[str, Any]:
