@@ -10,6 +10,7 @@ import click
 from tk.cli.common import (
     build,
     model_options,
+    path_option,
     print_check_reports,
     public_key_option,
     size_text,
@@ -103,31 +104,18 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     default=None,
     help="TensorRT engine's hardware compatibility (default ampere+).",
 )
-@click.option(
+@path_option(
     "--trt-timing-cache",
-    type=click.Path(path_type=Path),
-    default=None,
     help="TensorRT timing cache file, reused across builds (default: ~/.cache/tk/trt-timing.cache).",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Also write the manifest's check as JSON here.",
-)
+@path_option("--json", "json_path", help="Also write the manifest's check as JSON here.")
 @click.option(
     "--keep-fp32",
     default=None,
     metavar="MODULE[,MODULE...]",
     help="Module paths kept in float32 under --precision fp16/bf16/int8 (what `tk debug precision` prints).",
 )
-@click.option(
-    "--report",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Where a failed capture's report goes (default: OUT.export-report.md beside OUT).",
-)
+@path_option("--report", help="Where a failed capture's report goes (default: OUT.export-report.md beside OUT).")
 def export_cmd(
     model: str,
     size: str | None,

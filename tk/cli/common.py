@@ -32,6 +32,11 @@ def model_options(fn: Any) -> Any:
     return fn
 
 
+def path_option(*decls: str, help: str) -> Any:
+    """An optional file or directory option (``--json``, ``--golden``...): a ``Path``, default ``None``."""
+    return click.option(*decls, type=click.Path(path_type=Path), default=None, help=help)
+
+
 def task_option(fn: Any) -> Any:
     return click.option(
         "--task",

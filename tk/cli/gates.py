@@ -17,17 +17,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from tk.cli.common import console
+from tk.cli.common import console, path_option
 
 
 def _given(name: str) -> bool:
     """Whether the user set the option ``name`` (on the command line or through the environment)."""
     source = click.get_current_context().get_parameter_source(name)
     return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
-
-
-def _path_option(flag: str, name: str, help_text: str) -> Any:
-    return click.option(flag, name, type=click.Path(path_type=Path), default=None, help=help_text)
 
 
 # check's option names -> a recipe's fields
@@ -113,15 +109,15 @@ def check_gates(fn: Any) -> Any:
         return fn(gates=gates, **kwargs)
 
     options = [
-        _path_option(
+        path_option(
             "--save-baseline",
             "save_baseline_path",
-            "Record each engine's accuracy figures per output and the inputs' recipe here (JSON), for --baseline.",
+            help="Record each engine's accuracy figures per output and the inputs' recipe here (JSON), for --baseline.",
         ),
-        _path_option(
+        path_option(
             "--baseline",
             "baseline_path",
-            "Recompute the figures on the recipe of this baseline file and fail (exit 1) where one falls below it by more than its --margin.",
+            help="Recompute the figures on the recipe of this baseline file and fail (exit 1) where one falls below it by more than its --margin.",
         ),
         click.option(
             "--margin",
@@ -131,7 +127,7 @@ def check_gates(fn: Any) -> Any:
             help="How far a figure may fall below the baseline (repeatable). Defaults: max_abs=1.5 "
             "(× the baseline, plus its atol; max_abs=F:ATOL sets both), sqnr=1 (dB), cosine=1e-4, top1=0.5 (points).",
         ),
-        _path_option("--junit", "junit_path", "Write one JUnit test case per engine × output × figure here (XML)."),
+        path_option("--junit", "junit_path", help="Write one JUnit test case per engine × output × figure here (XML)."),
     ]
     for option in reversed(options):
         wrapper = option(wrapper)
@@ -216,15 +212,15 @@ def bench_gates(fn: Any) -> Any:
         return fn(gates=gates, **kwargs)
 
     options = [
-        _path_option(
+        path_option(
             "--save-baseline",
             "save_baseline_path",
-            "Record each engine's speed-up over eager (same run) per batch size and this CPU here (JSON), for --baseline.",
+            help="Record each engine's speed-up over eager (same run) per batch size and this CPU here (JSON), for --baseline.",
         ),
-        _path_option(
+        path_option(
             "--baseline",
             "baseline_path",
-            "Compare the speed-ups with this baseline file's (its batch sizes and sizes unless given); "
+            help="Compare the speed-ups with this baseline file's (its batch sizes and sizes unless given); "
             "fail (exit 1) on a slowdown beyond --max-slowdown. A busy machine is reported, not judged.",
         ),
         click.option(
@@ -235,7 +231,7 @@ def bench_gates(fn: Any) -> Any:
             help="How much lower than the baseline's a speed-up may be, in percent (default 10).",
         ),
         click.option("--any-cpu", is_flag=True, help="Accept a baseline measured on another CPU."),
-        _path_option("--junit", "junit_path", "Write one JUnit test case per engine × batch size here (XML)."),
+        path_option("--junit", "junit_path", help="Write one JUnit test case per engine × batch size here (XML)."),
     ]
     for option in reversed(options):
         wrapper = option(wrapper)

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, console, model_options, task_option
+from tk.cli.common import build, console, model_options, path_option, task_option
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES
 
@@ -48,7 +48,7 @@ def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -
 @click.argument("model")
 @model_options
 @task_option
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Weights from `tk train`.")
+@path_option("--checkpoint", help="Weights from `tk train`.")
 @click.option("--accuracy", default=None, metavar="SPEC",
               help="What must hold against the float32 model, comma-separated: sqnr>=DB, cosine>=X, top1>=PCT, "
               "max_abs<=X (default sqnr>=35).")  # fmt: skip

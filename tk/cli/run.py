@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import console, engine_choice, print_check_reports
+from tk.cli.common import console, engine_choice, path_option, print_check_reports
 from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
@@ -18,13 +18,7 @@ if TYPE_CHECKING:
 
 @click.command("infer")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option(
-    "--inputs",
-    "inputs_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help=".npz (one array per input) or .npy (single-input models).",
-)
+@path_option("--inputs", "inputs_path", help=".npz (one array per input) or .npy (single-input models).")
 @click.option(
     "--random", "random_samples", type=int, default=None, help="Make N valid random samples instead of reading a file."
 )
@@ -151,13 +145,7 @@ def _infer_ray(
 
 @click.command("check")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option(
-    "--inputs",
-    "inputs_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Compare on this file's samples (.npz/.npy).",
-)
+@path_option("--inputs", "inputs_path", help="Compare on this file's samples (.npz/.npy).")
 @click.option(
     "--samples",
     type=int,
@@ -168,7 +156,7 @@ def _infer_ray(
 @click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the artifact's precision).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Write the reports as JSON.")
+@path_option("--json", "json_path", help="Write the reports as JSON.")
 @click.option(
     "--reference",
     default="eager",
@@ -176,18 +164,14 @@ def _infer_ray(
     type=click.Choice(list(ENGINES)),
     help="Engine the others are compared with (eager: the PyTorch model).",
 )
-@click.option(
+@path_option(
     "--golden",
     "golden_path",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Compare with this golden file's inputs and outputs instead (the model is not rebuilt).",
 )
-@click.option(
+@path_option(
     "--save-golden",
     "save_golden_path",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Save the inputs, the reference's outputs and the tolerances here (.npz with JSON meta).",
 )
 @click.option("--tol", "tols", multiple=True, metavar="NAME=RTOL:ATOL", help="Tolerance of one output (repeatable).")
@@ -269,20 +253,8 @@ def check_cmd(
 @click.option(
     "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Write the results and the machine's description as JSON.",
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Write a PNG of latency and throughput against batch size.",
-)
+@path_option("--json", "json_path", help="Write the results and the machine's description as JSON.")
+@path_option("--plot", "plot_path", help="Write a PNG of latency and throughput against batch size.")
 @click.option(
     "--roofline",
     is_flag=True,

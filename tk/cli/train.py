@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, console, model_options
+from tk.cli.common import build, console, model_options, path_option
 from tk.registries import DEVICES
 
 
@@ -60,12 +60,7 @@ def models_cmd(as_json: bool) -> None:
 @click.option("--fullgraph", is_flag=True, help="Fail on any graph break instead of splitting the graph.")
 @click.option("--backend", default="inductor", show_default=True, help="torch.compile backend.")
 @click.option("--compare", is_flag=True, help="Train eager and compiled from the same start and compare speed.")
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Checkpoint path (default: runs/MODEL-SIZE.safetensors).",
-)
+@path_option("--out", help="Checkpoint path (default: runs/MODEL-SIZE.safetensors).")
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON."
 )
