@@ -167,19 +167,25 @@ def close() -> Callable[..., dict[str, float]]:
 
 def run_in_threads(work: Callable[[], None], threads: int = 4) -> list[BaseException]:
     """Run ``work`` in ``threads`` threads at once; return what any of them raised."""
+    return run_each_in_thread(lambda _: work(), threads)
+
+
+def run_each_in_thread(work: Callable[[int], None], count: int, *, timeout: float | None = None) -> list[BaseException]:
+    """Run ``work(0)`` ... ``work(count - 1)`` each in its own thread, all at once; wait for each up to
+    ``timeout`` seconds (default: no limit) and return what any of them raised."""
     import threading
 
     errors: list[BaseException] = []
 
-    def guarded() -> None:
+    def guarded(index: int) -> None:
         try:
-            work()
-        except Exception as exc:  # collected, so a failure in a thread fails the test
+            work(index)
+        except BaseException as exc:  # collected, so a failure in a thread fails the test
             errors.append(exc)
 
-    started = [threading.Thread(target=guarded) for _ in range(threads)]
+    started = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
     for t in started:
         t.start()
     for t in started:
-        t.join()
+        t.join(timeout)
     return errors

@@ -1,4 +1,4 @@
-"""What the serve tests that run ``tk serve`` as its own process share."""
+"""What the serve tests share: a free port, the app on a local Ray instance, ``tk serve`` as its own process."""
 
 from __future__ import annotations
 
@@ -11,10 +11,35 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    from tk.serve.ingress import free_ports
+
+    return free_ports(1)[0]
+
+
+@contextmanager
+def app_on_local_ray(art: Any, **settings: Any) -> Iterator[Any]:
+    """Serve ``art`` with the onnx engine (1 thread a replica) on a free port, on a local Ray instance
+    that tk starts with 2 CPUs; yield the resolved ``ServeConfig``, stop it all after."""
+    from tk.runtime.choice import EngineChoice
+    from tk.serve.app import ServeConfig, start, stop
+
+    config = ServeConfig(
+        str(art.root), engine=EngineChoice("onnx", options={"threads": 1}), port=free_port(), **settings
+    )
+    running = start(config, num_cpus=2)
+    try:
+        yield running.config
+    finally:
+        stop(running)
 
 
 class ServeProcess:

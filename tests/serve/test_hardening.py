@@ -7,7 +7,6 @@ import http.client
 import ipaddress
 import json
 import re
-import socket
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -20,17 +19,11 @@ psutil = pytest.importorskip("psutil")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tests.serve.conftest import ServeProcess  # noqa: E402
+from tests.serve.conftest import ServeProcess, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 60.0
 MODEL = "transformer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

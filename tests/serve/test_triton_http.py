@@ -6,8 +6,6 @@ repository index and infer; ``/metrics`` summed over replicas; and ``perf_analyz
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import numpy as np
@@ -17,9 +15,9 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]
 http = pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from tests.conftest import run_each_in_thread  # noqa: E402
+from tests.serve.conftest import app_on_local_ray  # noqa: E402
 from tk.errors import UsageError  # noqa: E402
-from tk.runtime.choice import EngineChoice  # noqa: E402
-from tk.serve.app import ServeConfig, start, stop  # noqa: E402
 from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.serve.triton import TRITON_TYPES, config_json, served_config  # noqa: E402
@@ -31,29 +29,11 @@ TIMEOUT_S = 30.0
 MODEL = "transformer"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(exported):
     art = exported("transformer", ("onnx",))
-    config = ServeConfig(
-        str(art.root),
-        engine=EngineChoice("onnx", options={"threads": 1}),
-        port=free_port(),
-        replicas=2,
-        cpus_per_replica=1,
-        max_batch=8,
-        max_delay_ms=2,
-    )
-    running = start(config, num_cpus=2)
-    try:
-        yield art, running.config
-    finally:
-        stop(running)
+    with app_on_local_ray(art, replicas=2, cpus_per_replica=1, max_batch=8, max_delay_ms=2) as config:
+        yield art, config
 
 
 def client(config):
@@ -118,21 +98,13 @@ def test_infer_matches_the_engine_and_statistics_count_every_replica(server, eag
         for i in range(per_client)
     }
     results: dict = {}
-    errors: list[BaseException] = []
 
     def work(c: int) -> None:
-        try:
-            cl = client(config)
-            for i in range(per_client):
-                results[(c, i)] = cl.infer(MODEL, infer_inputs(requests[(c, i)])).as_numpy("logits")
-        except BaseException as exc:
-            errors.append(exc)
+        cl = client(config)
+        for i in range(per_client):
+            results[(c, i)] = cl.infer(MODEL, infer_inputs(requests[(c, i)])).as_numpy("logits")
 
-    threads = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    errors = run_each_in_thread(work, clients, timeout=120)
     assert not errors, errors[:3]
     for key, feeds in requests.items():
         expected = eager_outputs(art.spec, feeds)["logits"]

@@ -89,7 +89,7 @@ def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_
     assert settings["batching"] is True
     rows = [line for line in tune.stdout.splitlines() if "│" in line and ("yes" in line or "no" in line)]
     assert len(rows) == 2, tune.stdout  # both points ran (24 requests each, none failed: the budget is loose)
-    from tests.serve.test_triton_http import free_port
+    from tests.serve.conftest import free_port
 
     port = free_port()
     with serve_process.running(str(art.root), "--config", str(out), "--max-delay-ms", "3", "--port", str(port)):
