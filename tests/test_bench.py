@@ -9,11 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from tk.export import ExportOptions
-from tk.models import build_model
 from tk.runtime import load
 from tk.workflows.bench import BenchReport, measure, render_table, save_json, save_plot
-from tk.workflows.export import export
 from tk.workflows.hardware import machine_description
 from tk.workflows.load_guard import LoadGuard
 
@@ -21,17 +18,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    torch.manual_seed(0)
-    spec = build_model("transformer", size="tiny")
-    export(spec, root / "dynamic", ExportOptions(formats=("torch",), check=False))
-    export(spec, root / "static", ExportOptions(formats=("torch",), dynamic=False, check=False))
-    opened = {
-        "eager": load(root / "dynamic", "eager"),
-        "torch": load(root / "dynamic", "torch"),
-        "static": load(root / "static", "torch"),
-    }
+def engines(exported):
+    dynamic = exported("transformer", ("torch",)).root
+    static = exported("transformer", ("torch",), dynamic=False).root
+    opened = {"eager": load(dynamic, "eager"), "torch": load(dynamic, "torch"), "static": load(static, "torch")}
     yield opened
     for engine in opened.values():
         engine.close()

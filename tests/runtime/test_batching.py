@@ -9,14 +9,11 @@ import pytest
 import torch
 
 from tk.errors import InputError, UsageError
-from tk.export import ExportOptions
 from tk.manifest import Manifest
-from tk.models import build_model
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.batching import BatchRunner, infer_file
 from tk.spec import Dim, Signature, TensorSpec
-from tk.workflows.export import export
 
 SAMPLES = 37
 BATCH = 8
@@ -24,15 +21,13 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    """transformer tiny (dynamic and static, same weights) and mlp tiny, torch format."""
-    root = tmp_path_factory.mktemp("artifacts")
-    torch.manual_seed(0)
-    transformer = build_model("transformer", size="tiny")
-    export(transformer, root / "transformer", ExportOptions(formats=("torch",), check=False))
-    export(transformer, root / "static", ExportOptions(formats=("torch",), dynamic=False, check=False))
-    export(build_model("mlp", size="tiny"), root / "mlp", ExportOptions(formats=("torch",), check=False))
-    return root
+def artifacts(exported):
+    """transformer tiny (dynamic and static, same weights) and mlp tiny, torch format: the session's exports."""
+    return {
+        "transformer": exported("transformer", ("torch",)).root,
+        "static": exported("transformer", ("torch",), dynamic=False).root,
+        "mlp": exported("mlp", ("torch",)).root,
+    }
 
 
 class Recording:
@@ -74,7 +69,7 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
 @pytest.mark.parametrize("engine_name", ["eager", "torch"])
 def test_transformer_batches_are_cut_to_the_longest_sequence(artifacts, engine_name):
     inputs = token_inputs(SAMPLES, 24)
-    with load(artifacts / "transformer", "eager") as eager, load(artifacts / "transformer", engine_name) as engine:
+    with load(artifacts["transformer"], "eager") as eager, load(artifacts["transformer"], engine_name) as engine:
         recording = Recording(engine)
         got = BatchRunner(recording, BATCH).run(inputs)
         assert_close(got, one_by_one(eager, inputs))
@@ -87,7 +82,7 @@ def test_transformer_batches_are_cut_to_the_longest_sequence(artifacts, engine_n
 def test_mlp_batches_match_samples_alone_and_report_progress(artifacts):
     x = np.random.default_rng(0).standard_normal((SAMPLES, 8)).astype(np.float32)
     done: list[int] = []
-    with load(artifacts / "mlp", "eager") as eager:
+    with load(artifacts["mlp"], "eager") as eager:
         runner = BatchRunner(eager, BATCH)
         got = runner.run({"x": x}, progress=done.append)
         assert_close(got, one_by_one(eager, {"x": x}))
@@ -97,7 +92,7 @@ def test_mlp_batches_match_samples_alone_and_report_progress(artifacts):
 
 def test_static_batch_is_padded_and_the_padding_stripped(artifacts):
     inputs = token_inputs(SAMPLES, 16)
-    with load(artifacts / "static", "torch") as static, load(artifacts / "transformer", "eager") as eager:
+    with load(artifacts["static"], "torch") as static, load(artifacts["transformer"], "eager") as eager:
         recording = Recording(static)
         runner = BatchRunner(recording)
         assert runner.batch_size == BATCH
@@ -110,14 +105,14 @@ def test_static_batch_is_padded_and_the_padding_stripped(artifacts):
 
 
 def test_batch_size_default_and_range(artifacts):
-    with load(artifacts / "mlp", "eager") as eager:
+    with load(artifacts["mlp"], "eager") as eager:
         assert BatchRunner(eager).batch_size == eager.dims["batch"].opt
         with pytest.raises(UsageError, match=r"batch range \[1, 1024\]"):
             BatchRunner(eager, 2000)
 
 
 def test_long_files_run_when_real_sequences_fit(artifacts):
-    with load(artifacts / "transformer", "eager") as eager:
+    with load(artifacts["transformer"], "eager") as eager:
         seq_max = eager.dims["seq"].max
         inputs = token_inputs(SAMPLES, seq_max + 16, longest=20)  # padded past the max, real tokens fit
         got = BatchRunner(eager, BATCH).run(inputs)
@@ -175,7 +170,7 @@ def test_infer_file_writes_one_array_per_output(artifacts, tmp_path):
     inputs["attention_mask"] = inputs["attention_mask"].astype(np.int32)
     np.savez(tmp_path / "in.npz", **inputs)
     calls: list[tuple[int, int]] = []
-    with load(artifacts / "transformer", "torch") as engine:
+    with load(artifacts["transformer"], "torch") as engine:
         result = infer_file(
             engine,
             tmp_path / "out" / "logits.npz",
@@ -192,7 +187,7 @@ def test_infer_file_writes_one_array_per_output(artifacts, tmp_path):
 
 
 def test_infer_file_random_samples_and_nonfinite_counts(artifacts, tmp_path):
-    with load(artifacts / "mlp", "eager") as engine:
+    with load(artifacts["mlp"], "eager") as engine:
         result = infer_file(engine, tmp_path / "random.npz", random=10, seed=1)
         assert (result.samples, result.batches, result.nonfinite_inputs) == (10, 2, {"x": 0})
         with np.load(result.out) as written:
