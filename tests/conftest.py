@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from tk.export import ExportOptions
-from tk.manifest import Manifest, read_manifest
+from tk.manifest import FileEntry, Manifest, manifest_bytes, read_manifest
 from tk.models import ModelSpec, build_model, entries
 from tk.workflows.export import export
 
@@ -163,6 +164,27 @@ def assert_close(actual: dict[str, Any], expected: dict[str, np.ndarray], rtol: 
 def close() -> Callable[..., dict[str, float]]:
     """``close(actual, expected, rtol, atol)``: assert every output is within tolerance."""
     return assert_close
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path) -> Callable[[Path, str], Path]:
+    """``copy_of(root, name)``: a copy of the artifact at ``root`` as ``tmp_path / name``, to tamper with."""
+
+    def copy(root: Path, name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(root, target)
+        return target
+
+    return copy
+
+
+def rehash(root: Path, replaced: dict[str, bytes] | None = None) -> None:
+    """Write ``replaced`` files and recompute every hash and the manifest checksum, as anyone without a key can."""
+    for name, data in (replaced or {}).items():
+        (root / name).write_bytes(data)
+    manifest = read_manifest(root)
+    manifest.files = [FileEntry.of(root, e.path, e.role) for e in manifest.files]
+    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
 
 
 def run_in_threads(work: Callable[[], None], threads: int = 4) -> list[BaseException]:

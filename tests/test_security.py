@@ -22,10 +22,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tests.conftest import rehash
 from tk.cli import cli
 from tk.errors import IntegrityError, TkError, UntrustedArtifactError
 from tk.export import ExportOptions
-from tk.manifest import FileEntry, manifest_bytes, read_manifest, verify_artifact
+from tk.manifest import read_manifest, verify_artifact
 from tk.models import build_model
 from tk.runtime import EngineChoice, load
 from tk.spec import random_feeds
@@ -35,33 +36,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def base_artifact(tmp_path_factory):
-    """A tiny Transformer in torch and onnx formats, exported once; tests copy it before tampering."""
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("sec") / "transformer"
-    export(build_model("transformer", size="tiny"), out, ExportOptions(formats=("torch", "onnx")))
-    return out
+def base_artifact(exported):
+    """The session's tiny Transformer in torch and onnx formats; tests copy it before tampering."""
+    return exported("transformer", ("torch", "onnx")).root
 
 
 @pytest.fixture
-def artifact(base_artifact, tmp_path):
-    copy_ = tmp_path / "art"
-    shutil.copytree(base_artifact, copy_)
-    return copy_
-
-
-def rehash(root: Path, replaced: dict[str, bytes] | None = None) -> None:
-    """Write ``replaced`` files and recompute every hash and the manifest checksum (no key needed)."""
-    for name, data in (replaced or {}).items():
-        (root / name).write_bytes(data)
-    manifest = read_manifest(root)
-    manifest.files = [FileEntry.of(root, e.path, e.role) for e in manifest.files]
-    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
+def artifact(base_artifact, copy_of):
+    return copy_of(base_artifact, "art")
 
 
 def run_cli(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(cli, list(args))
     return result.exit_code, result.stderr
+
+
+def infer_with_budget(budget: str, artifact: Path, inputs: Path) -> tuple[int, str]:
+    """``tk --max-memory BUDGET infer ARTIFACT --inputs INPUTS``, the outputs beside the inputs."""
+    return run_cli(
+        "--max-memory", budget, "infer", str(artifact), "--inputs", str(inputs), "--out", str(inputs.with_name("o.npz"))
+    )
 
 
 def assert_one_line(code: int, stderr: str, fragment: str) -> None:
@@ -250,16 +244,7 @@ def _npz_with_header(path: Path, shape: tuple[int, ...]) -> None:
 
 def test_a_huge_declared_npz_ends_in_one_line_before_allocating(artifact, tmp_path):
     _npz_with_header(tmp_path / "bomb.npz", (100_000, 1_000_000))
-    code, stderr = run_cli(
-        "--max-memory",
-        "1G",
-        "infer",
-        str(artifact),
-        "--inputs",
-        str(tmp_path / "bomb.npz"),
-        "--out",
-        str(tmp_path / "o.npz"),
-    )
+    code, stderr = infer_with_budget("1G", artifact, tmp_path / "bomb.npz")
     assert_one_line(code, stderr, "over tk's memory budget of 1.0 GiB")
 
 
@@ -267,16 +252,7 @@ def test_a_zip_bomb_npz_is_refused_by_the_budget(artifact, tmp_path):
     ids = np.zeros((4096, 64), dtype=np.int64)  # 2 MiB that compress to a few KiB
     np.savez_compressed(tmp_path / "bomb.npz", input_ids=ids, attention_mask=np.ones_like(ids))
     assert (tmp_path / "bomb.npz").stat().st_size < 100_000
-    code, stderr = run_cli(
-        "--max-memory",
-        "1M",
-        "infer",
-        str(artifact),
-        "--inputs",
-        str(tmp_path / "bomb.npz"),
-        "--out",
-        str(tmp_path / "o.npz"),
-    )
+    code, stderr = infer_with_budget("1M", artifact, tmp_path / "bomb.npz")
     assert_one_line(code, stderr, "over tk's memory budget")
 
 

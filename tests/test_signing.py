@@ -21,11 +21,10 @@ from click.testing import CliRunner
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from tests.conftest import rehash
 from tk.cli import cli
 from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
-from tk.export import ExportOptions
-from tk.manifest import FileEntry, manifest_bytes, read_manifest
-from tk.models import build_model
+from tk.manifest import manifest_bytes, read_manifest
 from tk.runtime import load
 from tk.runtime.eager import module_from_manifest
 from tk.signing import (
@@ -42,7 +41,6 @@ from tk.signing import (
     sign_artifact,
     trusted_key_files,
 )
-from tk.workflows.export import export
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SIGNING = Path(sys.executable).with_name("model_signing")
@@ -65,33 +63,20 @@ def key_pair(directory: Path, name: str = "other") -> tuple[Path, Path]:
     return private, public
 
 
-def rehash(root: Path) -> None:
-    """Recompute every file's hash and the manifest checksum, as anyone without a key can."""
-    manifest = read_manifest(root)
-    manifest.files = [FileEntry.of(root, e.path, e.role) for e in manifest.files]
-    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
-
-
 @pytest.fixture(scope="module")
-def torch_artifact(tmp_path_factory):
-    """A tiny mlp in the torch format (no native code), exported (and signed) once."""
-    out = tmp_path_factory.mktemp("signed") / "mlp"
-    export(build_model("mlp", size="tiny"), out, ExportOptions(formats=("torch",), check=False))
-    return out
+def torch_artifact(exported):
+    """The session's tiny mlp in the torch format (no native code), exported (and signed) once: read, never changed."""
+    return exported("mlp", ("torch",)).root
 
 
 @pytest.fixture
-def copy(torch_artifact, tmp_path):
-    target = tmp_path / "copy"
-    shutil.copytree(torch_artifact, target)
-    return target
+def copy(torch_artifact, copy_of):
+    return copy_of(torch_artifact, "copy")
 
 
 @pytest.fixture
-def aoti_copy(exported, tmp_path):
-    target = tmp_path / "aoti"
-    shutil.copytree(exported("mlp", ("torch", "onnx", "aoti")).root, target)
-    return target
+def aoti_copy(exported, copy_of):
+    return copy_of(exported("mlp", ("torch", "onnx", "aoti")).root, "aoti")
 
 
 @pytest.fixture
