@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.export.conftest import passed_check
 from tk.errors import InputError
 from tk.runtime import load
 from tk.spec import random_feeds
-from tk.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +17,8 @@ AOTI = ("aoti",)
 
 @pytest.mark.parametrize("name", MODELS)
 def test_export_passes_its_check(exported, name):
-    e = exported(name, AOTI)
-    m = e.manifest
-    assert m.status == "passed", m.check
-    report = m.check["aoti"]
-    assert report["passed"] and len(report["shapes"]) >= 2
-    for out in report["outputs"]:
-        assert out["max_abs"] < 1e-4, out
+    m = exported(name, AOTI).manifest
+    passed_check(m, "aoti")
     assert m.formats["aoti"]["file"] == "model.aoti.pt2"
     assert m.formats["aoti"]["device"] == "cpu"
     assert m.formats["aoti"]["inductor_configs"] == {}  # float32: Inductor's defaults, no freezing
@@ -31,21 +26,18 @@ def test_export_passes_its_check(exported, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_dynamic_dims_match_eager_at_other_shapes(exported, eager_outputs, other_sizes, close, name):
+def test_dynamic_dims_match_eager_at_other_shapes(exported, run_against_eager, other_sizes, name):
     e = exported(name, AOTI)
-    feeds = random_feeds(e.spec.signature.inputs, other_sizes(e.spec), seed=7)
     with load(e.root, "aoti") as engine:
-        got = engine.run(feeds)
-    errors = close(got, eager_outputs(e.spec, feeds), *tolerance_for("fp32", model_overrides=e.spec.tolerances))
+        errors = run_against_eager(engine, e, other_sizes(e.spec), seed=7)
     assert all(err < 1e-4 for err in errors.values()), errors
 
 
-def test_static_export_refuses_other_shapes(exported, eager_outputs, other_sizes, close):
+def test_static_export_refuses_other_shapes(exported, run_against_eager, other_sizes):
     e = exported("mlp", AOTI, dynamic=False)
     assert e.manifest.status == "passed"
     opt = {n: d.opt for n, d in e.manifest.signature.dims.items()}
     with load(e.root, "aoti") as engine:
-        feeds = random_feeds(engine.inputs, opt, seed=1)
-        close(engine.run(feeds), eager_outputs(e.spec, feeds), *tolerance_for("fp32"))
+        run_against_eager(engine, e, opt, seed=1)
         with pytest.raises(InputError, match=r"must be in \[8, 8\]"):
             engine.run(random_feeds(engine.inputs, other_sizes(e.spec), seed=2))
