@@ -45,8 +45,7 @@ from tk.export import ExportOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.runtime import load
-from tk.serve.load_report import goals_line, render
-from tk.serve.load_report import serving_goals as goals_of
+from tk.serve.load_report import goals_line, render, serving_goals
 from tk.serve.load_test import (
     LoadTestSettings,
     engine_batch_bound,
@@ -60,7 +59,7 @@ from tk.workflows.export import export
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 
-__all__ = ["goals_of", "main", "perf_analyzer_rows", "render"]  # tests import these from here
+__all__ = ["main", "perf_analyzer_rows"]  # tests/serve/test_triton_http.py imports perf_analyzer_rows from here
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> Path:
         rows, ingress = run_scenarios(root, mixed, expected, single, (rtol, atol), settings, console.print)
     what = f"transformer {args.size}, seq {seq}, onnx, {args.clients} clients, {ingress} ingress ({run.machine['cpu']})"
     console.print(render(rows, what))
-    goals = goals_of(rows, bound)
+    goals = serving_goals(rows, bound)
     console.print(goals_line(goals, args.max_batch))
     results = {
         "seq": seq,

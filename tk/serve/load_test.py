@@ -153,7 +153,8 @@ def one_client_row(port: int, model: str, root: Path, requests: Sequence[Feeds],
     connection = client(port)
     served, alone = [], []
     with load(root, "onnx", threads=threads, spinning=False) as engine:  # as tk serve runs it
-        for feeds in [*requests[:WARM_CALLS], *requests]:
+        warm = requests[:WARM_CALLS]
+        for feeds in [*warm, *requests]:
             inputs = infer_inputs(feeds)
             t0 = time.perf_counter()
             connection.infer(model, inputs)
@@ -162,7 +163,7 @@ def one_client_row(port: int, model: str, root: Path, requests: Sequence[Feeds],
             t2 = time.perf_counter()
             served.append((t1 - t0) * 1e3)
             alone.append((t2 - t1) * 1e3)
-    served, alone = served[WARM_CALLS:], alone[WARM_CALLS:]
+    served, alone = served[len(warm) :], alone[len(warm) :]
     return {
         "scenario": "one client",
         "batching": False,
