@@ -49,6 +49,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from tk.errors import TkError
 from tk.workflows.goals.hf import HfSettings, bench_hf
 from tk.workflows.goals.report import render
 from tk.workflows.goals.transformer import GoalSettings, bench_transformer
@@ -136,4 +137,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TkError as exc:  # a wrong --int8-artifact, a failed optimum-cli: one line, not a traceback
+        sys.exit(f"error: {exc}")

@@ -12,8 +12,8 @@ import torch
 
 from tk.runtime.base import Engine
 from tk.runtime.eager import module_from_manifest
+from tk.workflows.ort_session import plain_session
 
-ORT_SPINNING = "session.intra_op.allow_spinning"
 Call = Callable[[Mapping[str, np.ndarray]], Any]
 
 
@@ -71,19 +71,10 @@ def peer_compile(like: Engine) -> DirectEngine:
 
 
 def peer_onnx(like: Engine, threads: int) -> DirectEngine:
-    """An onnxruntime session built by hand on the same ONNX file: all graph optimizations, ``threads``,
-    no spinning (as tk's sessions in the table: spinning threads slow the next engine of a round)."""
+    """An onnxruntime session built by hand on the same ONNX file (``tk.workflows.ort_session``)."""
 
     def make() -> Call:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry(ORT_SPINNING, "0")
-        options.log_severity_level = 3
-        path = like.root / like.manifest.file("onnx").path
-        session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        session = plain_session(like.root / like.manifest.file("onnx").path, threads)
         return lambda feeds: session.run(None, feeds)
 
     return DirectEngine(like, make)

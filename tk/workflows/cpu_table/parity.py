@@ -16,9 +16,10 @@ from tk.parity import compare_output
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.tolerances import MIN_SQNR_DB, tolerance_for
-from tk.workflows.cpu_table.direct import ORT_SPINNING, DirectEngine, peer_compile, peer_onnx
+from tk.workflows.cpu_table.direct import DirectEngine, peer_compile, peer_onnx
 from tk.workflows.cpu_table.exports import one_line
 from tk.workflows.cpu_table.rows import ROWS
+from tk.workflows.ort_session import ORT_SPINNING
 
 
 def open_row(key: str, artifacts: dict[str, Path], threads: int) -> Engine:

@@ -1,7 +1,7 @@
 """A Hugging Face model exported by tk (ONNX, fused) against Optimum's ONNX of the same directory.
 
-Both run in onnxruntime with the same session options (CPU, ``torch.get_num_threads()`` intra-op
-threads, no spinning), interleaved call by call, on the same padded random batch, under the load
+Both run in onnxruntime with the same session options (``tk.workflows.ort_session``, torch's
+thread count), interleaved call by call, on the same padded random batch, under the load
 guard: wall-time ratio (of medians, and the median of per-round ratios), process CPU-time ratio
 (CPU seconds per call barely move when other processes take the cores, where wall time does), the
 max abs error of both against transformers' own forward, and the rate of both (FLOPs of
@@ -28,6 +28,7 @@ from tk.models import build_model
 from tk.spec import random_feeds
 from tk.workflows.export import export
 from tk.workflows.load_guard import LoadGuard
+from tk.workflows.ort_session import plain_session
 from tk.workflows.roofline import Roofline
 from tk.workflows.timing import CallTime, interleave_calls, ms
 
@@ -69,16 +70,6 @@ def optimum_export(cli: Path, directory: Path, out: Path) -> Path:
     return out
 
 
-def session(path: Path) -> Any:
-    """An onnxruntime CPU session: torch's thread count, no spinning."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = torch.get_num_threads()
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def bench_hf(
     directory: Path,
     optimum_onnx: Path | None,
@@ -96,9 +87,10 @@ def bench_hf(
     if optimum_onnx is None and s.optimum_cli is not None:
         optimum_onnx = optimum_export(s.optimum_cli, directory, work / "optimum")
     model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
-    sessions = {TK: session(root / "model.onnx")}
+    threads = torch.get_num_threads()
+    sessions = {TK: plain_session(root / "model.onnx", threads)}
     if optimum_onnx is not None:
-        sessions[OPTIMUM] = session(optimum_onnx / "model.onnx")
+        sessions[OPTIMUM] = plain_session(optimum_onnx / "model.onnx", threads)
     goal = "hf all-MiniLM-L6-v2" if "minilm" in str(directory).lower() else f"hf {directory.name}"
     rows: list[dict] = []
     for batch, seq in s.shapes:

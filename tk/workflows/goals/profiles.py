@@ -20,6 +20,7 @@ from tk.export import ExportOptions
 from tk.manifest import Manifest
 from tk.models import ModelSpec
 from tk.workflows.export import export
+from tk.workflows.ort_session import plain_session
 
 log = logging.getLogger("tk")
 TOP = 10  # operators listed per package
@@ -87,14 +88,8 @@ def profile_aoti_export(
 
 def profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: int = 3) -> list[dict]:
     """onnxruntime's profiler on an ONNX graph: kernel time per op type, per call, and its share."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.enable_profiling = True
-    options.profile_file_prefix = str(work / f"{path.parent.name}-ort-profile")
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    prefix = work / f"{path.parent.name}-ort-profile"
+    session = plain_session(path, torch.get_num_threads(), profile_prefix=prefix)
     session.run(None, feeds)  # warm-up, in the profile too: left out below by counting from the end
     for _ in range(runs):
         session.run(None, feeds)
