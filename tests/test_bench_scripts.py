@@ -60,27 +60,24 @@ def test_bench_cpu_tiny_run_writes_rows_peaks_and_load_marks(tmp_path):
     assert [m for m, k, n, c in fp32["shapes_mknc"]][:1] == [16]  # batch 2 x seq 8 tokens
 
 
-def test_load_test_marks_busy_scenarios_and_reads_its_goals_from_the_rows():
+@pytest.mark.slow
+def test_load_test_tiny_run_writes_every_scenario_with_its_load_mark(tmp_path):
     pytest.importorskip("ray.serve", reason="the load test runs on Ray Serve")
-    from rich.console import Console
-
-    from scripts.load_test import goals_of, render
-
-    load = {"load_before": 0.5, "load_after": 0.7, "busy": False}
-    common = {"requests": 4, "lost": 0, "duplicated": 0, "mismatched": None, "p50_ms": 2.0}
-    rows = [
-        {"scenario": "single", "batching": True, "samples_per_s": 300.0, "p99_ms": 6.0, **common, **load},
-        {"scenario": "single", "batching": False, "samples_per_s": 100.0, "p99_ms": 3.0, **common, **load},
-        {
-            "scenario": "one client", "batching": False, "samples_per_s": 50.0, "p99_ms": 3.0, **common,
-            "engine_p50_ms": 1.5, "overhead_p50_ms": 0.5, "health_p50_ms": 0.2,
-            "load_before": 3.5, "load_after": 2.5, "busy": True,
-        },
-    ]  # fmt: skip
-    goals = goals_of(rows, {"gain": 4.0})
-    assert goals["single_throughput_ratio"] == 3.0 and goals["single_p99_on_over_p50_off"] == 3.0
-    assert goals["engine_batching_bound"] == 4.0 and goals["overhead_ms"] == 0.5
-    console = Console(record=True, width=200)
-    console.print(render(rows, "tiny"))
-    text = console.export_text()
-    assert "3.5→2.5 busy" in text and "0.5→0.7" in text and text.count("busy") == 1
+    pytest.importorskip("tritonclient.http", reason="the load test's clients are tritonclient's")
+    done = run_script(
+        "scripts.load_test", "--size", "tiny", "--requests", "12", "--clients", "2", "--max-batch", "4", "--seq", "8",
+        "--ingress", "proxy", "--one-client-requests", "4", "--wait-quiet", "0", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = envelope(tmp_path, "serve-load")["results"]
+    scenarios = [(r["scenario"], r["batching"]) for r in results["rows"]]
+    assert scenarios == [
+        ("mixed 1-4", True),
+        ("single", True),
+        ("mixed 1-4", False),
+        ("single", False),
+        ("one client", False),
+    ]
+    assert all(r["lost"] == 0 and r["duplicated"] == 0 and isinstance(r["busy"], bool) for r in results["rows"])
+    assert results["rows"][0]["mismatched"] == 0 and results["engine_batching"]["max_batch"] == 4
+    assert set(results["goals"]) >= {"single_throughput_ratio", "overhead_ms"} and results["ingress"] == "proxy"

@@ -6,7 +6,8 @@ import gc
 
 import pytest
 
-from tk.workflows.timing import CallTime, interleave, timed
+from tk.workflows.load_guard import LoadGuard
+from tk.workflows.timing import CallTime, interleave, interleave_calls, ms, timed
 
 
 def fake(label: str, seconds: float, log: list[str]):
@@ -48,3 +49,14 @@ def test_timed_reads_wall_and_cpu_time():
     call = timed(lambda: sum(range(1000)))
     result = call()
     assert result.total_s > 0 and result.cpu_s is not None and result.cpu_s >= 0
+
+
+def test_interleave_calls_warms_up_then_times_plain_calls_under_the_guard():
+    log: list[str] = []
+    guard = LoadGuard(0, cores=2, read_load=iter([1.0, 3.0]).__next__)
+    calls = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+    times, mark = interleave_calls(calls, iters=4, guard=guard, between=[lambda: log.append("peak")], warmup=2)
+    assert log[:4] == ["a", "a", "b", "b"] and log[4:].count("peak") == 4 and log.count("a") == 6
+    assert [len(times["a"]), len(times["b"])] == [4, 4] and all(t.cpu_s is not None for t in times["a"])
+    assert (mark.before, mark.after, mark.busy) == (1.0, 3.0, True)
+    assert ms([0.001, 0.003, 0.002]) == 2.0

@@ -21,7 +21,6 @@ import itertools
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ import numpy as np
 
 from tk.errors import UsageError
 from tk.fileio import atomic_write_bytes
+from tk.serve.load import send_requests
 
 # the ServeConfig fields a settings file may set, and their types
 SETTINGS: dict[str, type] = {
@@ -147,49 +147,6 @@ def recommend(points: list[TunePoint], p99_ms: float) -> tuple[TunePoint | None,
     return None, False
 
 
-def _load(port: int, model: str, requests: list[dict[str, np.ndarray]], clients: int, deadline: float) -> dict:
-    """Send ``requests`` from ``clients`` threads (stopping at ``deadline``); latencies and failures."""
-    import tritonclient.http as http
-
-    latencies: list[float] = []
-    failed = [0]
-    lock = threading.Lock()
-
-    def work(c: int) -> None:
-        client = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60, network_timeout=60)
-        for i in range(c, len(requests), clients):
-            if time.monotonic() > deadline:
-                return
-            inputs = []
-            for name, array in requests[i].items():
-                entry = http.InferInput(name, list(array.shape), _datatype(array))
-                entry.set_data_from_numpy(array)
-                inputs.append(entry)
-            started = time.perf_counter()
-            try:
-                client.infer(model, inputs)
-                seconds = time.perf_counter() - started
-                with lock:
-                    latencies.append(seconds)
-            except Exception:
-                with lock:
-                    failed[0] += 1
-
-    threads = [threading.Thread(target=work, args=(c,), daemon=True) for c in range(clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return {"latencies": latencies, "failed": failed[0], "wall": time.perf_counter() - started}
-
-
-def _datatype(array: np.ndarray) -> str:
-    from tritonclient.utils import np_to_triton_dtype
-
-    return str(np_to_triton_dtype(array.dtype))
-
-
 def tune(
     base: Any,
     grid: TuneGrid,
@@ -202,9 +159,7 @@ def tune(
     on_point: Any = None,
 ) -> TuneResult:
     """Load-test ``base`` (a ``ServeConfig``) at each grid point on a local Ray instance; see the module."""
-    from ray import serve
-
-    from tk.serve.app import APP_NAME, deployment, resolve, start, stop
+    from tk.serve.app import resolve, start, stop
     from tk.serve.ingress import free_ports
     from tk.spec import random_feeds
 
@@ -238,16 +193,15 @@ def tune(
                 continue
             config = resolve(replace(current, **point.settings()))
             if point is not first:
-                serve.delete(APP_NAME)
-                serve.run(deployment(config), name=APP_NAME, route_prefix="/")
-                _wait_ready(config.port)
-            _load(config.port, str(config.name), load[: min(len(load), 2 * clients)], clients, deadline)  # warm up
-            result = _load(config.port, str(config.name), load, clients, deadline)
-            latencies = sorted(result["latencies"])
-            point.requests = len(latencies) + result["failed"]
-            point.failed = result["failed"]
+                redeploy(config)
+            model = str(config.name)
+            send_requests(config.port, model, load[: min(len(load), 2 * clients)], clients, deadline=deadline)  # warm
+            result = send_requests(config.port, model, load, clients, deadline=deadline)
+            latencies = sorted(result.latencies.values())
+            point.requests = len(latencies) + len(result.failures)
+            point.failed = len(result.failures)
             if latencies:
-                point.samples_per_s = len(latencies) / result["wall"]
+                point.samples_per_s = len(latencies) / result.wall_s
                 point.p50_ms = float(np.percentile(latencies, 50)) * 1e3
                 point.p99_ms = float(np.percentile(latencies, 99)) * 1e3
             if on_point is not None:
@@ -270,11 +224,22 @@ def _batch_name(sig: Any) -> str:
     return sample_dim(sig.inputs)
 
 
+def redeploy(config: Any) -> None:
+    """Replace the running app by one deployed with ``config`` (a resolved ``ServeConfig``) and wait until it answers."""
+    from ray import serve
+
+    from tk.serve.app import APP_NAME, deployment
+
+    serve.delete(APP_NAME)
+    serve.run(deployment(config), name=APP_NAME, route_prefix="/")
+    _wait_ready(config.port)
+
+
 def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
     from tk.serve.app import ready_within
 
     if not ready_within(f"http://127.0.0.1:{port}", timeout_s):
-        raise UsageError(f"--tune: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
+        raise UsageError(f"serve: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
 
 
 def recommended_settings(result: TuneResult, base: Any) -> dict[str, Any]:

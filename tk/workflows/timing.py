@@ -8,7 +8,8 @@ call; ``device`` hands it torch tensors, ``host`` NumPy arrays (the command line
 
 ``interleave`` is the one timing loop of ``tk``: one call of each timed callable in turn, in a new
 seeded random order each round, so machine noise hits all of them alike; ``timed`` turns any
-callable into one it can time, and ``Spread`` summarizes the samples (median, quartiles, range).
+callable into one it can time, ``interleave_calls`` does both for plain callables under the load
+guard, and ``Spread`` summarizes the samples (median, quartiles, range).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
 
 IO_MODES = ("host", "device")
 
@@ -155,6 +158,29 @@ def interleave(
         if gc_was_enabled:
             gc.enable()
     return times
+
+
+def interleave_calls(
+    calls: Mapping[str, Callable[[], object]],
+    *,
+    iters: int,
+    guard: LoadGuard | None = None,
+    between: Sequence[Callable[[], object]] = (),
+    warmup: int = 2,
+) -> tuple[dict[str, list[CallTime]], LoadMark]:
+    """Each of ``calls`` warmed up ``warmup`` times, then timed (wall and process CPU time) in
+    ``iters`` interleaved rounds under ``guard`` (``between``: untimed calls in every round); the
+    times by name and the load mark of the rounds."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    timers = {name: timed(call) for name, call in calls.items()}
+    return quiet_or_marked(lambda: interleave(timers, iters=iters, between=between), guard)
+
+
+def ms(samples: Sequence[float]) -> float:
+    """The median of ``samples`` seconds, in milliseconds."""
+    return 1e3 * statistics.median(samples)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""Load against a real ``tk serve`` (tk.serve.load) and the load test's scenarios (tk.serve.load_test,
+tk.serve.load_report): replies kept by the id they came back with, compared with eager; the rows'
+and goals' arithmetic on made-up results. No timings judged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from tk.runtime import load
+from tk.serve.load import LoadResult
+from tk.serve.load_report import render, serving_goals
+from tk.serve.load_test import engine_batch_bound, expected_outputs, make_requests, mismatches, scenario_row
+from tk.workflows.load_guard import LoadGuard
+
+MODEL = "transformer"
+
+
+def test_requests_are_valid_and_mixed_ones_hold_one_to_four_samples(exported):
+    art = exported("transformer", ("onnx",))
+    mixed, single = make_requests(art.manifest.signature.inputs, 8, 12)
+    assert len(mixed) == len(single) == 12 and {r["input_ids"].shape[1] for r in mixed + single} == {8}
+    assert {len(r["input_ids"]) for r in single} == {1} and {len(r["input_ids"]) for r in mixed} <= {1, 2, 3, 4}
+    assert len({len(r["input_ids"]) for r in mixed}) > 1
+
+
+def test_expected_outputs_split_batched_calls_back_per_request(exported):
+    art = exported("transformer", ("onnx",))
+    mixed, _ = make_requests(art.manifest.signature.inputs, 8, 7)
+    with load(art.root, "eager") as eager:
+        expected = expected_outputs(eager, mixed, max_batch=5)
+        alone = [eager.run(r)["logits"] for r in mixed]
+    assert [e.shape for e in expected] == [a.shape for a in alone]
+    assert max(float(np.abs(e - a).max()) for e, a in zip(expected, alone, strict=True)) < 1e-5
+
+
+def test_scenario_rows_count_lost_duplicated_and_mismatched_replies():
+    requests = [{"input_ids": np.zeros((n, 4), np.int64)} for n in (1, 2, 3)]
+    expected = [np.full((n, 2), 1.0, np.float32) for n in (1, 2, 3)]
+    result = LoadResult(
+        replies={0: expected[0], 1: expected[1] + 0.5},  # request 2 lost, request 1 off by 0.5
+        latencies={0: 0.010, 1: 0.030},
+        failures={2: "TimeoutError: late"},
+        duplicates=1,
+        wall_s=0.5,
+    )
+    assert mismatches(result, expected, rtol=0.0, atol=1e-3) == (1, 0.5)
+    row = scenario_row("mixed", True, requests, result, expected, 0.0, 1e-3)
+    assert (row["lost"], row["duplicated"], row["mismatched"], row["max_abs_error"]) == (1, 1, 1, 0.5)
+    assert row["samples"] == 6 and row["samples_per_s"] == 12.0 and row["requests_per_s"] == 4.0
+    assert row["p50_ms"] == pytest.approx(20.0) and row["first_failure"] == "TimeoutError: late"
+    assert scenario_row("single", False, requests, result)["mismatched"] is None
+
+
+def test_engine_batch_bound_reports_both_sizes_and_the_load_mark(exported):
+    art = exported("transformer", ("onnx",))
+    guard = LoadGuard(0, cores=2, read_load=lambda: 0.5)
+    bound = engine_batch_bound(art.root, art.manifest.signature.inputs, 8, 4, 1, guard, rounds=2)
+    assert bound["max_batch"] == 4 and bound["batch1_samples_per_s"] > 0 and bound["max_batch_samples_per_s"] > 0
+    assert bound["gain"] == pytest.approx(bound["max_batch_samples_per_s"] / bound["batch1_samples_per_s"])
+    assert bound["busy"] is False and bound["load_before"] == 0.5
+
+
+def test_goals_and_table_read_the_rows():
+    load_mark = {"load_before": 0.5, "load_after": 0.7, "busy": False}
+    common = {"requests": 4, "lost": 0, "duplicated": 0, "mismatched": None, "p50_ms": 2.0, **load_mark}
+    rows = [
+        {"scenario": "single", "batching": True, "samples_per_s": 300.0, "p99_ms": 6.0, **common},
+        {"scenario": "single", "batching": False, "samples_per_s": 100.0, "p99_ms": 3.0, **common},
+        {"scenario": "one client", "batching": False, "samples_per_s": 50.0, "p99_ms": 3.0, **common,
+         "engine_p50_ms": 1.5, "overhead_p50_ms": 0.5, "health_p50_ms": 0.2, "busy": True},
+    ]  # fmt: skip
+    goals = serving_goals(rows, {"gain": 4.0})
+    assert goals["single_throughput_ratio"] == 3.0 and goals["single_p99_on_over_p50_off"] == 3.0
+    assert goals["overhead_ms"] == 0.5 and goals["engine_batching_bound"] == 4.0
+    console = Console(record=True, width=200)
+    console.print(render(rows, "tiny"))
+    assert console.export_text().count("busy") == 1
+
+
+@pytest.mark.slow
+def test_send_requests_keeps_each_reply_by_its_id(exported):
+    pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
+    pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
+    from tk.runtime.choice import EngineChoice
+    from tk.serve.app import ServeConfig, start, stop
+    from tk.serve.ingress import free_ports
+    from tk.serve.load import health_latency_ms, send_requests
+    from tk.serve.load_test import one_client_row
+
+    art = exported("transformer", ("onnx",))
+    mixed, single = make_requests(art.manifest.signature.inputs, 8, 10)
+    with load(art.root, "eager") as eager:
+        expected = expected_outputs(eager, mixed, max_batch=4)
+    config = ServeConfig(
+        str(art.root), engine=EngineChoice("onnx", options={"threads": 1}), port=free_ports(1)[0],
+        max_batch=8, max_delay_ms=2, cpus_per_replica=1,
+    )  # fmt: skip
+    running = start(config, num_cpus=2)
+    try:
+        port = running.config.port
+        result = send_requests(port, MODEL, mixed, clients=3, keep="logits")
+        assert sorted(result.replies) == list(range(10)) and not result.failures and result.duplicates == 0
+        assert mismatches(result, expected, rtol=1e-4, atol=1e-5)[0] == 0
+        unknown = send_requests(port, "no-such-model", single[:2], clients=1)
+        assert len(unknown.failures) == 2 and not unknown.replies
+        assert health_latency_ms(port, 3) > 0
+        row = one_client_row(port, MODEL, art.root, single[:3], threads=1)
+        assert row["requests"] == 3 and row["engine_p50_ms"] > 0 and row["health_p50_ms"] > 0
+    finally:
+        stop(running)

@@ -1,0 +1,88 @@
+"""The goals scenario's logic (tk.workflows.goals): rows from measured times, shares of the peak,
+onnxruntime profiles by op type, the comparison with Optimum and the table. No timings judged."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from tk.workflows.goals.hf import OPTIMUM, TK, KeywordCall, versus_optimum
+from tk.workflows.goals.profiles import op_type_shares
+from tk.workflows.goals.report import render
+from tk.workflows.goals.transformer import EAGER, GoalSettings, bf16_row, int8_row, shares
+from tk.workflows.timing import CallTime
+
+
+def test_shares_are_the_calls_rate_over_the_median_rates():
+    got = shares(int(2e9), 10.0, {"int8": 400.0, "fp32": 100.0}, "int8")  # 2 GFLOP in 10 ms: 200 GFLOP/s
+    assert got == {"gflops": 200.0, "int8_peak_share": 0.5, "fp32_peak_share": 2.0}
+    assert shares(int(2e9), 10.0, {}, "bf16") == {"gflops": 200.0}
+
+
+def test_int8_and_bf16_rows_read_speed_ups_sqnr_and_the_manifest():
+    logits = np.linspace(-1, 1, 32, dtype=np.float32)
+    outputs = {EAGER: logits, "onnx int8": logits + 1e-3, "aoti bf16": logits + 1e-4}
+    wall = {EAGER: [0.040, 0.040, 0.044], "onnx int8": [0.010, 0.010, 0.012], "aoti bf16": [0.020] * 3}
+    quant = {"excluded": ["lm_head"], "quantizable_nodes": 12}
+    manifest = SimpleNamespace(
+        formats={"onnx": {"quantization": quant}, "aoti": {"inductor_configs": {"freezing": True}}},
+        timings={"onnx": 1.5, "aoti": 20.0},
+    )
+    s = GoalSettings(batch=4, seq=8)
+    row = int8_row("tiny", "onnx", None, s, manifest, outputs, wall, 3.14)
+    assert row["speedup_vs_eager"] == 4.0 and row["shape"] == "4x8" and row["excluded_layers"] == 1
+    assert row["quantizable_layers"] == 12 and row["export_s"] == 3.1 and row["met"] is True  # SQNR about 55 dB
+    bf16 = bf16_row("tiny", s, outputs, wall, int(2e9), manifest, {"bf16": 200.0})
+    assert bf16["speedup_vs_eager"] == 2.0 and bf16["gflops"] == 100.0 and bf16["peak_share"] == 0.5
+    assert bf16["met"] is False and bf16["inductor_configs"] == {"freezing": True}
+    assert bf16_row("tiny", s, outputs, wall, int(2e9), manifest, {})["peak_share"] is None
+
+
+def test_onnx_profile_counts_the_last_runs_by_op_type():
+    def run(scale: int) -> list[dict]:
+        return [
+            {"cat": "Node", "name": "a_kernel_time", "dur": 300 * scale, "args": {"op_name": "MatMul"}},
+            {"cat": "Node", "name": "b_kernel_time", "dur": 100 * scale, "args": {"op_name": "Add"}},
+            {"cat": "Session", "name": "model_run", "dur": 999},
+        ]
+
+    top = op_type_shares(run(50) + run(1) + run(1), runs=2)  # the warm-up run (scaled) is left out
+    assert [t["op"] for t in top] == ["MatMul", "Add"]
+    assert top[0]["share"] == 0.75 and top[0]["ms_per_call"] == 0.3 and top[0]["nodes"] == 1
+
+
+def test_versus_optimum_takes_ratios_of_medians_and_of_rounds():
+    tk = [CallTime(t, cpu_s=t) for t in (0.010, 0.012, 0.011)]
+    opt = [CallTime(t, cpu_s=2 * t) for t in (0.022, 0.022, 0.033)]
+    got = versus_optimum(tk, opt, {TK: 1e-5, OPTIMUM: 2e-5}, int(1e9), 100.0)
+    assert got["speedup_vs_optimum"] == 2.0 and got["paired_speedup_vs_optimum"] == 2.2
+    assert got["cpu_time_ratio_vs_optimum"] == 4.0 and got["min_ratio_vs_optimum"] == 2.2 and got["met"] is True
+
+
+def test_keyword_call_passes_positional_args_by_name():
+    class Two(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return input_ids - attention_mask
+
+    out = KeywordCall(Two(), ["attention_mask", "input_ids"])(torch.tensor([1]), torch.tensor([5]))
+    assert out.item() == 4
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_table_names_busy_rows_and_missing_rates(busy):
+    rows = [
+        {"goal": "bf16 tiny", "shape": "4x8", "ms": 2.0, "speedup_vs_eager": 2.0, "sqnr_db": 40.0,
+         "peak_share": None, "met": False, "goal_text": "t", "busy": busy},
+        {"goal": "hf x", "shape": "1x8", "ms": 1.0, "fp32_peak_share": 0.5, "max_abs_vs_transformers": 1e-6,
+         "speedup_vs_optimum": 1.2, "paired_speedup_vs_optimum": 1.1, "cpu_time_ratio_vs_optimum": 1.3,
+         "met": True, "goal_text": "u"},
+    ]  # fmt: skip
+    console = Console(record=True, width=250)
+    console.print(render(rows, {"cpu": "test cpu", "torch_threads": 2}))
+    text = console.export_text()
+    assert "— (no bf16 rate)" in text and "50% fp32" in text and "1.20× (paired 1.10×, CPU time 1.30×)" in text
+    assert ("(busy machine)" in text) == busy
