@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,3 +212,30 @@ def run_each_in_thread(work: Callable[[int], None], count: int, *, timeout: floa
     for t in started:
         t.join(timeout)
     return errors
+
+
+FINISHED_SESSION = pytest.StashKey[pytest.Session]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[FINISHED_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """With ``TK_TESTS_EXIT_AFTER_REPORT=1`` (set by scripts/test.sh), leave with pytest's own exit status
+    once everything is reported, without Python's interpreter finalization.
+
+    One CI run printed "787 passed" and then died of SIGSEGV (exit 139) while Python tore down the native
+    runtimes that this one process had loaded side by side (torch, Inductor's workers, onnxruntime, OpenVINO,
+    NNCF, torchao, an in-process Ray); no test can pass or fail there. No ``tk`` command loads all of them
+    at once, and the tests that run ``tk`` in a subprocess assert its exit code, so a crash at a user's
+    exit would still fail them. scripts/test.sh also sets PYTHONFAULTHANDLER, which names where any
+    earlier crash happened.
+    """
+    session = config.stash.get(FINISHED_SESSION, None)
+    if os.environ.get("TK_TESTS_EXIT_AFTER_REPORT") == "1" and session is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(session.exitstatus))

@@ -160,8 +160,15 @@ def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
     assert env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == str(ports[2])
     assert env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"] == str(tmp_path / "haproxy.cfg")
     assert env["RAY_SERVE_HAPROXY_SOCKET_PATH"] == str(tmp_path / "admin.sock")
+    # Serve's own HAProxy retries elsewhere: a stopping replica need not stay reachable for Ray's 30 s
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2"
     # on a cluster (no local ports or directory) only the switches travel
-    assert set(ingress_env("haproxy")) == {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED", *ready}
+    switches = {
+        "RAY_SERVE_ENABLE_HA_PROXY",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+    }
+    assert set(ingress_env("haproxy")) == {*switches, *ready}
 
 
 def test_serve_on_a_taken_port_is_one_line_before_ray_starts(exported):

@@ -66,6 +66,14 @@ def ingress_env(
     if ingress != "haproxy":
         return env
     env |= {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    # Behind HAProxy, Ray keeps a stopping replica reachable for 30 s so that an outside load balancer can
+    # deregister it; this HAProxy is Serve's own and retries a refused connection elsewhere, so every stop
+    # (Ctrl-C, a redeploy) waited 30 s for no one. Requests in flight are still waited for after the window.
+    env |= {
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": os.environ.get(
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2"
+        )
+    }
     if local_ports:
         env |= {
             "RAY_SERVE_HAPROXY_STATS_PORT": str(local_ports["stats"]),
