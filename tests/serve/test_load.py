@@ -1,6 +1,6 @@
-"""Load against a real ``tk serve`` (tk.serve.load) and the load test's scenarios (tk.serve.load_test,
-tk.serve.load_report): replies kept by the id they came back with, compared with eager; the rows'
-and goals' arithmetic on made-up results. No timings judged."""
+"""The load test's scenarios (tk.serve.load_test, tk.serve.load_report): requests, expected outputs, the
+rows' and goals' arithmetic on made-up results. No timings judged. tk.serve.load against a real server is
+tested in test_triton_http.py, on that module's server."""
 
 from __future__ import annotations
 
@@ -77,36 +77,3 @@ def test_goals_and_table_read_the_rows():
     console = Console(record=True, width=200)
     console.print(render(rows, "tiny"))
     assert console.export_text().count("busy") == 1
-
-
-@pytest.mark.slow
-def test_send_requests_keeps_each_reply_by_its_id(exported):
-    pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
-    pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
-    from tk.runtime.choice import EngineChoice
-    from tk.serve.app import ServeConfig, start, stop
-    from tk.serve.ingress import free_ports
-    from tk.serve.load import health_latency_ms, send_requests
-    from tk.serve.load_test import one_client_row
-
-    art = exported("transformer", ("onnx",))
-    mixed, single = make_requests(art.manifest.signature.inputs, 8, 10)
-    with load(art.root, "eager") as eager:
-        expected = expected_outputs(eager, mixed, max_batch=4)
-    config = ServeConfig(
-        str(art.root), engine=EngineChoice("onnx", options={"threads": 1}), port=free_ports(1)[0],
-        max_batch=8, max_delay_ms=2, cpus_per_replica=1,
-    )  # fmt: skip
-    running = start(config, num_cpus=2)
-    try:
-        port = running.config.port
-        result = send_requests(port, MODEL, mixed, clients=3, keep="logits")
-        assert sorted(result.replies) == list(range(10)) and not result.failures and result.duplicates == 0
-        assert mismatches(result, expected, rtol=1e-4, atol=1e-5)[0] == 0
-        unknown = send_requests(port, "no-such-model", single[:2], clients=1)
-        assert len(unknown.failures) == 2 and not unknown.replies
-        assert health_latency_ms(port, 3) > 0
-        row = one_client_row(port, MODEL, art.root, single[:3], threads=1)
-        assert row["requests"] == 3 and row["engine_p50_ms"] > 0 and row["health_p50_ms"] > 0
-    finally:
-        stop(running)

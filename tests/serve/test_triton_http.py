@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from tests.conftest import run_each_in_thread  # noqa: E402
 from tests.serve.conftest import app_on_local_ray  # noqa: E402
 from tk.errors import UsageError  # noqa: E402
+from tk.serve.load import client as load_client  # noqa: E402
+from tk.serve.load import infer_inputs  # noqa: E402
 from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.serve.triton import TRITON_TYPES, config_json, served_config  # noqa: E402
@@ -37,18 +39,7 @@ def server(exported):
 
 
 def client(config):
-    return http.InferenceServerClient(
-        f"127.0.0.1:{config.port}", connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S
-    )
-
-
-def infer_inputs(feeds):
-    inputs = []
-    for name, array in feeds.items():
-        entry = http.InferInput(name, list(array.shape), "INT64")
-        entry.set_data_from_numpy(array)
-        inputs.append(entry)
-    return inputs
+    return load_client(config.port)
 
 
 def model_stats(config, settled=None) -> dict:
@@ -220,3 +211,24 @@ def test_load_test_measures_single_requests_with_perf_analyzer(server):
     ]
     assert all(r["samples_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
     assert model_stats(config)["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
+
+
+def test_the_load_generator_keeps_each_reply_by_its_id(server):
+    """tk.serve.load (the load test's and --tune's clients) against this module's server: replies kept by
+    the id they came back with and equal to eager; a wrong model name fails each request; one client's row."""
+    from tk.runtime import load
+    from tk.serve.load import health_latency_ms, send_requests
+    from tk.serve.load_test import expected_outputs, make_requests, mismatches, one_client_row
+
+    art, config = server
+    mixed, single = make_requests(art.manifest.signature.inputs, 8, 10)
+    with load(art.root, "eager") as eager:
+        expected = expected_outputs(eager, mixed, max_batch=4)
+    result = send_requests(config.port, MODEL, mixed, clients=3, keep="logits")
+    assert sorted(result.replies) == list(range(10)) and not result.failures and result.duplicates == 0
+    assert mismatches(result, expected, rtol=1e-4, atol=1e-5)[0] == 0
+    unknown = send_requests(config.port, "no-such-model", single[:2], clients=1)
+    assert len(unknown.failures) == 2 and not unknown.replies
+    assert health_latency_ms(config.port, 3) > 0
+    row = one_client_row(config.port, MODEL, art.root, single[:3], threads=1)
+    assert row["requests"] == 3 and row["engine_p50_ms"] > 0 and row["health_p50_ms"] > 0
