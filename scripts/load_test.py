@@ -54,6 +54,7 @@ from tk.serve.load_test import (
     perf_analyzer_rows,
     run_scenarios,
 )
+from tk.serve.tune import read_settings
 from tk.tolerances import artifact_tolerance
 from tk.workflows.export import export
 from tk.workflows.load_guard import LoadGuard
@@ -79,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tritonclient",
         help="what measures the single-sample scenario (perf_analyzer: Triton's load generator)",
     )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="serve with a settings file (tk serve --tune's): replicas, batch, delay",
+    )
     add_run_arguments(parser)
     return parser.parse_args(argv)
 
@@ -90,8 +97,10 @@ def main(argv: list[str] | None = None) -> Path:
     run = BenchRun("serve-load", settings_of(args), argv=sys.argv if argv is None else argv)
     settings = LoadTestSettings(
         args.clients, args.max_batch, args.max_delay_ms, args.threads, args.one_client_requests, args.ingress,
-        args.client, LoadGuard(args.wait_quiet),
+        args.client, LoadGuard(args.wait_quiet), read_settings(args.config) if args.config else {},
     )  # fmt: skip
+    # the bound: the engine alone at the larger of --max-batch and the served max batch
+    max_batch = max(args.max_batch, int(settings.serve_settings.get("max_batch", 0)))
     with tempfile.TemporaryDirectory(prefix="tk-load-") as tmp:
         root = Path(tmp) / "artifact"
         started = time.perf_counter()
@@ -107,16 +116,16 @@ def main(argv: list[str] | None = None) -> Path:
             expected = expected_outputs(eager, mixed, sig.dims["batch"].max)
         console.print(f"eager reference for {len(mixed)} requests: {time.perf_counter() - started:.1f} s")
         # what batching can gain at most here: the engine alone, batch 1 against the max batch
-        bound = engine_batch_bound(root, sig.inputs, seq, args.max_batch, args.threads, settings.guard)
+        bound = engine_batch_bound(root, sig.inputs, seq, max_batch, args.threads, settings.guard)
         console.print(
             f"engine alone: {bound['batch1_samples_per_s']:.1f} samples/s at batch 1, "
-            f"{bound['max_batch_samples_per_s']:.1f} at batch {args.max_batch}: at most {bound['gain']:.2f}x from batching"
+            f"{bound['max_batch_samples_per_s']:.1f} at batch {max_batch}: at most {bound['gain']:.2f}x from batching"
         )
         rows, ingress = run_scenarios(root, mixed, expected, single, (rtol, atol), settings, console.print)
     what = f"transformer {args.size}, seq {seq}, onnx, {args.clients} clients, {ingress} ingress ({run.machine['cpu']})"
     console.print(render(rows, what))
     goals = serving_goals(rows, bound)
-    console.print(goals_line(goals, args.max_batch))
+    console.print(goals_line(goals, max_batch))
     results = {
         "seq": seq,
         "ingress": ingress,

@@ -71,8 +71,9 @@ def test_goals_and_table_read_the_rows():
         {"scenario": "one client", "batching": False, "samples_per_s": 50.0, "p99_ms": 3.0, **common,
          "engine_p50_ms": 1.5, "overhead_p50_ms": 0.5, "health_p50_ms": 0.2, "busy": True},
     ]  # fmt: skip
-    goals = serving_goals(rows, {"gain": 4.0})
+    goals = serving_goals(rows, {"gain": 4.0, "max_batch_samples_per_s": 400.0})
     assert goals["single_throughput_ratio"] == 3.0 and goals["single_p99_on_over_p50_off"] == 3.0
+    assert goals["served_over_engine_best"] == 0.75  # 300 served / 400 by the engine alone at its largest batch
     assert goals["overhead_ms"] == 0.5 and goals["engine_batching_bound"] == 4.0
     console = Console(record=True, width=200)
     console.print(render(rows, "tiny"))

@@ -50,6 +50,9 @@ class LoadTestSettings:
     ingress: str = "haproxy"
     client: str = "tritonclient"  # or perf_analyzer: what measures the single-sample scenario
     guard: LoadGuard = field(default_factory=LoadGuard)
+    serve_settings: dict[str, Any] = field(
+        default_factory=dict
+    )  # a settings file's (tk serve --tune): win over the above
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -234,6 +237,7 @@ def run_scenarios(
         str(root), engine=EngineChoice("onnx", options={"threads": s.threads}), port=free_ports(1)[0],
         max_batch=s.max_batch, max_delay_ms=s.max_delay_ms, max_queue=-1, cpus_per_replica=1, ingress=s.ingress,
     )  # fmt: skip
+    base = replace(base, **{k: v for k, v in s.serve_settings.items() if k != "batching"})
     rows: list[dict[str, Any]] = []
     one = single[: s.one_client_requests]
     running = start(base, num_cpus=2)
