@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what measures the single-sample scenario (perf_analyzer: Triton's load generator)",
     )
     parser.add_argument(
+        "--pa-stability-percent", type=float, default=25.0, help="perf_analyzer: windows agree within this (default 25)"
+    )
+    parser.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> Path:
     run = BenchRun("serve-load", settings_of(args), argv=sys.argv if argv is None else argv)
     settings = LoadTestSettings(
         args.clients, args.max_batch, args.max_delay_ms, args.threads, args.one_client_requests, args.ingress,
-        args.client, LoadGuard(args.wait_quiet), read_settings(args.config) if args.config else {},
+        args.client, LoadGuard(args.wait_quiet), args.pa_stability_percent,
+        read_settings(args.config) if args.config else {},
     )  # fmt: skip
     # the bound: the engine alone at the larger of --max-batch and the served max batch
     max_batch = max(args.max_batch, int(settings.serve_settings.get("max_batch", 0)))
