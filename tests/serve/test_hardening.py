@@ -7,6 +7,7 @@ import http.client
 import ipaddress
 import json
 import re
+import signal
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -35,6 +36,7 @@ def server(exported, tmp_path_factory):
     env = {"TK_RAY_NODE_IP": ""}  # the default: loopback
     with serve.running(str(art.root), "--port", str(port), "--max-batch", "8", "--threads", "1", env=env) as process:
         limit = int(re.search(r"max request (\d+) bytes", serve.text())[1])
+        process.log_text = serve.text  # for the last test, which stops it
         yield process, port, limit
 
 
@@ -193,3 +195,12 @@ def test_random_bodies_get_200_or_4xx_and_the_server_answers_the_same_after(serv
         strict_json(reply)
     status, again = request(port, good_body())
     assert status == 200 and again == baseline
+
+
+def test_ctrl_c_after_all_this_ends_it_with_exit_0(server):
+    """Last in the module (pytest runs a file's tests in order): after the probes above, SIGINT ends this
+    ``tk serve`` (the default ingress; test_model_server stops one behind HAProxy) with exit 0."""
+    process, _, _ = server
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0
+    assert "stopped" in process.log_text()

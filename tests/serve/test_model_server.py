@@ -87,7 +87,7 @@ def test_import_tk_and_the_protocol_need_no_ray():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
+@pytest.mark.parametrize("ingress", ["haproxy"])  # the default ingress: the last test of test_hardening.py
 def test_serve_command_answers_and_stops_on_ctrl_c(exported, serve_process, ingress):
     """``tk serve`` in its own process (its own Ray instance): ready, answers, SIGINT ends it with exit 0
     and leaves no HAProxy behind."""
