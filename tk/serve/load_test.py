@@ -53,9 +53,8 @@ class LoadTestSettings:
     # perf_analyzer's windows must agree within this: its default 10 % never held while the server and the
     # clients shared this 2-core machine ("Failed to obtain stable measurement")
     pa_stability_percent: float = 25.0
-    serve_settings: dict[str, Any] = field(
-        default_factory=dict
-    )  # a settings file's (tk serve --tune): win over the above
+    # a settings file's values (tk serve --tune wrote it): they win over the fields above
+    serve_settings: dict[str, Any] = field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
