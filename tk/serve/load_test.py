@@ -50,8 +50,8 @@ class LoadTestSettings:
     ingress: str = "haproxy"
     client: str = "tritonclient"  # or perf_analyzer: what measures the single-sample scenario
     guard: LoadGuard = field(default_factory=LoadGuard)
-    # perf_analyzer's windows must agree within this: its default 10 % never held while the server and the
-    # clients shared this 2-core machine ("Failed to obtain stable measurement")
+    # perf_analyzer's windows must agree within this; its default 10 % can fail ("Failed to obtain stable
+    # measurement") when the server and its clients share the machine's cores (benchmarks/history.md#serving)
     pa_stability_percent: float = 25.0
     # a settings file's values (tk serve --tune wrote it): they win over the fields above
     serve_settings: dict[str, Any] = field(default_factory=dict)
