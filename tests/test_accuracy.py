@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tk.accuracy import DEFAULT_ACCURACY, judge, measure_outputs, parse_accuracy, values_from_report
+from tk.accuracy import (
+    DEFAULT_ACCURACY,
+    judge,
+    measure_outputs,
+    parse_accuracy,
+    sqnr_for_cosine_db,
+    values_from_report,
+)
 from tk.errors import UsageError
 
 
@@ -110,3 +117,21 @@ def test_a_stored_report_counts_tolerance_misses_as_numbers_not_failures() -> No
     report["outputs"][0]["problem"] = "shape (2, 3), reference has (2, 2)"
     assert values_from_report(report)[1] == ["logits: shape (2, 3), reference has (2, 2)"]
     assert values_from_report({"outputs": []})[0]["sqnr"] is None  # nothing measured is not a pass
+
+
+@pytest.mark.parametrize(
+    ("text", "floor"),
+    [("sqnr>=20", 20.0), ("cosine>=0.99", 16.92), ("cosine>=0.9999", 36.99), ("sqnr>=20,cosine>=0.9999", 36.99),
+     ("sqnr>=40,cosine>=0.99", 40.0), ("top1>=99", None), ("max_abs<=0.1,cosine>=1", None)],
+)  # fmt: skip
+def test_the_exports_sqnr_floor_follows_the_spec(text: str, floor: float | None) -> None:
+    got = parse_accuracy(text).sqnr_floor_db
+    assert (got is None) if floor is None else got == pytest.approx(floor, abs=0.01)
+
+
+def test_the_cosine_floor_is_the_cosine_of_uncorrelated_noise_at_that_sqnr() -> None:
+    rng = np.random.default_rng(0)
+    signal = rng.standard_normal(200_000)
+    noise = rng.standard_normal(200_000) * np.sqrt(np.mean(signal**2) / 10 ** (sqnr_for_cosine_db(0.99) / 10))
+    noisy = signal + noise
+    assert float(signal @ noisy / np.linalg.norm(signal) / np.linalg.norm(noisy)) == pytest.approx(0.99, abs=1e-3)

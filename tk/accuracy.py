@@ -62,6 +62,21 @@ class AccuracySpec:
     def metrics(self) -> list[str]:
         return [c.metric for c in self.criteria]
 
+    @property
+    def sqnr_floor_db(self) -> float | None:
+        """The SQNR an export should hold to meet this spec: the ``sqnr`` bound, or the SQNR at which
+        noise uncorrelated with the signal keeps the ``cosine`` bound (the stricter of the two); None
+        when neither is given. Per element, so stricter than a cosine of pooled vectors needs."""
+        floors = [c.bound for c in self.criteria if c.metric == "sqnr"]
+        floors += [sqnr_for_cosine_db(c.bound) for c in self.criteria if c.metric == "cosine" and 0 < c.bound < 1]
+        return max(floors) if floors else None
+
+
+def sqnr_for_cosine_db(cosine: float) -> float:
+    """The SQNR whose uncorrelated noise leaves ``cosine`` between signal and signal + noise:
+    cos = 1 / sqrt(1 + 10^(-SQNR/10)), so 0.99 is 16.9 dB and 0.9999 is 37.0 dB."""
+    return -10.0 * math.log10(1.0 / cosine**2 - 1.0)
+
 
 def parse_accuracy(text: str | None) -> AccuracySpec:
     """``sqnr>=35,top1>=99`` -> an ``AccuracySpec``; ``None`` or empty gives ``sqnr>=35``."""

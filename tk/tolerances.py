@@ -61,11 +61,30 @@ def tolerance_for(
     return (base_rtol if rtol is None else rtol, base_atol if atol is None else atol)
 
 
+def checked_sqnr_floor(value: float | None, precision: str) -> float | None:
+    """``tk export --min-sqnr``: a finite number of dB, for a precision judged by SQNR; None stays None."""
+    if value is None:
+        return None
+    if precision not in MIN_SQNR_DB:
+        judged = "/".join(MIN_SQNR_DB)
+        raise UsageError(f"--min-sqnr: applies to --precision {judged} (judged by SQNR); this export is {precision}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"--min-sqnr: expected a finite number of dB, got {value!r}")
+    return float(value)
+
+
+def sqnr_floor(precision: str, model_reference: dict[str, Any] | None = None) -> float | None:
+    """The SQNR floor of an artifact at ``precision``: the one its export was given (``--min-sqnr``,
+    recorded as ``model_reference["min_sqnr_db"]``), else the precision's row of ``MIN_SQNR_DB``."""
+    given = (model_reference or {}).get("min_sqnr_db")
+    return float(given) if given is not None and precision in MIN_SQNR_DB else MIN_SQNR_DB.get(precision)
+
+
 def artifact_tolerance(
     precision: str, model_reference: dict[str, Any], *, rtol: float | None = None, atol: float | None = None
 ) -> tuple[float, float, float | None]:
     """(rtol, atol, min SQNR dB) for an artifact: its precision's row, the overrides its manifest
-    recorded for the model (``model_reference["tolerances"]``), then explicit values."""
+    recorded for the model (``model_reference["tolerances"]``, ``["min_sqnr_db"]``), then explicit values."""
     overrides = {p: (t[0], t[1]) for p, t in model_reference.get("tolerances", {}).items()}
     rtol, atol = tolerance_for(precision, model_overrides=overrides, rtol=rtol, atol=atol)
-    return rtol, atol, MIN_SQNR_DB.get(precision)
+    return rtol, atol, sqnr_floor(precision, model_reference)

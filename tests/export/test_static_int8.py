@@ -169,3 +169,38 @@ def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(
         assert result.exit_code == 0, result.output
         shown = CliRunner().invoke(cli, ["inspect", str(out)])
         assert f"int8       onnx: static, QDQ, {method}; " in shown.output and "status: passed" in shown.output
+
+
+def test_min_sqnr_sets_the_exclusion_target_and_the_checks_floor(tmp_path, monkeypatch):
+    """An untrained model loses every layer to the 35 dB floor; with ``--min-sqnr`` below its
+    all-int8 SQNR the export keeps them int8, and the floor travels in the manifest to ``tk check``."""
+    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
+    out = tmp_path / "art"
+    args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--no-fuse", "--out", str(out)]
+    torch.manual_seed(0)
+    result = CliRunner().invoke(cli, [*args, "--min-sqnr", "12"])
+    assert result.exit_code == 0, result.output
+    from tk.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    quant = manifest.formats["onnx"]["quantization"]
+    assert manifest.model["min_sqnr_db"] == 12.0
+    assert manifest.check["onnx"]["min_sqnr_db"] == 12.0 and manifest.status == "passed"
+    assert quant["sqnr_db_export"] >= 12.0 + 2.0 and len(quant["excluded"]) < quant["quantizable_nodes"]
+    checked = CliRunner().invoke(cli, ["check", str(out), "--engine", "onnx", "--json", str(tmp_path / "c.json")])
+    assert checked.exit_code == 0, checked.output
+    import json
+
+    assert json.loads((tmp_path / "c.json").read_text())["onnx"]["min_sqnr_db"] == 12.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--precision", "fp32", "--min-sqnr", "20"], "--min-sqnr: applies to --precision int8/bf16/fp16/tf32"),
+        (["--precision", "int8", "--min-sqnr", "nan"], "--min-sqnr: expected a finite number of dB, got nan"),
+    ],
+)
+def test_min_sqnr_is_refused_where_it_means_nothing(tmp_path, extra, says):
+    result = CliRunner().invoke(cli, ["export", "transformer", "--size", "tiny", "--out", str(tmp_path / "a"), *extra])
+    assert result.exit_code == 2 and says in result.output and not (tmp_path / "a").exists()

@@ -72,6 +72,11 @@ def test_int8_under_a_strict_spec_fails_with_its_number(runs: dict[str, Any]) ->
     assert 0 < row.accuracy["sqnr"] < 60
     assert f"{row.accuracy['sqnr']:.1f} dB" in row.accuracy_text
     assert row.p50_ms is None  # failed candidates are not timed
+    from tk.manifest import read_manifest
+
+    (group,) = (runs["base"] / "cache").glob("int8-*")
+    manifest = read_manifest(group)  # exported with the spec's floor: the check and the exclusion search aim at it
+    assert manifest.model["min_sqnr_db"] == 60.0 and manifest.check["onnx"]["min_sqnr_db"] == 60.0
 
 
 def test_every_skipped_candidate_says_why(runs: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from tk.cli.common import (
 )
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
+from tk.tolerances import MIN_SQNR_DB
 
 
 def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> dict[str, Any]:
@@ -115,6 +116,14 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     metavar="MODULE[,MODULE...]",
     help="Module paths kept in float32 under --precision fp16/bf16/int8 (what `tk debug precision` prints).",
 )
+@click.option(
+    "--min-sqnr",
+    type=float,
+    default=None,
+    metavar="DB",
+    help=f"SQNR floor of the check under --precision {'/'.join(MIN_SQNR_DB)}, and the target of int8's "
+    f"exclusion search (default: {'/'.join(f'{v:g}' for v in MIN_SQNR_DB.values())} dB).",
+)
 @path_option("--report", help="Where a failed capture's report goes (default: OUT.export-report.md beside OUT).")
 def export_cmd(
     model: str,
@@ -145,6 +154,7 @@ def export_cmd(
     trt_timing_cache: Path | None,
     json_path: Path | None,
     keep_fp32: str | None,
+    min_sqnr: float | None,
     report: Path | None,
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
@@ -178,6 +188,7 @@ def export_cmd(
         checkpoint=checkpoint,
         settings=settings,
         keep_fp32=tuple(m.strip() for m in (keep_fp32 or "").split(",") if m.strip()),
+        min_sqnr_db=min_sqnr,
         report=report,
     )
     default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")

@@ -156,9 +156,10 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
         raise BackendUnavailableError(
             "no requested format can be written on this machine: " + "; ".join(skipped.values())
         )
-    from tk.tolerances import tolerance_for
+    from tk.tolerances import checked_sqnr_floor, tolerance_for
 
     tolerance_for(options.precision, rtol=options.rtol, atol=options.atol)  # bad values fail before any work
+    checked_sqnr_floor(options.min_sqnr_db, options.precision)
     if options.precision != "int8" and (options.calibrate is not None or options.calibration_data is not None):
         raise UsageError(f"--calibrate: applies to --precision int8 only; this export is {options.precision}")
     if options.calibration_data is not None:
@@ -236,6 +237,8 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
     model = {**ctx.spec.reference(), "checkpoint_sha256": checkpoint_sha}
     if ctx.options.keep_fp32:
         model["keep_fp32"] = list(ctx.options.keep_fp32)  # modules left in float32 (tk export --keep-fp32)
+    if ctx.options.min_sqnr_db is not None:
+        model["min_sqnr_db"] = ctx.options.min_sqnr_db  # the check's floor, and tk check's later (tk export --min-sqnr)
     if ctx.spec.tolerances:
         model["tolerances"] = {p: list(t) for p, t in ctx.spec.tolerances.items()}
     signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)

@@ -36,6 +36,13 @@ def require_finite(arrays: Mapping[str, Any], source: str) -> None:
             )
 
 
+def int8_floor_db(ctx: ExportContext) -> float:
+    """The SQNR floor of the int8 exclusion search: ``--min-sqnr``, else int8's row of ``MIN_SQNR_DB``."""
+    from tk.tolerances import MIN_SQNR_DB
+
+    return ctx.options.min_sqnr_db if ctx.options.min_sqnr_db is not None else MIN_SQNR_DB["int8"]
+
+
 def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:
     """Fail an int8 export in which no layer stayed int8 (it would be a float32 artifact called int8);
     log how many did otherwise."""
@@ -43,7 +50,7 @@ def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:
         raise ConversionError(
             f"--precision int8 --format {fmt}: no layer stayed int8 (all {quantizable} were left out, below the "
             "SQNR floor or by --keep-fp32), so the artifact would not be int8; calibrate with real inputs "
-            "(--calibrate FILE), train the model, or export --precision bf16"
+            "(--calibrate FILE), train the model, accept a lower floor (--min-sqnr DB) or export --precision bf16"
         )
     log.info("export int8   %d of %d layers int8", int8, quantizable)
 

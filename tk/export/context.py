@@ -39,6 +39,7 @@ class ExportOptions:
     calibrate: str | None = None  # int8 calibration: "random:N" or an inputs file; default random:32
     calibration_data: dict[str, Any] | None = None  # the calibration arrays, read by tk.workflows.export
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
+    min_sqnr_db: float | None = None  # SQNR floor of the check and of int8's exclusion search (default: by precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     settings: Mapping[str, Any] = field(default_factory=dict)  # format -> its writer's options dataclass
 

@@ -101,15 +101,14 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized by NNCF on tk's calibration batches, judged at the int8 SQNR floor."""
     import nncf
 
-    from tk.export.calibration import calibration_feeds, judge_feeds, require_int8_layers
-    from tk.tolerances import MIN_SQNR_DB
+    from tk.export.calibration import calibration_feeds, int8_floor_db, judge_feeds, require_int8_layers
 
     quantized, record = int8_ir_from_ir(
         model,
         calibration_feeds(ctx),
         judge_feeds(ctx),
         transformer=has_attention(model),
-        min_sqnr_db=MIN_SQNR_DB["int8"],
+        min_sqnr_db=int8_floor_db(ctx),
     )
     layers = record["quantizable_nodes"]
     require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")

@@ -26,6 +26,7 @@ from tk.formats.aoti import packing_features
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, verify_artifact
 from tk.models import ModelSpec
 from tk.signing import sign_artifact
+from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize.candidates import Candidate, group_key
 
@@ -66,6 +67,7 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "options": dict(options),
         "formats": sorted(c.format for c in candidates),
         "calibration": arrays_digest(base.calibration_data) if precision == "int8" else None,
+        "min_sqnr_db": sqnr_floor_for(precision, base),
         "device": base.device,
         "torch": torch.__version__,
         "cpu": packing_features(),
@@ -132,7 +134,14 @@ def group_export_options(candidates: list[Candidate], base: ExportOptions) -> Ex
     if "int8_mode" in chosen:
         onnx["int8_mode"] = chosen["int8_mode"]
     settings = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
-    return dataclasses.replace(base, formats=formats, precision=precision, settings=settings)
+    return dataclasses.replace(
+        base, formats=formats, precision=precision, settings=settings, min_sqnr_db=sqnr_floor_for(precision, base)
+    )
+
+
+def sqnr_floor_for(precision: str, base: ExportOptions) -> float | None:
+    """The user's SQNR floor for a group at ``precision`` (None where SQNR does not judge it: float32)."""
+    return base.min_sqnr_db if precision in MIN_SQNR_DB else None
 
 
 def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:

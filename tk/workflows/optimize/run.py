@@ -91,7 +91,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
         )
     rows = [_row(s.candidate, "skipped", s.reason) for s in found.skipped]
     state = _Run(spec, out, options, accuracy, data, sizes, say)
-    state.base = _export_options(spec, options, dims, data)
+    state.base = _export_options(options, accuracy, dims, data)
     entries = state.write_and_judge(found.tried, rows)
     winner = state.time_and_pick(entries, rows)
     record = _record(state, rows, winner)
@@ -134,10 +134,10 @@ def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _export_options(
-    spec: ModelSpec, options: OptimizeOptions, dims: dict[str, Dim], data: OptimizeData
+    options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData
 ) -> ExportOptions:
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
-                         calibration_data=data.calibration)  # fmt: skip
+                         calibration_data=data.calibration, min_sqnr_db=accuracy.sqnr_floor_db)  # fmt: skip
 
 
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
