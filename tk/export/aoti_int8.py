@@ -48,6 +48,7 @@ from tk.errors import ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.export.quantize import saturating_int8_products
+from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
@@ -56,6 +57,9 @@ log = logging.getLogger("tk.export")
 METHODS = ("histogram", "minmax")  # activation observers: torchao's x86 default (HistogramObserver), or MinMaxObserver
 DEFAULT_METHOD = "histogram"
 MAX_ROUNDS = 6  # exclusion rounds (1, 2, 4, ... layers more each) before the check reports the SQNR
+# tried in turn when the program with every layer int8 is under the floor; the best one (or none) is kept:
+# SmoothQuant's default and a stronger one, which suits encoders with larger outlier channels
+SMOOTHING_ALPHAS = (0.5, 0.8)
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
 
@@ -82,6 +86,8 @@ class AotiInt8Result:
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
     method: str = DEFAULT_METHOD
+    smoothing: dict[str, float] = field(default_factory=dict)  # alpha ("none": as captured) -> all-int8 SQNR
+    smoothing_alpha: float | None = None  # the one kept
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +102,10 @@ class AotiInt8Result:
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
             "activations": ACTIVATIONS_7BIT if saturating_int8_products() else "uint8",
+            "smoothing": {
+                "alpha": self.smoothing_alpha,
+                "all_int8_sqnr_db": {a: round(v, 2) for a, v in self.smoothing.items()},
+            },
         }
 
 
@@ -199,6 +209,11 @@ class _Quantizer:
         self.method = method
         self.keep_fp32 = list(keep_fp32)
         self.excluded_in_bf16 = excluded_in_bf16
+        self.smoothing: SmoothingPlan | None = None  # applied to every fresh module (tk.export.smoothing)
+
+    def fresh(self) -> torch.fx.GraphModule:
+        module = live_module(self.program)
+        return apply_smoothing(module, self.smoothing) if self.smoothing is not None else module
 
     def prepare(self, *, only: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
         """The program with observers for every quantizable module (or ``only`` those) but the
@@ -210,7 +225,7 @@ class _Quantizer:
         # program's own tensors (the quantizer writes new int8 constants and never changes them). Each
         # trial's module stays reachable after it (a reference inside torch.fx or torchao, not traced),
         # so deep copies grew by a whole model per trial; fresh modules add almost nothing
-        prepared = prepare_pt2e(live_module(self.program), quantizer)
+        prepared = prepare_pt2e(self.fresh(), quantizer)
         for args in self.calibration:
             prepared(*args)
         return prepared
@@ -326,21 +341,15 @@ def int8_program(
             candidates = quantizable_modules(quantizer.float_module)
             under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
             judged = _Judge.of(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
-            prepared = quantizer.prepare()
-            # the layers' costs come from this calibrated program, so before convert changes it in place:
-            # one pass over the calibration batches, wasted only where every layer keeps the floor
             ranked = [n for n in candidates if n not in under_kept]
-            costs = local_sqnr_db(prepared, batches, QUANTIZED_TARGETS, ranked) if min_sqnr_db is not None else {}
-            quantized = quantizer.convert(prepared)
             result = AotiInt8Result(
-                judged.sqnr_db(quantized),
+                -math.inf,
                 list(kept),
-                layer_sqnr_db=costs,
                 quantizable=len(candidates),
                 method=method,
                 excluded_dtype="bf16" if in_bf16 else "fp32",
             )
-            log.info("export int8   SQNR %.1f dB on %d batches", result.sqnr_db, len(judged.batches))
+            quantized = _all_int8(quantizer, judged, ranked, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
@@ -351,6 +360,37 @@ def int8_program(
         raise
     except Exception as exc:  # torchao and torch.export raise many types; each is a conversion failure
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
+
+
+def _all_int8(
+    quantizer: _Quantizer, judged: _Judge, ranked: list[str], min_sqnr_db: float | None, result: AotiInt8Result
+) -> torch.fx.GraphModule:
+    """Every module int8: as captured, then (while under the floor plus the margin) smoothed with each of
+    ``SMOOTHING_ALPHAS``; the best is kept, with its layers' costs (``result`` is filled in)."""
+    best: torch.fx.GraphModule | None = None
+    plans: dict[float | None, SmoothingPlan | None] = {None: None}
+    for alpha in (None, *SMOOTHING_ALPHAS):
+        if alpha is not None:
+            if min_sqnr_db is None or result.sqnr_db >= min_sqnr_db + MARGIN_DB:
+                break
+            plans[alpha] = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha)
+        quantizer.smoothing = plans[alpha]
+        prepared = quantizer.prepare()
+        # the layers' costs come from this calibrated program, so before convert changes it in place:
+        # one pass over the calibration batches, wasted only where every layer keeps the floor
+        costs = (
+            local_sqnr_db(prepared, quantizer.calibration, QUANTIZED_TARGETS, ranked) if min_sqnr_db is not None else {}
+        )
+        quantized = quantizer.convert(prepared)
+        sqnr = judged.sqnr_db(quantized)
+        result.smoothing[str(alpha) if alpha is not None else "none"] = sqnr
+        smoothed = f"smoothed (alpha {alpha:g})" if alpha is not None else "as captured"
+        log.info("export int8   SQNR %.1f dB on %d batches, %s", sqnr, len(judged.batches), smoothed)
+        if best is None or sqnr > result.sqnr_db:
+            best, result.sqnr_db, result.layer_sqnr_db, result.smoothing_alpha = quantized, sqnr, costs, alpha
+    quantizer.smoothing = plans[result.smoothing_alpha]  # the exclusion rounds quantize the kept program
+    assert best is not None
+    return best
 
 
 def _exclude_costliest(
