@@ -213,3 +213,55 @@ def test_static_export_fixes_the_irs_input_shapes(exported):
     assert batch.min == batch.max == batch.opt
     xml = (e.root / XML).read_text()
     assert re.search(rf"<dim>{batch.opt}</dim>\s*<dim>8</dim>", xml), "the parameter's shape is fixed at opt"
+
+
+class _ThreeInputs(torch.nn.Module):
+    """Three weight products, each with its own input: ``a`` and ``b`` read unit-size activations,
+    ``outlier`` one with a channel 50x the rest, whose weight column is 50x smaller (as a trained model's
+    are), so the product is no larger while per-tensor rounding spends its steps on that channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.outlier = torch.nn.Linear(16, 16)
+        self.register_buffer("gain", torch.ones(16))
+        self.gain[5] = 50.0
+        with torch.no_grad():
+            self.outlier.weight[:, 5] /= 50.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(torch.tanh(x)) + self.outlier(x * self.gain)
+
+
+def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_quantizing_each_alone():
+    import nncf
+    import openvino as ov
+
+    from tk.export.openvino import _Judge, one_at_a_time_sqnr_db, weight_products
+
+    torch.manual_seed(0)
+    model = ov.convert_model(torch.export.export(_ThreeInputs().eval(), (torch.randn(32, 16),)))
+    layers = weight_products(model)
+    assert len(layers) == 3
+    rng = np.random.default_rng(0)
+    batches = [{model.inputs[0].get_any_name(): rng.standard_normal((32, 16)).astype(np.float32)} for _ in range(3)]
+    dataset = nncf.Dataset(batches)
+    transformer = nncf.ModelType.TRANSFORMER  # as tk quantizes models with attention: no elementwise quantizers
+    quantized = nncf.quantize(model, dataset, subset_size=3, model_type=transformer)
+    costs = one_at_a_time_sqnr_db(quantized, model, layers, batches)
+    judge = _Judge(model, batches)
+    alone = {  # the reference: NNCF quantizing that product only
+        name: judge.sqnr_db(
+            nncf.quantize(
+                model,
+                dataset,
+                subset_size=3,
+                model_type=transformer,
+                ignored_scope=nncf.IgnoredScope([n for n in layers if n != name]),
+            )
+        )
+        for name in layers
+    }
+    assert min(costs, key=costs.__getitem__) == min(alone, key=alone.__getitem__) == layers[2]  # the outlier's
+    assert all(abs(costs[n] - alone[n]) < 3.0 for n in layers), (costs, alone)
+    assert sum(op.get_type_name() == "FakeQuantize" for op in quantized.get_ordered_ops()) >= 2  # not changed

@@ -14,8 +14,8 @@ what the artifact claims. int8: ``nncf.quantize`` (``ModelType.TRANSFORMER`` for
 attention, which keeps attention's softmax inputs float and adds SmoothQuant) calibrated on tk's
 calibration batches, then judged, as the other int8 writers are, by the SQNR of its outputs
 against the float32 IR on the calibration and held-out batches; while below the floor plus
-``MARGIN_DB``, the costliest weight products (each measured as the graph's SQNR with only that
-one quantized) are left float32 through NNCF's ``IgnoredScope``, a few more per round.
+``MARGIN_DB``, the costliest weight products (``one_at_a_time_sqnr_db``: the graph's SQNR with only
+that product's activation quantized) are left float32 through NNCF's ``IgnoredScope``, a few more per round.
 """
 
 from __future__ import annotations
@@ -164,16 +164,51 @@ def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
 # -- int8 through NNCF ----------------------------------------------------------------------------
 def weight_products(model: Any) -> list[str]:
     """Friendly names of the MatMuls whose second input is a constant (a weight, possibly through a Convert)."""
-    names = []
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != "MatMul":
-            continue
-        source = op.input_value(1).get_node()
-        while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
-            source = source.input_value(0).get_node()
-        if source.get_type_name() == "Constant":
-            names.append(op.get_friendly_name())
-    return names
+    return [op.get_friendly_name() for op in model.get_ordered_ops() if _weight_constant(op) is not None]
+
+
+def _weight_constant(op: Any) -> Any:
+    """The Constant a MatMul's second input comes from (through Convert, Transpose, Reshape), or None."""
+    if op.get_type_name() != "MatMul":
+        return None
+    source = op.input_value(1).get_node()
+    while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
+        source = source.input_value(0).get_node()
+    return source if source.get_type_name() == "Constant" else None
+
+
+def one_at_a_time_sqnr_db(
+    quantized: Any, model: Any, layers: Sequence[str], batches: Sequence[dict[str, np.ndarray]]
+) -> dict[str, float]:
+    """Each weight product's cost in int8: the SQNR of the outputs (against ``model``, float32, on
+    ``batches``) of ``quantized`` with every activation quantizer removed but the one on that product's
+    input. NNCF's int8 weights stay in every variant (per output channel, they cost far less than the
+    per-tensor activations) and so do its SmoothQuant scales (exact in float).
+
+    Why variants of the one quantized IR: measuring each product as the only one quantized took one
+    ``nncf.quantize`` per product (36 on MiniLM, each calibrating anew); on the tiny Transformer both
+    rank the products alike, and the exclusion rounds that follow judge the whole quantized graph."""
+    judge = _Judge(model, batches)
+    costs = {}
+    for name in layers:
+        variant = quantized.clone()
+        ops = {op.get_friendly_name(): op for op in variant.get_ordered_ops()}
+        kept = _input_fake_quantize(ops[name])
+        for op in variant.get_ordered_ops():
+            if op.get_type_name() == "FakeQuantize" and op.get_friendly_name() != kept:
+                op.output(0).replace(op.input_value(0))
+        variant.validate_nodes_and_infer_types()
+        costs[name] = judge.sqnr_db(variant)
+    return costs
+
+
+def _input_fake_quantize(op: Any) -> str | None:
+    """The friendly name of the FakeQuantize on a MatMul's activation input (through shape ops), or None
+    where NNCF left that input float."""
+    source = op.input_value(0).get_node()
+    while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
+        source = source.input_value(0).get_node()
+    return source.get_friendly_name() if source.get_type_name() == "FakeQuantize" else None
 
 
 class _Judge:
@@ -210,9 +245,9 @@ def int8_ir_from_ir(
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
 
-    With ``min_sqnr_db``, weight products are left float32 (costliest first, each measured as the
-    graph's SQNR with only it quantized) until the SQNR on the calibration and ``judge`` batches
-    reaches ``min_sqnr_db + MARGIN_DB``.
+    With ``min_sqnr_db``, weight products are left float32 (costliest first by
+    ``one_at_a_time_sqnr_db``) until the SQNR on the calibration and ``judge`` batches reaches
+    ``min_sqnr_db + MARGIN_DB``.
     """
     import nncf
 
@@ -226,12 +261,16 @@ def int8_ir_from_ir(
 
     def quantize(ignored: Sequence[str]) -> Any:
         scope = nncf.IgnoredScope(names=list(ignored), validate=False) if ignored else None
+        level = nncf.nncf_logger.level
+        nncf.set_log_level(logging.WARNING)  # NNCF logs a line per operation it leaves unquantized
         try:
             return nncf.quantize(
                 model, dataset, model_type=model_type, subset_size=len(calibration), ignored_scope=scope
             )
         except Exception as exc:  # NNCF raises many types; each is a conversion failure
             raise ConversionError(f"NNCF could not quantize the OpenVINO model to int8: {first_line(exc)}") from exc
+        finally:
+            nncf.set_log_level(level)
 
     judged = _Judge(model, [*calibration, *judge])
     quantized = quantize(())
@@ -247,8 +286,7 @@ def int8_ir_from_ir(
         "automatic_exclusions": [],
     }
     if min_sqnr_db is not None and sqnr < min_sqnr_db + MARGIN_DB and layers:
-        ranking = _Judge(model, calibration)
-        costs = {name: ranking.sqnr_db(quantize([n for n in layers if n != name])) for name in layers}
+        costs = one_at_a_time_sqnr_db(quantized, model, layers, calibration)
         best: dict[str, Any] = {}
 
         def judge_without(excluded: list[str]) -> float:
