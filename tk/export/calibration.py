@@ -121,6 +121,10 @@ def exclude_costliest(
     costlier (ONNX: the graph's with only that layer quantized; aoti: the layer's own output's, from
     ``tk.export.int8_costs``); ``judge(excluded)`` quantizes everything else and returns the graph's
     SQNR, or any value under ``target_db`` when it fails.
+
+    A round that reaches the target after leaving out several more layers is bisected back: the fewest
+    of them that still reach it are kept out, so no layer leaves int8 that did not have to. The last
+    ``judge`` call is always the returned set's (callers keep that call's graph).
     Returns the excluded layers, costliest first, and the last SQNR (None when there was none to exclude)."""
     ranked = sorted(costs, key=costs.__getitem__)
     excluded: list[str] = []
@@ -133,6 +137,25 @@ def exclude_costliest(
         excluded.extend(take)
         sqnr = judge(list(excluded))
         if sqnr >= target_db:
-            break
+            return _fewest_that_pass(excluded, len(excluded) - len(take), sqnr, judge, target_db)
         step *= 2
     return excluded, sqnr
+
+
+def _fewest_that_pass(
+    excluded: list[str], failed: int, sqnr: float, judge: Callable[[list[str]], float], target_db: float
+) -> tuple[list[str], float]:
+    """Bisect between ``failed`` layers out (under the target) and all of ``excluded`` (at it)."""
+    passing, best = len(excluded), sqnr
+    last_judged = passing
+    while passing - failed > 1:
+        middle = (failed + passing) // 2
+        value = judge(excluded[:middle])
+        last_judged = middle
+        if value >= target_db:
+            passing, best = middle, value
+        else:
+            failed = middle
+    if last_judged != passing:
+        best = judge(excluded[:passing])  # the caller keeps the last call's graph
+    return excluded[:passing], best

@@ -181,22 +181,31 @@ def one_at_a_time_sqnr_db(
     quantized: Any, model: Any, layers: Sequence[str], batches: Sequence[dict[str, np.ndarray]]
 ) -> dict[str, float]:
     """Each weight product's cost in int8: the SQNR of the outputs (against ``model``, float32, on
-    ``batches``) of ``quantized`` with every activation quantizer removed but the one on that product's
-    input. NNCF's int8 weights stay in every variant (per output channel, they cost far less than the
-    per-tensor activations) and so do its SmoothQuant scales (exact in float).
+    ``batches``) of a variant of ``quantized`` in which only that product is int8: every other
+    activation quantizer removed, every other product's weight back in float32 (times NNCF's
+    SmoothQuant scale on its input, so the product is unchanged). Products that read one quantized
+    activation (q, k and v) share its quantizer, so each one's variant quantizes the others' input too.
 
-    Why variants of the one quantized IR: measuring each product as the only one quantized took one
-    ``nncf.quantize`` per product (36 on MiniLM, each calibrating anew); on the tiny Transformer both
-    rank the products alike, and the exclusion rounds that follow judge the whole quantized graph."""
+    Why variants of the one quantized IR: quantizing each product alone took one ``nncf.quantize`` per
+    product (36 on MiniLM, each calibrating anew); these need one compile each and ranked MiniLM's
+    products nearly as that did (6 of its 7 costliest, 14 of its 15)."""
+    import openvino as ov
+
     judge = _Judge(model, batches)
+    float_ops = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
     costs = {}
     for name in layers:
         variant = quantized.clone()
         ops = {op.get_friendly_name(): op for op in variant.get_ordered_ops()}
+        scales = {other: _smoothing_scale(ops[other], float_ops) for other in layers}
         kept = _input_fake_quantize(ops[name])
         for op in variant.get_ordered_ops():
             if op.get_type_name() == "FakeQuantize" and op.get_friendly_name() != kept:
                 op.output(0).replace(op.input_value(0))
+        for other in layers:
+            weight = _float_weight(float_ops[other], scales[other]) if other != name else None
+            if weight is not None:
+                ops[other].input(1).replace_source_output(ov.op.Constant(weight).output(0))
         variant.validate_nodes_and_infer_types()
         costs[name] = judge.sqnr_db(variant)
     return costs
@@ -209,6 +218,39 @@ def _input_fake_quantize(op: Any) -> str | None:
     while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
         source = source.input_value(0).get_node()
     return source.get_friendly_name() if source.get_type_name() == "FakeQuantize" else None
+
+
+def _smoothing_scale(op: Any, float_ops: dict[str, Any]) -> np.ndarray | None:
+    """The per-input-channel scale NNCF's SmoothQuant moved into a MatMul's weight: the inverse of the
+    constant of the Multiply it inserted (a node the float model does not have) before the input's
+    FakeQuantize; None where there is none."""
+    fake_quantize = op.input_value(0).get_node()
+    if fake_quantize.get_type_name() != "FakeQuantize":
+        return None
+    multiply = fake_quantize.input_value(0).get_node()
+    if multiply.get_type_name() != "Multiply" or multiply.get_friendly_name() in float_ops:
+        return None
+    for port in range(2):
+        source = multiply.input_value(port).get_node()
+        if source.get_type_name() == "Constant":
+            return 1.0 / np.asarray(source.get_data(), dtype=np.float32).reshape(-1)
+    return None
+
+
+def _float_weight(float_op: Any, scale: np.ndarray | None) -> np.ndarray | None:
+    """A float MatMul's weight (a Constant feeding it directly), its input channels times ``scale``;
+    None where the weight comes through other nodes (that product's weight then stays int8)."""
+    source = float_op.input_value(1).get_node()
+    if source.get_type_name() != "Constant":
+        return None
+    weight = np.asarray(source.get_data(), dtype=np.float32)
+    if scale is None:
+        return weight
+    # the input channels are the weight's last axis when MatMul transposes it (torch's linear), else its first
+    channels_last = bool(float_op.get_attributes().get("transpose_b", False))
+    if weight.ndim != 2 or weight.shape[1 if channels_last else 0] != scale.size:
+        return None
+    return weight * (scale[None, :] if channels_last else scale[:, None])
 
 
 class _Judge:

@@ -1,0 +1,36 @@
+"""The int8 exclusion search (tk.export.calibration.exclude_costliest): costliest first, doubling, then
+bisected back so no layer leaves int8 that did not have to; the last judge call is the returned set's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tk.export.calibration import exclude_costliest
+
+COSTS = {f"layer{i}": float(i) for i in range(10)}  # layer0 costs the most
+
+
+def _judge_needing(count: int, calls: list[list[str]]):
+    """A graph that reaches the target (30 dB) once its ``count`` costliest layers are out."""
+
+    def judge(excluded: list[str]) -> float:
+        calls.append(list(excluded))
+        return 30.0 if all(f"layer{i}" in excluded for i in range(count)) else 20.0
+
+    return judge
+
+
+@pytest.mark.parametrize("needed", [1, 2, 5, 6, 9])
+def test_the_fewest_costliest_layers_that_reach_the_target_are_left_out(needed: int) -> None:
+    calls: list[list[str]] = []
+    excluded, sqnr = exclude_costliest(COSTS, _judge_needing(needed, calls), 30.0, max_rounds=8)
+    assert excluded == [f"layer{i}" for i in range(needed)] and sqnr == 30.0
+    assert calls[-1] == excluded  # callers keep the last call's graph
+    assert len(calls) <= 2 * len(COSTS).bit_length() + 1
+
+
+def test_a_target_out_of_reach_returns_the_last_round() -> None:
+    calls: list[list[str]] = []
+    excluded, sqnr = exclude_costliest(COSTS, lambda e: calls.append(e) or 10.0, 30.0, max_rounds=3)
+    assert excluded == ["layer0", "layer1", "layer2", "layer3", "layer4", "layer5", "layer6"] and sqnr == 10.0
+    assert calls[-1] == excluded and len(calls) == 3
