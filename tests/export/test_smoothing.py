@@ -83,3 +83,13 @@ def test_smoothing_is_tried_under_the_floor_and_kept_where_it_helps():
     x = torch.randn(3, 8, WIDTH)  # the kept program is smoothed and still close to the float model
     sqnr = worst_sqnr_db([module(x).detach().numpy()], [quantized.module()(x).detach().numpy()])
     assert sqnr > result.smoothing["none"]
+
+
+def test_inspect_names_the_smoothing_kept():
+    from tk.cli.artifact import _quantization_text
+
+    record = {"mode": "static", "quantizable_modules": 4, "int8_modules": 4, "excluded": [], "sqnr_db_export": 21.0}
+    assert "smoothed" not in _quantization_text(record | {"smoothing": {"alpha": None}})
+    assert "4 of 4 layers int8; smoothed (alpha 0.8); SQNR" in _quantization_text(
+        record | {"smoothing": {"alpha": 0.8}}
+    )

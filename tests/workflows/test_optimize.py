@@ -214,3 +214,18 @@ def test_data_splits_into_calibration_and_held_out_with_labels(tmp_path: Path) -
     np.savez(tmp_path / "one.npz", **{k: v[:1] for k, v in feeds.items()})
     with pytest.raises(UsageError, match="expected 2 or more samples"):
         optimize_data(spec, spec.signature.dims, {"batch": 4}, tmp_path / "one.npz")
+
+
+def test_each_int8_format_is_its_own_export_and_the_others_share_a_capture() -> None:
+    from tk.workflows.optimize.candidates import Candidate
+    from tk.workflows.optimize.run import export_groups
+
+    fused = (("onnx_fusions", True),)
+    static = (("int8_mode", "static"),)
+    tried = [
+        Candidate("onnx", "fp32", "onnx", fused), Candidate("aoti", "fp32", "aoti", fused),
+        Candidate("onnx", "int8", "onnx", static), Candidate("aoti", "int8", "aoti", static),
+        Candidate("openvino", "int8", "openvino", static),
+    ]  # fmt: skip
+    groups = [[c.name for c in members] for members in export_groups(tried).values()]
+    assert groups == [["onnx fp32", "aoti fp32"], ["onnx int8 static"], ["aoti int8 static"], ["openvino int8 static"]]

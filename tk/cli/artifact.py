@@ -224,7 +224,9 @@ def _quantization_text(quant: object) -> str:
     left += f"; kept fp32: {', '.join(kept)}" if kept else ""
     int8 = quant.get("int8_modules", total - len(excluded))
     weights = f"; weights {quant['weights']}" if quant.get("weights", "int8") != "int8" else ""
-    return f"{how}; {int8} of {total} layers int8{left}; SQNR at export {quant.get('sqnr_db_export')} dB{weights}"
+    alpha = (quant.get("smoothing") or {}).get("alpha")
+    smoothed = f"; smoothed (alpha {alpha:g})" if isinstance(alpha, (int, float)) else ""
+    return f"{how}; {int8} of {total} layers int8{smoothed}{left}; SQNR at export {quant.get('sqnr_db_export')} dB{weights}"
 
 
 # --------------------------------------------------------------------------------------- inspect

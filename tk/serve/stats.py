@@ -13,10 +13,17 @@ request path waits for Ray); the replica that answers a stats request pushes its
 first, waits two push intervals for the others' last pushes to land, then reads every replica's
 (on a loaded machine a push can take longer: the counts are then briefly behind, never lost). A replica that was replaced keeps its last snapshot on the
 board, so the counts are cumulative for the model, as Triton's are.
+
+The Prometheus text goes with a push at most every ``METRICS_INTERVAL_S`` (and always with the
+answering replica's own push): writing it (``prometheus_client.generate_latest``) takes about a
+millisecond of the replica's interpreter, which a push after every request took from the next
+request's parsing. So ``/metrics`` shows other replicas' counts up to that interval late; the
+statistics, whose snapshot is a dict copy, are not delayed.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -24,6 +31,7 @@ from typing import Any
 
 PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 PUSH_INTERVAL_S = 0.05
+METRICS_INTERVAL_S = 1.0
 BOARD_NAME = "tk-serve-stats"
 BOARD_NAMESPACE = "serve"
 
@@ -141,9 +149,11 @@ class StatsBoard:
         self.stats: dict[str, dict[str, Any]] = {}
         self.metrics: dict[str, bytes] = {}
 
-    def report(self, replica: str, stats: dict[str, Any], metrics: bytes) -> None:
+    def report(self, replica: str, stats: dict[str, Any], metrics: bytes | None) -> None:
+        """A replica's snapshot, and its metrics text when it sent one (None: keep the last)."""
         self.stats[replica] = stats
-        self.metrics[replica] = metrics
+        if metrics is not None:
+            self.metrics[replica] = metrics
 
     def read(self) -> tuple[list[dict[str, Any]], list[bytes]]:
         return list(self.stats.values()), list(self.metrics.values())
@@ -178,6 +188,8 @@ class Pusher:
         self.metrics_text = metrics_text  # () -> bytes
         self.board = board()
         self._sent = -1
+        self._metrics_sent = -1  # the stats version the last metrics text went with
+        self._metrics_at = -math.inf  # when (time.monotonic)
         self._wake = threading.Event()
         self._closed = False
         self._push_lock = threading.Lock()
@@ -187,15 +199,21 @@ class Pusher:
         self._wake.set()
 
     def push(self, wait: bool = False) -> None:
-        """Send the snapshot if it changed since the last; ``wait``: until the board has it."""
+        """Send the snapshot if it changed since the last, with the metrics text when it is due
+        (``METRICS_INTERVAL_S``); ``wait``: both, now, and until the board has them."""
         import ray
 
         with self._push_lock:
             version = self.stats.version
-            if version == self._sent and not wait:
+            now = time.monotonic()
+            metrics_due = wait or (self._metrics_sent != version and now - self._metrics_at >= METRICS_INTERVAL_S)
+            if version == self._sent and not metrics_due:
                 return
-            ref = self.board.report.remote(self.replica, self.stats.snapshot(), self.metrics_text())
+            metrics = self.metrics_text() if metrics_due else None
+            ref = self.board.report.remote(self.replica, self.stats.snapshot(), metrics)
             self._sent = version
+            if metrics_due:
+                self._metrics_sent, self._metrics_at = version, now
         if wait:
             ray.get(ref, timeout=10)
 
@@ -210,7 +228,8 @@ class Pusher:
 
     def _loop(self) -> None:
         while not self._closed:
-            self._wake.wait()
+            behind = self._metrics_sent != self.stats.version  # a change whose metrics text is not sent yet
+            self._wake.wait(timeout=METRICS_INTERVAL_S if behind else None)
             self._wake.clear()
             try:
                 self.push()

@@ -140,6 +140,17 @@ def _export_options(
                          calibration_data=data.calibration, min_sqnr_db=accuracy.sqnr_floor_db)  # fmt: skip
 
 
+def export_groups(tried: list[Candidate]) -> dict[Any, list[Candidate]]:
+    """The candidates written by one export each: one precision and setting (one capture for its formats),
+    but each int8 format alone: each quantizes with its own search, and a failing member of a shared
+    group is retried one format at a time, which would run the others' searches again."""
+    groups: dict[Any, list[Candidate]] = {}
+    for candidate in tried:
+        alone = candidate.format if candidate.precision == "int8" else None
+        groups.setdefault((candidate.group, alone), []).append(candidate)
+    return groups
+
+
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
     return Row(candidate.name, candidate.format, candidate.precision, candidate.engine, candidate.export_options,
                status, reason)  # fmt: skip
@@ -169,9 +180,7 @@ class _Run:
         """Export each group (or take it from the cache), then judge each of its candidates."""
         from tk.workflows.optimize.artifacts import group_dir
 
-        groups: dict[Any, list[Candidate]] = {}
-        for candidate in tried:
-            groups.setdefault(candidate.group, []).append(candidate)
+        groups = export_groups(tried)
         passed: list[tuple[Candidate, Path, Manifest]] = []
         for done, members in enumerate(groups.values()):
             names = ", ".join(c.name for c in members)
