@@ -265,3 +265,51 @@ def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_qu
     assert min(costs, key=costs.__getitem__) == min(alone, key=alone.__getitem__) == layers[2]  # the outlier's
     assert all(abs(costs[n] - alone[n]) < 3.0 for n in layers), (costs, alone)
     assert sum(op.get_type_name() == "FakeQuantize" for op in quantized.get_ordered_ops()) >= 2  # not changed
+
+
+class _Encoder(torch.nn.Module):
+    """An embedding table, one attention (q, k and v from a weight product each) and an output product:
+    what NNCF quantizes in a transformer beyond its weight products (the table and attention's inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(64, 32)
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids)
+        attended = torch.nn.functional.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+        return self.out(attended + x)
+
+
+def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_well_as_weight_products():
+    """The units the search may leave float32 are everything NNCF made int8: with all of them left out
+    the IR is float32 again (before, a model with attention stayed under the floor with every weight
+    product float32: the table and attention's quantizers were out of the search's reach)."""
+    import nncf
+    import openvino as ov
+
+    from tk.export.openvino import _Judge, one_at_a_time_sqnr_db, quantized_units, weight_products
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 16))
+    model = ov.convert_model(torch.export.export(_Encoder().eval(), (ids,)))
+    rng = np.random.default_rng(0)
+    name = model.inputs[0].get_any_name()
+    batches = [{name: rng.integers(0, 64, (4, 16)).astype(np.int64)} for _ in range(3)]
+    dataset = nncf.Dataset(batches)
+    transformer = nncf.ModelType.TRANSFORMER
+    quantized = nncf.quantize(model, dataset, subset_size=3, model_type=transformer)
+    units = quantized_units(quantized, model)
+    kinds = {op.get_friendly_name(): op.get_type_name() for op in quantized.get_ordered_ops()}
+    assert set(weight_products(model)) <= set(units) and len(weight_products(model)) == 4
+    assert sorted({kinds[u] for u in units}) == ["Gather", "MatMul", "ScaledDotProductAttention"]
+    costs = one_at_a_time_sqnr_db(quantized, model, units, batches)
+    assert set(costs) == set(units) and all(np.isfinite(v) and v > 10.0 for v in costs.values()), costs
+    judge = _Judge(model, batches)
+    everything_out = nncf.quantize(
+        model, dataset, subset_size=3, model_type=transformer, ignored_scope=nncf.IgnoredScope(units)
+    )
+    assert not any(op.get_type_name() == "FakeQuantize" for op in everything_out.get_ordered_ops())
+    assert judge.sqnr_db(everything_out) > 100.0  # float32 again (the judged SQNR of int8 is ~30-50 dB)
+    assert judge.sqnr_db(quantized) < 60.0

@@ -14,8 +14,9 @@ what the artifact claims. int8: ``nncf.quantize`` (``ModelType.TRANSFORMER`` for
 attention, which keeps attention's softmax inputs float and adds SmoothQuant) calibrated on tk's
 calibration batches, then judged, as the other int8 writers are, by the SQNR of its outputs
 against the float32 IR on the calibration and held-out batches; while below the floor plus
-``MARGIN_DB``, the costliest weight products (``one_at_a_time_sqnr_db``: the graph's SQNR with only
-that product's activation quantized) are left float32 through NNCF's ``IgnoredScope``, a few more per round.
+``MARGIN_DB``, the costliest products (weight products, and the attention products whose inputs NNCF
+quantized; ``one_at_a_time_sqnr_db``: the graph's SQNR with only that product int8) are left float32
+through NNCF's ``IgnoredScope``, a few more per round.
 """
 
 from __future__ import annotations
@@ -162,29 +163,65 @@ def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
 
 
 # -- int8 through NNCF ----------------------------------------------------------------------------
+ACTIVATION_PRODUCTS = ("MatMul", "ScaledDotProductAttention")  # ops NNCF may quantize with no weight
+SHAPE_OPS = ("Convert", "Transpose", "Reshape", "Squeeze", "Unsqueeze")
+
+
 def weight_products(model: Any) -> list[str]:
     """Friendly names of the MatMuls whose second input is a constant (a weight, possibly through a Convert)."""
     return [op.get_friendly_name() for op in model.get_ordered_ops() if _weight_constant(op) is not None]
+
+
+def quantized_units(quantized: Any, model: Any) -> list[str]:
+    """What the search can leave float32 in ``quantized`` (NNCF's int8 IR of ``model``): the weight
+    products, the embedding tables NNCF stored in int8 (a Gather whose table is no longer a plain
+    constant) and the products of two activations (attention, fused or not) whose inputs it quantized."""
+    weights = set(weight_products(model))
+    float_ops = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
+    units = []
+    for op in quantized.get_ordered_ops():
+        name = op.get_friendly_name()
+        if (
+            name in weights
+            or _int8_table(op, float_ops.get(name))
+            or (op.get_type_name() in ACTIVATION_PRODUCTS and _input_fake_quantizes(op))
+        ):
+            units.append(name)
+    return units
+
+
+def _int8_table(op: Any, float_op: Any) -> bool:
+    return (
+        op.get_type_name() == "Gather"
+        and float_op is not None
+        and float_op.input_value(0).get_node().get_type_name() == "Constant"
+        and op.input_value(0).get_node().get_type_name() != "Constant"
+    )
 
 
 def _weight_constant(op: Any) -> Any:
     """The Constant a MatMul's second input comes from (through Convert, Transpose, Reshape), or None."""
     if op.get_type_name() != "MatMul":
         return None
-    source = op.input_value(1).get_node()
-    while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
-        source = source.input_value(0).get_node()
+    source = _through_shape_ops(op.input_value(1).get_node())
     return source if source.get_type_name() == "Constant" else None
 
 
+def _through_shape_ops(node: Any) -> Any:
+    while node.get_type_name() in SHAPE_OPS and node.get_input_size():
+        node = node.input_value(0).get_node()
+    return node
+
+
 def one_at_a_time_sqnr_db(
-    quantized: Any, model: Any, layers: Sequence[str], batches: Sequence[dict[str, np.ndarray]]
+    quantized: Any, model: Any, units: Sequence[str], batches: Sequence[dict[str, np.ndarray]]
 ) -> dict[str, float]:
-    """Each weight product's cost in int8: the SQNR of the outputs (against ``model``, float32, on
-    ``batches``) of a variant of ``quantized`` in which only that product is int8: every other
-    activation quantizer removed, every other product's weight back in float32 (times NNCF's
-    SmoothQuant scale on its input, so the product is unchanged). Products that read one quantized
-    activation (q, k and v) share its quantizer, so each one's variant quantizes the others' input too.
+    """Each unit's cost in int8 (``units``: from ``quantized_units``): the SQNR of the outputs (against
+    ``model``, float32, on ``batches``) of a variant of ``quantized`` in which only that unit is int8:
+    every activation quantizer removed but the ones on its inputs, every other unit's weight or table
+    back in float32 (a weight times NNCF's SmoothQuant scale on its input, so the product is unchanged).
+    Products that read one quantized activation (q, k and v) share its quantizer, so each one's variant
+    quantizes the others' input too.
 
     Why variants of the one quantized IR: quantizing each product alone took one ``nncf.quantize`` per
     product (36 on MiniLM, each calibrating anew); these need one compile each and ranked MiniLM's
@@ -193,31 +230,47 @@ def one_at_a_time_sqnr_db(
 
     judge = _Judge(model, batches)
     float_ops = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
+    quantized_ops = {op.get_friendly_name(): op for op in quantized.get_ordered_ops()}
+    # each unit's float32 weight (and the port it enters by), the same in every variant
+    float_weights = {
+        name: weight
+        for name in units
+        if name in float_ops and (weight := _float_weight(float_ops[name], quantized_ops[name], float_ops)) is not None
+    }
     costs = {}
-    for name in layers:
+    for name in units:
         variant = quantized.clone()
         ops = {op.get_friendly_name(): op for op in variant.get_ordered_ops()}
-        scales = {other: _smoothing_scale(ops[other], float_ops) for other in layers}
-        kept = _input_fake_quantize(ops[name])
+        kept = _input_fake_quantizes(ops[name], weight=name in float_weights)
         for op in variant.get_ordered_ops():
-            if op.get_type_name() == "FakeQuantize" and op.get_friendly_name() != kept:
+            if op.get_type_name() == "FakeQuantize" and op.get_friendly_name() not in kept:
                 op.output(0).replace(op.input_value(0))
-        for other in layers:
-            weight = _float_weight(float_ops[other], scales[other]) if other != name else None
-            if weight is not None:
-                ops[other].input(1).replace_source_output(ov.op.Constant(weight).output(0))
+        for other, (port, weight) in float_weights.items():
+            if other != name:
+                ops[other].input(port).replace_source_output(ov.op.Constant(weight).output(0))
         variant.validate_nodes_and_infer_types()
         costs[name] = judge.sqnr_db(variant)
     return costs
 
 
-def _input_fake_quantize(op: Any) -> str | None:
-    """The friendly name of the FakeQuantize on a MatMul's activation input (through shape ops), or None
-    where NNCF left that input float."""
-    source = op.input_value(0).get_node()
-    while source.get_type_name() in ("Convert", "Transpose", "Reshape") and source.get_input_size():
-        source = source.input_value(0).get_node()
-    return source.get_friendly_name() if source.get_type_name() == "FakeQuantize" else None
+def _input_fake_quantizes(op: Any, *, weight: bool = False) -> set[str]:
+    """The friendly names of the FakeQuantizes on an op's activation inputs (through shape ops): a
+    weight product's first input (``weight``), every input otherwise; empty where NNCF left them float."""
+    ports = range(1) if weight else range(op.get_input_size())
+    sources = (_through_shape_ops(op.input_value(port).get_node()) for port in ports)
+    return {source.get_friendly_name() for source in sources if source.get_type_name() == "FakeQuantize"}
+
+
+def _float_weight(float_op: Any, quantized_op: Any, float_ops: dict[str, Any]) -> tuple[int, np.ndarray] | None:
+    """The input port and float32 value of a unit's weight: a weight product's (times its SmoothQuant
+    scale) or an embedding's table; None for units without one (attention), or where the weight comes
+    through other nodes (it then stays int8 in every variant)."""
+    if _int8_table(quantized_op, float_op):
+        return 0, np.asarray(float_op.input_value(0).get_node().get_data(), dtype=np.float32)
+    if _weight_constant(float_op) is None:
+        return None
+    weight = _scaled_weight(float_op, _smoothing_scale(quantized_op, float_ops))
+    return None if weight is None else (1, weight)
 
 
 def _smoothing_scale(op: Any, float_ops: dict[str, Any]) -> np.ndarray | None:
@@ -237,7 +290,7 @@ def _smoothing_scale(op: Any, float_ops: dict[str, Any]) -> np.ndarray | None:
     return None
 
 
-def _float_weight(float_op: Any, scale: np.ndarray | None) -> np.ndarray | None:
+def _scaled_weight(float_op: Any, scale: np.ndarray | None) -> np.ndarray | None:
     """A float MatMul's weight (a Constant feeding it directly), its input channels times ``scale``;
     None where the weight comes through other nodes (that product's weight then stays int8)."""
     source = float_op.input_value(1).get_node()
@@ -287,19 +340,23 @@ def int8_ir_from_ir(
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
 
-    With ``min_sqnr_db``, weight products are left float32 (costliest first by
-    ``one_at_a_time_sqnr_db``) until the SQNR on the calibration and ``judge`` batches reaches
-    ``min_sqnr_db + MARGIN_DB``.
+    With ``min_sqnr_db``, while the SQNR on the calibration and ``judge`` batches is below
+    ``min_sqnr_db + MARGIN_DB``: for a transformer, NNCF's SmoothQuant is tried off too (its default
+    migrates most of each input's range into the weight, which can cost more than it saves) and the
+    better kept; then units (``quantized_units``) are left float32, costliest first by
+    ``one_at_a_time_sqnr_db``, until it is reached.
     """
     import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
     from tk.export.calibration import MARGIN_DB, exclude_costliest
 
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
-    layers = weight_products(model)
     dataset = nncf.Dataset(list(calibration))
     model_type = nncf.ModelType.TRANSFORMER if transformer else None
+    no_smoothing = AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=-1))
+    settings = {"smooth_quant": "nncf default" if transformer else "off"}
 
     def quantize(ignored: Sequence[str]) -> Any:
         scope = nncf.IgnoredScope(names=list(ignored), validate=False) if ignored else None
@@ -307,37 +364,59 @@ def int8_ir_from_ir(
         nncf.set_log_level(logging.WARNING)  # NNCF logs a line per operation it leaves unquantized
         try:
             return nncf.quantize(
-                model, dataset, model_type=model_type, subset_size=len(calibration), ignored_scope=scope
+                model,
+                dataset,
+                model_type=model_type,
+                subset_size=len(calibration),
+                ignored_scope=scope,
+                advanced_parameters=no_smoothing if settings["smooth_quant"] == "off" else None,
             )
         except Exception as exc:  # NNCF raises many types; each is a conversion failure
             raise ConversionError(f"NNCF could not quantize the OpenVINO model to int8: {first_line(exc)}") from exc
         finally:
             nncf.set_log_level(level)
 
+    target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
     judged = _Judge(model, [*calibration, *judge])
     quantized = quantize(())
     sqnr = judged.sqnr_db(quantized)
-    log.info("export int8   OpenVINO SQNR %.1f dB on %d batches", sqnr, len(judged.batches))
+    log.info(
+        "export int8   OpenVINO SQNR %.1f dB on %d batches, SmoothQuant %s",
+        sqnr,
+        len(judged.batches),
+        settings["smooth_quant"],
+    )
+    if target is not None and sqnr < target and transformer:
+        settings["smooth_quant"] = "off"
+        plain = quantize(())
+        plain_sqnr = judged.sqnr_db(plain)
+        log.info("export int8   OpenVINO SQNR %.1f dB, SmoothQuant off", plain_sqnr)
+        if plain_sqnr > sqnr:
+            quantized, sqnr = plain, plain_sqnr
+        else:
+            settings["smooth_quant"] = "nncf default"
+    units = quantized_units(quantized, model)
     record: dict[str, Any] = {
         "mode": "static",
         "quantizer": "nncf.quantize",
         "model_type": "transformer" if transformer else None,
+        "smooth_quant": settings["smooth_quant"],
         "calibration_batches": len(calibration),
-        "quantizable_nodes": len(layers),
+        "quantizable_nodes": len(units),
         "excluded": [],
         "automatic_exclusions": [],
     }
-    if min_sqnr_db is not None and sqnr < min_sqnr_db + MARGIN_DB and layers:
-        costs = one_at_a_time_sqnr_db(quantized, model, layers, calibration)
+    if target is not None and sqnr < target and units:
+        costs = one_at_a_time_sqnr_db(quantized, model, units, calibration)
         best: dict[str, Any] = {}
 
         def judge_without(excluded: list[str]) -> float:
             best["model"] = quantize(excluded)
             value = judged.sqnr_db(best["model"])
-            log.info("export int8   %d layers float32: SQNR %.1f dB", len(excluded), value)
+            log.info("export int8   %d of %d units float32: SQNR %.1f dB", len(excluded), len(units), value)
             return value
 
-        excluded, last = exclude_costliest(costs, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS)
+        excluded, last = exclude_costliest(costs, judge_without, target, MAX_ROUNDS)
         if last is not None:
             quantized, sqnr = best["model"], last
         record["automatic_exclusions"] = record["excluded"] = excluded
