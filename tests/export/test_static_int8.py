@@ -204,3 +204,43 @@ def test_min_sqnr_sets_the_exclusion_target_and_the_checks_floor(tmp_path, monke
 def test_min_sqnr_is_refused_where_it_means_nothing(tmp_path, extra, says):
     result = CliRunner().invoke(cli, ["export", "transformer", "--size", "tiny", "--out", str(tmp_path / "a"), *extra])
     assert result.exit_code == 2 and says in result.output and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    ("calibration", "sizes"),
+    [(None, [4] * 8), (10, [4, 4]), (3, None)],
+    ids=["random", "file-short-last-batch-left-out", "file-smaller-than-the-batch"],
+)
+def test_a_static_batch_calibrates_in_batches_of_its_size(tmp_path, calibration, sizes):
+    """A static batch dimension takes one size: calibration batches of 8 made onnxruntime refuse the graph's inputs."""
+    from tk.export.calibration import calibration_feeds
+    from tk.export.context import ExportContext
+    from tk.spec import Dim
+
+    spec = build_model("transformer", size="tiny")
+    data = None
+    if calibration is not None:
+        data = random_feeds(spec.signature.inputs, {"batch": calibration, "seq": 16}, seed=3)
+    options = ExportOptions(formats=("onnx",), precision="int8", calibration_data=data)
+    dims = {"batch": Dim("batch", 4, 4, 4), "seq": Dim("seq", 16, 16, 16)}
+    ctx = ExportContext(spec, spec.module, dims, options, tmp_path, ())
+    if sizes is None:
+        with pytest.raises(UsageError, match="takes at least 4 samples; the file holds 3"):
+            calibration_feeds(ctx)
+        return
+    assert [b["input_ids"].shape for b in calibration_feeds(ctx)] == [(n, 16) for n in sizes]
+    assert [b["input_ids"].shape for b in calibration_feeds(ctx, one_shape=True)] == [(n, 16) for n in sizes]
+
+
+@pytest.mark.slow
+def test_static_int8_export_at_a_static_batch_passes(tmp_path):
+    torch.manual_seed(0)
+    out = tmp_path / "static"
+    args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--batch", "4", "--seq", "16"]
+    result = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    from tk.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    assert manifest.signature.dims["batch"].min == manifest.signature.dims["batch"].max == 4
+    assert manifest.formats["onnx"]["quantization"]["mode"] == "static"

@@ -417,8 +417,14 @@ def _exclude_costliest(
                 "x".join(map(str, judged.batches[worst][0].shape)), MARGIN_DB,
             )  # fmt: skip
     rounds: list[torch.fx.GraphModule] = []
+    # the passing rounds, by their set: the bisection ends by asking again for the one it keeps
+    passed: dict[frozenset[str], tuple[torch.fx.GraphModule, float, float, tuple[int, ...]]] = {}
 
     def judge_without(automatic: list[str]) -> float:
+        if frozenset(automatic) in passed:
+            module, value, judged.worst_sqnr_db, judged.worst_shape = passed[frozenset(automatic)]
+            rounds[:] = [module]
+            return value
         rounds[:] = [quantizer.quantize(exclude=automatic)]
         headroom = judged.headroom_db(rounds[0], targets)
         at = "x".join(map(str, judged.worst_shape))
@@ -427,6 +433,8 @@ def _exclude_costliest(
             "export int8   %d modules %s: SQNR %.1f dB%s",
             len(automatic), result.excluded_dtype, judged.worst_sqnr_db, stopped,
         )  # fmt: skip
+        if headroom >= 0:
+            passed[frozenset(automatic)] = (rounds[0], target + headroom, judged.worst_sqnr_db, judged.worst_shape)
         return target + headroom
 
     result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, target, MAX_ROUNDS)

@@ -63,26 +63,37 @@ def calibration_feeds(ctx: ExportContext, *, one_shape: bool = False) -> list[di
     histogram methods of onnxruntime (entropy, percentile) are the exception: it stacks their
     activations across batches, so every batch must have one shape: one sample per batch, at the
     opt sizes (``one_shape``). (torchao's HistogramObserver, the aoti default, takes batches of any shape.)
+    Batches hold as many samples as the batch dimension's range allows (a static batch of 32: 32).
     """
+    inputs = ctx.spec.signature.inputs
+    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    smallest = ctx.dims[batch].min if batch in ctx.dims else 1
+    per_batch = 1 if one_shape else CALIBRATION_BATCH
+    if batch in ctx.dims:  # within the batch dimension's range (a static batch of 32 takes 32 a batch)
+        per_batch = min(max(per_batch, smallest), ctx.dims[batch].max)
     if ctx.options.calibration_data is not None:
-        return calibration_batches(dict(ctx.options.calibration_data), batch=1 if one_shape else CALIBRATION_BATCH)
+        batches = calibration_batches(dict(ctx.options.calibration_data), batch=per_batch)
+        whole = [b for b in batches if next(iter(b.values())).shape[0] >= smallest]
+        if not whole:
+            raise UsageError(
+                f"--calibrate: the batch dimension takes at least {smallest} samples; "
+                f"the file holds {next(iter(batches[0].values())).shape[0] if batches else 0}"
+            )
+        return whole  # a static batch's short last batch is left out
     text = ctx.options.calibrate or DEFAULT_CALIBRATION
     count = text.removeprefix("random:")
     if not text.startswith("random:") or not count.isdigit() or int(count) < 1:
         raise UsageError(f"--calibrate: expected random:N (N >= 1) or an inputs file, got {text!r}")
-    inputs = ctx.spec.signature.inputs
-    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
     others = [d for n, d in ctx.dims.items() if n != batch]
     batches = []
     left = int(count)
-    per_batch = 1 if one_shape else CALIBRATION_BATCH
     for i in range(-(-left // per_batch)):
         sizes = {n: d.opt for n, d in ctx.dims.items()}
         for d in others if not one_shape else ():
             options = d.sizes_to_check()
             sizes[d.name] = options[i % len(options)]
         if batch is not None:
-            sizes[batch] = min(per_batch, left)
+            sizes[batch] = max(min(per_batch, left), smallest)
         left -= per_batch
         batches.append(random_feeds(inputs, sizes, seed=1234 + i))
     return batches

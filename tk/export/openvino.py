@@ -22,7 +22,7 @@ through NNCF's ``IgnoredScope``, a few more per round.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -311,23 +311,27 @@ class _Judge:
 
     def __init__(self, reference: Any, batches: Sequence[dict[str, np.ndarray]]) -> None:
         self.batches = list(batches)
-        self.reference = self._outputs(reference)
+        self.reference = list(self._outputs(reference))
 
-    def _outputs(self, model: Any) -> list[list[np.ndarray]]:
+    def _outputs(self, model: Any) -> Iterator[list[np.ndarray]]:
         import openvino as ov
 
         compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
         request = compiled.create_infer_request()
-        outputs = []
         for feeds in self.batches:
             result = request.infer(feeds)
-            outputs.append([np.array(result[port]) for port in compiled.outputs])
-        return outputs
+            yield [np.array(result[port]) for port in compiled.outputs]
 
-    def sqnr_db(self, model: Any) -> float:
+    def sqnr_db(self, model: Any, *, target_db: float | None = None) -> float:
+        """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging."""
         from tk.parity import worst_sqnr_db
 
-        return worst_sqnr_db(self.reference, self._outputs(model))
+        worst = float("inf")
+        for reference, outputs in zip(self.reference, self._outputs(model), strict=True):
+            worst = min(worst, worst_sqnr_db([reference], [outputs]))
+            if target_db is not None and worst < target_db:
+                break
+        return worst
 
 
 def int8_ir_from_ir(
@@ -409,11 +413,18 @@ def int8_ir_from_ir(
     if target is not None and sqnr < target and units:
         costs = one_at_a_time_sqnr_db(quantized, model, units, calibration)
         best: dict[str, Any] = {}
+        passed: dict[frozenset[str], tuple[Any, float]] = {}  # the bisection ends by asking again for the one it keeps
 
         def judge_without(excluded: list[str]) -> float:
+            if frozenset(excluded) in passed:
+                best["model"], value = passed[frozenset(excluded)]
+                return value
             best["model"] = quantize(excluded)
-            value = judged.sqnr_db(best["model"])
-            log.info("export int8   %d of %d units float32: SQNR %.1f dB", len(excluded), len(units), value)
+            value = judged.sqnr_db(best["model"], target_db=target)
+            stopped = "" if value >= target else " (a batch under the target: the rest not run)"
+            log.info("export int8   %d of %d units float32: SQNR %.1f dB%s", len(excluded), len(units), value, stopped)
+            if value >= target:
+                passed[frozenset(excluded)] = best["model"], value
             return value
 
         excluded, last = exclude_costliest(costs, judge_without, target, MAX_ROUNDS)

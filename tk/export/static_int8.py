@@ -18,8 +18,9 @@ calibration inputs. While it is below the floor (``MIN_SQNR_DB["int8"]`` plus ``
 the export check's fresh inputs also pass), layers are excluded from quantization: each layer's
 cost is measured one layer at a time on the calibration batches (only that layer quantized, its
 output SQNR against float32), and the costliest are excluded first, a few more per round, each
-round judged on the calibration and held-out batches. Calibration runs once: its tensor
-ranges are cached and reused by every round.
+round judged on the calibration and held-out batches. Calibration and quantization run once: each
+ranked or judged graph is the fully quantized one with some nodes reading float32 again
+(``tk.export.qdq_variants``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
+from tk.export.qdq_variants import QdqVariants
 from tk.export.quantize import quant_type, weight_record, weight_type
 from tk.parity import worst_sqnr_db
 
@@ -157,20 +159,28 @@ class _Judge:
         self.reference = [self._run(source, b) for b in self.batches]
 
     @staticmethod
-    def _session(path: Path) -> Any:
+    def _session(graph: Path | bytes) -> Any:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        source = graph if isinstance(graph, bytes) else str(graph)
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
-    def _run(self, path: Path, feeds: dict[str, np.ndarray], session: Any = None) -> list[np.ndarray]:
-        return (session or self._session(path)).run(None, feeds)
+    def _run(self, graph: Path | bytes, feeds: dict[str, np.ndarray], session: Any = None) -> list[np.ndarray]:
+        return (session or self._session(graph)).run(None, feeds)
 
-    def sqnr_db(self, path: Path) -> float:
-        """The worst SQNR over batches and outputs, as the export check judges."""
-        session = self._session(path)
-        return worst_sqnr_db(self.reference, [self._run(path, feeds, session) for feeds in self.batches])
+    def sqnr_db(self, graph: Path | bytes, *, target_db: float | None = None) -> float:
+        """The worst SQNR over batches and outputs of ``graph`` (a file, or a serialized model), as the
+        export check judges; with ``target_db``, the first batch under it ends the judging (its SQNR is
+        returned: the graph fails whatever the rest would say)."""
+        session = self._session(graph)
+        worst = float("inf")
+        for reference, feeds in zip(self.reference, self.batches, strict=True):
+            worst = min(worst, worst_sqnr_db([reference], [self._run(graph, feeds, session)]))
+            if target_db is not None and worst < target_db:
+                break
+        return worst
 
 
 def static_int8_onnx_from_onnx(
@@ -209,31 +219,39 @@ def static_int8_onnx_from_onnx(
             keep = [n for n in candidates if n not in exclude]
             _quantize(source, target, method, cache, reader, keep, wtype)  # calibrates once, fills the cache
             judge = _Judge(source, [*calibration, *judge_batches])
-            sqnr = judge.sqnr_db(target)
+            target_db = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
+            sqnr = judge.sqnr_db(target, target_db=target_db)
             result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
             result.int8_nodes = len([n for n in candidates if n not in exclude])
-            log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
-            if min_sqnr_db is None or sqnr >= min_sqnr_db + MARGIN_DB:
+            if target_db is None or sqnr >= target_db:
+                log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
                 return result
-            one = Path(tmp) / "one.onnx"
+            log.info("export int8   SQNR %.1f dB on a batch, under the target %.1f dB", sqnr, target_db)
+            import onnx
+
+            variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)))
             ranking = _Judge(source, calibration)  # ranks layers; the held-out batches judge each round
-            for node in candidates:
-                if node in exclude:
-                    continue
-                _quantize(source, one, method, cache, None, [node], wtype)
-                result.layer_sqnr_db[node] = ranking.sqnr_db(one)
+            for node in keep:
+                result.layer_sqnr_db[node] = ranking.sqnr_db(variants.with_float(n for n in keep if n != node))
             trial = Path(tmp) / "trial.onnx"
+            judged: dict[frozenset[str], float] = {}  # the bisection asks again for the set it keeps
 
             def judge_without(automatic: list[str]) -> float:
-                _quantize(source, trial, method, cache, None, [n for n in keep if n not in automatic], wtype)
-                sqnr = judge.sqnr_db(trial)
-                log.info("export int8   %d layers float32: SQNR %.1f dB", len(exclude) + len(automatic), sqnr)
+                graph = variants.with_float(automatic)
+                trial.write_bytes(graph)
+                key = frozenset(automatic)
+                if key not in judged:
+                    judged[key] = judge.sqnr_db(graph, target_db=target_db)
+                    log.info(
+                        "export int8   %d layers float32: SQNR %.1f dB%s",
+                        len(exclude) + len(automatic),
+                        judged[key],
+                        "" if judged[key] >= target_db else " (a batch under the target: the rest not run)",
+                    )
                 trial.replace(target)
-                return sqnr
+                return judged[key]
 
-            result.automatic, last = exclude_costliest(
-                result.layer_sqnr_db, judge_without, min_sqnr_db + MARGIN_DB, MAX_ROUNDS
-            )
+            result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, target_db, MAX_ROUNDS)
             if last is not None:
                 result.sqnr_db = last
             result.excluded = exclude + result.automatic
