@@ -136,6 +136,30 @@ def test_modules_are_excluded_costliest_first_until_the_floor_holds():
     assert len(strict.layer_sqnr_db) == 9 and strict.excluded == strict.automatic
 
 
+def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(monkeypatch):
+    """The exclusion rounds judge a screen of the batches (here the calibration batches alone); what they
+    keep is judged on every batch, held-out ones included, before it is returned."""
+    from tk.export.aoti_int8 import _outputs
+    from tk.export.calibration import MARGIN_DB
+    from tk.parity import worst_sqnr_db
+
+    monkeypatch.setattr("tk.export.aoti_int8.SCREEN_EVERY", 10**6)
+    spec, dims, example, program = _tiny_transformer_program(trained=True)
+    calibration, held_out = _batches(spec, 2, 100), _batches(spec, 6, 300, seq=24)
+    _, plain = int8_program(program, spec.signature, dims, example, calibration, judge=held_out)
+    floor = plain.sqnr_db + 3
+    quantized, strict = int8_program(
+        program, spec.signature, dims, example, calibration, min_sqnr_db=floor, judge=held_out, excluded_in_bf16=False
+    )
+    assert strict.automatic and strict.sqnr_db >= floor + MARGIN_DB
+    names = [s.name for s in spec.signature.inputs]
+    batches = [tuple(torch.from_numpy(b[n]) for n in names) for b in [*calibration, *held_out]]
+    with torch.no_grad():
+        reference = [_outputs(program.module(), b) for b in batches]
+        got = [_outputs(quantized.module(), b) for b in batches]
+    assert worst_sqnr_db(reference, got) >= floor + MARGIN_DB - 0.5  # every batch, recaptured program
+
+
 def test_keep_fp32_modules_are_never_quantized():
     spec, dims, example, program = _tiny_transformer_program()
     kept = ["head", "blocks.1.ffn"]  # a linear, and a block holding two (up and down)

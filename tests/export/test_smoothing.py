@@ -75,14 +75,15 @@ def test_smoothing_is_tried_under_the_floor_and_kept_where_it_helps():
         program, signature, dims, example, calibration, min_sqnr_db=80.0, excluded_in_bf16=False
     )  # unreachable: every alpha is tried, then modules are excluded
     assert set(result.smoothing) == {"none", "0.5", "0.8"}
-    assert result.smoothing["none"] == pytest.approx(plain.sqnr_db)
+    # judged up to the first batch under the target: never lower than the worst over every batch
+    assert result.smoothing["none"] >= plain.sqnr_db - 1e-6
     best = max(result.smoothing, key=result.smoothing.__getitem__)
     assert best != "none" and result.smoothing[best] > result.smoothing["none"] + 3.0, result.smoothing
     assert result.smoothing_alpha == float(best)
     assert result.to_json()["smoothing"]["alpha"] == float(best)
     x = torch.randn(3, 8, WIDTH)  # the kept program is smoothed and still close to the float model
     sqnr = worst_sqnr_db([module(x).detach().numpy()], [quantized.module()(x).detach().numpy()])
-    assert sqnr > result.smoothing["none"]
+    assert sqnr > plain.sqnr_db
 
 
 def test_inspect_names_the_smoothing_kept():
