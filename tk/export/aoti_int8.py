@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.calibration import MARGIN_DB, exclude_costliest
+from tk.export.calibration import MARGIN_DB, SCREEN_EVERY, exclude_costliest
 from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.export.quantize import saturating_int8_products
 from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
@@ -59,7 +59,6 @@ log = logging.getLogger("tk.export")
 METHODS = ("histogram", "minmax")  # activation observers: torchao's x86 default (HistogramObserver), or MinMaxObserver
 DEFAULT_METHOD = "histogram"
 MAX_ROUNDS = 6  # exclusion rounds (1, 2, 4, ... layers more each) before the check reports the SQNR
-SCREEN_EVERY = 4  # the exclusion rounds are judged on the calibration batches and every 4th held-out one
 # tried in turn when the program with every layer int8 is under the floor; the best one (or none) is kept:
 # SmoothQuant's default and a stronger one, which suits encoders with larger outlier channels
 SMOOTHING_ALPHAS = (0.5, 0.8)

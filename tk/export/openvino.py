@@ -22,7 +22,7 @@ through NNCF's ``IgnoredScope``, a few more per round.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -311,7 +311,14 @@ class _Judge:
 
     def __init__(self, reference: Any, batches: Sequence[dict[str, np.ndarray]]) -> None:
         self.batches = list(batches)
-        self.reference = list(self._outputs(reference))
+        self.reference = list(self._outputs(reference)) if reference is not None else []
+        self.stopped_at = -1  # the batch the last call stopped at (under its target), or -1
+
+    def subset(self, indices: Sequence[int]) -> _Judge:
+        """A judge of some of the batches (the same references)."""
+        judge = _Judge(None, [self.batches[i] for i in indices])
+        judge.reference = [self.reference[i] for i in indices]
+        return judge
 
     def _outputs(self, model: Any) -> Iterator[list[np.ndarray]]:
         import openvino as ov
@@ -326,10 +333,11 @@ class _Judge:
         """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging."""
         from tk.parity import worst_sqnr_db
 
-        worst = float("inf")
-        for reference, outputs in zip(self.reference, self._outputs(model), strict=True):
+        worst, self.stopped_at = float("inf"), -1
+        for i, (reference, outputs) in enumerate(zip(self.reference, self._outputs(model), strict=True)):
             worst = min(worst, worst_sqnr_db([reference], [outputs]))
             if target_db is not None and worst < target_db:
+                self.stopped_at = i
                 break
         return worst
 
@@ -353,7 +361,7 @@ def int8_ir_from_ir(
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
-    from tk.export.calibration import MARGIN_DB, exclude_costliest
+    from tk.export.calibration import MARGIN_DB, SCREEN_EVERY, exclude_costliest
 
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
@@ -415,19 +423,42 @@ def int8_ir_from_ir(
         best: dict[str, Any] = {}
         passed: dict[frozenset[str], tuple[Any, float]] = {}  # the bisection ends by asking again for the one it keeps
 
-        def judge_without(excluded: list[str]) -> float:
-            if frozenset(excluded) in passed:
-                best["model"], value = passed[frozenset(excluded)]
-                return value
-            best["model"] = quantize(excluded)
-            value = judged.sqnr_db(best["model"], target_db=target)
-            stopped = "" if value >= target else " (a batch under the target: the rest not run)"
-            log.info("export int8   %d of %d units float32: SQNR %.1f dB%s", len(excluded), len(units), value, stopped)
-            if value >= target:
-                passed[frozenset(excluded)] = best["model"], value
-            return value
+        def judge_on(judge: _Judge) -> Callable[[list[str]], float]:
+            passed.clear()
 
-        excluded, last = exclude_costliest(costs, judge_without, target, MAX_ROUNDS)
+            def judge_without(excluded: list[str]) -> float:
+                if frozenset(excluded) in passed:
+                    best["model"], value = passed[frozenset(excluded)]
+                    return value
+                best["model"] = quantize(excluded)
+                value = judge.sqnr_db(best["model"], target_db=target)
+                stopped = "" if value >= target else " (a batch under the target: the rest not run)"
+                log.info(
+                    "export int8   %d of %d units float32: SQNR %.1f dB on %d batches%s",
+                    len(excluded), len(units), value, len(judge.batches), stopped,
+                )  # fmt: skip
+                if value >= target:
+                    passed[frozenset(excluded)] = best["model"], value
+                return value
+
+            return judge_without
+
+        # as the aoti writer does: rounds judged on a screen, the kept set on every batch
+        screen = [i for i in range(len(judged.batches)) if i < len(calibration) or i % SCREEN_EVERY == 0]
+        while True:
+            excluded, last = exclude_costliest(costs, judge_on(judged.subset(screen)), target, MAX_ROUNDS)
+            if last is None or last < target or len(screen) == len(judged.batches):
+                break
+            last = judged.sqnr_db(best["model"], target_db=target)
+            failed = judged.stopped_at
+            log.info(
+                "export int8   %d of %d units float32: SQNR %.1f dB on all %d batches%s",
+                len(excluded), len(units), last, len(judged.batches),
+                "" if failed < 0 else f": batch {failed} under the target joins the screen and the rounds run again",
+            )  # fmt: skip
+            if failed < 0:
+                break
+            screen = sorted({*screen, failed})
         if last is not None:
             quantized, sqnr = best["model"], last
         record["automatic_exclusions"] = record["excluded"] = excluded
