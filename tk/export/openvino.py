@@ -14,9 +14,10 @@ what the artifact claims. int8: ``nncf.quantize`` (``ModelType.TRANSFORMER`` for
 attention, which keeps attention's softmax inputs float and adds SmoothQuant) calibrated on tk's
 calibration batches, then judged, as the other int8 writers are, by the SQNR of its outputs
 against the float32 IR on the calibration and held-out batches; while below the floor plus
-``MARGIN_DB``, the costliest products (weight products, and the attention products whose inputs NNCF
-quantized; ``one_at_a_time_sqnr_db``: the graph's SQNR with only that product int8) are left float32
-through NNCF's ``IgnoredScope``, a few more per round.
+``MARGIN_DB``, the costliest units (``quantized_units``: the weight products, the embedding tables
+NNCF stored in int8 and the attention products whose inputs it quantized; ``one_at_a_time_sqnr_db``:
+the graph's SQNR with only that unit int8) are left float32 through NNCF's ``IgnoredScope``, a few
+more per round.
 """
 
 from __future__ import annotations
