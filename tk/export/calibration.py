@@ -20,7 +20,7 @@ from tk.spec import random_feeds, shapes_to_check
 CALIBRATION_BATCH = 8  # samples per calibration run
 MARGIN_DB = 2.0  # a quantized graph's judged batches must clear the floor by this much (the check draws fresh ones)
 # the aoti and openvino exclusion rounds are judged on the calibration batches and every 4th held-out one;
-# the set they keep on every batch (their judges run the quantized model slowly: PyTorch, recompiling)
+# the set they keep is then judged on every batch (their judges run the quantized model slowly: PyTorch, NNCF)
 SCREEN_EVERY = 4
 DEFAULT_CALIBRATION = "random:32"
 
