@@ -143,7 +143,7 @@ def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(m
     from tk.export.calibration import MARGIN_DB
     from tk.parity import worst_sqnr_db
 
-    monkeypatch.setattr("tk.export.aoti_int8.SCREEN_EVERY", 10**6)
+    monkeypatch.setattr("tk.export.calibration.SCREEN_EVERY", 10**6)
     spec, dims, example, program = _tiny_transformer_program(trained=True)
     calibration, held_out = _batches(spec, 2, 100), _batches(spec, 6, 300, seq=24)
     _, plain = int8_program(program, spec.signature, dims, example, calibration, judge=held_out)

@@ -34,3 +34,26 @@ def test_a_target_out_of_reach_returns_the_last_round() -> None:
     excluded, sqnr = exclude_costliest(COSTS, lambda e: calls.append(e) or 10.0, 30.0, max_rounds=3)
     assert excluded == ["layer0", "layer1", "layer2", "layer3", "layer4", "layer5", "layer6"] and sqnr == 10.0
     assert calls[-1] == excluded and len(calls) == 3
+
+
+def test_screened_exclusion_judges_the_kept_set_on_every_batch_and_grows_the_screen_on_a_failure():
+    from tk.export.calibration import SCREEN_EVERY, screened_exclusion
+
+    screens: list[list[int]] = []
+    judged: list[list[str]] = []
+
+    def search(screen: list[int]) -> tuple[list[str], float]:
+        screens.append(screen)
+        return (["a"], 40.0) if 7 not in screen else (["a", "b"], 41.0)  # batch 7 needs b out too
+
+    def judge_all(excluded: list[str]) -> tuple[float, int | None]:
+        judged.append(excluded)
+        return (30.0, 7) if excluded == ["a"] else (38.5, None)
+
+    excluded, last, seen = screened_exclusion(12, 2, search, judge_all, 37.0)
+    assert screens[0] == [0, 1, *range(SCREEN_EVERY, 12, SCREEN_EVERY)] and 7 not in screens[0]
+    assert screens[1] == sorted({*screens[0], 7})
+    assert judged == [["a"], ["a", "b"]] and excluded == ["a", "b"]
+    assert last == 38.5 and seen == list(range(12))  # every batch's SQNR, not the screen's
+    # a search that fails on its screen is not judged on every batch
+    assert screened_exclusion(12, 2, lambda screen: (["a"], 20.0), judge_all, 37.0)[1] == 20.0 and len(judged) == 2

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.calibration import MARGIN_DB, SCREEN_EVERY, exclude_costliest
+from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
 from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.export.quantize import saturating_int8_products
 from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
@@ -285,7 +285,8 @@ class _Judge:
         return self.headroom_db(candidate, None)
 
     def per_batch(self, candidate: torch.fx.GraphModule) -> list[float]:
-        return [worst_sqnr_db([r], [_outputs(candidate, b)]) for r, b in zip(self.reference, self.batches, strict=True)]
+        self.headroom_db(candidate, None)
+        return list(self.judged_sqnr_db)
 
     def headroom_db(
         self, candidate: torch.fx.GraphModule, targets: Sequence[float] | None, *, judge_first: int = 0
@@ -466,28 +467,28 @@ def _exclude_costliest(
 
         return exclude_costliest(result.layer_sqnr_db, judge_without, target, MAX_ROUNDS)
 
-    # the rounds are judged on a screen (the calibration batches and a quarter of the held-out ones): a
-    # passing round runs every batch it is judged on, ~40 s a full judge on the small Transformer. The
-    # set the screen keeps is judged on every batch; a batch under the target there joins the screen,
-    # and the rounds run again
-    screen = [i for i in range(len(judged.batches)) if i < len(quantizer.calibration) or i % SCREEN_EVERY == 0]
-    while True:
-        final = judged.subset(screen)
-        result.automatic, last = search(final, [targets[i] for i in screen])
-        if last is None or last < target or len(screen) == len(judged.batches):
-            break
+    def judge_all(automatic: list[str]) -> tuple[float, int | None]:
         headroom = judged.headroom_db(rounds[0], targets)
         failed = len(judged.judged_sqnr_db) - 1  # the batch it stopped at
         log.info(
             "export int8   %d modules %s: SQNR %.1f dB on all %d batches%s",
-            len(result.automatic), result.excluded_dtype, judged.worst_sqnr_db, len(judged.batches),
+            len(automatic), result.excluded_dtype, judged.worst_sqnr_db, len(judged.batches),
             "" if headroom >= 0 else f": batch {failed} ({'x'.join(map(str, judged.batches[failed][0].shape))}) under the "
             "target joins the screen and the rounds run again",
         )  # fmt: skip
         if headroom >= 0:
-            final, last = judged, target + headroom
-            break
-        screen = sorted({*screen, failed})
+            screens[:] = [judged]
+        return target + headroom, None if headroom >= 0 else failed
+
+    screens: list[_Judge] = []  # the judge that judged the returned set last: a screen's, or every batch's
+
+    def screened(screen: list[int]) -> tuple[list[str], float | None]:
+        screens[:] = [judged.subset(screen)]
+        return search(screens[0], [targets[i] for i in screen])
+
+    calibrated = len(quantizer.calibration)
+    result.automatic, last, _ = screened_exclusion(len(judged.batches), calibrated, screened, judge_all, target)
+    final = screens[0]
     if last is not None:
         result.sqnr_db = final.worst_sqnr_db
         if last < target:  # the rounds ran out: the export check on the package decides

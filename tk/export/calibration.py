@@ -19,9 +19,7 @@ from tk.spec import random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
 MARGIN_DB = 2.0  # a quantized graph's judged batches must clear the floor by this much (the check draws fresh ones)
-# the aoti and openvino exclusion rounds are judged on the calibration batches and every 4th held-out one;
-# the set they keep is then judged on every batch (their judges run the quantized model slowly: PyTorch, NNCF)
-SCREEN_EVERY = 4
+SCREEN_EVERY = 4  # screened_exclusion's rounds judge the calibration batches and every 4th held-out one
 DEFAULT_CALIBRATION = "random:32"
 
 log = logging.getLogger("tk.export")
@@ -173,3 +171,29 @@ def _fewest_that_pass(
     if last_judged != passing:
         best = judge(excluded[:passing])  # the caller keeps the last call's graph
     return excluded[:passing], best
+
+
+def screened_exclusion(
+    batches: int,
+    calibration: int,
+    search: Callable[[list[int]], tuple[list[str], float | None]],
+    judge_all: Callable[[list[str]], tuple[float, int | None]],
+    target_db: float,
+) -> tuple[list[str], float | None, list[int]]:
+    """``search(screen)`` (an ``exclude_costliest`` whose rounds judge only the batches ``screen`` indexes)
+    on a screen of the ``batches`` judged ones: the first ``calibration`` (the calibration batches) and
+    every ``SCREEN_EVERY``-th. The set it keeps is judged on every batch (``judge_all(excluded)``: the
+    SQNR, and None where it holds, else the index of a batch under the target); a batch failing there
+    joins the screen and the rounds run again. For writers whose judge is slow (the aoti package's runs
+    the quantized program in PyTorch, ~40 s a full judge on the small Transformer; OpenVINO's compiles
+    each IR): a passing round runs every batch it is judged on. Returns the excluded layers, the last
+    SQNR (None when there was none to exclude) and the batches it was judged on."""
+    screen = [i for i in range(batches) if i < calibration or i % SCREEN_EVERY == 0]
+    while True:
+        excluded, last = search(screen)
+        if last is None or last < target_db or len(screen) == batches:
+            return excluded, last, screen
+        value, failed = judge_all(excluded)
+        if failed is None:
+            return excluded, value, list(range(batches))
+        screen = sorted({*screen, failed})

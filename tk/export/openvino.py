@@ -362,7 +362,7 @@ def int8_ir_from_ir(
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
-    from tk.export.calibration import MARGIN_DB, SCREEN_EVERY, exclude_costliest
+    from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
 
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
@@ -444,22 +444,20 @@ def int8_ir_from_ir(
 
             return judge_without
 
-        # as the aoti writer does: rounds judged on a screen, the kept set on every batch
-        screen = [i for i in range(len(judged.batches)) if i < len(calibration) or i % SCREEN_EVERY == 0]
-        while True:
-            excluded, last = exclude_costliest(costs, judge_on(judged.subset(screen)), target, MAX_ROUNDS)
-            if last is None or last < target or len(screen) == len(judged.batches):
-                break
-            last = judged.sqnr_db(best["model"], target_db=target)
+        def judge_all(excluded: list[str]) -> tuple[float, int | None]:
+            value = judged.sqnr_db(best["model"], target_db=target)
             failed = judged.stopped_at
             log.info(
                 "export int8   %d of %d units float32: SQNR %.1f dB on all %d batches%s",
-                len(excluded), len(units), last, len(judged.batches),
+                len(excluded), len(units), value, len(judged.batches),
                 "" if failed < 0 else f": batch {failed} under the target joins the screen and the rounds run again",
             )  # fmt: skip
-            if failed < 0:
-                break
-            screen = sorted({*screen, failed})
+            return value, None if failed < 0 else failed
+
+        def search(screen: list[int]) -> tuple[list[str], float | None]:
+            return exclude_costliest(costs, judge_on(judged.subset(screen)), target, MAX_ROUNDS)
+
+        excluded, last, _ = screened_exclusion(len(judged.batches), len(calibration), search, judge_all, target)
         if last is not None:
             quantized, sqnr = best["model"], last
         record["automatic_exclusions"] = record["excluded"] = excluded
