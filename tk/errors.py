@@ -44,6 +44,11 @@ class EngineError(TkError):
     """A backend failed while running feeds that passed the input checks (its message is quoted)."""
 
 
+class CannotWinError(TkError):
+    """An int8 exclusion search left unrun: with every layer int8 the artifact is already slower than a
+    candidate that passed (``tk optimize``), and leaving layers in float32 cannot make it the fastest."""
+
+
 class ParityError(TkError):
     """An artifact's outputs differ from PyTorch's beyond tolerance."""
 

@@ -229,3 +229,16 @@ def test_each_int8_format_is_its_own_export_and_the_others_share_a_capture() -> 
     ]  # fmt: skip
     groups = [[c.name for c in members] for members in export_groups(tried).values()]
     assert groups == [["onnx fp32", "aoti fp32"], ["onnx int8 static"], ["aoti int8 static"], ["openvino int8 static"]]
+
+
+def test_reasons_print_as_text_not_rich_markup() -> None:
+    from rich.console import Console
+
+    from tk.workflows.optimize.table import Row, render
+
+    row = Row("trt fp32", "trt", "fp32", "trt", {}, "skipped", "tensorrt is not installed (pip install 'tk[gpu]')")
+    row.cached = True
+    console = Console(width=200, record=True)
+    console.print(render([row], "t"))
+    text = console.export_text()
+    assert "pip install 'tk[gpu]'" in text and "[cached]" in text

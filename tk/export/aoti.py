@@ -109,7 +109,7 @@ def unavailable_reason(device: str) -> str | None:
 def _int8_program(ctx: ExportContext, options: AotiOptions) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
     """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti_int8``)."""
     from tk.export.aoti_int8 import DEFAULT_METHOD, int8_program
-    from tk.export.calibration import calibration_feeds, int8_floor_db, judge_feeds, require_int8_layers
+    from tk.export.calibration import calibration_feeds, int8_floor_db, int8_gate, judge_feeds, require_int8_layers
 
     assert ctx.program is not None
     program, result = int8_program(
@@ -122,6 +122,7 @@ def _int8_program(ctx: ExportContext, options: AotiOptions) -> tuple[torch.expor
         keep_fp32=ctx.options.keep_fp32,
         min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
+        gate=int8_gate(ctx, "aoti") if ctx.options.device == "cpu" else None,
     )
     require_int8_layers(result.int8_modules, result.quantizable, "aoti")
     return program, result.to_json()

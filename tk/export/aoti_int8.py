@@ -38,15 +38,17 @@ import importlib.util
 import logging
 import math
 import platform
+import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from tk.errors import ConversionError, UsageError, first_line
+from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
 from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.export.quantize import saturating_int8_products
@@ -325,6 +327,7 @@ def int8_program(
     min_sqnr_db: float | None = None,
     judge: Sequence[dict[str, np.ndarray]] = (),
     excluded_in_bf16: bool | None = None,
+    gate: Callable[[Any], None] | None = None,
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
@@ -332,7 +335,9 @@ def int8_program(
     their own output in int8, on the calibration batches) until the SQNR on the calibration and
     ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
-    CPU has bfloat16 dot products), in float32 elsewhere.
+    CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` (``tk.export.calibration.int8_gate``)
+    is asked before the search, with a function that compiles the all-int8 package (as the writer
+    compiles it) and returns its path, and may end the export.
     """
     if method not in METHODS:
         raise UsageError(
@@ -365,15 +370,35 @@ def int8_program(
             )
             quantized = _all_int8(quantizer, judged, ranked, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
+                if gate is not None:
+                    with tempfile.TemporaryDirectory(prefix="tk-int8-gate-") as tmp:
+                        package = Path(tmp) / "all-int8.pt2"
+                        gate(lambda: _package(quantized, example_inputs, signature, dims, package))
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
             return exported_program_from_module(quantized, example_inputs, signature, dims), result
-    except (UsageError, ConversionError):
+    except (UsageError, ConversionError, CannotWinError):
         raise
     except Exception as exc:  # torchao and torch.export raise many types; each is a conversion failure
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
+
+
+def _package(
+    module: torch.fx.GraphModule,
+    example_inputs: tuple[torch.Tensor, ...],
+    signature: Signature,
+    dims: dict[str, Dim],
+    path: Path,
+) -> Path:
+    """``module`` captured with the ranges of ``dims`` and compiled as the writer compiles int8 packages."""
+    from tk.export.aoti import aoti_package_from_exported_program, inductor_configs_for
+    from tk.export.torch_program import exported_program_from_module
+
+    program = exported_program_from_module(module, example_inputs, signature, dims)
+    aoti_package_from_exported_program(program, path, inductor_configs=inductor_configs_for("int8", "cpu"))
+    return path
 
 
 def _all_int8(

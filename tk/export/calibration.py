@@ -1,8 +1,8 @@
 """Static int8's inputs (the calibration batches, and the held-out batches that judge a quantized
 graph) and the loop that leaves the costliest layers out until the graph keeps its SQNR floor.
 
-Shared by the two int8 writers: onnxruntime's static QDQ graph (``tk.export.static_int8``) and the
-PT2E-quantized AOTInductor package (``tk.export.aoti_int8``).
+Shared by the int8 writers: onnxruntime's static QDQ graph (``tk.export.static_int8``), the
+PT2E-quantized AOTInductor package (``tk.export.aoti_int8``) and NNCF's OpenVINO IR (``tk.export.openvino``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import ConversionError, UsageError
+from tk.errors import CannotWinError, ConversionError, UsageError
 from tk.export.context import ExportContext
 from tk.spec import random_feeds, shapes_to_check
 
@@ -42,6 +42,21 @@ def int8_floor_db(ctx: ExportContext) -> float:
     from tk.tolerances import MIN_SQNR_DB
 
     return ctx.options.min_sqnr_db if ctx.options.min_sqnr_db is not None else MIN_SQNR_DB["int8"]
+
+
+def int8_gate(ctx: ExportContext, fmt: str) -> Callable[[Any], None] | None:
+    """What format ``fmt``'s int8 writer calls with its all-int8 model before an exclusion search:
+    ``ctx.options.int8_gate`` asked for ``fmt``, raising ``CannotWinError`` with its reason."""
+    gate = ctx.options.int8_gate
+    if gate is None:
+        return None
+
+    def ask(model: Any) -> None:
+        reason = gate(fmt, model)
+        if reason:
+            raise CannotWinError(f"{fmt} int8: {reason}")
+
+    return ask
 
 
 def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:

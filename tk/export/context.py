@@ -17,6 +17,11 @@ from tk.spec import Dim
 
 log = logging.getLogger("tk.export")
 
+# Asked by an int8 writer before its exclusion search, with the format's name and its all-int8 model (ONNX
+# bytes, an OpenVINO model, a function that compiles the aoti package): why the search cannot give the
+# fastest candidate, or None (tk optimize's speed gate). A reason ends the export with CannotWinError.
+Int8Gate = Callable[[str, Any], str | None]
+
 
 @dataclass
 class ExportOptions:
@@ -42,6 +47,7 @@ class ExportOptions:
     min_sqnr_db: float | None = None  # SQNR floor of the check and of int8's exclusion search (default: by precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     settings: Mapping[str, Any] = field(default_factory=dict)  # format -> its writer's options dataclass
+    int8_gate: Int8Gate | None = None  # see Int8Gate; None: every int8 search runs
 
 
 @dataclass

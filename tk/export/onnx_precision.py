@@ -66,7 +66,13 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
         kept_modules = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
         excluded += kept_modules + [f"{name}_MatMul" for name in kept_modules]  # a Gemm splits into NAME_MatMul + Add
     if mode == "static":
-        from tk.export.calibration import calibration_feeds, int8_floor_db, judge_feeds, require_int8_layers
+        from tk.export.calibration import (
+            calibration_feeds,
+            int8_floor_db,
+            int8_gate,
+            judge_feeds,
+            require_int8_layers,
+        )
         from tk.export.static_int8 import static_int8_onnx_from_onnx
 
         result = static_int8_onnx_from_onnx(
@@ -77,6 +83,7 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
             nodes_to_exclude=excluded,
             min_sqnr_db=int8_floor_db(ctx),
             judge=judge_feeds(ctx),
+            gate=int8_gate(ctx, "onnx"),
         )
         require_int8_layers(result.int8_nodes, result.quantizable, "onnx")
         os.replace(quantized, path)

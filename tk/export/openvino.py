@@ -103,7 +103,7 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized by NNCF on tk's calibration batches, judged at the int8 SQNR floor."""
     import nncf
 
-    from tk.export.calibration import calibration_feeds, int8_floor_db, judge_feeds, require_int8_layers
+    from tk.export.calibration import calibration_feeds, int8_floor_db, int8_gate, judge_feeds, require_int8_layers
 
     quantized, record = int8_ir_from_ir(
         model,
@@ -111,6 +111,7 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
         judge_feeds(ctx),
         transformer=has_attention(model),
         min_sqnr_db=int8_floor_db(ctx),
+        gate=int8_gate(ctx, "openvino"),
     )
     layers = record["quantizable_nodes"]
     require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
@@ -350,6 +351,7 @@ def int8_ir_from_ir(
     *,
     transformer: bool = False,
     min_sqnr_db: float | None = None,
+    gate: Callable[[Any], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
 
@@ -357,7 +359,9 @@ def int8_ir_from_ir(
     ``min_sqnr_db + MARGIN_DB``: for a transformer, NNCF's SmoothQuant is tried off too (its default
     migrates most of each input's range into the weight, which can cost more than it saves) and the
     better kept; then units (``quantized_units``) are left float32, costliest first by
-    ``one_at_a_time_sqnr_db``, until it is reached.
+    ``one_at_a_time_sqnr_db``, until it is reached. ``gate`` (``tk.export.calibration.int8_gate``) sees
+    the all-int8 model at its first batch under the target, before the SmoothQuant retry and the search,
+    and may end them.
     """
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
@@ -392,6 +396,8 @@ def int8_ir_from_ir(
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
     judged = _Judge(model, [*calibration, *judge])
     quantized = quantize(())
+    if target is not None and gate is not None and judged.sqnr_db(quantized, target_db=target) < target:
+        gate(quantized)  # asked at the first batch under the target: a skip spares the rest of the judge
     sqnr = judged.sqnr_db(quantized)
     log.info(
         "export int8   OpenVINO SQNR %.1f dB on %d batches, SmoothQuant %s",

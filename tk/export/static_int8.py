@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tk.errors import ConversionError, UsageError, first_line
+from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.export.qdq_variants import QdqVariants
 from tk.export.quantize import quant_type, weight_record, weight_type
@@ -193,6 +193,7 @@ def static_int8_onnx_from_onnx(
     min_sqnr_db: float | None = None,
     judge: Sequence[dict[str, np.ndarray]] = (),
     weights: str | None = None,
+    gate: Callable[[bytes], None] | None = None,
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
@@ -201,6 +202,7 @@ def static_int8_onnx_from_onnx(
     ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
     plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
     ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
+    ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before a search, and may end it.
     """
     judge_batches = list(judge)
     if not calibration:
@@ -227,6 +229,8 @@ def static_int8_onnx_from_onnx(
                 log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
                 return result
             log.info("export int8   SQNR %.1f dB on a batch, under the target %.1f dB", sqnr, target_db)
+            if gate is not None:
+                gate(target.read_bytes())
             import onnx
 
             variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)))
@@ -257,7 +261,7 @@ def static_int8_onnx_from_onnx(
             result.excluded = exclude + result.automatic
             result.int8_nodes = len([n for n in candidates if n not in result.excluded])
             return result
-    except (UsageError, ConversionError):
+    except (UsageError, ConversionError, CannotWinError):
         raise
     except Exception as exc:  # the quantizer raises many types; each is a conversion failure
         raise ConversionError(

@@ -146,13 +146,7 @@ class OnnxRuntimeEngine(Engine):
         return self.load()._session
 
     def _session_options(self, ort: Any) -> Any:
-        options = ort.SessionOptions()
-        level = OPTIMIZATION_LEVELS[self.options.optimization]
-        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-        options.intra_op_num_threads = self.options.threads or usable_cores()
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.options.spinning else "0")
-        options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
-        return options
+        return session_options(ort, self.options)
 
     def settings(self) -> dict[str, Any]:
         out = super().settings()
@@ -285,6 +279,26 @@ class OnnxRuntimeEngine(Engine):
 
     def _close(self) -> None:
         del self._session
+
+
+def session_options(ort: Any, engine_options: OnnxOptions) -> Any:
+    """The ``onnxruntime.SessionOptions`` this engine runs with under ``engine_options``."""
+    options = ort.SessionOptions()
+    level = OPTIMIZATION_LEVELS[engine_options.optimization]
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.intra_op_num_threads = engine_options.threads or usable_cores()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if engine_options.spinning else "0")
+    options.log_severity_level = 3  # errors only: onnxruntime warns about every initializer it folds away
+    return options
+
+
+def cpu_session(model: bytes, engine_options: OnnxOptions) -> Any:
+    """A CPU session of a serialized ONNX model (one not yet in an artifact: ``tk optimize`` times an int8
+    graph before its exclusion search) with the options this engine's sessions get."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, sess_options=session_options(ort, engine_options),
+                                providers=["CPUExecutionProvider"])  # fmt: skip
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:

@@ -81,13 +81,8 @@ class OpenVINOEngine(Engine):
                 f"the manifest expects {self._in_names} and {self._out_names}"
             )
         model.reshape(bounded_shapes(self.manifest.signature, self.dims))
-        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": hint}
-        if self.options.threads is not None:
-            config["INFERENCE_NUM_THREADS"] = self.options.threads
-        if self.options.performance_hint is not None:
-            config["PERFORMANCE_HINT"] = self.options.performance_hint
         try:
-            self._compiled = core.compile_model(model, "CPU", config)
+            self._compiled = core.compile_model(model, "CPU", compile_config(self.options, hint))
         except Exception as exc:
             raise load_failure(exc, f"{self.root / xml_entry.path} (OpenVINO CPU compile)", "re-export it") from exc
         actual = precision_name(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
@@ -126,6 +121,16 @@ class OpenVINOEngine(Engine):
 
     def _close(self) -> None:
         del self._compiled, self._ports, self._local
+
+
+def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
+    """The CPU plugin's configuration under ``options`` at the precision hint ``hint`` (f32, bf16)."""
+    config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": hint}
+    if options.threads is not None:
+        config["INFERENCE_NUM_THREADS"] = options.threads
+    if options.performance_hint is not None:
+        config["PERFORMANCE_HINT"] = options.performance_hint
+    return config
 
 
 def _names_match(ports: list[Any], names: list[str]) -> bool:

@@ -636,6 +636,7 @@ def speed_gate(
 
 def render_gate(gate: Gate, title: str | None = None) -> Table:
     """Before/after: one row per verdict that has a baseline or failed."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title or f"{gate.suite} against the baseline")
@@ -655,11 +656,11 @@ def render_gate(gate: Gate, title: str | None = None) -> Table:
         if v.limit is None and v.status == "pass":  # not judged against a baseline
             continue
         if v.figure == "run":
-            table.add_row(v.engine, v.item, v.figure, "", "", "", f"{v.status}: {v.message}")
+            table.add_row(v.engine, v.item, v.figure, "", "", "", escape(f"{v.status}: {v.message}"))
             continue
         if v.figure == "parity":
             if v.failed:
-                table.add_row(v.engine, v.item, v.figure, "", "", "", f"FAIL: {v.message}")
+                table.add_row(v.engine, v.item, v.figure, "", "", "", escape(f"FAIL: {v.message}"))
             continue
         result = {"pass": "pass", "fail": "FAIL", "skip": "skip"}[v.status]
         table.add_row(

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tk.errors import IntegrityError, ParityError, TkError, UsageError, first_line
+from tk.errors import CannotWinError, IntegrityError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, write_artifact
 from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir
 from tk.formats.aoti import packing_features
@@ -41,6 +41,7 @@ class Written:
 
     artifacts: dict[Candidate, tuple[Path, Manifest]] = dataclasses.field(default_factory=dict)
     errors: dict[Candidate, str] = dataclasses.field(default_factory=dict)
+    skipped: dict[Candidate, str] = dataclasses.field(default_factory=dict)  # the speed gate's (tk...gate)
     cache_hits: int = 0
     exports: int = 0
 
@@ -107,6 +108,9 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
         write_artifact(spec, root, export_options, check=run_export_check)
     except ParityError:
         pass  # written and marked failed by the precision's own tolerance: the user's spec judges it next
+    except CannotWinError as exc:  # only int8 groups ask the gate, and each holds one format
+        written.skipped = {c: first_line(exc) for c in candidates}
+        return written
     except (TkError, RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # a writer's failure
         if len(candidates) > 1:
             log.info(
@@ -150,6 +154,7 @@ def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], bas
         one = write_group(spec, root.with_name(f"{root.name}-{candidate.format}"), [candidate], base)
         written.artifacts.update(one.artifacts)
         written.errors.update(one.errors)
+        written.skipped.update(one.skipped)
         written.cache_hits += one.cache_hits
         written.exports += one.exports
     return written

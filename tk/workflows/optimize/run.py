@@ -25,6 +25,7 @@ from tk.spec import Dim
 from tk.workflows.optimize.artifacts import CACHE, refuse_foreign_out, write_group, write_winner
 from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
 from tk.workflows.optimize.data import OptimizeData, optimize_data
+from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
 from tk.workflows.optimize.table import Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
@@ -91,7 +92,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
         )
     rows = [_row(s.candidate, "skipped", s.reason) for s in found.skipped]
     state = _Run(spec, out, options, accuracy, data, sizes, say)
-    state.base = _export_options(options, accuracy, dims, data)
+    state.base = _export_options(options, accuracy, dims, data, state.gate)
     entries = state.write_and_judge(found.tried, rows)
     winner = state.time_and_pick(entries, rows)
     record = _record(state, rows, winner)
@@ -134,10 +135,11 @@ def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _export_options(
-    options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData
+    options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData, gate: SpeedGate | None
 ) -> ExportOptions:
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
-                         calibration_data=data.calibration, min_sqnr_db=accuracy.sqnr_floor_db)  # fmt: skip
+                         calibration_data=data.calibration, min_sqnr_db=accuracy.sqnr_floor_db,
+                         int8_gate=gate)  # fmt: skip
 
 
 def export_groups(tried: list[Candidate]) -> dict[Any, list[Candidate]]:
@@ -171,6 +173,8 @@ class _Run:
         self.base = ExportOptions()
         self.judged: dict[str, tuple[Candidate, Path, Manifest, dict[str, Any]]] = {}
         self.timing: dict[str, Any] = {}
+        # --keep all asks for every candidate's artifact: then every int8 search runs
+        self.gate = None if options.keep == "all" else SpeedGate(sizes, options.device, options.wait_quiet_s)
 
     def over_budget(self) -> bool:
         budget = self.options.time_budget_min
@@ -193,6 +197,9 @@ class _Run:
             self.cache_hits += written.cache_hits
             self.exports += written.exports
             for candidate in members:
+                if candidate in written.skipped:
+                    rows.append(_row(candidate, "skipped", written.skipped[candidate]))
+                    continue
                 if candidate in written.errors:
                     rows.append(_row(candidate, "failed", written.errors[candidate]))
                     continue
@@ -202,6 +209,8 @@ class _Run:
                 rows.append(row)
                 if row.status == "passed":
                     passed.append((candidate, where, manifest))
+                    if self.gate is not None:
+                        self.gate.add(candidate, where, manifest)
         self.say("judge", len(groups), len(groups))
         return passed
 
@@ -289,4 +298,5 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
         "candidates": [r.to_json() for r in rows],
         "timing": state.timing,
         "cache": {"dir": str(state.cache), "hits": state.cache_hits, "exports": state.exports},
+        "speed_gate": state.gate.verdicts if state.gate is not None else None,
     }

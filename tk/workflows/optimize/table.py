@@ -52,6 +52,7 @@ def _json_number(value: Any) -> Any:
 
 
 def render(rows: list[Row], title: str) -> Table:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -69,7 +70,7 @@ def render(rows: list[Row], title: str) -> Table:
             result += " [cached]"
         table.add_row(
             row.candidate,
-            result,
+            escape(result),  # reasons quote commands such as pip install 'tk[gpu]': text, not markup
             row.accuracy_text or "—",
             "—" if row.p50_ms is None else f"{row.p50_ms:.3g}",
             "—" if row.speedup is None else f"{row.speedup:.2f}×",

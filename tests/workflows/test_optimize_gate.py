@@ -1,0 +1,108 @@
+"""tk optimize's speed gate: an int8 search that cannot give the winner is skipped with its numbers.
+
+The gate's verdict depends on timings; these tests move its margin so that the verdict is certain
+(any ratio skips, or none does) and assert what it records, never a speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tk.export import ExportOptions, write_artifact
+from tk.manifest import verify_artifact
+from tk.models import build_model
+from tk.workflows.check import run_export_check
+from tk.workflows.optimize import OptimizeOptions, gate, optimize
+from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.optimize.gate import PROBE, SpeedGate
+
+SIZES = {"batch": 4, "seq": 16}
+
+
+@pytest.fixture(scope="module")
+def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("gate") / "fp32"
+    write_artifact(
+        build_model("transformer", size="tiny"), out, ExportOptions(formats=("onnx",)), check=run_export_check
+    )
+    return out
+
+
+def _gate(root: Path) -> SpeedGate:
+    speed_gate = SpeedGate(dict(SIZES))
+    speed_gate.add(Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),)), root, verify_artifact(root))
+    return speed_gate
+
+
+def test_a_slower_probe_gets_a_reason_with_both_times(fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gate, "MARGIN", -1.0)  # any time is "slower": the verdict is certain
+    speed_gate = _gate(fp32_artifact)
+    model = (fp32_artifact / verify_artifact(fp32_artifact).file("onnx").path).read_bytes()
+    reason = speed_gate("onnx", model)
+    assert reason is not None and reason.startswith("cannot win here: with every layer int8 it ran")
+    assert "of onnx fp32 in the same rounds" in reason and "batch 4 × seq 16" in reason
+    (verdict,) = speed_gate.verdicts
+    assert verdict["format"] == "onnx" and verdict["fastest_passed"] == "onnx fp32"
+    assert set(verdict["p50_ms"]) == {"onnx fp32", PROBE} and all(v > 0 for v in verdict["p50_ms"].values())
+    assert verdict["skipped"] is (not verdict["busy"])
+
+
+def test_a_probe_within_the_margin_lets_the_search_run(fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gate, "MARGIN", 1e9)
+    speed_gate = _gate(fp32_artifact)
+    model = (fp32_artifact / verify_artifact(fp32_artifact).file("onnx").path).read_bytes()
+    assert speed_gate("onnx", model) is None
+    assert speed_gate.verdicts[0]["skipped"] is False
+
+
+def test_no_passed_candidate_or_a_probe_that_cannot_run_is_no_reason(fp32_artifact: Path) -> None:
+    assert SpeedGate(dict(SIZES))("onnx", b"") is None  # nothing passed yet: nothing to compare with
+    assert _gate(fp32_artifact)("onnx", b"not an onnx graph") is None
+    assert _gate(fp32_artifact)("tensorrt", object()) is None
+
+
+def _force_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every int8 model misses the floor (so the gate is asked), and every probe is 'slower'."""
+    monkeypatch.setattr(gate, "MARGIN", -1.0)
+
+
+def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _force_search(monkeypatch)
+    options = OptimizeOptions(
+        accuracy="sqnr>=80",  # untrained tiny int8 reaches ~35-45 dB: each int8 writer would search
+        sizes=dict(SIZES),
+        candidates=("onnx fp32", "onnx int8 static", "aoti int8 static", "openvino int8 static"),
+        seconds=0.05,
+        cache_dir=tmp_path / "cache",
+    )
+    torch.manual_seed(0)
+    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    rows: dict[str, Any] = {r.candidate: r for r in result.rows}
+    assert result.winner is not None and result.winner.candidate == "onnx fp32"
+    for name in ("onnx int8 static", "aoti int8 static", "openvino int8 static"):
+        assert rows[name].status == "skipped", (name, rows[name].status, rows[name].reason)
+        assert rows[name].reason.startswith(f"{name.split()[0]} int8: cannot win here"), rows[name].reason
+    gate_record = result.record["speed_gate"]
+    assert [v["format"] for v in gate_record] == ["onnx", "aoti", "openvino"]
+    assert all(v["fastest_passed"] == "onnx fp32" for v in gate_record)
+    assert not any(p.name.startswith("int8") for p in (tmp_path / "cache").iterdir())  # nothing half-written cached
+
+
+def test_keep_all_runs_every_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _force_search(monkeypatch)
+    options = OptimizeOptions(
+        accuracy="sqnr>=30",
+        sizes=dict(SIZES),
+        candidates=("onnx fp32", "onnx int8 static"),
+        seconds=0.05,
+        keep="all",
+        cache_dir=tmp_path / "cache",
+    )
+    torch.manual_seed(0)
+    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    assert result.record["speed_gate"] is None
+    assert {r.candidate: r.status for r in result.rows}["onnx int8 static"] in ("passed", "failed")

@@ -1,0 +1,147 @@
+"""``tk optimize``'s speed gate: an int8 exclusion search runs only where its result could be the winner.
+
+An int8 writer asks the gate (``ExportOptions.int8_gate``) with its all-int8 model when that model
+misses the accuracy floor, before the exclusion search that would return layers to float32: the
+costliest step of an optimize run (minutes on the small Transformer; see benchmarks/history.md). The
+gate times the all-int8 model interleaved with every candidate that has passed so far, at the user's
+batch and sequence, under the load guard. A layer the search returns to float32 runs as it does in
+the format's float32 candidate, which is among those timed, so the search's result lies between the
+two: when the all-int8 model is slower than the fastest passed candidate by more than ``MARGIN``, the
+search cannot give the winner, and the candidate is skipped with the numbers as its reason. On a busy
+machine (the guard's mark) the gate does not judge: the search runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tk.manifest import Manifest
+from tk.runtime import EngineChoice, open_engine
+from tk.runtime.inputs import random_inputs
+from tk.workflows.load_guard import LoadGuard
+from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.timing import CallTime, CallTimer, interleave
+
+log = logging.getLogger("tk.optimize")
+
+MARGIN = 0.05  # the all-int8 model must be this much slower than the fastest passed candidate to be skipped
+SECONDS = 0.5  # timing budget per model (interleave's), at least MIN_ROUNDS rounds
+MIN_ROUNDS = 5
+WARMUP = 2
+PROBE = "all-int8"
+
+
+@dataclass
+class SpeedGate:
+    """Asked by the int8 writers of one optimize run; ``add`` each candidate that passes."""
+
+    sizes: dict[str, int]  # where candidates are timed: batch, seq...
+    device: str = "cpu"
+    wait_quiet_s: float = 0.0
+    passed: list[tuple[Candidate, Path, Manifest]] = field(default_factory=list)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)  # each question's numbers, for optimize.json
+
+    def add(self, candidate: Candidate, root: Path, manifest: Manifest) -> None:
+        self.passed.append((candidate, root, manifest))
+
+    def __call__(self, fmt: str, model: Any) -> str | None:
+        """Why format ``fmt``'s search cannot give the winner, or None; ``model``: its all-int8 model
+        (serialized ONNX, an ``openvino.Model``, or for aoti a function that compiles the package and
+        returns its path, called only when there is something to compare it with)."""
+        if self.device != "cpu" or not self.passed:
+            return None
+        try:
+            p50, busy = self._time(fmt, model)
+        except Exception as exc:  # a probe that cannot run here is no reason to skip: the search runs
+            log.info("optimize gate: could not time the all-int8 %s model (%s); its search runs", fmt, exc)
+            return None
+        best = min((name for name in p50 if name != PROBE), key=p50.__getitem__)
+        ratio = p50[PROBE] / p50[best]
+        where = " × ".join(f"{k} {v}" for k, v in self.sizes.items())
+        verdict = {
+            "format": fmt,
+            "p50_ms": {k: round(v, 3) for k, v in p50.items()},
+            "fastest_passed": best,
+            "ratio": round(ratio, 3),
+            "busy": busy,
+            "skipped": not busy and ratio > 1 + MARGIN,
+        }
+        self.verdicts.append(verdict)
+        log.info("optimize gate: %s all-int8 %.1f ms, %s %.1f ms at %s%s", fmt, p50[PROBE], best, p50[best], where,
+                 " (busy machine: not judged)" if busy else "")  # fmt: skip
+        if not verdict["skipped"]:
+            return None
+        return (
+            f"cannot win here: with every layer int8 it ran {p50[PROBE]:.1f} ms at {where}, {ratio:.2f}× the "
+            f"{p50[best]:.1f} ms of {best} in the same rounds, so its exclusion search was not run"
+        )
+
+    def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], bool]:
+        batch = self.sizes.get("batch", 1)
+        others = {k: v for k, v in self.sizes.items() if k != "batch"}
+        choice = EngineChoice("eager", self.device, allow_failed=True)
+        with ExitStack() as stack:
+            engines = {}
+            for candidate, root, manifest in self.passed:
+                quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # as time_candidates opens them
+                engines[candidate.name] = stack.enter_context(
+                    open_engine(root, quiet, candidate.engine, manifest=manifest)
+                )
+            first = next(iter(engines.values())).load()
+            feeds = random_inputs(first.inputs, first.dims, batch, seed=0, sizes=others)
+            timers: dict[str, Any] = {name: CallTimer(engine, feeds) for name, engine in engines.items()}
+            timers[PROBE] = _probe(fmt, model, feeds, first)
+            for timer in timers.values():
+                for _ in range(WARMUP):
+                    timer()
+            with LoadGuard(self.wait_quiet_s).row() as mark:
+                times = interleave(timers, seconds=SECONDS, min_rounds=MIN_ROUNDS)
+        p50 = {name: float(np.median([c.total_s for c in calls])) * 1e3 for name, calls in times.items()}
+        return p50, mark.busy
+
+
+def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Any:
+    """A timer of ``model`` on ``feeds``, run as format ``fmt``'s engine runs its artifact."""
+    if fmt == "onnx":
+        from tk.runtime.onnxrt import OnnxOptions, cpu_session
+
+        session = cpu_session(model, OnnxOptions(spinning=False))
+        return _timed(lambda: session.run(None, feeds))
+    if fmt == "openvino":
+        import openvino as ov
+
+        from tk.formats.openvino import bounded_shapes
+        from tk.runtime.openvino import OpenVINOOptions, compile_config
+
+        copy = model.clone()  # the writer goes on with ``model``: its shapes stay its own
+        copy.reshape(bounded_shapes(engine.manifest.signature, engine.dims))
+        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), "f32")).create_infer_request()
+        return _timed(lambda: request.infer(feeds))
+    if fmt == "aoti":
+        import torch
+
+        package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
+        args = tuple(torch.from_numpy(feeds[spec.name]) for spec in engine.inputs)
+
+        def run() -> None:
+            with torch.no_grad():
+                package(*args)
+
+        return _timed(run)
+    raise ValueError(f"no probe for the {fmt} format")
+
+
+def _timed(call: Any) -> Any:
+    def timer() -> CallTime:
+        start = time.perf_counter()
+        call()
+        return CallTime(time.perf_counter() - start)
+
+    return timer
