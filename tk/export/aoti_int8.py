@@ -17,9 +17,9 @@ run near the machine's int8 matrix-product peak (``torch._int_mm``).
 Layers whose quantization costs the most signal are left out automatically: while the outputs'
 SQNR (the quantized program run by PyTorch against the float32 one, on the calibration batches and
 held-out batches at the shapes the export check uses) is below the floor plus a margin, the
-costliest are excluded, a few more per round. A layer's cost is its own output's SQNR with its input
-and weight rounded as the calibrated observers say (``tk.export.int8_costs``: one pass over the
-calibration batches), a failing round stops at its first batch under the target, and the rounds
+costliest are excluded, a few more per round. A layer's cost is the program's SQNR on the calibration
+batches with that layer alone in int8 (``one_at_a_time_sqnr_db``, as the onnx and openvino searches
+rank theirs), a failing round stops at its first batch under the target, and the rounds
 are judged on a screen (the calibration batches and every 4th held-out one; the set they keep is
 then judged on every batch, and a batch under the target there joins the screen for another search). On a batch
 where the program with every module in bfloat16 is itself under the target (a barely trained
@@ -50,7 +50,6 @@ import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
-from tk.export.int8_costs import local_sqnr_db, module_path
 from tk.export.quantize import saturating_int8_products
 from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
 from tk.parity import worst_sqnr_db
@@ -86,7 +85,7 @@ class AotiInt8Result:
     excluded: list[str] = field(default_factory=list)  # modules not quantized (--keep-fp32 + automatic)
     automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
     excluded_dtype: str = "fp32"  # what excluded linears run in (bf16 where the CPU has it); convolutions stay fp32
-    layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> its own output's SQNR in int8
+    layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> SQNR with it alone in int8
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
     method: str = DEFAULT_METHOD
@@ -331,8 +330,8 @@ def int8_program(
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
-    With ``min_sqnr_db``, modules are excluded automatically (costliest first: the lowest SQNR of
-    their own output in int8, on the calibration batches) until the SQNR on the calibration and
+    With ``min_sqnr_db``, modules are excluded automatically (costliest first: ``one_at_a_time_sqnr_db``
+    on the calibration batches) until the SQNR on the calibration and
     ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
     CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` (``tk.export.calibration.int8_gate``)
@@ -368,12 +367,14 @@ def int8_program(
                 method=method,
                 excluded_dtype="bf16" if in_bf16 else "fp32",
             )
-            quantized = _all_int8(quantizer, judged, ranked, min_sqnr_db, result)
+            quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 if gate is not None:
                     with tempfile.TemporaryDirectory(prefix="tk-int8-gate-") as tmp:
                         package = Path(tmp) / "all-int8.pt2"
                         gate(lambda: _package(quantized, example_inputs, signature, dims, package))
+                calibrated = judged.subset(range(len(batches)))
+                result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
@@ -401,11 +402,26 @@ def _package(
     return path
 
 
+def one_at_a_time_sqnr_db(quantizer: _Quantizer, judge: _Judge, modules: Sequence[str]) -> dict[str, float]:
+    """Each module's int8 cost: the program's worst SQNR on ``judge``'s batches with that module alone in
+    int8 (the kept smoothing applied). One quantize and judge per module: 22.5 s for the small
+    Transformer's 17 on 2 cores, where the search it ranked kept 13 of them int8 (193 ms at 32 x 128)
+    against 8 (286 ms) with the cost of each module's own output, measured in one pass (see
+    benchmarks/history.md, 2 Dec 2026)."""
+    return {name: judge.sqnr_db(quantizer.quantize(only=[name])) for name in modules}
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module (``blocks.0.attn.qkv``) a node of a captured program was called in."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else None
+
+
 def _all_int8(
-    quantizer: _Quantizer, judged: _Judge, ranked: list[str], min_sqnr_db: float | None, result: AotiInt8Result
+    quantizer: _Quantizer, judged: _Judge, min_sqnr_db: float | None, result: AotiInt8Result
 ) -> torch.fx.GraphModule:
     """Every module int8: as captured, then (while under the floor plus the margin) smoothed with each of
-    ``SMOOTHING_ALPHAS``; the best is kept, with its layers' costs (``result`` is filled in)."""
+    ``SMOOTHING_ALPHAS``; the best is kept (``result`` is filled in)."""
     best: torch.fx.GraphModule | None = None
     plans: dict[float | None, SmoothingPlan | None] = {None: None}
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
@@ -416,13 +432,7 @@ def _all_int8(
                 break
             plans[alpha] = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha)
         quantizer.smoothing = plans[alpha]
-        prepared = quantizer.prepare()
-        # the layers' costs come from this calibrated program, so before convert changes it in place:
-        # one pass over the calibration batches, wasted only where every layer keeps the floor
-        costs = (
-            local_sqnr_db(prepared, quantizer.calibration, QUANTIZED_TARGETS, ranked) if min_sqnr_db is not None else {}
-        )
-        quantized = quantizer.convert(prepared)
+        quantized = quantizer.quantize()
         # judged on every calibration batch, then up to the first batch under the target (a full judge of
         # the quantized program in PyTorch took ~40 s on the small Transformer, each); the programs under
         # it are compared on the calibration batches, which every one of them is judged on
@@ -437,7 +447,7 @@ def _all_int8(
         if best is None or kept or score > best_score:
             best, best_score, passed = quantized, score, kept
             result.sqnr_db = judged.worst_sqnr_db  # under the target where it is not kept
-            result.layer_sqnr_db, result.smoothing_alpha = costs, alpha
+            result.smoothing_alpha = alpha
     quantizer.smoothing = plans[result.smoothing_alpha]  # the exclusion rounds quantize the kept program
     assert best is not None
     return best

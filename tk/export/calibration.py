@@ -145,8 +145,7 @@ def exclude_costliest(
 ) -> tuple[list[str], float | None]:
     """Leave out the layers that cost the most signal, 1, 2, 4... more per round, until ``judge`` says
     the graph without them reaches ``target_db``. ``costs``: each layer's cost as an SQNR, lower is
-    costlier (ONNX: the graph's with only that layer quantized; aoti: the layer's own output's, from
-    ``tk.export.int8_costs``); ``judge(excluded)`` quantizes everything else and returns the graph's
+    costlier (the graph's with only that layer quantized, in every int8 writer); ``judge(excluded)`` quantizes everything else and returns the graph's
     SQNR, or any value under ``target_db`` when it fails.
 
     A round that reaches the target after leaving out several more layers is bisected back: the fewest
