@@ -8,6 +8,12 @@ the same ranges, the same weights. So each variant is made here from the fully q
 the float32 one: the chosen nodes take their float32 inputs back (the activation before its
 QuantizeLinear, the float32 weight and bias initializers), and the QuantizeLinear/DequantizeLinear
 nodes and quantized initializers no node reads any more are dropped.
+
+An activation is quantized once for all its readers: where a layer's input also feeds a node that
+is not quantized (a post-LayerNorm encoder's residual reads the FFN's input), that node reads the
+dequantized tensor too. ``quantize_static`` asked without the layer would not quantize the tensor
+at all, so once no quantized node reads a dequantized activation, every reader takes the float32
+tensor back (MiniLM's variant with every layer float32 measured 17.4 dB against PyTorch without this).
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ class QdqVariants:
     graph it was quantized from, same node names): ``with_float(nodes)`` serializes the quantized
     graph with ``nodes`` reading their float32 inputs again."""
 
-    def __init__(self, quantized: Any, source: Any) -> None:
+    def __init__(self, quantized: Any, source: Any, quantized_nodes: Iterable[str] | None = None) -> None:
         self.quantized = quantized
         self.float_inputs = {n.name: list(n.input) for n in source.graph.node if n.name}
         self.float_initializers = {i.name: i for i in source.graph.initializer}
+        # the nodes quantize_static was asked for (default: every node that reads a dequantized tensor)
+        dequantized = {o for n in quantized.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        readers = {n.name for n in quantized.graph.node if n.name and any(i in dequantized for i in n.input)}
+        self.quantized_nodes = set(quantized_nodes) if quantized_nodes is not None else readers
 
     def with_float(self, nodes: Iterable[str]) -> bytes:
         import onnx
@@ -59,8 +69,27 @@ class QdqVariants:
                 inputs.append(name)
             del node.input[:]
             node.input.extend(inputs)
+        _unquantize_orphans(graph, self.quantized_nodes - restore)
         _drop_unread(graph)
         return model.SerializeToString()
+
+
+def _unquantize_orphans(graph: Any, quantized: set[str]) -> None:
+    """Every reader of a dequantized activation that no node of ``quantized`` reads takes the float32
+    tensor back (the input of the QuantizeLinear before it)."""
+    quantize_input = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "QuantizeLinear"}
+    float_of = {
+        n.output[0]: quantize_input[n.input[0]]
+        for n in graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0] in quantize_input
+    }
+    still_read = {i for n in graph.node if n.name in quantized for i in n.input if i in float_of}
+    for node in graph.node:
+        if node.op_type in QDQ_OPS:
+            continue
+        for index, name in enumerate(node.input):
+            if name in float_of and name not in still_read:
+                node.input[index] = float_of[name]
 
 
 def _drop_unread(graph: Any) -> None:

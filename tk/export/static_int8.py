@@ -233,7 +233,7 @@ def static_int8_onnx_from_onnx(
                 gate(target.read_bytes())
             import onnx
 
-            variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)))
+            variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)), keep)
             ranking = _Judge(source, calibration)  # ranks layers; the held-out batches judge each round
             for node in keep:
                 result.layer_sqnr_db[node] = ranking.sqnr_db(variants.with_float(n for n in keep if n != node))
