@@ -62,10 +62,16 @@ def test_every_model_and_engine_has_parity_cases():
     assert sorted([*ENGINE_CASES, "eager"]) == sorted(ENGINES), "an engine has no parity test"
 
 
+# resnet18 through torch.compile costs two Inductor compiles (batch 1 is specialized, then a dynamic
+# batch): 102 s on 2 cores, the slowest case of the suite, which must fit CI's 30 minutes. Inductor's
+# code for resnet18 is still checked by its aoti case, and torch.compile by the other three models.
+NOT_IN_CI = {("resnet18", "compile")}
+
 CASES = [
     pytest.param(model, engine, marks=marks, id=f"{model}-{engine}")
     for engine, (_, marks) in ENGINE_CASES.items()
     for model in MODELS
+    if (model, engine) not in NOT_IN_CI
 ]
 
 
