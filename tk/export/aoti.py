@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,10 +124,31 @@ def _int8_program(ctx: ExportContext, options: AotiOptions) -> tuple[torch.expor
         keep_fp32=ctx.options.keep_fp32,
         min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
-        gate=int8_gate(ctx, "aoti") if ctx.options.device == "cpu" else None,
+        gate=_package_gate(int8_gate(ctx, "aoti")) if ctx.options.device == "cpu" else None,
     )
     require_int8_layers(result.int8_modules, result.quantizable, "aoti")
     return program, result.to_json()
+
+
+def _package_gate(ask: Callable[[Any], None] | None) -> Callable[[Callable[[], Any]], None] | None:
+    """The int8 search's gate: given a function that captures the all-int8 program, asks ``ask``
+    (``int8_gate``) with a function that compiles it as this writer compiles int8 packages."""
+    if ask is None:
+        return None
+
+    def gate(capture: Callable[[], Any]) -> None:
+        with tempfile.TemporaryDirectory(prefix="tk-int8-gate-") as tmp:
+            path = Path(tmp) / "all-int8.pt2"
+
+            def package() -> Path:
+                aoti_package_from_exported_program(
+                    capture(), path, inductor_configs=inductor_configs_for("int8", "cpu")
+                )
+                return path
+
+            ask(package)
+
+    return gate
 
 
 def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:

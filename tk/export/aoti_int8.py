@@ -38,11 +38,9 @@ import importlib.util
 import logging
 import math
 import platform
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -334,9 +332,9 @@ def int8_program(
     on the calibration batches) until the SQNR on the calibration and
     ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
-    CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` (``tk.export.calibration.int8_gate``)
-    is asked before the search, with a function that compiles the all-int8 package (as the writer
-    compiles it) and returns its path, and may end the export.
+    CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` is asked before the search, with a
+    function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
+    may end the export.
     """
     if method not in METHODS:
         raise UsageError(
@@ -370,9 +368,7 @@ def int8_program(
             quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 if gate is not None:
-                    with tempfile.TemporaryDirectory(prefix="tk-int8-gate-") as tmp:
-                        package = Path(tmp) / "all-int8.pt2"
-                        gate(lambda: _package(quantized, example_inputs, signature, dims, package))
+                    gate(lambda: _recaptured(quantized, example_inputs, signature, dims))
                 calibrated = judged.subset(range(len(batches)))
                 result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
@@ -386,20 +382,12 @@ def int8_program(
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
 
 
-def _package(
-    module: torch.fx.GraphModule,
-    example_inputs: tuple[torch.Tensor, ...],
-    signature: Signature,
-    dims: dict[str, Dim],
-    path: Path,
-) -> Path:
-    """``module`` captured with the ranges of ``dims`` and compiled as the writer compiles int8 packages."""
-    from tk.export.aoti import aoti_package_from_exported_program, inductor_configs_for
+def _recaptured(
+    module: torch.fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], signature: Signature, dims: dict[str, Dim]
+) -> torch.export.ExportedProgram:
     from tk.export.torch_program import exported_program_from_module
 
-    program = exported_program_from_module(module, example_inputs, signature, dims)
-    aoti_package_from_exported_program(program, path, inductor_configs=inductor_configs_for("int8", "cpu"))
-    return path
+    return exported_program_from_module(module, example_inputs, signature, dims)
 
 
 def one_at_a_time_sqnr_db(quantizer: _Quantizer, judge: _Judge, modules: Sequence[str]) -> dict[str, float]:
