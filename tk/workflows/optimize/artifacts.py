@@ -41,7 +41,7 @@ class Written:
 
     artifacts: dict[Candidate, tuple[Path, Manifest]] = dataclasses.field(default_factory=dict)
     errors: dict[Candidate, str] = dataclasses.field(default_factory=dict)
-    skipped: dict[Candidate, str] = dataclasses.field(default_factory=dict)  # the speed gate's (tk...gate)
+    skipped: dict[Candidate, str] = dataclasses.field(default_factory=dict)  # by the speed gate (optimize/gate.py)
     cache_hits: int = 0
     exports: int = 0
 
