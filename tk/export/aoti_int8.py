@@ -392,10 +392,9 @@ def _recaptured(
 
 def one_at_a_time_sqnr_db(quantizer: _Quantizer, judge: _Judge, modules: Sequence[str]) -> dict[str, float]:
     """Each module's int8 cost: the program's worst SQNR on ``judge``'s batches with that module alone in
-    int8 (the kept smoothing applied). One quantize and judge per module: 22.5 s for the small
-    Transformer's 17 on 2 cores, where the search it ranked kept 13 of them int8 (193 ms at 32 x 128)
-    against 8 (286 ms) with the cost of each module's own output, measured in one pass (see
-    benchmarks/history.md, 2 Dec 2026)."""
+    int8 (the kept smoothing applied), one quantize and judge per module. It replaced the cheaper cost of
+    each module's own output (one pass), which ranked so much worse that the search kept far fewer
+    modules int8 (benchmarks/history.md, "the speed gate and the aoti ranking")."""
     return {name: judge.sqnr_db(quantizer.quantize(only=[name])) for name in modules}
 
 

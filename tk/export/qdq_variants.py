@@ -13,7 +13,7 @@ An activation is quantized once for all its readers: where a layer's input also 
 is not quantized (a post-LayerNorm encoder's residual reads the FFN's input), that node reads the
 dequantized tensor too. ``quantize_static`` asked without the layer would not quantize the tensor
 at all, so once no quantized node reads a dequantized activation, every reader takes the float32
-tensor back (MiniLM's variant with every layer float32 measured 17.4 dB against PyTorch without this).
+tensor back (without this, MiniLM's search failed: benchmarks/history.md).
 """
 
 from __future__ import annotations
