@@ -145,8 +145,8 @@ def exclude_costliest(
 ) -> tuple[list[str], float | None]:
     """Leave out the layers that cost the most signal, 1, 2, 4... more per round, until ``judge`` says
     the graph without them reaches ``target_db``. ``costs``: each layer's cost as an SQNR, lower is
-    costlier (the graph's with only that layer quantized, in every int8 writer); ``judge(excluded)`` quantizes everything else and returns the graph's
-    SQNR, or any value under ``target_db`` when it fails.
+    costlier (the graph's with only that layer quantized, in every int8 writer); ``judge(excluded)``
+    quantizes everything else and returns the graph's SQNR, or any value under ``target_db`` when it fails.
 
     A round that reaches the target after leaving out several more layers is bisected back: the fewest
     of them that still reach it are kept out, so no layer leaves int8 that did not have to. The last
@@ -199,8 +199,8 @@ def screened_exclusion(
     every ``SCREEN_EVERY``-th. The set it keeps is judged on every batch (``judge_all(excluded)``: the
     SQNR, and None where it holds, else the index of a batch under the target); a batch failing there
     joins the screen and the rounds run again. For writers whose judge is slow (the aoti package's runs
-    the quantized program in PyTorch, ~40 s a full judge on the small Transformer; OpenVINO's compiles
-    each IR): a passing round runs every batch it is judged on. Returns the excluded layers, the last
+    the quantized program in PyTorch; OpenVINO's compiles each IR): a passing round runs every batch it
+    is judged on. Returns the excluded layers, the last
     SQNR (None when there was none to exclude) and the batches it was judged on."""
     screen = [i for i in range(batches) if i < calibration or i % SCREEN_EVERY == 0]
     while True:

@@ -14,7 +14,7 @@ machine (the guard's mark) the gate does not judge: the search runs.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +27,12 @@ from tk.runtime import EngineChoice, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.optimize.candidates import Candidate
-from tk.workflows.timing import CallTime, CallTimer, interleave
+from tk.workflows.timing import interleave_calls, ms
 
 log = logging.getLogger("tk.optimize")
 
 MARGIN = 0.05  # the all-int8 model must be this much slower than the fastest passed candidate to be skipped
-SECONDS = 0.5  # timing budget per model (interleave's), at least MIN_ROUNDS rounds
-MIN_ROUNDS = 5
-WARMUP = 2
+ROUNDS = 5  # interleaved rounds of every model, after two warm-up calls each
 PROBE = "all-int8"
 
 
@@ -96,24 +94,23 @@ class SpeedGate:
                 )
             first = next(iter(engines.values())).load()
             feeds = random_inputs(first.inputs, first.dims, batch, seed=0, sizes=others)
-            timers: dict[str, Any] = {name: CallTimer(engine, feeds) for name, engine in engines.items()}
-            timers[PROBE] = _probe(fmt, model, feeds, first)
-            for timer in timers.values():
-                for _ in range(WARMUP):
-                    timer()
-            with LoadGuard(self.wait_quiet_s).row() as mark:
-                times = interleave(timers, seconds=SECONDS, min_rounds=MIN_ROUNDS)
-        p50 = {name: float(np.median([c.total_s for c in calls])) * 1e3 for name, calls in times.items()}
-        return p50, mark.busy
+            for engine in engines.values():
+                engine.load().check_feeds(feeds)  # once: the timed calls skip the checks
+            calls: dict[str, Callable[[], object]] = {
+                name: (lambda e=engine: e.run(feeds, check=False)) for name, engine in engines.items()
+            }
+            calls[PROBE] = _probe(fmt, model, feeds, first)
+            times, mark = interleave_calls(calls, iters=ROUNDS, guard=LoadGuard(self.wait_quiet_s))
+        return {name: ms([c.total_s for c in samples]) for name, samples in times.items()}, mark.busy
 
 
-def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Any:
-    """A timer of ``model`` on ``feeds``, run as format ``fmt``'s engine runs its artifact."""
+def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:
+    """A call of ``model`` on ``feeds``, run as format ``fmt``'s engine runs its artifact."""
     if fmt == "onnx":
         from tk.runtime.onnxrt import OnnxOptions, cpu_session
 
         session = cpu_session(model, OnnxOptions(spinning=False))
-        return _timed(lambda: session.run(None, feeds))
+        return lambda: session.run(None, feeds)
     if fmt == "openvino":
         import openvino as ov
 
@@ -123,25 +120,16 @@ def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> A
         copy = model.clone()  # the writer goes on with ``model``: its shapes stay its own
         copy.reshape(bounded_shapes(engine.manifest.signature, engine.dims))
         request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), "f32")).create_infer_request()
-        return _timed(lambda: request.infer(feeds))
+        return lambda: request.infer(feeds)
     if fmt == "aoti":
         import torch
 
         package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
         args = tuple(torch.from_numpy(feeds[spec.name]) for spec in engine.inputs)
 
-        def run() -> None:
+        def run() -> object:
             with torch.no_grad():
-                package(*args)
+                return package(*args)
 
-        return _timed(run)
+        return run
     raise ValueError(f"no probe for the {fmt} format")
-
-
-def _timed(call: Any) -> Any:
-    def timer() -> CallTime:
-        start = time.perf_counter()
-        call()
-        return CallTime(time.perf_counter() - start)
-
-    return timer
