@@ -172,7 +172,7 @@ def test_no_baselines_times_only_the_engines_asked_for(exported, tmp_path):
 
 def test_rows_timed_on_a_busy_machine_are_marked_in_the_json_and_the_table(engines):
     readings = iter([9.0, 0.5, 0.5, 0.5])  # busy before batch 1; quiet around batch 2
-    guard = LoadGuard(0, cores=2, read_load=lambda: next(readings))
+    guard = LoadGuard(0, cores=2, read_load=lambda: next(readings), read_cpu=None)
     report = measure({"eager": engines["eager"]}, [1, 2], iters=2, warmup=0, guard=guard)
     assert [(r.batch_size, r.busy, r.load_before, r.load_after) for r in report.rows] == [
         (1, True, 9.0, 0.5),

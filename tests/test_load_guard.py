@@ -22,7 +22,9 @@ class FakeClock:
 
 def guard(readings: list[float | None], wait: float, clock: FakeClock, cores: int = 2) -> LoadGuard:
     values = iter(readings)
-    return LoadGuard(wait, cores=cores, read_load=lambda: next(values), sleep=clock.sleep, clock=clock, poll_s=5)
+    return LoadGuard(
+        wait, cores=cores, read_load=lambda: next(values), read_cpu=None, sleep=clock.sleep, clock=clock, poll_s=5
+    )
 
 
 def test_a_quiet_machine_is_timed_at_once_and_not_marked():
@@ -46,7 +48,7 @@ def test_the_wait_is_bounded_then_the_row_is_marked_busy():
         pass
     assert clock.sleeps == [5, 5, 2] and mark.waited_s == 12
     assert mark.busy and mark.to_json() == {
-        "load_before": 5.0, "load_after": 5.0, "cores": 2, "waited_s": 12.0, "busy": True,
+        "load_before": 5.0, "load_after": 5.0, "cores": 2, "waited_s": 12.0, "others_cores": None, "busy": True,
     }  # fmt: skip
 
 
@@ -80,3 +82,65 @@ def test_the_guard_still_reads_after_a_failed_row():
     with pytest.raises(RuntimeError), readings.row() as mark:
         raise RuntimeError("timing failed")
     assert mark.after == 7.0
+
+
+class FakeCpu:
+    """``cpu_seconds`` readings: the machine's busy seconds and this process's, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.machine = self.own = 0.0
+
+    def __call__(self) -> tuple[float, float]:
+        return self.machine, self.own
+
+    def run(self, seconds: float, own_cores: float, other_cores: float, clock: FakeClock) -> None:
+        clock.now += seconds
+        self.own += own_cores * seconds
+        self.machine += (own_cores + other_cores) * seconds
+
+
+def cpu_guard(load: float, wait: float, clock: FakeClock, cpu: FakeCpu, sleeping_others: float = 0.0) -> LoadGuard:
+    def sleep(seconds: float) -> None:  # while the guard waits, others use ``sleeping_others`` cores
+        cpu.run(seconds, 0.0, sleeping_others, clock)
+        clock.sleeps.append(seconds)
+
+    return LoadGuard(wait, cores=2, read_load=lambda: load, read_cpu=cpu, sleep=sleep, clock=clock, poll_s=5)
+
+
+def test_a_high_load_from_this_process_alone_is_not_busy():
+    """The load average lags: this process's own work of the minute before reads as load above the
+    cores, but no other process used the CPU while the row ran."""
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(2.6, 0, clock, cpu).row() as mark:
+        cpu.run(4.0, own_cores=2.0, other_cores=0.1, clock=clock)
+    assert mark.others_cores == pytest.approx(0.1) and not mark.busy
+    assert mark.to_json()["others_cores"] == 0.1
+
+
+def test_a_high_load_with_other_processes_on_the_cpu_is_busy():
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(2.6, 0, clock, cpu).row() as mark:
+        cpu.run(4.0, own_cores=1.5, other_cores=0.8, clock=clock)
+    assert mark.others_cores == pytest.approx(0.8) and mark.busy
+
+
+def test_the_wait_ends_once_other_processes_are_quiet_even_if_the_load_average_lags():
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(3.0, 60, clock, cpu, sleeping_others=0.05).row() as mark:
+        cpu.run(1.0, own_cores=2.0, other_cores=0.0, clock=clock)
+    assert clock.sleeps == [5] and mark.waited_s == 5 and not mark.busy
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(3.0, 12, clock, cpu, sleeping_others=1.0).row() as mark:
+        cpu.run(1.0, own_cores=1.0, other_cores=1.0, clock=clock)
+    assert clock.sleeps == [5, 5, 2] and mark.busy
+
+
+def test_the_real_cpu_reader_reads_this_process():
+    from tk.workflows.load_guard import cpu_seconds
+
+    first = cpu_seconds()
+    if first is None:
+        pytest.skip("no /proc/stat on this system: the load average alone decides")
+    sum(i * i for i in range(2_000_000))  # some CPU of this process's own
+    second = cpu_seconds()
+    assert second is not None and second[1] > first[1] and second[0] >= first[0]

@@ -53,7 +53,7 @@ def test_timed_reads_wall_and_cpu_time():
 
 def test_interleave_calls_warms_up_then_times_plain_calls_under_the_guard():
     log: list[str] = []
-    guard = LoadGuard(0, cores=2, read_load=iter([1.0, 3.0]).__next__)
+    guard = LoadGuard(0, cores=2, read_load=iter([1.0, 3.0]).__next__, read_cpu=None)
     calls = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
     times, mark = interleave_calls(calls, iters=4, guard=guard, between=[lambda: log.append("peak")], warmup=2)
     assert log[:4] == ["a", "a", "b", "b"] and log[4:].count("peak") == 4 and log.count("a") == 6

@@ -288,3 +288,30 @@ def test_a_computed_but_unused_pooler_does_not_stop_quantization():
     out = quantized.module()(*example)
     assert out.shape == (4, 4, 16)
     assert worst_sqnr_db([module(*example).detach().numpy()], [out.detach().numpy()]) > 20
+
+
+def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
+    """The quantizer calibrates once per smoothing plan and copies the observers' statistics into later
+    copies; every copy must compute exactly what a copy calibrated on its own computes."""
+    from tk.export.aoti_int8 import _outputs, _Quantizer, quantizable_modules
+    from tk.export.smoothing import plan_smoothing
+
+    spec, _, _, program = _tiny_transformer_program(trained=True)
+    names = [s.name for s in spec.signature.inputs]
+    calibration = [tuple(torch.from_numpy(b[n]) for n in names) for b in _batches(spec, 2, 100)]
+    probe = tuple(
+        torch.from_numpy(random_feeds(spec.signature.inputs, {"batch": 4, "seq": 16}, seed=7)[n]) for n in names
+    )
+    kept = _Quantizer(program, calibration, "histogram", [], False)
+    modules = quantizable_modules(kept.float_module)
+    with torch.no_grad():
+        kept.quantize()  # calibrates every observer
+        for only, exclude in (([modules[0]], []), (None, modules[:3]), (None, modules[-2:])):
+            fresh = _Quantizer(program, calibration, "histogram", [], False)
+            want = _outputs(fresh.quantize(only=only, exclude=exclude), probe)
+            got = _outputs(kept.quantize(only=only, exclude=exclude), probe)
+            assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+        assert kept.calibrations == 1
+        kept.smoothing = plan_smoothing(kept.float_module, calibration, 0.5)  # other values: calibrated anew
+        kept.quantize(exclude=modules[:1])
+        assert kept.calibrations == 2

@@ -55,7 +55,7 @@ def test_scenario_rows_count_lost_duplicated_and_mismatched_replies():
 
 def test_engine_batch_bound_reports_both_sizes_and_the_load_mark(exported):
     art = exported("transformer", ("onnx",))
-    guard = LoadGuard(0, cores=2, read_load=lambda: 0.5)
+    guard = LoadGuard(0, cores=2, read_load=lambda: 0.5, read_cpu=None)
     bound = engine_batch_bound(art.root, art.manifest.signature.inputs, 8, 4, 1, guard, rounds=2)
     assert bound["max_batch"] == 4 and bound["batch1_samples_per_s"] > 0 and bound["max_batch_samples_per_s"] > 0
     assert bound["gain"] == pytest.approx(bound["max_batch_samples_per_s"] / bound["batch1_samples_per_s"])

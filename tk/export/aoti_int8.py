@@ -195,7 +195,14 @@ def _quantizer(method: str, only: Sequence[str] | None, exclude: Sequence[str]) 
 
 
 class _Quantizer:
-    """Quantizes copies of one float32 program, calibrated on the same batches each time."""
+    """Quantizes copies of one float32 program, calibrated on the same batches each time.
+
+    An observer only reads the float32 value it observes, so its statistics are the same in every
+    copy that observes that value with that configuration, whichever modules the copy quantizes:
+    they are kept after the first calibration and copied into later copies (for one smoothing plan),
+    which then run no calibration batch. The search quantizes the program dozens of times, and
+    calibrating each copy anew (HistogramObserver on every activation) was most of each quantize's time.
+    """
 
     def __init__(
         self,
@@ -211,7 +218,20 @@ class _Quantizer:
         self.method = method
         self.keep_fp32 = list(keep_fp32)
         self.excluded_in_bf16 = excluded_in_bf16
-        self.smoothing: SmoothingPlan | None = None  # applied to every fresh module (tk.export.smoothing)
+        self._smoothing: SmoothingPlan | None = None
+        self._statistics: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}  # _observer_key -> its buffers
+        self.calibrations = 0  # how many copies ran the calibration batches
+
+    @property
+    def smoothing(self) -> SmoothingPlan | None:
+        """Applied to every fresh module (``tk.export.smoothing``); another plan observes other values."""
+        return self._smoothing
+
+    @smoothing.setter
+    def smoothing(self, plan: SmoothingPlan | None) -> None:
+        if plan is not self._smoothing:
+            self._statistics.clear()
+        self._smoothing = plan
 
     def fresh(self) -> torch.fx.GraphModule:
         module = live_module(self.program)
@@ -228,8 +248,17 @@ class _Quantizer:
         # trial's module stays reachable after it (a reference inside torch.fx or torchao, not traced),
         # so deep copies grew by a whole model per trial; fresh modules add almost nothing
         prepared = prepare_pt2e(self.fresh(), quantizer)
+        observers = _observers(prepared)
+        if all(key in self._statistics for key in observers):
+            for key, observer in observers.items():
+                for name, value in self._statistics[key].items():
+                    observer._buffers[name] = value.clone()
+            return prepared
         for args in self.calibration:
             prepared(*args)
+        self.calibrations += 1
+        for key, observer in observers.items():
+            self._statistics[key] = {name: b.clone() for name, b in observer._buffers.items() if b is not None}
         return prepared
 
     def convert(self, prepared: torch.fx.GraphModule, exclude: Sequence[str] = ()) -> torch.fx.GraphModule:
@@ -246,6 +275,35 @@ class _Quantizer:
         """Every quantizable module (or ``only`` those) in int8, but the ``keep_fp32`` ones (float32) and
         ``exclude`` (bfloat16 where ``excluded_in_bf16``, else float32)."""
         return self.convert(self.prepare(only=only, exclude=exclude), exclude)
+
+
+def _observers(prepared: torch.fx.GraphModule) -> dict[tuple[Any, ...], torch.nn.Module]:
+    """The observers of a prepared module, each keyed by what decides its statistics: the values it
+    observes (the names of its nodes' inputs: a shared observer observes several) and its configuration."""
+    from torchao.quantization.pt2e import ObserverBase
+
+    def is_observer(node: Any) -> bool:
+        return (
+            isinstance(node, torch.fx.Node)
+            and node.op == "call_module"
+            and isinstance(getattr(prepared, node.target, None), ObserverBase)
+        )
+
+    observed: dict[str, list[str]] = {}
+    for node in prepared.graph.nodes:
+        if is_observer(node):
+            source = node.args[0]
+            while is_observer(source):  # an observer passes its input through: name the value itself
+                source = source.args[0]
+            observed.setdefault(node.target, []).append(source.name if isinstance(source, torch.fx.Node) else "?")
+    keys = {}
+    for target, sources in observed.items():
+        observer = getattr(prepared, target)
+        config = tuple(
+            str(getattr(observer, a, None)) for a in ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis", "bins")
+        )
+        keys[(type(observer).__name__, tuple(sorted(sources)), config)] = observer
+    return keys
 
 
 def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:

@@ -309,39 +309,64 @@ def _scaled_weight(float_op: Any, scale: np.ndarray | None) -> np.ndarray | None
 
 
 class _Judge:
-    """The float32 IR's outputs on some batches, and the SQNR of a candidate IR against them (both compiled f32)."""
+    """The float32 IR's outputs on some batches, and the SQNR of a candidate IR against them (both compiled f32).
+
+    A batch's reference is computed when it is first judged: a judge that stops at its first batch under
+    the target (the speed gate's question) never runs the float32 IR on the rest."""
 
     def __init__(self, reference: Any, batches: Sequence[dict[str, np.ndarray]]) -> None:
         self.batches = list(batches)
-        self.reference = list(self._outputs(reference)) if reference is not None else []
+        self._float = reference  # the float32 IR, compiled at the first reference asked
+        self._request: Any = None
+        self._outputs_of: dict[int, list[np.ndarray]] = {}  # batch index -> the float32 IR's outputs
+        self._indices = list(range(len(self.batches)))  # this judge's batches, as indices of the first judge's
+        self._root = self
         self.stopped_at = -1  # the batch the last call stopped at (under its target), or -1
 
     def subset(self, indices: Sequence[int]) -> _Judge:
-        """A judge of some of the batches (the same references)."""
+        """A judge of some of the batches (the same references, computed once for both)."""
         judge = _Judge(None, [self.batches[i] for i in indices])
-        judge.reference = [self.reference[i] for i in indices]
+        judge._indices = [self._indices[i] for i in indices]
+        judge._root = self._root
         return judge
 
-    def _outputs(self, model: Any) -> Iterator[list[np.ndarray]]:
-        import openvino as ov
+    def reference(self, i: int) -> list[np.ndarray]:
+        """The float32 IR's outputs on this judge's batch ``i``."""
+        root, index = self._root, self._indices[i]
+        if index not in root._outputs_of:
+            if root._request is None:
+                root._request = _compiled_f32(root._float)
+            root._outputs_of[index] = _run(root._request, root.batches[index])
+        return root._outputs_of[index]
 
-        compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-        request = compiled.create_infer_request()
+    def _outputs(self, model: Any) -> Iterator[list[np.ndarray]]:
+        request = _compiled_f32(model)
         for feeds in self.batches:
-            result = request.infer(feeds)
-            yield [np.array(result[port]) for port in compiled.outputs]
+            yield _run(request, feeds)
 
     def sqnr_db(self, model: Any, *, target_db: float | None = None) -> float:
         """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging."""
         from tk.parity import worst_sqnr_db
 
         worst, self.stopped_at = float("inf"), -1
-        for i, (reference, outputs) in enumerate(zip(self.reference, self._outputs(model), strict=True)):
-            worst = min(worst, worst_sqnr_db([reference], [outputs]))
+        for i, outputs in enumerate(self._outputs(model)):
+            worst = min(worst, worst_sqnr_db([self.reference(i)], [outputs]))
             if target_db is not None and worst < target_db:
                 self.stopped_at = i
                 break
         return worst
+
+
+def _compiled_f32(model: Any) -> Any:
+    """An infer request of ``model`` compiled for the CPU in float32 (its outputs as ``_run`` reads them)."""
+    import openvino as ov
+
+    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+
+
+def _run(request: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    result = request.infer(feeds)
+    return [np.array(result[port]) for port in request.model_outputs]
 
 
 def int8_ir_from_ir(

@@ -8,6 +8,14 @@ marks the row ``busy``. The benchmark's own threads count in the load too (up to
 hence "above", not "at", the core count), and the average lags by about a minute, so a mark is a
 warning to read with the numbers, not proof.
 
+The lag makes the average count this process's own work of the minute before (an export, a
+quantizer's calibration) as if it were another's: a row timed right after such work read above the
+cores on a machine where nothing else ran. Where the system's CPU time can be read (Linux's
+``/proc/stat``), the guard also measures, over the row and over each wait, the CPU time other processes
+used (the machine's busy time, the hypervisor's steal included, minus this process's own): a load
+above the cores marks the row busy only when others used more than ``OTHERS_BUSY_CORES`` of a core
+while it ran, and the wait ends once they use less.
+
     guard = LoadGuard(wait_quiet_s=30)
     with guard.row() as mark:
         times = interleave(calls, iters=20)
@@ -29,6 +37,7 @@ from tk.errors import UsageError
 
 DEFAULT_WAIT_QUIET_S = 0.0  # tk bench marks busy rows but does not wait unless asked (--wait-quiet)
 POLL_S = 5.0  # seconds between readings while waiting for a quiet machine
+OTHERS_BUSY_CORES = 0.25  # other processes' CPU (in cores) above which a row with a high load is busy
 
 T = TypeVar("T")
 
@@ -36,6 +45,29 @@ T = TypeVar("T")
 def one_minute_load() -> float | None:
     """The 1-minute load average, or None where the system has none."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds the whole machine has been busy, steal included; this process's own CPU seconds,
+    its reaped children's included), or None where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy, own.user + own.system + own.children_user + own.children_system
+
+
+def others_cores(start: tuple[float, float] | None, end: tuple[float, float] | None, seconds: float) -> float | None:
+    """The cores other processes kept busy between two ``cpu_seconds`` readings ``seconds`` apart."""
+    if start is None or end is None or seconds <= 0:
+        return None
+    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / seconds)
 
 
 @dataclass
@@ -46,11 +78,14 @@ class LoadMark:
     before: float | None  # 1-minute load average when timing started (after any wait)
     after: float | None = None  # and when it ended
     waited_s: float = 0.0  # how long the guard waited for a quiet machine
+    others_cores: float | None = None  # cores other processes kept busy during the row (None: not measurable)
 
     @property
     def busy(self) -> bool:
-        """Whether either reading was above the core count: other work competed for the cores."""
-        return any(v is not None and v > self.cores for v in (self.before, self.after))
+        """Whether other work competed for the cores: either reading above the core count, and (where
+        it was measured) other processes busy on more than ``OTHERS_BUSY_CORES`` while the row ran."""
+        high = any(v is not None and v > self.cores for v in (self.before, self.after))
+        return high and (self.others_cores is None or self.others_cores > OTHERS_BUSY_CORES)
 
     def to_json(self) -> dict[str, Any]:
         def rounded(v: float | None) -> float | None:
@@ -61,6 +96,7 @@ class LoadMark:
             "load_after": rounded(self.after),
             "cores": self.cores,
             "waited_s": round(self.waited_s, 2),
+            "others_cores": rounded(self.others_cores),
             "busy": self.busy,
         }
 
@@ -68,8 +104,9 @@ class LoadMark:
 class LoadGuard:
     """Reads the load around each row; waits up to ``wait_quiet_s`` for it to drop to the core count.
 
-    ``read_load``, ``sleep`` and ``clock`` are the system's unless given (tests inject them);
-    ``cores`` defaults to ``os.cpu_count()``, the count the load average is measured against.
+    ``read_load``, ``read_cpu`` (``cpu_seconds``; None: the load average alone decides), ``sleep`` and
+    ``clock`` are the system's unless given (tests inject them); ``cores`` defaults to
+    ``os.cpu_count()``, the count the load average is measured against.
     """
 
     def __init__(
@@ -78,6 +115,7 @@ class LoadGuard:
         *,
         cores: int | None = None,
         read_load: Callable[[], float | None] = one_minute_load,
+        read_cpu: Callable[[], tuple[float, float] | None] | None = cpu_seconds,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
@@ -87,27 +125,35 @@ class LoadGuard:
         self.wait_quiet_s, self.poll_s = wait_quiet_s, poll_s
         self.cores = cores or os.cpu_count() or 1
         self.read_load, self.sleep, self.clock = read_load, sleep, clock
+        self.read_cpu = read_cpu or (lambda: None)
 
     def wait(self) -> LoadMark:
-        """Read the load, waiting while it is above the cores and the wait budget lasts."""
+        """Read the load, waiting while it is above the cores (and others use the CPU, where that is
+        measured over each poll) and the wait budget lasts."""
         start = self.clock()
         load = self.read_load()
-        while load is not None and load > self.cores:
+        others: float | None = None
+        while load is not None and load > self.cores and (others is None or others > OTHERS_BUSY_CORES):
             left = self.wait_quiet_s - (self.clock() - start)
             if left <= 0:
                 break
+            before, polled = self.read_cpu(), self.clock()
             self.sleep(min(self.poll_s, left))
+            others = others_cores(before, self.read_cpu(), self.clock() - polled)
             load = self.read_load()
         return LoadMark(self.cores, load, waited_s=self.clock() - start)
 
     @contextmanager
     def row(self) -> Iterator[LoadMark]:
-        """Wait for a quiet machine (within the budget), run the block, then read the load again."""
+        """Wait for a quiet machine (within the budget), run the block, then read the load again and
+        what the other processes used while it ran."""
         mark = self.wait()
+        cpu, started = self.read_cpu(), self.clock()
         try:
             yield mark
         finally:
             mark.after = self.read_load()
+            mark.others_cores = others_cores(cpu, self.read_cpu(), self.clock() - started)
 
 
 def quiet_or_marked(timing: Callable[[], T], guard: LoadGuard | None = None) -> tuple[T, LoadMark]:

@@ -142,12 +142,28 @@ def _export_options(
                          int8_gate=gate)  # fmt: skip
 
 
+# The int8 formats' order: the speed gate (optimize/gate.py) skips a search whose all-int8 model is slower
+# than what passed before it, so the format likeliest to win searches first. The aoti int8 package beat
+# onnxruntime's static QDQ graph on every CPU measured (AMX Xeon, AVX-512 and AVX2 EPYC), and OpenVINO's
+# int8 lost to both on the AVX2 EPYC (benchmarks/history.md); the gate still lets a later one search
+# whenever its all-int8 model is the faster.
+INT8_ORDER = ("aoti", "onnx", "openvino")
+
+
 def export_groups(tried: list[Candidate]) -> dict[Any, list[Candidate]]:
     """The candidates written by one export each: one precision and setting (one capture for its formats),
     but each int8 format alone: each quantizes with its own search, and a failing member of a shared
-    group is retried one format at a time, which would run the others' searches again."""
+    group is retried one format at a time, which would run the others' searches again. Groups keep
+    ``tried``'s order but for the int8 formats, which go in ``INT8_ORDER``."""
+
+    def rank(candidate: Candidate) -> int:
+        if candidate.precision != "int8" or candidate.format not in INT8_ORDER:
+            return len(INT8_ORDER)
+        return INT8_ORDER.index(candidate.format)
+
     groups: dict[Any, list[Candidate]] = {}
-    for candidate in tried:
+    precisions = list(dict.fromkeys(c.precision for c in tried))
+    for candidate in sorted(tried, key=lambda c: (precisions.index(c.precision), rank(c))):
         alone = candidate.format if candidate.precision == "int8" else None
         groups.setdefault((candidate.group, alone), []).append(candidate)
     return groups
