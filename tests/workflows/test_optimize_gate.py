@@ -92,6 +92,27 @@ def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatc
     assert not any(p.name.startswith("int8") for p in (tmp_path / "cache").iterdir())  # nothing half-written cached
 
 
+def test_onnx_and_openvino_ask_before_judging_even_a_passing_all_int8_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their probes cost seconds, so they ask before the judge: an all-int8 model that would pass but
+    cannot win is skipped without its verdict (aoti, whose probe is a compile, asks only before a search)."""
+    monkeypatch.setattr(gate, "MARGIN", -1.0)
+    options = OptimizeOptions(
+        accuracy="sqnr>=5",  # every all-int8 model of tiny passes this floor: no search
+        sizes=dict(SIZES),
+        candidates=("onnx fp32", "onnx int8 static", "openvino int8 static"),
+        seconds=0.05,
+        cache_dir=tmp_path / "cache",
+    )
+    torch.manual_seed(0)
+    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    rows: dict[str, Any] = {r.candidate: r for r in result.rows}
+    for name in ("onnx int8 static", "openvino int8 static"):
+        assert rows[name].status == "skipped" and "cannot win here" in rows[name].reason, rows[name].reason
+    assert [v["format"] for v in result.record["speed_gate"]] == ["onnx", "openvino"]
+
+
 def test_keep_all_turns_the_gate_off(tmp_path: Path) -> None:
     """--keep all asks for every candidate's artifact, so every int8 search must run: no gate."""
     from tk.accuracy import parse_accuracy

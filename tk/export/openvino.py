@@ -385,8 +385,7 @@ def int8_ir_from_ir(
     migrates most of each input's range into the weight, which can cost more than it saves) and the
     better kept; then units (``quantized_units``) are left float32, costliest first by
     ``one_at_a_time_sqnr_db``, until it is reached. ``gate`` (``tk.export.calibration.int8_gate``) sees
-    the all-int8 model at its first batch under the target, before the SmoothQuant retry and the search,
-    and may end them.
+    the all-int8 model before it is judged (with a floor), and may end the export.
     """
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
@@ -421,8 +420,8 @@ def int8_ir_from_ir(
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
     judged = _Judge(model, [*calibration, *judge])
     quantized = quantize(())
-    if target is not None and gate is not None and judged.sqnr_db(quantized, target_db=target) < target:
-        gate(quantized)  # asked at the first batch under the target: a skip spares the rest of the judge
+    if target is not None and gate is not None:
+        gate(quantized)  # before the judge: a model that cannot win needs no verdict
     sqnr = judged.sqnr_db(quantized)
     log.info(
         "export int8   OpenVINO SQNR %.1f dB on %d batches, SmoothQuant %s",

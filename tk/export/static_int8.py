@@ -202,7 +202,8 @@ def static_int8_onnx_from_onnx(
     ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
     plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
     ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
-    ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before a search, and may end it.
+    ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before it is judged (with a
+    floor), and may end the export.
     """
     judge_batches = list(judge)
     if not calibration:
@@ -220,8 +221,10 @@ def static_int8_onnx_from_onnx(
             reader = _Reader(calibration)
             keep = [n for n in candidates if n not in exclude]
             _quantize(source, target, method, cache, reader, keep, wtype)  # calibrates once, fills the cache
-            judge = _Judge(source, [*calibration, *judge_batches])
             target_db = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
+            if gate is not None and target_db is not None:
+                gate(target.read_bytes())  # before the judge: a graph that cannot win needs no verdict
+            judge = _Judge(source, [*calibration, *judge_batches])
             sqnr = judge.sqnr_db(target, target_db=target_db)
             result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
             result.int8_nodes = len([n for n in candidates if n not in exclude])
@@ -229,8 +232,6 @@ def static_int8_onnx_from_onnx(
                 log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
                 return result
             log.info("export int8   SQNR %.1f dB on a batch, under the target %.1f dB", sqnr, target_db)
-            if gate is not None:
-                gate(target.read_bytes())
             import onnx
 
             variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)), keep)

@@ -65,7 +65,8 @@ class BenchRow:
     peak_share: float | None = None  # gflops / the median matrix-product rate of its precision (--roofline)
     load_before: float | None = None  # 1-minute load average when this batch size's rounds began
     load_after: float | None = None  # and when they ended
-    busy: bool = False  # either reading above the core count: other work competed for the cores
+    busy: bool = False  # other work competed for the cores (tk.workflows.load_guard.LoadMark.busy)
+    others_cores: float | None = None  # cores other processes kept busy during the rounds (None: unmeasured)
 
 
 @dataclass
@@ -138,7 +139,12 @@ def measure(
         calls = between(size) if between and active else ()
         with guard.row() as mark:
             times = interleave(active, iters=iters, seconds=seconds, min_rounds=MIN_ROUNDS, between=calls, seed=0)
-        load = {"load_before": mark.before, "load_after": mark.after, "busy": mark.busy}
+        load = {
+            "load_before": mark.before,
+            "load_after": mark.after,
+            "busy": mark.busy,
+            "others_cores": mark.to_json()["others_cores"],
+        }
         batch_rows = [_row(label, size, t, extra[label] | load) for label, t in times.items()]
         reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
         for row in batch_rows:

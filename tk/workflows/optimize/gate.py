@@ -1,8 +1,10 @@
 """``tk optimize``'s speed gate: an int8 exclusion search runs only where its result could be the winner.
 
-An int8 writer asks the gate (``ExportOptions.int8_gate``) with its all-int8 model when that model
-misses the accuracy floor, before the exclusion search that would return layers to float32: the
-costliest step of an optimize run (minutes on the small Transformer; see benchmarks/history.md). The
+An int8 writer asks the gate (``ExportOptions.int8_gate``) with its all-int8 model before the exclusion
+search that would return layers to float32: the costliest step of an optimize run (minutes on the
+small Transformer; see benchmarks/history.md). The onnx and openvino writers ask as soon as the
+all-int8 model is written, before judging it (their probes cost seconds: a session, a compile); the
+aoti writer, whose probe is a package compile, asks only when that model misses the floor. The
 gate times the all-int8 model interleaved with every candidate that has passed so far, at the user's
 batch and sequence, under the load guard. A layer the search returns to float32 runs as it does in
 the format's float32 candidate, which is among those timed, so the search's result lies between the
@@ -56,7 +58,7 @@ class SpeedGate:
         if self.device != "cpu" or not self.passed:
             return None
         try:
-            p50, busy = self._time(fmt, model)
+            p50, load = self._time(fmt, model)
         except Exception as exc:  # a probe that cannot run here is no reason to skip: the search runs
             log.info("optimize gate: could not time the all-int8 %s model (%s); its search runs", fmt, exc)
             return None
@@ -68,20 +70,20 @@ class SpeedGate:
             "p50_ms": {k: round(v, 3) for k, v in p50.items()},
             "fastest_passed": best,
             "ratio": round(ratio, 3),
-            "busy": busy,
-            "skipped": not busy and ratio > 1 + MARGIN,
+            **load,
+            "skipped": not load["busy"] and ratio > 1 + MARGIN,
         }
         self.verdicts.append(verdict)
         log.info("optimize gate: %s all-int8 %.1f ms, %s %.1f ms at %s%s", fmt, p50[PROBE], best, p50[best], where,
-                 " (busy machine: not judged)" if busy else "")  # fmt: skip
+                 " (busy machine: not judged)" if load["busy"] else "")  # fmt: skip
         if not verdict["skipped"]:
             return None
         return (
             f"cannot win here: with every layer int8 it ran {p50[PROBE]:.1f} ms at {where}, {ratio:.2f}× the "
-            f"{p50[best]:.1f} ms of {best} in the same rounds, so its exclusion search was not run"
+            f"{p50[best]:.1f} ms of {best} in the same rounds: no layer left out of int8 would make it faster"
         )
 
-    def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], bool]:
+    def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], dict[str, Any]]:
         batch = self.sizes.get("batch", 1)
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
         choice = EngineChoice("eager", self.device, allow_failed=True)
@@ -101,7 +103,8 @@ class SpeedGate:
             }
             calls[PROBE] = _probe(fmt, model, feeds, first)
             times, mark = interleave_calls(calls, iters=ROUNDS, guard=LoadGuard(self.wait_quiet_s))
-        return {name: ms([c.total_s for c in samples]) for name, samples in times.items()}, mark.busy
+        load = {"busy": mark.busy, "others_cores": mark.to_json()["others_cores"]}
+        return {name: ms([c.total_s for c in samples]) for name, samples in times.items()}, load
 
 
 def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:

@@ -29,7 +29,7 @@ class Timed:
     p50_ms: dict[str, float] = field(default_factory=dict)  # label -> p50 (eager included)
     speedup: dict[str, float | None] = field(default_factory=dict)
     peak_share: dict[str, float] = field(default_factory=dict)
-    busy: bool = False  # the load average was above the cores before or after the rounds
+    busy: bool = False  # other work competed for the cores during the rounds (the load guard's mark)
     settings: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,7 +70,10 @@ def time_candidates(
         if row.peak_share is not None:
             timed.peak_share[row.engine] = row.peak_share
         timed.busy = timed.busy or row.busy
-    timed.settings["load"] = [{"load_before": r.load_before, "load_after": r.load_after} for r in report.rows[:1]]
+    timed.settings["load"] = [
+        {"load_before": r.load_before, "load_after": r.load_after, "others_cores": r.others_cores}
+        for r in report.rows[:1]
+    ]
     return timed
 
 
