@@ -14,7 +14,15 @@ import pytest
 
 from tests.serve.conftest import ROOT
 from tk.errors import UsageError
-from tk.serve.tune import TuneGrid, TunePoint, grid_points, read_settings, recommend, write_settings
+from tk.serve.tune import (
+    TuneGrid,
+    TunePoint,
+    apply_settings,
+    grid_points,
+    read_settings,
+    recommend,
+    write_settings,
+)
 
 
 def test_settings_round_trip_and_refusals(tmp_path):
@@ -55,6 +63,25 @@ def test_grid_skips_what_the_cpus_cannot_hold_and_is_bounded():
         grid_points(TuneGrid([0], [1.0], [1]), cpus=2, cpus_per_replica=1.0)
 
 
+def test_each_point_splits_the_cpus_among_its_replicas_unless_threads_are_given(tmp_path):
+    from tk.runtime import EngineChoice
+    from tk.serve.app import ServeConfig
+
+    points = grid_points(TuneGrid([8], [1.0], [1, 2, 3]), cpus=4, cpus_per_replica=1.0)
+    assert [(p.replicas, p.engine_threads) for p in points] == [(1, 4), (2, 2), (3, 1)]
+    assert points[1].settings() == {"replicas": 2, "max_batch": 8, "max_delay_ms": 1.0, "engine_threads": 2}
+    fixed = grid_points(TuneGrid([8], [1.0], [1, 2]), cpus=4, cpus_per_replica=1.0, threads=3)
+    assert [p.engine_threads for p in fixed] == [3, 3]
+    path = tmp_path / "serve.json"
+    write_settings(path, points[1].settings())
+    assert read_settings(path)["engine_threads"] == 2
+    base = ServeConfig("art", engine=EngineChoice("onnx", options={"threads": 4, "spinning": False}))
+    config = apply_settings(base, read_settings(path))
+    assert config.replicas == 2 and config.max_batch == 8
+    assert dict(config.engine.options) == {"threads": 2, "spinning": False}
+    assert apply_settings(base, {"replicas": 1}).engine is base.engine
+
+
 def test_recommend_takes_the_fastest_within_budget_else_the_lowest_p99():
     def point(batch, per_s, p99, failed=0):
         return TunePoint(1, batch, 1.0, requests=10, failed=failed, samples_per_s=per_s, p50_ms=1.0, p99_ms=p99)
@@ -86,7 +113,7 @@ def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_
     assert "<- best" in tune.stdout and f"wrote {out}" in tune.stdout, tune.stdout
     settings = read_settings(out)
     assert settings["replicas"] == 1 and settings["max_batch"] in (1, 4) and settings["max_delay_ms"] == 2.0
-    assert settings["batching"] is True
+    assert settings["batching"] is True and settings["engine_threads"] == 1  # --threads 1 fixes every point's
     rows = [line for line in tune.stdout.splitlines() if "│" in line and ("yes" in line or "no" in line)]
     assert len(rows) == 2, tune.stdout  # both points ran (24 requests each, none failed: the budget is loose)
     from tests.serve.conftest import free_port

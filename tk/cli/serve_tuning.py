@@ -64,16 +64,14 @@ def tuning_options(command: Any) -> Any:
 
 
 # settings-file keys whose flag has another name
-_FLAG_OF = {"request_timeout_s": "request_timeout"}
+_FLAG_OF = {"request_timeout_s": "request_timeout", "engine_threads": "threads"}
 
 
 def with_settings(config: Any, path: Path | None) -> Any:
     """``config`` with a settings file's values wherever the command line left the default."""
-    from dataclasses import replace
-
     from click.core import ParameterSource
 
-    from tk.serve.tune import read_settings
+    from tk.serve.tune import apply_settings, read_settings
 
     if path is None:
         return config
@@ -83,7 +81,7 @@ def with_settings(config: Any, path: Path | None) -> Any:
         for key, value in read_settings(path).items()
         if context.get_parameter_source(_FLAG_OF.get(key, key)) in (ParameterSource.DEFAULT, None)
     }
-    return replace(config, **given)
+    return apply_settings(config, given)
 
 
 def _numbers(flag: str, text: str, kind: type) -> list[Any]:
@@ -129,7 +127,8 @@ def tune_command(
 
     def on_point(point: Any) -> None:
         click.echo(
-            f"replicas {point.replicas}, max batch {point.max_batch}, delay {point.max_delay_ms:g} ms: "
+            f"replicas {point.replicas} x {point.engine_threads or 'default'} threads, max batch {point.max_batch}, "
+            f"delay {point.max_delay_ms:g} ms: "
             f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
             err=True,
         )
@@ -145,12 +144,14 @@ def tune_command(
         on_point=on_point,
     )
     table = Table(title=f"tk serve --tune: {tune_clients} clients, single-sample requests, p99 budget {p99_ms:g} ms")
-    for column in ("replicas", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms", "fits"):
+    columns = ("replicas", "threads", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms")
+    for column in (*columns, "fits"):
         table.add_column(column, justify="right")
     for p in result.points:
         if p.skipped is not None:
             table.add_row(
                 str(p.replicas),
+                str(p.engine_threads or "-"),
                 str(p.max_batch),
                 f"{p.max_delay_ms:g}",
                 "-",
@@ -163,7 +164,8 @@ def tune_command(
             continue
         mark = ("yes" if p.fits else "no") + (" <- best" if p is result.best else "")
         table.add_row(
-            str(p.replicas), str(p.max_batch), f"{p.max_delay_ms:g}", str(p.requests), str(p.failed),
+            str(p.replicas), str(p.engine_threads or "-"), str(p.max_batch), f"{p.max_delay_ms:g}", str(p.requests),
+            str(p.failed),
             f"{p.samples_per_s:.1f}", f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", mark,
         )  # fmt: skip
     Console(width=140).print(table)

@@ -234,12 +234,14 @@ def run_scenarios(
     on, then off; the rows and the ingress that ran."""
     from tk.serve.app import ServeConfig, resolve, start, stop
     from tk.serve.ingress import free_ports
+    from tk.serve.tune import apply_settings
 
     base = ServeConfig(
         str(root), engine=EngineChoice("onnx", options={"threads": s.threads}), port=free_ports(1)[0],
         max_batch=s.max_batch, max_delay_ms=s.max_delay_ms, max_queue=-1, cpus_per_replica=1, ingress=s.ingress,
     )  # fmt: skip
-    base = replace(base, **{k: v for k, v in s.serve_settings.items() if k != "batching"})
+    base = apply_settings(base, {k: v for k, v in s.serve_settings.items() if k != "batching"})
+    threads = base.engine.options.get("threads", s.threads)  # each replica's, as served
     rows: list[dict[str, Any]] = []
     one = single[: s.one_client_requests]
     running = start(base, num_cpus=2)
@@ -251,7 +253,7 @@ def run_scenarios(
             rows += _scenarios(cfg.port, str(cfg.name), batching, mixed, expected, single, tolerance, s, say)
             if not batching:
                 row, mark = quiet_or_marked(
-                    lambda c=cfg: one_client_row(c.port, str(c.name), root, one, s.threads), s.guard
+                    lambda c=cfg: one_client_row(c.port, str(c.name), root, one, threads), s.guard
                 )
                 rows.append(row | mark.to_json())
     finally:

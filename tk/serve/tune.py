@@ -1,6 +1,11 @@
 """``tk serve --tune``: choose max batch, batch delay and replicas by a bounded load test on loopback,
 and the settings file that ``tk serve --config`` reads.
 
+Each point's replicas share the machine's cores: unless ``--threads`` fixes the engine's threads, a
+point with R replicas runs each engine on ``cpus // R`` threads (``engine_threads`` in the file), not
+on every core each: two replicas of two threads on 2 cores fight over them, while two of one thread
+let one replica's Python (HTTP, batching) run while the other computes (benchmarks/history.md, Serving).
+
 The tune starts one local Ray instance, then for each point of the grid (replicas × max batch ×
 max delay, replicas limited to what the machine's CPUs hold at ``cpus_per_replica``) deploys the
 app and sends ``requests`` single-sample requests from ``clients`` concurrent ``tritonclient.http``
@@ -45,6 +50,7 @@ SETTINGS: dict[str, type] = {
     "request_timeout_s": float,
     "ingress": str,
     "max_request_bytes": int,
+    "engine_threads": int,  # not a ServeConfig field: the engine's threads option (apply_settings)
 }
 MAX_POINTS = 64
 
@@ -76,6 +82,16 @@ def read_settings(path: str | Path) -> dict[str, Any]:
     return settings
 
 
+def apply_settings(config: Any, settings: Mapping[str, Any]) -> Any:
+    """``config`` (a ``ServeConfig``) with ``settings`` (keys from ``SETTINGS``); ``engine_threads`` sets
+    the engine's ``threads`` option."""
+    fields = {k: v for k, v in settings.items() if k != "engine_threads"}
+    if "engine_threads" in settings:
+        engine = config.engine
+        fields["engine"] = engine.replace(options={**engine.options, "threads": settings["engine_threads"]})
+    return replace(config, **fields)
+
+
 def write_settings(path: str | Path, settings: Mapping[str, Any]) -> None:
     """Write ``settings`` (keys from ``SETTINGS``) as the JSON ``read_settings`` reads, atomically."""
     unknown = set(settings) - set(SETTINGS)
@@ -103,9 +119,11 @@ class TunePoint:
     p99_ms: float = math.nan
     skipped: str | None = None  # why it did not run
     fits: bool = False
+    engine_threads: int | None = None  # each replica's engine threads (None: the engine's default)
 
     def settings(self) -> dict[str, Any]:
-        return {"replicas": self.replicas, "max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms}
+        chosen = {"replicas": self.replicas, "max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms}
+        return chosen | ({"engine_threads": self.engine_threads} if self.engine_threads is not None else {})
 
 
 @dataclass
@@ -117,15 +135,16 @@ class TuneResult:
     cpus: int
 
 
-def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float) -> list[TunePoint]:
-    """The grid's points, replicas first; those the CPUs cannot hold are skipped with the reason."""
+def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float, threads: int | None = None) -> list[TunePoint]:
+    """The grid's points, replicas first; those the CPUs cannot hold are skipped with the reason. Each
+    replica's engine runs ``threads`` threads, or (None) its share of the CPUs: ``cpus // replicas``."""
     points = []
     for replicas, batch, delay in itertools.product(grid.replicas, grid.max_batch, grid.max_delay_ms):
         if replicas < 1 or batch < 1 or not (math.isfinite(delay) and delay >= 0):
             raise UsageError(
                 f"--tune grid: expected replicas and batches of 1 or more and delays of 0 or more ms, got {replicas}, {batch}, {delay}"
             )
-        point = TunePoint(replicas, batch, float(delay))
+        point = TunePoint(replicas, batch, float(delay), engine_threads=threads or max(1, cpus // replicas))
         if replicas * cpus_per_replica > cpus:
             point.skipped = f"{replicas} x {cpus_per_replica:g} CPUs > {cpus}"
         points.append(point)
@@ -170,7 +189,7 @@ def tune(
             f"--tune-requests/--tune-clients/--tune-budget-s: expected 1 or more, got {requests}/{clients}/{budget_s}"
         )
     cpus = cpus or os.cpu_count() or 1
-    points = grid_points(grid, cpus, base.cpus_per_replica)
+    points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"))
     resolved = resolve(replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(grid.max_batch)))
     sig = _signature(resolved)
     feeds = [
@@ -182,7 +201,7 @@ def tune(
     if not runnable:
         raise UsageError("--tune grid: no point fits this machine's CPUs")
     first = runnable[0]
-    running = start(replace(resolved, **first.settings()), num_cpus=cpus)
+    running = start(apply_settings(resolved, first.settings()), num_cpus=cpus)
     try:
         current = running.config
         for point in points:
@@ -191,7 +210,7 @@ def tune(
             if time.monotonic() > deadline:
                 point.skipped = f"time budget of {budget_s:g} s spent"
                 continue
-            config = resolve(replace(current, **point.settings()))
+            config = resolve(apply_settings(current, point.settings()))
             if point is not first:
                 redeploy(config)
             model = str(config.name)
