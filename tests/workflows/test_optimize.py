@@ -232,6 +232,19 @@ def test_each_int8_format_is_its_own_export_and_the_others_share_a_capture() -> 
     assert groups == [["onnx fp32", "aoti fp32"], ["aoti int8 static"], ["onnx int8 static"], ["openvino int8 static"]]
 
 
+def test_data_calibrates_the_int8_groups_only() -> None:
+    from tk.export import ExportOptions
+    from tk.workflows.optimize.artifacts import group_export_options
+    from tk.workflows.optimize.candidates import Candidate
+
+    calibration = {"input_ids": np.zeros((2, 8), np.int64)}
+    base = ExportOptions(calibration_data=calibration)
+    fp32 = group_export_options([Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),))], base)
+    int8 = group_export_options([Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))], base)
+    assert fp32.calibration_data is None  # an fp32 export refuses calibration data (--data made it fail)
+    assert int8.calibration_data is calibration
+
+
 def test_reasons_print_as_text_not_rich_markup() -> None:
     from rich.console import Console
 

@@ -53,8 +53,10 @@ def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -
               help="What must hold against the float32 model, comma-separated: sqnr>=DB, cosine>=X, top1>=PCT, "
               "max_abs<=X (default sqnr>=35).")  # fmt: skip
 @click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="Inputs file (.npz/.npy like tk infer --inputs; a 'labels' array makes top1 an accuracy): half "
-              "calibrates int8, half judges. Default: synthetic token ids and padding masks of mixed lengths.")  # fmt: skip
+              help="Your samples: half calibrates int8, half judges. .npz/.npy like tk infer --inputs (a 'labels' "
+              "array makes top1 an accuracy), or for hf:DIR models texts its tokenizer reads (.txt, one per line; "
+              ".jsonl with \"text\" and an optional \"label\"). Default: synthetic token ids and padding masks of mixed "
+              "lengths.")  # fmt: skip
 @click.option("--batch", default=None, metavar="N|MIN:OPT:MAX", help="Batch to time at (N, or a range timed at OPT).")
 @click.option("--seq", default=None, metavar="N|MIN:OPT:MAX", help="Sequence length to time at (N, or a range).")
 @click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other dimension.")
@@ -128,10 +130,17 @@ def _print(result: Any) -> None:
     record = result.record
     cpu = (record.get("timing") or {}).get("machine", {}).get("cpu", "this CPU")
     batch = ", ".join(f"{k} {v}" for k, v in record["sizes"].items())
+    source = "synthetic" if record["data"] == "synthetic" else f"{Path(record['data']).name}'s"
     title = (
-        f"tk optimize: {record['accuracy']} on {record['held_out_samples']} held-out samples; timed at {batch} on {cpu}"
+        f"tk optimize: {record['accuracy']} on {record['held_out_samples']} {source} held-out samples; "
+        f"timed at {batch} on {cpu}"
     )
     console().print(render(result.rows, title))
+    if record["data"] == "synthetic":
+        click.echo(
+            "judged on synthetic inputs, which may not behave like yours: --data FILE judges on your own samples "
+            "(for hf:DIR models, a .txt of texts)"
+        )
     cache = record["cache"]
     click.echo(f"cache: {cache['hits']} candidate artifacts reused, {cache['exports']} exported ({cache['dir']})")
 

@@ -59,7 +59,7 @@ def unavailable_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def _offline() -> Iterator[None]:
+def offline() -> Iterator[None]:
     """``HF_HUB_OFFLINE=1`` and no progress bars while transformers loads, then both as they were.
 
     ``local_files_only=True`` in every load is what keeps transformers off the network (huggingface_hub
@@ -200,7 +200,7 @@ def build_hf_model(name: str, task: str | None = None) -> ModelSpec:
         raise UsageError(f"{name}: expected a local directory written by save_pretrained, found none")
     directory = directory.resolve()
     config_json = _read_config(directory)
-    with _offline():
+    with offline():
         tokenizer_names = _tokenizer_input_names(directory)
         model, config = load_hf_module(directory, task)
     accepted = inspect.signature(model.forward).parameters

@@ -139,8 +139,9 @@ def group_export_options(candidates: list[Candidate], base: ExportOptions) -> Ex
         onnx["int8_mode"] = chosen["int8_mode"]
     settings = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
     return dataclasses.replace(
-        base, formats=formats, precision=precision, settings=settings, min_sqnr_db=sqnr_floor_for(precision, base)
-    )
+        base, formats=formats, precision=precision, settings=settings, min_sqnr_db=sqnr_floor_for(precision, base),
+        calibration_data=base.calibration_data if precision == "int8" else None,  # --data calibrates int8 only
+    )  # fmt: skip
 
 
 def sqnr_floor_for(precision: str, base: ExportOptions) -> float | None:

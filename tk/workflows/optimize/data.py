@@ -1,9 +1,10 @@
 """The inputs of an optimize run: calibration samples for int8 and held-out samples that judge.
 
-With ``--data FILE`` (what ``tk infer --inputs`` reads) the first half calibrates and the second
-half judges; an array named ``labels`` in the file makes ``top1`` an accuracy against it. Without a
-file both are synthetic but realistic: token ids drawn from the whole vocabulary and right-padded
-attention masks of mixed lengths (never all ones), from the model's input specs.
+With ``--data FILE`` (what ``tk infer --inputs`` reads, or for an ``hf:DIR`` model a ``.txt``/``.jsonl``
+file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates and the second
+half judges; an array named ``labels`` in the file (a ``"label"`` per ``.jsonl`` line) makes ``top1``
+an accuracy against it. Without a file both are synthetic: token ids drawn from the whole vocabulary
+and right-padded attention masks of mixed lengths (never all ones), from the model's input specs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from tk.errors import UsageError
 from tk.models import ModelSpec
+from tk.models.hf_text import is_text_file, read_text_samples
 from tk.runtime.inputs import check_arrays, random_inputs, read_inputs
 from tk.spec import Dim, TensorSpec
 
@@ -49,9 +51,17 @@ def optimize_data(
         held = random_inputs(inputs, dims, HELD_OUT_SAMPLES, seed=4321, sizes=other)
         return OptimizeData(held, None)
     path = Path(data)
-    label_spec = _label_spec(spec) if _has_labels(path) else None
-    arrays = read_inputs(path, inputs + ([label_spec] if label_spec else []))
-    labels = arrays.pop(LABELS, None)
+    if is_text_file(path):
+        seq = dims.get("seq")
+        if seq is None:
+            raise UsageError(f"--data {path}: texts need a model with a seq dimension; {spec.name} has none")
+        arrays, labels = read_text_samples(path, spec, min_seq=seq.min, max_seq=seq.max)
+        if labels is not None:
+            check_arrays({LABELS: labels}, [_label_spec(spec)], source=str(path))
+    else:
+        label_spec = _label_spec(spec) if _has_labels(path) else None
+        arrays = read_inputs(path, inputs + ([label_spec] if label_spec else []))
+        labels = arrays.pop(LABELS, None)
     check_arrays(arrays, inputs, dims=dims, source=str(path))
     total = int(next(iter(arrays.values())).shape[0])
     if total < 2:
