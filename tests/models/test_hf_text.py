@@ -110,3 +110,30 @@ def test_optimize_judges_and_calibrates_on_texts_with_labels(bert: Path, tmp_pat
     (winner,) = [r for r in record["candidates"] if r["winner"]]
     # top1 against the labels of the 8 held-out texts: an accuracy of an untrained model, a multiple of 12.5%
     assert 0 <= winner["accuracy"]["top1"] <= 100 and (winner["accuracy"]["top1"] / 12.5) % 1 == 0
+
+
+def test_export_calibrates_on_texts_tokenized_like_optimize_data(bert: Path, tmp_path: Path) -> None:
+    from tk.export import ExportOptions
+    from tk.workflows.export import calibration_file
+
+    path = tmp_path / "calibrate.txt"
+    path.write_text("\n".join(TEXTS) + "\n")
+    spec = build_model(f"hf:{bert}")
+    arrays = calibration_file(spec, ExportOptions(precision="int8", calibrate=str(path)))
+    want, _ = read_text_samples(path, spec, min_seq=1, max_seq=64)
+    assert list(arrays) == list(want)
+    for name in want:
+        np.testing.assert_array_equal(arrays[name], want[name])
+
+
+def test_export_of_a_model_without_a_tokenizer_refuses_texts_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "calibrate.txt"
+    path.write_text("hello\n")
+    result = CliRunner().invoke(
+        cli,
+        ["export", "transformer", "--size", "tiny", "--format", "onnx", "--precision", "int8",
+         "--calibrate", str(path), "--out", str(tmp_path / "out")],
+    )  # fmt: skip
+    assert result.exit_code != 0
+    assert "a text file needs an hf:DIR model with a tokenizer" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

@@ -66,7 +66,8 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "--calibrate",
     default=None,
     metavar="FILE|random:N",
-    help="Static int8 calibration inputs: an .npz/.npy file like tk infer --inputs, or random:N (default random:32).",
+    help="Static int8 calibration inputs: an .npz/.npy file like tk infer --inputs, for hf:DIR models a .txt/.jsonl "
+    "file of texts, or random:N (default random:32).",
 )
 @click.option(
     "--calibration-method",
