@@ -14,10 +14,14 @@ pytest.importorskip("transformers")
 from tests.models.test_hf import _bert_dir
 from tk.cli import cli
 from tk.errors import UsageError
-from tk.models import build_model
+from tk.models import ModelSpec, build_model
 from tk.models.hf_text import read_text_samples
 
 TEXTS = ["w1 w2 w3", "w4", "w5 w6 w7 w8 w9 w10", "w11 w12"]
+
+
+def _named(spec: ModelSpec) -> tuple[str, list[str]]:
+    return spec.name, [s.name for s in spec.signature.inputs]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def test_texts_are_tokenized_by_the_directory_tokenizer_padded_to_the_longest(be
     path = tmp_path / "texts.txt"
     path.write_text("\n".join(TEXTS[:2]) + "\n\n" + "\n".join(TEXTS[2:]) + "\n")  # the blank line is skipped
     spec = build_model(f"hf:{bert}")
-    arrays, labels = read_text_samples(path, spec, min_seq=1, max_seq=64)
+    arrays, labels = read_text_samples(path, *_named(spec), min_seq=1, max_seq=64)
     assert labels is None
     assert list(arrays) == ["input_ids", "attention_mask", "token_type_ids"]
     want = AutoTokenizer.from_pretrained(bert)(TEXTS, padding="longest", return_tensors="np")
@@ -46,9 +50,9 @@ def test_texts_are_truncated_at_the_maximum_and_padded_to_the_minimum(bert: Path
     path = tmp_path / "texts.txt"
     path.write_text("\n".join(TEXTS) + "\n")
     spec = build_model(f"hf:{bert}")
-    short, _ = read_text_samples(path, spec, min_seq=1, max_seq=5)
+    short, _ = read_text_samples(path, *_named(spec), min_seq=1, max_seq=5)
     assert short["input_ids"].shape == (4, 5) and short["input_ids"][2, -1] == 3  # [SEP] kept at the cut
-    long, _ = read_text_samples(path, spec, min_seq=12, max_seq=64)
+    long, _ = read_text_samples(path, *_named(spec), min_seq=12, max_seq=64)
     assert long["input_ids"].shape == (4, 12)
     assert long["attention_mask"][:, 8:].sum() == 0 and long["input_ids"][:, 8:].sum() == 0  # [PAD] is id 0
 
@@ -56,7 +60,7 @@ def test_texts_are_truncated_at_the_maximum_and_padded_to_the_minimum(bert: Path
 def test_jsonl_labels_come_back_with_their_texts(bert: Path, tmp_path: Path) -> None:
     path = tmp_path / "texts.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": i % 3}) + "\n" for i, t in enumerate(TEXTS)))
-    arrays, labels = read_text_samples(path, build_model(f"hf:{bert}"), min_seq=1, max_seq=64)
+    arrays, labels = read_text_samples(path, *_named(build_model(f"hf:{bert}")), min_seq=1, max_seq=64)
     assert labels.tolist() == [0, 1, 2, 0] and arrays["input_ids"].shape[0] == 4
 
 
@@ -74,7 +78,7 @@ def test_a_bad_jsonl_file_is_one_line_naming_it(bert: Path, tmp_path: Path, body
     path = tmp_path / "texts.jsonl"
     path.write_text(body)
     with pytest.raises(UsageError, match=r"texts\.jsonl") as info:
-        read_text_samples(path, build_model(f"hf:{bert}"), min_seq=1, max_seq=64)
+        read_text_samples(path, *_named(build_model(f"hf:{bert}")), min_seq=1, max_seq=64)
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
@@ -82,11 +86,11 @@ def test_texts_for_a_model_without_a_tokenizer_are_refused(tmp_path: Path) -> No
     path = tmp_path / "texts.txt"
     path.write_text("hello\n")
     with pytest.raises(UsageError, match="a text file needs an hf:DIR model with a tokenizer"):
-        read_text_samples(path, build_model("transformer", size="tiny"), min_seq=1, max_seq=16)
+        read_text_samples(path, *_named(build_model("transformer", size="tiny")), min_seq=1, max_seq=16)
     path.write_bytes(b"\xff\xfe bad\n")
     bert = _bert_dir(tmp_path, tokenizer=True)
     with pytest.raises(UsageError, match="expected UTF-8 text"):
-        read_text_samples(path, build_model(f"hf:{bert}"), min_seq=1, max_seq=16)
+        read_text_samples(path, *_named(build_model(f"hf:{bert}")), min_seq=1, max_seq=16)
 
 
 @pytest.mark.slow
@@ -120,7 +124,7 @@ def test_export_calibrates_on_texts_tokenized_like_optimize_data(bert: Path, tmp
     path.write_text("\n".join(TEXTS) + "\n")
     spec = build_model(f"hf:{bert}")
     arrays = calibration_file(spec, ExportOptions(precision="int8", calibrate=str(path)))
-    want, _ = read_text_samples(path, spec, min_seq=1, max_seq=64)
+    want, _ = read_text_samples(path, *_named(spec), min_seq=1, max_seq=64)
     assert list(arrays) == list(want)
     for name in want:
         np.testing.assert_array_equal(arrays[name], want[name])
@@ -137,3 +141,31 @@ def test_export_of_a_model_without_a_tokenizer_refuses_texts_in_one_line(tmp_pat
     assert result.exit_code != 0
     assert "a text file needs an hf:DIR model with a tokenizer" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_check_and_infer_read_texts_for_an_hf_artifact(bert: Path, tmp_path: Path) -> None:
+    from transformers import BertModel
+
+    art, texts = tmp_path / "art", tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["export", f"hf:{bert}", "--format", "onnx", "--batch", "1:4:8", "--out", str(art)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["check", str(art), "--engine", "onnx", "--inputs", str(texts)])
+    assert result.exit_code == 0, result.output
+    assert "parity passed for onnx" in result.output and "last_hidden_state" in result.output
+    out = tmp_path / "out.npz"
+    result = runner.invoke(cli, ["infer", str(art), "--engine", "onnx", "--inputs", str(texts), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    got = np.load(out)["last_hidden_state"]
+    feeds, _ = read_text_samples(texts, *_named(build_model(f"hf:{bert}")), min_seq=1, max_seq=64)
+    import torch
+
+    model = BertModel.from_pretrained(bert, local_files_only=True).eval()
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
+    assert got.shape == want.shape == (4, 8, 32)
+    assert float(np.abs(got - want).max()) <= 1e-4
+    result = runner.invoke(cli, ["infer", str(art), "--inputs", str(tmp_path / "missing.txt"), "--out", str(out)])
+    assert result.exit_code != 0 and "missing.txt: no such file" in result.output

@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
 @click.command("infer")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@path_option("--inputs", "inputs_path", help=".npz (one array per input) or .npy (single-input models).")
+@path_option(
+    "--inputs",
+    "inputs_path",
+    help=".npz (one array per input), .npy (single-input models), or for hf:DIR artifacts a .txt/.jsonl of texts.",
+)
 @click.option(
     "--random", "random_samples", type=int, default=None, help="Make N valid random samples instead of reading a file."
 )
@@ -145,7 +149,9 @@ def _infer_ray(
 
 @click.command("check")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@path_option("--inputs", "inputs_path", help="Compare on this file's samples (.npz/.npy).")
+@path_option(
+    "--inputs", "inputs_path", help="Compare on this file's samples (.npz/.npy; .txt/.jsonl texts for hf:DIR)."
+)
 @click.option(
     "--samples",
     type=int,

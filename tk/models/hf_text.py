@@ -15,13 +15,13 @@ the maximum; the arrays come back in the model's input order, as int64.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from tk.errors import UsageError, first_line
 from tk.limits import require_within_budget
-from tk.models.base import ModelSpec
 from tk.models.hf import PREFIX, offline
 from tk.safefiles import require_regular_file
 
@@ -34,16 +34,17 @@ def is_text_file(path: str | Path) -> bool:
 
 
 def read_text_samples(
-    path: str | Path, spec: ModelSpec, *, min_seq: int, max_seq: int
+    path: str | Path, model: str, input_names: Sequence[str], *, min_seq: int, max_seq: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """The texts of ``path`` tokenized for ``spec`` (an ``hf:DIR`` model), and their labels if given."""
+    """The texts of ``path`` tokenized for ``model`` (``hf:DIR``, as a ModelSpec or a manifest names it)
+    into ``input_names``, and their labels if given."""
     path = Path(path)
-    if not spec.name.startswith(PREFIX):
+    if not model.startswith(PREFIX):
         raise UsageError(
-            f"{path}: a text file needs an hf:DIR model with a tokenizer; {spec.name} takes arrays "
+            f"{path}: a text file needs an hf:DIR model with a tokenizer; {model} takes arrays "
             "(give a .npz or .npy file)"
         )
-    directory = Path(spec.name[len(PREFIX) :])
+    directory = Path(model[len(PREFIX) :])
     if not (directory / "tokenizer_config.json").is_file():
         raise UsageError(f"{path}: texts need the model's tokenizer; {directory} has no tokenizer_config.json")
     texts, labels = _read_texts(path)
@@ -51,7 +52,7 @@ def read_text_samples(
 
     with offline():
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-    names = [s.name for s in spec.signature.inputs]
+    names = list(input_names)
     require_within_budget(len(texts) * max_seq * 8 * len(names), f"{len(texts)} texts at up to {max_seq} tokens")
     tokens = tokenizer(texts, padding="longest", truncation=True, max_length=max_seq, return_tensors="np")
     missing = [n for n in names if n not in tokens]

@@ -193,14 +193,15 @@ def infer_file(
     engine: Engine,
     out: str | Path,
     *,
-    inputs: str | Path | None = None,
+    inputs: str | Path | Mapping[str, np.ndarray] | None = None,
     random: int | None = None,
     batch_size: int | None = None,
     seed: int = 0,
     sizes: dict[str, int] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> InferResult:
-    """Run every sample of ``inputs`` (a file, see ``read_inputs``) or ``random`` random samples.
+    """Run every sample of ``inputs`` (a file, see ``read_inputs``, or arrays already read and checked)
+    or ``random`` random samples.
 
     Writes the outputs to ``out`` (``.npz``, one array per output name) atomically.
     ``progress(done, total)`` is called after each batch. ``sizes`` sets the non-batch dimensions
@@ -212,7 +213,9 @@ def infer_file(
     if out.suffix != ".npz":
         raise UsageError(f"--out {out}: expected a file name ending in .npz")
     runner = BatchRunner(engine, batch_size)
-    if inputs is not None:
+    if isinstance(inputs, Mapping):  # already read (texts tokenized by tk.workflows.user_inputs)
+        arrays = dict(inputs)
+    elif inputs is not None:
         arrays = read_inputs(Path(inputs), engine.inputs)
     else:
         arrays = random_inputs(engine.inputs, engine.dims, int(random or 0), seed=seed, sizes=sizes)

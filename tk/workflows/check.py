@@ -21,10 +21,11 @@ from tk.parity import ParityReport, ReferenceRuns, check_engines, reference_runs
 from tk.registries import ENGINES
 from tk.runtime import EngineChoice, available_engines, open_engine, trusted_engines, unavailable_reason
 from tk.runtime.batching import BatchRunner
-from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
+from tk.runtime.inputs import count_nonfinite, random_inputs
 from tk.signing import TrustPolicy
 from tk.spec import shapes_to_check
 from tk.tolerances import artifact_tolerance, checked_pair
+from tk.workflows.user_inputs import read_user_inputs
 
 log = logging.getLogger("tk.export")
 
@@ -298,7 +299,7 @@ def _run_reference(
     if inputs is None and samples is None:  # random inputs across the ranges
         return _Reference(engine, reference_runs(engine, shapes_to_check(manifest.signature.dims), seed=seed))
     if inputs is not None:
-        feeds = read_inputs(inputs, engine.inputs)
+        feeds = read_user_inputs(inputs, manifest.model["name"], engine.inputs, engine.dims)
     else:
         feeds = random_inputs(engine.inputs, engine.dims, samples, seed=seed)
     outputs = BatchRunner(engine, batch_size).run(feeds)

@@ -28,16 +28,11 @@ def calibration_file(spec: ModelSpec, options: ExportOptions) -> dict[str, np.nd
     """The static int8 calibration samples of ``options.calibrate``, read and checked like ``tk infer --inputs``;
     for an ``hf:DIR`` model a ``.txt``/``.jsonl`` file of texts, tokenized by its tokenizer (tk.models.hf_text)."""
     from tk.export import resolve_dims
-    from tk.models.hf_text import is_text_file, read_text_samples
-    from tk.runtime.inputs import check_arrays, read_inputs
+    from tk.runtime.inputs import check_arrays
+    from tk.workflows.user_inputs import read_user_inputs
 
     assert options.calibrate is not None
     dims = resolve_dims(spec, options.dims, options.dynamic)
-    if is_text_file(options.calibrate):
-        seq = dims.get("seq")
-        low, high = (seq.min, seq.max) if seq else (1, 1)  # no seq: read_text_samples refuses the model
-        arrays, _ = read_text_samples(options.calibrate, spec, min_seq=low, max_seq=high)
-    else:
-        arrays = read_inputs(options.calibrate, spec.signature.inputs)
+    arrays = read_user_inputs(options.calibrate, spec.name, spec.signature.inputs, dims)
     check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(options.calibrate))
     return arrays

@@ -36,11 +36,12 @@ from tk.manifest import Manifest, read_verified, verify_artifact
 from tk.parity import OutputParity, compare, compare_output
 from tk.runtime import EngineChoice, open_engine
 from tk.runtime.eager import module_from_manifest
-from tk.runtime.inputs import random_inputs, read_inputs
+from tk.runtime.inputs import random_inputs
 from tk.safefiles import private_copy
 from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, require_trusted_code
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
+from tk.workflows.user_inputs import read_user_inputs
 
 ENGINES = ("torch", "aoti", "onnx")
 GROWTH_FLOOR = 1e-7  # relative error treated as exact when computing growth (float32 rounding)
@@ -184,7 +185,7 @@ def choose_feeds(
     if inputs is not None and samples is not None:
         raise UsageError("expected at most one of --inputs FILE and --samples N")
     if inputs is not None:
-        return read_inputs(inputs, sig.inputs)
+        return read_user_inputs(inputs, manifest.model["name"], sig.inputs, sig.dims)
     if samples is not None:
         return random_inputs(sig.inputs, sig.dims, samples, seed=seed)
     return random_feeds(sig.inputs, sig.opt_sizes(), seed=seed)

@@ -55,7 +55,7 @@ def optimize_data(
         seq = dims.get("seq")
         if seq is None:
             raise UsageError(f"--data {path}: texts need a model with a seq dimension; {spec.name} has none")
-        arrays, labels = read_text_samples(path, spec, min_seq=seq.min, max_seq=seq.max)
+        arrays, labels = read_text_samples(path, spec.name, [s.name for s in inputs], min_seq=seq.min, max_seq=seq.max)
         if labels is not None:
             check_arrays({LABELS: labels}, [_label_spec(spec)], source=str(path))
     else:
