@@ -239,3 +239,34 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(session.exitstatus))
+
+
+DEADLINE_ENV = "TK_TESTS_DEADLINE"  # Unix time by which the run must be over (.ci/run: CI's 30 minutes)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``fits(seconds=N)`` run last, the shortest first (a stable sort), so that the time
+    left is known when each starts: on a slow machine the longest are the ones left out."""
+
+    def need(item: pytest.Item) -> tuple[bool, float]:
+        marker = item.get_closest_marker("fits")
+        return (marker is not None, float(marker.kwargs["seconds"]) if marker else 0.0)
+
+    items.sort(key=need)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A ``fits(seconds=N)`` test runs only if about N seconds are left before ``TK_TESTS_DEADLINE``
+    (no deadline: it always runs); else it is skipped, saying so, before its fixtures start."""
+    marker = item.get_closest_marker("fits")
+    deadline = os.environ.get(DEADLINE_ENV)
+    if marker is None or not deadline:
+        return
+    import time
+
+    needed, left = float(marker.kwargs["seconds"]), float(deadline) - time.time()
+    if left < needed:
+        pytest.skip(
+            f"{item.nodeid} does not fit: needs about {needed:.0f} s, {max(left, 0):.0f} s left before {DEADLINE_ENV}"
+        )

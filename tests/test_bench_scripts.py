@@ -65,6 +65,7 @@ def test_bench_cpu_tiny_run_writes_rows_peaks_and_load_marks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=100)
 def test_load_test_tiny_run_writes_every_scenario_with_its_load_mark(tmp_path):
     pytest.importorskip("ray.serve", reason="the load test runs on Ray Serve")
     pytest.importorskip("tritonclient.http", reason="the load test's clients are tritonclient's")

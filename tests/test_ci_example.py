@@ -43,6 +43,7 @@ def failures(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=120)
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_the_gate_records_passes_and_catches_bf16(tmp_path: Path) -> None:
     missing = gate(tmp_path)

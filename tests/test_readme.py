@@ -177,6 +177,7 @@ RUN_PAGES = [p for p in PAGES if any(b.runs for b in blocks(p))]
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=120)  # README.md's page: 102 s on a 2-core EPYC with other work beside it
 @pytest.mark.parametrize("page", RUN_PAGES, ids=page_id)
 def test_page_runs(page, tmp_path):
     printed = run_page(page, tmp_path)

@@ -97,6 +97,7 @@ def test_recommend_takes_the_fastest_within_budget_else_the_lowest_p99():
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=120)
 def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_process):
     pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]')")
     pytest.importorskip("tritonclient.http", reason="needs tritonclient (pip install 'tk[serve]')")
