@@ -3,6 +3,7 @@ an ``hf:DIR`` model a ``.txt``/``.jsonl`` of texts that its tokenizer reads (``t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,17 +13,51 @@ from tk.models.hf_text import is_text_file, read_text_samples
 from tk.runtime.inputs import check_arrays, read_inputs
 from tk.spec import Dim, TensorSpec
 
+LABELS = "labels"  # the array of labels in an .npz or a directory (a "label" per .jsonl line)
+
 
 def read_user_inputs(
     path: str | Path, model: str, specs: list[TensorSpec], dims: dict[str, Dim]
 ) -> dict[str, np.ndarray]:
     """Every sample of ``path`` for the inputs ``specs`` of ``model`` (its registry or ``hf:DIR`` name);
     texts are padded to the longest (at least ``dims["seq"].min``) and cut at ``dims["seq"].max``."""
-    if not is_text_file(path):
-        return read_inputs(path, specs)
-    seq = dims.get("seq")
-    if seq is None:
-        raise UsageError(f"{path}: texts need a model with a seq dimension; {model} has none")
-    arrays, _ = read_text_samples(path, model, [s.name for s in specs], min_seq=seq.min, max_seq=seq.max)
-    check_arrays(arrays, specs, dims=dims, source=str(path))
+    arrays, _ = read_labeled_inputs(path, model, specs, dims, labels=None)
     return arrays
+
+
+def read_labeled_inputs(
+    path: str | Path,
+    model: str,
+    specs: list[TensorSpec],
+    dims: dict[str, Dim],
+    *,
+    labels: Callable[[], TensorSpec] | None,
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """``read_user_inputs`` and the samples' labels when the file has them (an array named ``labels``, or a
+    ``"label"`` on every ``.jsonl`` line), checked against the spec ``labels()`` returns; it is called only
+    then, so a model without class scores fails only on labelled data. ``labels=None`` reads no labels."""
+    path = Path(path)
+    found: np.ndarray | None = None
+    if is_text_file(path):
+        seq = dims.get("seq")
+        if seq is None:
+            raise UsageError(f"{path}: texts need a model with a seq dimension; {model} has none")
+        arrays, found = read_text_samples(path, model, [s.name for s in specs], min_seq=seq.min, max_seq=seq.max)
+        if found is not None and labels is not None:
+            check_arrays({LABELS: found}, [labels()], source=str(path))
+    else:
+        label_spec = labels() if labels is not None and _has_array(path, LABELS) else None
+        arrays = read_inputs(path, specs + ([label_spec] if label_spec else []))
+        found = arrays.pop(LABELS) if label_spec else None
+    check_arrays(arrays, specs, dims=dims, source=str(path))
+    return arrays, (found if labels is not None else None)
+
+
+def _has_array(path: Path, name: str) -> bool:
+    if path.is_dir():
+        return (path / f"{name}.npy").is_file()
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return name in getattr(archive, "files", [])
+    except (OSError, ValueError):
+        return False  # read_inputs says what is wrong with the file

@@ -16,12 +16,11 @@ import numpy as np
 
 from tk.errors import UsageError
 from tk.models import ModelSpec
-from tk.models.hf_text import is_text_file, read_text_samples
-from tk.runtime.inputs import check_arrays, random_inputs, read_inputs
+from tk.runtime.inputs import random_inputs
 from tk.spec import Dim, TensorSpec
+from tk.workflows.user_inputs import LABELS, read_labeled_inputs
 
 HELD_OUT_SAMPLES = 32  # synthetic samples that judge each candidate
-LABELS = "labels"
 
 
 @dataclass
@@ -51,18 +50,7 @@ def optimize_data(
         held = random_inputs(inputs, dims, HELD_OUT_SAMPLES, seed=4321, sizes=other)
         return OptimizeData(held, None)
     path = Path(data)
-    if is_text_file(path):
-        seq = dims.get("seq")
-        if seq is None:
-            raise UsageError(f"--data {path}: texts need a model with a seq dimension; {spec.name} has none")
-        arrays, labels = read_text_samples(path, spec.name, [s.name for s in inputs], min_seq=seq.min, max_seq=seq.max)
-        if labels is not None:
-            check_arrays({LABELS: labels}, [_label_spec(spec)], source=str(path))
-    else:
-        label_spec = _label_spec(spec) if _has_labels(path) else None
-        arrays = read_inputs(path, inputs + ([label_spec] if label_spec else []))
-        labels = arrays.pop(LABELS, None)
-    check_arrays(arrays, inputs, dims=dims, source=str(path))
+    arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: _label_spec(spec))
     total = int(next(iter(arrays.values())).shape[0])
     if total < 2:
         raise UsageError(f"--data {path}: expected 2 or more samples (half calibrate, half judge), found {total}")
@@ -70,16 +58,6 @@ def optimize_data(
     held = {k: np.ascontiguousarray(v[cut:]) for k, v in arrays.items()}
     calibration = {k: np.ascontiguousarray(v[:cut]) for k, v in arrays.items()}
     return OptimizeData(held, calibration, None if labels is None else labels[cut:], source=str(path))
-
-
-def _has_labels(path: Path) -> bool:
-    if path.is_dir():
-        return (path / f"{LABELS}.npy").is_file()
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return LABELS in getattr(archive, "files", [])
-    except (OSError, ValueError):
-        return False  # read_inputs says what is wrong with the file
 
 
 def _label_spec(spec: ModelSpec) -> TensorSpec:
