@@ -34,6 +34,11 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
     nice -n 19 .venv/bin/python -m scripts.bench_goals --int8-sizes '' --bf16-sizes '' \\
         --optimum-cli /tmp/optvenv/bin/optimum-cli
 
+- pick (``--pick DIR``, issue 22): the engine ``tk optimize hf:DIR --accuracy cosine>=0.9999`` recommends,
+  against Optimum's ONNX in onnxruntime and OpenVINO's default compile of it, and transformers' eager
+  forward, timed interleaved at each ``--hf-shapes`` size, each with its min cosine against transformers
+  (``tk.workflows.goals.pick``). Only that table: ``--int8-sizes '' --bf16-sizes '' --skip-hf --pick DIR``.
+
 Every row's rounds run under the load guard (``--wait-quiet``; rows on a busy machine are marked).
 Writes ``<out>/<UTC stamp>-bench-goals.json`` in the benchmarks' envelope and prints the table.
 The scenarios live in ``tk.workflows.goals`` (``transformer``, ``hf``, ``profiles``, ``report``).
@@ -50,8 +55,9 @@ from pathlib import Path
 from rich.console import Console
 
 from tk.errors import TkError
-from tk.workflows.goals.hf import HfSettings, bench_hf
-from tk.workflows.goals.report import render
+from tk.workflows.goals.hf import HfSettings, bench_hf, optimum_export
+from tk.workflows.goals.pick import PickSettings, bench_pick
+from tk.workflows.goals.report import render, render_pick
 from tk.workflows.goals.transformer import GoalSettings, bench_transformer
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of
@@ -87,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf-shapes", default="8x128,1x128", help="BATCHxSEQ sizes of the hf rows (comma-separated).")
     parser.add_argument("--hf-iters", type=int, default=30, help="Interleaved rounds at batch 8 (x 8/batch below).")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--pick",
+        type=Path,
+        default=None,
+        help="tk optimize's artifact of the hf model (trusted: name only your own): issue 22's rows against "
+        "Optimum's ONNX and OpenVINO's default compile.",
+    )
+    parser.add_argument("--pick-samples", type=int, default=64, help="Inputs each engine's min cosine is taken over.")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
     args.bf16_sizes = [s for s in args.bf16_sizes.split(",") if s]
@@ -117,6 +131,7 @@ def main(argv: list[str] | None = None) -> Path:
         args.profile_int8, args.profile_bf16, guard,
     )  # fmt: skip
     hf = HfSettings(args.hf_shapes, args.hf_iters, args.optimum_cli, guard)
+    pick = PickSettings(args.hf_shapes, args.hf_iters, args.pick_samples, guard)
 
     def show(rows: list[dict]) -> None:
         Console(width=200).print(render(rows, run.machine))
@@ -128,10 +143,19 @@ def main(argv: list[str] | None = None) -> Path:
             ckpt = Path(args.checkpoints[size]) if size in args.checkpoints else None
             rows += bench_transformer(size, ckpt, goals, work)
             show(rows)
+        optimum_onnx = args.optimum_onnx
+        if optimum_onnx is None and args.optimum_cli is not None and (args.pick or not args.skip_hf):
+            optimum_onnx = optimum_export(args.optimum_cli, hf_directory(args.hf_dir), work / "optimum")
         if not args.skip_hf:
-            rows += bench_hf(hf_directory(args.hf_dir), args.optimum_onnx, hf, work, on_row=lambda r: show(rows + r))
-    show(rows)
-    path = run.write({"rows": rows}, args.out)
+            rows += bench_hf(hf_directory(args.hf_dir), optimum_onnx, hf, work, on_row=lambda r: show(rows + r))
+        pick_rows: list[dict] = []
+        if args.pick is not None:
+            pick_rows = bench_pick(args.pick, hf_directory(args.hf_dir), optimum_onnx, pick, work)
+    if rows:
+        show(rows)
+    if pick_rows:
+        Console(width=200).print(render_pick(pick_rows, run.machine))
+    path = run.write({"rows": rows, "pick_rows": pick_rows}, args.out)
     print(f"json: {path}")
     return path
 

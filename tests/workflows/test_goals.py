@@ -86,3 +86,41 @@ def test_table_names_busy_rows_and_missing_rates(busy):
     text = console.export_text()
     assert "— (no bf16 rate)" in text and "50% fp32" in text and "1.20× (paired 1.10×, CPU time 1.30×)" in text
     assert ("(busy machine)" in text) == busy
+
+
+def test_pick_rows_time_the_pick_against_optimum_openvino_and_eager(tmp_path):
+    """Issue 22's rivals on a tiny BERT: tk's unfused ONNX stands in for Optimum's file, and an onnx
+    artifact for the optimize pick; every engine computes transformers' embeddings (cosine) and the
+    row's verdict follows its own numbers."""
+    pytest.importorskip("openvino")
+    from transformers import BertConfig, BertModel
+
+    from tk.export import ExportOptions
+    from tk.models import build_model
+    from tk.workflows.export import export
+    from tk.workflows.goals import pick as goal
+    from tk.workflows.goals.report import render_pick
+
+    directory = tmp_path / "bert"
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    BertModel(config).save_pretrained(directory)
+    pick = tmp_path / "pick"
+    export(build_model(f"hf:{directory}"), pick, ExportOptions(formats=("onnx",)))
+    settings = goal.PickSettings(shapes=[(2, 16)], iters=2, samples=8)
+    (row,) = goal.bench_pick(pick, directory, None, settings, tmp_path / "work")
+    assert row["shape"] == "2x16" and row["samples"] == 8 and row["rival_onnx"].startswith("tk onnx unfused")
+    rivals = (goal.OPTIMUM, goal.OPENVINO)
+    assert set(row["ms"]) == {goal.PICK, *rivals, goal.EAGER} and all(v > 0 for v in row["ms"].values())
+    assert set(row["min_cosine"]) == {goal.PICK, *rivals}
+    assert min(row["min_cosine"].values()) >= 0.99999  # float32 everywhere on this CPU (OpenVINO: no bf16 hint)
+    rival = row["ms"][row["faster_rival"]]
+    assert row["faster_rival"] in rivals and rival == min(row["ms"][r] for r in rivals)
+    assert row["speedup_vs_faster_rival"] == pytest.approx(rival / row["ms"][goal.PICK], rel=1e-2)
+    assert row["met"] == (row["speedup_vs_faster_rival"] >= 1.3 and row["min_cosine"][goal.PICK] >= 0.9999)
+    console = Console(record=True, width=250)
+    console.print(render_pick([row], {"cpu": "test", "torch_threads": 2}))
+    text = console.export_text()
+    assert "tk pick (onnx" in text and "openvino default" in text

@@ -44,3 +44,26 @@ def render(rows: list[dict], machine: dict) -> Table:
             ("yes" if r.get("met") else "no") + f" ({r['goal_text']})",
         )
     return table
+
+
+def render_pick(rows: list[dict], machine: dict) -> Table:
+    """Issue 22's first goal: one line per engine and shape (``tk.workflows.goals.pick``)."""
+    table = Table(
+        title=f"tk optimize's pick vs its rivals, {machine.get('cpu')}, {machine.get('torch_threads')} threads"
+    )
+    for header in ("shape", "engine", "ms", "x faster rival", "min cosine", "met"):
+        table.add_column(header, justify="left" if header in ("engine", "met") else "right")
+    for r in rows:
+        rival_ms = r["ms"][r["faster_rival"]]
+        for name, value in r["ms"].items():
+            pick = name == "tk pick"
+            what = f"{name} ({', '.join(str(v) for v in r['pick'].values() if v)})" if pick else name
+            table.add_row(
+                r["shape"] + (" (busy machine)" if r.get("busy") else ""),
+                what,
+                f"{value:.1f}",
+                f"{rival_ms / value:.2f}×",
+                f"{r['min_cosine'][name]:.7f}" if name in r["min_cosine"] else "ref",
+                (("yes" if r["met"] else "no") + f" ({r['goal_text']})") if pick else "",
+            )
+    return table
