@@ -256,3 +256,33 @@ def test_reasons_print_as_text_not_rich_markup() -> None:
     console.print(render([row], "t"))
     text = console.export_text()
     assert "pip install 'tk[gpu]'" in text and "[cached]" in text
+
+
+def _timed(name: str, p50_ms: float, **accuracy: float) -> Any:
+    from tk.workflows.optimize.table import Row
+
+    fmt, precision = name.split()[:2]
+    return Row(name, fmt, precision, fmt, {}, "passed", accuracy=accuracy, p50_ms=p50_ms)
+
+
+def test_a_tie_within_the_margin_goes_to_the_most_accurate() -> None:
+    from tk.workflows.optimize.run import TIE, pick_winner
+
+    int8 = _timed("onnx int8 static", 228.0, cosine=0.999964)
+    fp32 = _timed("onnx fp32", 228.0 * (1 + TIE) - 0.1, cosine=1.0)
+    slow = _timed("aoti fp32", 228.0 * (1 + TIE) + 1.0, cosine=1.0)
+    winner = pick_winner([int8, fp32, slow], "cosine")
+    assert winner is fp32 and winner.winner and not int8.winner
+    assert winner.reason == "within 3% of onnx int8 static's 228 ms (a tie) and more accurate"
+
+
+def test_outside_the_margin_or_as_accurate_the_fastest_wins() -> None:
+    from tk.workflows.optimize.run import TIE, pick_winner
+
+    int8 = _timed("aoti int8 static", 156.0, sqnr=42.4)
+    fp32 = _timed("aoti fp32", 156.0 * (1 + TIE) + 0.5, sqnr=140.9)
+    assert pick_winner([fp32, int8], "sqnr") is int8 and int8.reason == ""
+    a, b = _timed("onnx fp32", 100.0, cosine=1.0), _timed("aoti fp32", 101.0, cosine=1.0)
+    assert pick_winner([b, a], "cosine") is a  # equally accurate: the faster
+    low, high = _timed("onnx int8 static", 100.0, max_abs=0.05), _timed("onnx fp32", 101.0, max_abs=1e-5)
+    assert pick_winner([low, high], "max_abs") is high  # max_abs: the lower is the more accurate
