@@ -11,7 +11,9 @@ from tk.spec import random_feeds
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("transformer", "mlp", "linear", "resnet18")
+# resnet18's package compile is the longest (38 s on a 2-core AVX2 EPYC): its cases run last, left out when
+# CI's 30 minutes run short (tests/conftest.py's fits)
+MODELS = ("transformer", "mlp", "linear", pytest.param("resnet18", marks=pytest.mark.fits(seconds=50)))
 AOTI = ("aoti",)
 
 

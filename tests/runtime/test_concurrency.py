@@ -32,7 +32,7 @@ def artifact(tmp_path_factory):
         "eager",
         "torch",
         "onnx",
-        pytest.param("compile", marks=pytest.mark.slow),
+        pytest.param("compile", marks=[pytest.mark.slow, pytest.mark.fits(seconds=50)]),  # 37 s on 2 AVX2 cores
         pytest.param("aoti", marks=pytest.mark.slow),
         pytest.param("openvino", marks=requires(openvino=True)),
     ],

@@ -18,7 +18,7 @@ pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'tk[serve]
 
 from tk.serve.ingress import free_ports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.fits(seconds=60)]  # 48 s on a 2-core AVX2 EPYC
 
 
 @pytest.fixture
