@@ -286,3 +286,7 @@ def test_outside_the_margin_or_as_accurate_the_fastest_wins() -> None:
     assert pick_winner([b, a], "cosine") is a  # equally accurate: the faster
     low, high = _timed("onnx int8 static", 100.0, max_abs=0.05), _timed("onnx fp32", 101.0, max_abs=1e-5)
     assert pick_winner([low, high], "max_abs") is high  # max_abs: the lower is the more accurate
+    fewer, more = _timed("aoti int8 static", 100.0, sqnr=40.0), _timed("onnx int8 static", 102.0, sqnr=45.0)
+    more.reason = "14 of 17 layers int8"
+    assert pick_winner([fewer, more], "sqnr") is more
+    assert more.reason == "14 of 17 layers int8; within 3% of aoti int8 static's 100 ms (a tie) and more accurate"

@@ -313,7 +313,8 @@ def pick_winner(timed: list[Row], metric: str) -> Row:
 
     winner = max(tied, key=lambda r: (accuracy(r), -(r.p50_ms or math.inf)))
     if winner is not fastest and accuracy(winner) > accuracy(fastest):
-        winner.reason = f"within {TIE:.0%} of {fastest.candidate}'s {fastest.p50_ms:.3g} ms (a tie) and more accurate"
+        tie = f"within {TIE:.0%} of {fastest.candidate}'s {fastest.p50_ms:.3g} ms (a tie) and more accurate"
+        winner.reason = f"{winner.reason}; {tie}" if winner.reason else tie  # an int8 row keeps its layer count
     else:
         winner = fastest
     winner.winner = True
