@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> Path:
         show(rows)
     if pick_rows:
         Console(width=200).print(render_pick(pick_rows, run.machine))
-    path = run.write({"rows": rows, "pick_rows": pick_rows}, args.out)
+    path = run.write({"rows": rows} | ({"pick_rows": pick_rows} if args.pick is not None else {}), args.out)
     print(f"json: {path}")
     return path
 
