@@ -41,7 +41,7 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
 
 Every row's rounds run under the load guard (``--wait-quiet``; rows on a busy machine are marked).
 Writes ``<out>/<UTC stamp>-bench-goals.json`` in the benchmarks' envelope and prints the table.
-The scenarios live in ``tk.workflows.goals`` (``transformer``, ``hf``, ``profiles``, ``report``).
+The scenarios live in ``tk.workflows.goals`` (``transformer``, ``hf``, ``pick``, ``profiles``, ``report``).
 """
 
 from __future__ import annotations
