@@ -95,6 +95,7 @@ def test_pick_rows_time_the_pick_against_optimum_openvino_and_eager(tmp_path):
     pytest.importorskip("openvino")
     from transformers import BertConfig, BertModel
 
+    from tk.errors import UsageError
     from tk.export import ExportOptions
     from tk.export.aoti_int8 import bf16_available
     from tk.models import build_model
@@ -123,6 +124,8 @@ def test_pick_rows_time_the_pick_against_optimum_openvino_and_eager(tmp_path):
     assert row["faster_rival"] in rivals and rival == min(row["ms"][r] for r in rivals)
     assert row["speedup_vs_faster_rival"] == pytest.approx(rival / row["ms"][goal.PICK], rel=1e-2)
     assert row["met"] == (row["speedup_vs_faster_rival"] >= 1.3 and row["min_cosine"][goal.PICK] >= 0.9999)
+    with pytest.raises(UsageError, match=r"expected Optimum's export with a model\.onnx, found none"):
+        goal.bench_pick(pick, directory, tmp_path, settings, tmp_path / "work")
     console = Console(record=True, width=250)
     console.print(render_pick([row], {"cpu": "test", "torch_threads": 2}))
     text = console.export_text()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tk.accuracy import measure_outputs
+from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.export.onnx import OnnxOptions
 from tk.models import build_model
@@ -55,28 +56,29 @@ def bench_pick(pick: Path, directory: Path, optimum_onnx: Path | None, s: PickSe
     from tk.runtime import load
 
     spec = build_model(f"hf:{directory}")
-    engine = load(pick, trust=TrustPolicy(trust_artifact_code=True, warn=False))
-    recommended = engine.manifest.optimize.get("recommended") or {}
-    rival_onnx, rival_source = _rival_onnx(spec, optimum_onnx, work)
-    threads = torch.get_num_threads()
-    session = plain_session(rival_onnx, threads)
-    compiled = ov.Core().compile_model(ov.Core().read_model(str(rival_onnx)), "CPU")
-    model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
     names = [i.name for i in spec.signature.inputs]
-
-    def first_output(out: Any) -> np.ndarray:
-        return np.asarray(out[0] if isinstance(out, (list, tuple)) else next(iter(out.values())))
+    engine = load(pick, trust=TrustPolicy(trust_artifact_code=True, warn=False))
+    picked = [i.name for i in engine.inputs]
+    if picked != names:
+        raise UsageError(f"--pick {pick}: expected an artifact of {directory} (inputs {names}), found inputs {picked}")
+    recommended = engine.manifest.optimize.get("recommended") or {}
+    pick_output = engine.outputs[0].name
+    rival_onnx, rival_source = _rival_onnx(spec, optimum_onnx, work)
+    session = plain_session(rival_onnx, torch.get_num_threads())
+    optimum_inputs = [i.name for i in session.get_inputs()]  # Optimum leaves out inputs its graph does not use
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(str(rival_onnx)), "CPU")
+    openvino_inputs = [p.get_any_name() for p in compiled.inputs]
+    model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
 
     def run_pick(feeds: dict[str, np.ndarray]) -> np.ndarray:
-        out = engine.run(feeds, check=False)
-        return np.asarray(out[spec.signature.outputs[0].name])
+        return np.asarray(engine.run(feeds, check=False)[pick_output])
 
     def run_optimum(feeds: dict[str, np.ndarray]) -> np.ndarray:
-        return first_output(session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()}))
+        return session.run(None, {name: feeds[name] for name in optimum_inputs})[0]
 
     def run_openvino(feeds: dict[str, np.ndarray]) -> np.ndarray:
-        wanted = {p.get_any_name() for p in compiled.inputs}
-        return np.asarray(compiled({k: v for k, v in feeds.items() if k in wanted})[0])
+        return np.asarray(compiled({name: feeds[name] for name in openvino_inputs})[0])
 
     def run_eager(feeds: dict[str, np.ndarray]) -> np.ndarray:
         with torch.no_grad():
@@ -124,6 +126,8 @@ def bench_pick(pick: Path, directory: Path, optimum_onnx: Path | None, s: PickSe
 def _rival_onnx(spec: Any, optimum_onnx: Path | None, work: Path) -> tuple[Path, str]:
     """Optimum's ``model.onnx``, else tk's own unfused ONNX export written under ``work``."""
     if optimum_onnx is not None:
+        if not (optimum_onnx / "model.onnx").is_file():
+            raise UsageError(f"--optimum-onnx {optimum_onnx}: expected Optimum's export with a model.onnx, found none")
         return optimum_onnx / "model.onnx", "optimum"
     root = work / "rival"
     export(spec, root, ExportOptions(formats=("onnx",), check=False, settings={"onnx": OnnxOptions(fusions=False)}))

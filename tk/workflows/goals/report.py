@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from tk.workflows.goals.pick import PICK
+
 
 def of_peak(r: dict) -> str:
     """The share of the median rate at the model's shapes, in the row's precision."""
@@ -56,7 +58,7 @@ def render_pick(rows: list[dict], machine: dict) -> Table:
     for r in rows:
         rival_ms = r["ms"][r["faster_rival"]]
         for name, value in r["ms"].items():
-            pick = name == "tk pick"
+            pick = name == PICK
             what = f"{name} ({', '.join(str(v) for v in r['pick'].values() if v)})" if pick else name
             table.add_row(
                 r["shape"] + (" (busy machine)" if r.get("busy") else ""),
