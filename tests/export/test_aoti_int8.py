@@ -23,7 +23,14 @@ from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
 from tk.export.aoti import AotiOptions
 from tk.export.aoti import unavailable_reason as aoti_unavailable
-from tk.export.aoti_int8 import int8_program, quantizable_modules, run_linears_in_bf16
+from tk.export.aoti_int8 import (
+    bf16_available,
+    int8_program,
+    int8_share,
+    layer_macs,
+    quantizable_modules,
+    run_linears_in_bf16,
+)
 from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
 from tk.export.onnx import OnnxOptions
 from tk.export.torch_program import exported_program_from_module
@@ -61,7 +68,9 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     spec, out, result = trained_int8
     assert result.passed and result.manifest.precision == "int8"
     aoti = result.manifest.formats["aoti"]
-    assert aoti["inductor_configs"] == {"freezing": True} and aoti["packed_for"]
+    # float32 linears unpacked where the layers left out of int8 run in float32 (no bf16 dot products)
+    packed_floats = {} if bf16_available() else {"cpp.weight_prepack": False}
+    assert aoti["inductor_configs"] == {"freezing": True, **packed_floats} and aoti["packed_for"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
     quantized = quant["int8_modules"]
@@ -77,6 +86,8 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert f"{quantized} of 9 layers int8" in line and f"SQNR at export {quant['sqnr_db_export']} dB" in line
     source = _package_source(out)
     assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
+    if not bf16_available():  # the layers left out run in float32 as the float32 package runs them: not packed
+        assert "aoti_torch_cpu__linear_pointwise" not in source
     # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model
     feeds = random_feeds(spec.signature.inputs, {"batch": 5, "seq": 37}, seed=77)
     engines = [load(out, "eager"), load(out, "aoti")]
@@ -174,6 +185,25 @@ def test_keep_fp32_modules_are_never_quantized():
     }
     expected = set(quantizable_modules(program.module())) - {"head", "blocks.1.ffn.up", "blocks.1.ffn.down"}
     assert fed_by_dequantize == expected
+
+
+def test_layer_macs_count_each_linear_and_the_share_left_int8():
+    _, _, example, program = _tiny_transformer_program()
+    graph = program.module()
+    batch, seq = example[0].shape
+    weights = dict(graph.named_parameters())
+    names = quantizable_modules(graph)
+    macs = layer_macs(graph, example)
+    assert set(macs) == set(names)
+    for name in names:
+        out_features, in_features = weights[f"{name}.weight"].shape
+        rows = batch if name == "head" else batch * seq  # the head reads the first token only
+        assert macs[name] == rows * out_features * in_features, name
+    kept = int8_share(graph, example, names, ["head", "blocks.1.ffn.up"])
+    left_out = macs["head"] + macs["blocks.1.ffn.up"]
+    assert (kept.int8_layers, kept.layers) == (len(names) - 2, len(names))
+    assert kept.share == pytest.approx(1 - left_out / sum(macs.values()), abs=1e-12)
+    assert int8_share(graph, example, names, []).share == 1.0
 
 
 def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():

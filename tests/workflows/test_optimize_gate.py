@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tk.export import ExportOptions, write_artifact
+from tk.export.context import Int8Share
 from tk.manifest import verify_artifact
 from tk.models import build_model
 from tk.workflows.check import run_export_check
@@ -63,6 +64,39 @@ def test_no_passed_candidate_or_a_probe_that_cannot_run_is_no_reason(fp32_artifa
     assert SpeedGate(dict(SIZES))("onnx", b"") is None  # nothing passed yet: nothing to compare with
     assert _gate(fp32_artifact)("onnx", b"not an onnx graph") is None
     assert _gate(fp32_artifact)("tensorrt", object()) is None
+
+
+def _probed(root: Path, fastest: Candidate, p50: dict[str, float], busy: bool = False) -> SpeedGate:
+    """A gate that has timed aoti's all-int8 probe at ``p50`` (ms by name, ``PROBE`` among them)."""
+    speed_gate = SpeedGate(dict(SIZES))
+    speed_gate.add(fastest, root, verify_artifact(root))
+    best = next(name for name in p50 if name != PROBE)
+    speed_gate.verdicts.append(
+        {"format": "aoti", "p50_ms": p50, "fastest_passed": best, "busy": busy, "skipped": False}
+    )
+    return speed_gate
+
+
+def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path) -> None:
+    """At best fastest - share x (fastest - all-int8): 200 - 0.02 x 60 = 198.8 ms, within TIE of the
+    float32 candidate's 200 ms, which wins a tie; with 90% of the multiply-adds int8 it could win."""
+    fp32 = Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),))
+    p50 = {"onnx fp32": 200.0, PROBE: 140.0}
+    speed_gate = _probed(fp32_artifact, fp32, p50)
+    reason = speed_gate("aoti", Int8Share(1, 36, 0.02))
+    assert reason is not None and reason.startswith("cannot win here: its search kept 1 of 36 layers int8 (2% of")
+    assert "at best 198.8 ms at batch 4 × seq 16, within 3% of onnx fp32's 200.0 ms, which wins a tie" in reason
+    verdict = speed_gate.verdicts[-1]
+    assert verdict["after_search"] == {"int8_layers": 1, "layers": 36, "share": 0.02}
+    assert verdict["at_best_ms"] == pytest.approx(198.8) and verdict["skipped"] is True
+    assert _probed(fp32_artifact, fp32, p50)("aoti", Int8Share(30, 36, 0.9)) is None  # at best 146 ms
+    assert _probed(fp32_artifact, fp32, p50, busy=True)("aoti", Int8Share(1, 36, 0.02)) is None  # not judged
+    assert _gate(fp32_artifact)("aoti", Int8Share(1, 36, 0.02)) is None  # no probe timed: nothing to go on
+    # an int8 fastest does not win a tie by accuracy: only no faster at all is a reason
+    int8 = Candidate("onnx", "int8", "onnx", (("int8_mode", "static"),))
+    assert (
+        _probed(fp32_artifact, int8, {"onnx int8 static": 200.0, PROBE: 140.0})("aoti", Int8Share(1, 36, 0.02)) is None
+    )
 
 
 def _force_search(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ a larger share of the bf16 matrix-product peak, for the same compile time. Induc
 it computes bfloat16 products in float32, and autotuning the small model kept oneDNN's kernel
 for every linear while doubling the compile time. Freezing only applies while gradients are
 off, so the compile runs under ``torch.no_grad()``. float32 packages keep Inductor's defaults:
-their 1e-5 parity is what the tests verify, and freezing's prepacked float32 kernels were not
-measured against it. The settings used are recorded in the manifest (``inductor_configs``).
+their 1e-5 parity is what the tests verify, and freezing's prepacked float32 linears ran MiniLM
+1.4x slower on the AVX2 EPYC (``inductor_configs_for``). The settings used are recorded in the manifest (``inductor_configs``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.writer import REDUCED, Writer, option
-from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
+from tk.formats.aoti import FILE, NATIVE_FLAGS, cpu_flags, cpu_vector_isa, packing_features
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ def _int8_program(ctx: ExportContext, options: AotiOptions) -> tuple[torch.expor
         min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
         gate=_package_gate(int8_gate(ctx, "aoti")) if ctx.options.device == "cpu" else None,
+        share_gate=int8_gate(ctx, "aoti") if ctx.options.device == "cpu" else None,
     )
     require_int8_layers(result.int8_modules, result.quantizable, "aoti")
     return program, result.to_json()
@@ -158,7 +159,16 @@ def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
     packed once for oneDNN (see the module docstring); for int8 it is what lowers each quantized
     linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). float32 and CUDA packages keep
     Inductor's defaults, which is what their tolerances were verified with.
+
+    An int8 package on a CPU without bfloat16 dot products runs the layers left out of int8 in
+    float32, and freezing would hand those to oneDNN's packed float32 linear
+    (``cpp.weight_prepack``): on the AVX2 EPYC that made MiniLM's package with 1 of 36 layers int8
+    302 ms against 217 ms with the float32 linears left as the float32 package runs them
+    (benchmarks/history.md). ``cpp.weight_prepack`` gates only Inductor's float packing; the int8
+    linears are packed by torchao's own freezing pass either way.
     """
+    if device == "cpu" and precision == "int8" and not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
+        return {"freezing": True, "cpp.weight_prepack": False}
     if device == "cpu" and precision in ("bf16", "fp16", "int8"):
         return {"freezing": True}
     return {}

@@ -48,6 +48,7 @@ import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
+from tk.export.context import Int8Share
 from tk.export.quantize import saturating_int8_products
 from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
 from tk.parity import worst_sqnr_db
@@ -383,6 +384,7 @@ def int8_program(
     judge: Sequence[dict[str, np.ndarray]] = (),
     excluded_in_bf16: bool | None = None,
     gate: Callable[[Any], None] | None = None,
+    share_gate: Callable[[Int8Share], None] | None = None,
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
@@ -392,7 +394,7 @@ def int8_program(
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
     CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` is asked before the search, with a
     function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
-    may end the export.
+    ``share_gate`` after it, with the ``Int8Share`` it kept; either may end the export.
     """
     if method not in METHODS:
         raise UsageError(
@@ -430,6 +432,8 @@ def int8_program(
                 calibrated = judged.subset(range(len(batches)))
                 result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
                 quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
+                if share_gate is not None:
+                    share_gate(int8_share(quantizer.float_module, batches[0], ranked, result.automatic))
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
@@ -438,6 +442,40 @@ def int8_program(
         raise
     except Exception as exc:  # torchao and torch.export raise many types; each is a conversion failure
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
+
+
+def int8_share(
+    float_module: torch.fx.GraphModule,
+    args: tuple[torch.Tensor, ...],
+    quantized: Sequence[str],
+    excluded: Sequence[str],
+) -> Int8Share:
+    """What is left int8 of the ``quantized`` modules once ``excluded`` are not: layers, and multiply-adds
+    on ``args`` (``layer_macs``)."""
+    macs = layer_macs(float_module, args)
+    kept = [n for n in quantized if n not in set(excluded)]
+    total = sum(macs.get(n, 0) for n in quantized)
+    share = sum(macs.get(n, 0) for n in kept) / total if total else 0.0
+    return Int8Share(len(kept), len(quantized), share)
+
+
+def layer_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """Multiply-adds of the linears and convolutions of each module of ``graph_module`` called on ``args``:
+    output elements times the weight's elements per output channel."""
+    macs: dict[str, int] = {}
+
+    class Counter(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node) -> Any:
+            out = super().run_node(node)
+            if node.op == "call_function" and node.target in QUANTIZED_TARGETS:
+                weight = self.fetch_args_kwargs_from_env(node)[0][1]
+                path = module_path(node) or node.name
+                macs[path] = macs.get(path, 0) + out.numel() * weight[0].numel()
+            return out
+
+    with torch.no_grad():
+        Counter(graph_module).run(*args)
+    return macs
 
 
 def _recaptured(

@@ -18,9 +18,20 @@ from tk.spec import Dim
 log = logging.getLogger("tk.export")
 
 # Asked by an int8 writer before its exclusion search, with the format's name and its all-int8 model (ONNX
-# bytes, an OpenVINO model, a function that compiles the aoti package): why the search cannot give the
+# bytes, an OpenVINO model, a function that compiles the aoti package), and by the aoti writer again after
+# the search, before its compile, with the ``Int8Share`` the search kept: why the result cannot be the
 # fastest candidate, or None (tk optimize's speed gate). A reason ends the export with CannotWinError.
 Int8Gate = Callable[[str, Any], str | None]
+
+
+@dataclass(frozen=True)
+class Int8Share:
+    """What an exclusion search kept in int8: layers, and their share of the multiply-adds of the layers
+    the all-int8 model ran in int8 (measured on a calibration batch)."""
+
+    int8_layers: int
+    layers: int  # the all-int8 model's int8 layers
+    share: float  # 0..1
 
 
 @dataclass

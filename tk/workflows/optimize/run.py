@@ -28,14 +28,11 @@ from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, in
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
-from tk.workflows.optimize.table import Row, plot_bytes
+from tk.workflows.optimize.table import TIE, Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
 
 log = logging.getLogger("tk.optimize")
 KEEP = ("best", "all")
-# p50s within 3% of the fastest are a tie, won by the most accurate: interleaved p50s of one artifact
-# in two formats (aoti, onnx and torch fp32) differ by 1-4% on these 2-core machines (history.md)
-TIE = 0.03
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 

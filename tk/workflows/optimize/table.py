@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 STATUSES = ("passed", "failed", "skipped")
+# p50s within 3% of the fastest are a tie, won by the most accurate: interleaved p50s of one artifact
+# in two formats (aoti, onnx and torch fp32) differ by 1-4% on these 2-core machines (history.md)
+TIE = 0.03
 
 
 @dataclass
