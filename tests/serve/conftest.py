@@ -49,12 +49,20 @@ class ServeProcess:
         self.log = tmp_path / "serve.err"
 
     @contextmanager
-    def running(self, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-        """Start ``tk serve ARGS``, wait until it says it is ready (120 s at most); kill it if still running after."""
+    def running(
+        self, *args: str, env: dict[str, str] | None = None, new_session: bool = False
+    ) -> Iterator[subprocess.Popen]:
+        """Start ``tk serve ARGS`` (``new_session``: as the leader of its own process group), wait until it
+        says it is ready (120 s at most); kill it if still running after."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         with open(self.log, "w+") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "tk", "serve", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log
+                [sys.executable, "-m", "tk", "serve", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=new_session,
             )
             try:
                 deadline = time.monotonic() + 120

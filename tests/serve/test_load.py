@@ -11,7 +11,14 @@ from rich.console import Console
 from tk.runtime import load
 from tk.serve.load import LoadResult
 from tk.serve.load_report import render, serving_goals
-from tk.serve.load_test import engine_batch_bound, expected_outputs, make_requests, mismatches, scenario_row
+from tk.serve.load_test import (
+    engine_batch_bound,
+    engine_split_bound,
+    expected_outputs,
+    make_requests,
+    mismatches,
+    scenario_row,
+)
 from tk.workflows.load_guard import LoadGuard
 
 MODEL = "transformer"
@@ -62,6 +69,16 @@ def test_engine_batch_bound_reports_both_sizes_and_the_load_mark(exported):
     assert bound["busy"] is False and bound["load_before"] == 0.5
 
 
+def test_engine_split_bound_runs_one_engine_a_process_side_by_side(exported):
+    art = exported("transformer", ("onnx",))
+    guard = LoadGuard(0, cores=2, read_load=lambda: 0.5)
+    split = engine_split_bound(art.root, 8, 4, 2, guard, seconds=0.5)
+    assert (split["processes"], split["threads_each"], split["max_batch"]) == (2, 1, 4)
+    assert split["samples_per_s"] > 0 and split["busy"] is False and split["load_before"] == 0.5
+    # the workers were reaped inside the row: their CPU is this run's own, not another process's
+    assert split["others_cores"] is None or split["others_cores"] < 1.0
+
+
 def test_goals_and_table_read_the_rows():
     load_mark = {"load_before": 0.5, "load_after": 0.7, "busy": False}
     common = {"requests": 4, "lost": 0, "duplicated": 0, "mismatched": None, "p50_ms": 2.0, **load_mark}
@@ -75,6 +92,8 @@ def test_goals_and_table_read_the_rows():
     assert goals["single_throughput_ratio"] == 3.0 and goals["single_p99_on_over_p50_off"] == 3.0
     assert goals["served_over_engine_best"] == 0.75  # 300 served / 400 by the engine alone at its largest batch
     assert goals["overhead_ms"] == 0.5 and goals["engine_batching_bound"] == 4.0
+    split = serving_goals(rows, {"gain": 4.0, "max_batch_samples_per_s": 400.0, "best_samples_per_s": 600.0})
+    assert split["served_over_engine_best"] == 0.5  # against 1-thread engines side by side, where they do better
     console = Console(record=True, width=200)
     console.print(render(rows, "tiny"))
     assert console.export_text().count("busy") == 1

@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -44,7 +45,14 @@ from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import verify_artifact
 from tk.runtime.choice import EngineChoice, open_engine
 from tk.runtime.inputs import sample_dim
-from tk.serve.cluster import RayConnection, connect, disconnect, keep_replica_grpc_on_loopback, serve_is_running
+from tk.serve.cluster import (
+    RayConnection,
+    connect,
+    disconnect,
+    keep_replica_grpc_on_loopback,
+    serve_is_running,
+    while_local_ray_lives,
+)
 from tk.serve.ingress import check_ingress, free_ports, ingress_env, require_free_port
 from tk.serve.protocol import (
     InferRequest,
@@ -61,6 +69,7 @@ from tk.serve.protocol import (
     parse_infer_request,
     too_large,
 )
+from tk.serve.reaper import reap, watch
 from tk.serve.stats import InferenceStats, Pusher, merge, merge_metrics, remove_board, triton_stats
 from tk.serve.triton import config_json, served_config
 from tk.signing import explicit_policy
@@ -497,6 +506,7 @@ class RunningServer:
     owns_serve: bool  # Serve was started by start, and stop shuts it down
     state_dir: Path | None = None  # HAProxy's files on this machine, removed by stop
     haproxy_ports: dict[str, int] = field(default_factory=dict)  # HAProxy's stats and metrics ports here
+    watcher: Any = None  # tk.serve.reaper's process: stops HAProxy if this process ends without stop
 
     @property
     def url(self) -> str:
@@ -516,19 +526,19 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
     config = resolve(config)
     if not address and not ray.is_initialized():  # a Ray instance of our own: its proxy will bind this port
         require_free_port(config.host, config.port)
-    ports, state_dir = None, None
+    ports, state_dir, watcher = None, None, None
     if config.ingress == "haproxy" and not address:  # on a cluster, HAProxy's ports and files are each node's
         ports = dict(zip(("stats", "metrics", "fallback"), free_ports(3), strict=True))
         state_dir = Path(tempfile.mkdtemp(prefix="tk-haproxy-"))
+        watcher = watch(os.getpid(), state_dir)
     try:
         connection = connect(address=address, num_cpus=num_cpus, env_vars=ingress_env(config.ingress, ports, state_dir))
     except BaseException:
-        if state_dir is not None:
-            shutil.rmtree(state_dir, ignore_errors=True)
+        _remove_haproxy(state_dir, watcher)
         raise
     # Serve that runs already (another app on the cluster) stays when we stop; Serve we start goes with us
     owns_serve = connection.local or not serve_is_running()
-    running = RunningServer(config, connection, owns_serve, state_dir, ports or {})
+    running = RunningServer(config, connection, owns_serve, state_dir, ports or {}, watcher)
     try:
         serve.start(
             http_options={"host": config.host, "port": config.port, "request_timeout_s": config.request_timeout_s}
@@ -574,7 +584,7 @@ def stop(running: RunningServer) -> None:
     from ray import serve
 
     try:
-        serve.delete(APP_NAME)
+        while_local_ray_lives(lambda: serve.delete(APP_NAME), running.connection)
     finally:
         _shutdown(running)
 
@@ -584,13 +594,23 @@ def _shutdown(running: RunningServer) -> None:
 
     try:
         if running.owns_serve:
-            serve.shutdown()
+            while_local_ray_lives(serve.shutdown, running.connection)
     finally:
         with contextlib.suppress(Exception):  # the statistics board goes with the app
-            remove_board()
-        disconnect(running.connection)
-        if running.state_dir is not None:
-            shutil.rmtree(running.state_dir, ignore_errors=True)
+            while_local_ray_lives(remove_board, running.connection)
+        while_local_ray_lives(lambda: disconnect(running.connection), running.connection)
+        _remove_haproxy(running.state_dir, running.watcher)
+
+
+def _remove_haproxy(state_dir: Path | None, watcher: Any) -> None:
+    """HAProxy's files, and any HAProxy Serve's shutdown left running; then the watcher is not needed."""
+    if state_dir is not None:
+        reap(state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    if watcher is not None:
+        watcher.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watcher.wait(timeout=5)
 
 
 def serve_forever(

@@ -22,8 +22,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+
+log = logging.getLogger("tk.serve")
+_told: list[bool] = []  # the warning of while_local_ray_lives was logged
 
 NODE_IP_ENV = "TK_RAY_NODE_IP"
 LOOPBACK = "127.0.0.1"
@@ -116,6 +120,50 @@ def serve_is_running() -> bool:
     import ray
 
     return any(a["name"] == "SERVE_CONTROLLER_ACTOR" for a in ray.util.list_named_actors(all_namespaces=True))
+
+
+def while_local_ray_lives(call: Callable[[], object], connection: RayConnection, poll_s: float = 0.2) -> bool:
+    """Run ``call`` (a Serve call that waits on Ray: ``serve.delete``, ``serve.shutdown``) unless the local
+    Ray instance this process started dies meanwhile; returns whether it finished.
+
+    A signal to the whole process group (``kill -TERM -- -PGID``, ``timeout``) ends the GCS and raylet
+    that ``connect`` started with this process: Serve's controller is gone, and the call would wait for its
+    answer for ever (``tk serve`` hung in ``serve.delete``). On a cluster, or a connection of the caller's,
+    the call just runs."""
+    if not connection.local:
+        call()
+        return True
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # re-raised in the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="tk-ray-call", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(poll_s)
+        if worker.is_alive() and not local_ray_alive():
+            if not _told:  # once: every later call finds Ray gone too
+                log.warning(
+                    "Ray's GCS or raylet ended before tk could stop Serve (a signal to the whole process group?)"
+                )
+                _told.append(True)
+            return False
+    if failure:
+        raise failure[0]
+    return True
+
+
+def local_ray_alive() -> bool:
+    """Whether the GCS and raylet this process started are still running (True where there are none)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    return all(info.process.poll() is None for kind in ("gcs_server", "raylet") for info in processes.get(kind, []))
 
 
 def disconnect(connection: RayConnection) -> None:

@@ -15,8 +15,10 @@ def serving_goals(rows: list[dict[str, Any]], bound: dict[str, Any]) -> dict[str
     return {
         "single_throughput_ratio": on["samples_per_s"] / off["samples_per_s"],
         "engine_batching_bound": bound["gain"],
-        # the goal: served samples/s with batching >= 90% of the engine's own at its largest batch
-        "served_over_engine_best": on["samples_per_s"] / bound["max_batch_samples_per_s"],
+        # the goal: served samples/s with batching >= 90% of the engine's own best: at its largest
+        # batch on every core, or (``best_samples_per_s``, where measured) in 1-thread processes side by side
+        "served_over_engine_best": on["samples_per_s"]
+        / bound.get("best_samples_per_s", bound["max_batch_samples_per_s"]),
         "single_p99_on_over_p50_off": on["p99_ms"] / off["p50_ms"],
         "one_client_p50_ms": one_row["p50_ms"],
         "engine_batch1_p50_ms": one_row["engine_p50_ms"],
@@ -29,7 +31,7 @@ def goals_line(goals: dict[str, float], max_batch: int) -> str:
     return (
         f"batching on/off throughput (single-sample clients): {goals['single_throughput_ratio']:.2f}x "
         f"(the engine alone gains {goals['engine_batching_bound']:.2f}x from batch 1 to {max_batch}); "
-        f"served with batching / engine alone at batch {max_batch}: {goals['served_over_engine_best']:.2f} (goal >= 0.9); "
+        f"served with batching / the engine alone at its best: {goals['served_over_engine_best']:.2f} (goal >= 0.9); "
         f"p99 on / p50 off: {goals['single_p99_on_over_p50_off']:.2f} (goal < 4); "
         f"one client p50 {goals['one_client_p50_ms']:.2f} ms vs engine batch-1 p50 {goals['engine_batch1_p50_ms']:.2f} ms, "
         f"interleaved: overhead p50 {goals['overhead_ms']:.2f} ms (goal <= 2 ms); "

@@ -153,6 +153,63 @@ def engine_batch_bound(
     } | mark.to_json()  # fmt: skip
 
 
+def engine_split_bound(
+    root: Path, seq: int, max_batch: int, processes: int, guard: LoadGuard, seconds: float = 5.0
+) -> dict[str, Any]:
+    """The onnx engine in ``processes`` processes of one thread each, all at ``max_batch`` at once: their
+    samples/s together, as replicas that split the cores (``tk serve --tune``) run it.
+
+    Where one engine on every core shares each product among its threads, engines of one thread each
+    run whole products side by side: on the 2-core AVX2 EPYC two 1-thread engines ran 1.4-1.5x the
+    samples/s of one 2-thread engine (small Transformer, seq 128; benchmarks/history.md), so the engine's
+    best is the better of the two."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads of this process
+    start, results = context.Barrier(processes + 1), context.Queue()
+    workers = [
+        context.Process(target=_split_worker, args=(str(root), seq, max_batch, seconds, start, results, i))
+        for i in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        with guard.row() as mark:
+            start.wait(timeout=300)  # each has opened and warmed its engine
+            counts = [results.get(timeout=seconds + 300) for _ in workers]
+            for worker in workers:
+                worker.join(timeout=60)  # reaped before the row ends: their CPU is this run's own
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+    failed = [c for c in counts if isinstance(c, str)]
+    if failed:
+        raise RuntimeError(f"an engine process failed: {failed[0]}")
+    return {
+        "processes": processes, "threads_each": 1, "max_batch": max_batch,
+        "samples_per_s": sum(samples / elapsed for samples, elapsed in counts),
+    } | mark.to_json()  # fmt: skip
+
+
+def _split_worker(root: str, seq: int, batch: int, seconds: float, start: Any, results: Any, seed: int) -> None:
+    try:
+        with load(root, "onnx", threads=1, spinning=False) as engine:
+            feeds = random_feeds(engine.inputs, {"batch": batch, "seq": seq}, seed=seed)
+            engine.check_feeds(feeds)
+            for _ in range(2):
+                engine.run(feeds, check=False)
+            start.wait(timeout=300)
+            samples, began = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - began) < seconds:
+                engine.run(feeds, check=False)
+                samples += batch
+            results.put((samples, elapsed))
+    except Exception as exc:  # said in the parent's error
+        start.abort()
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
 def one_client_row(port: int, model: str, root: Path, requests: Sequence[Feeds], threads: int) -> dict[str, Any]:
     """One client, batch 1: each request served, then the same call on the engine in this process."""
     connection = client(port)
