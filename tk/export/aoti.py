@@ -15,7 +15,8 @@ it computes bfloat16 products in float32, and autotuning the small model kept on
 for every linear while doubling the compile time. Freezing only applies while gradients are
 off, so the compile runs under ``torch.no_grad()``. float32 packages keep Inductor's defaults:
 their 1e-5 parity is what the tests verify, and freezing's prepacked float32 linears ran MiniLM
-1.4x slower on the AVX2 EPYC (``inductor_configs_for``). The settings used are recorded in the manifest (``inductor_configs``).
+1.4x slower on the AVX2 EPYC (``inductor_configs_for``). The settings used are recorded in the
+manifest (``inductor_configs``).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def engine_split_bound(
     samples/s together, as replicas that split the cores (``tk serve --tune``) run it.
 
     Where one engine on every core shares each product among its threads, engines of one thread each
-    run whole products side by side: on the 2-core AVX2 EPYC two 1-thread engines ran 1.4-1.5x the
+    run whole products side by side: on the 2-core AVX2 EPYC two 1-thread engines ran 1.2-1.5x the
     samples/s of one 2-thread engine (small Transformer, seq 128; benchmarks/history.md), so the engine's
     best is the better of the two."""
     import multiprocessing

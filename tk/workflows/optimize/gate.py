@@ -9,9 +9,9 @@ gate times the all-int8 model interleaved with every candidate that has passed s
 batch and sequence, under the load guard. Every layer the search returns to float32 makes the model
 slower, not faster: the all-int8 model is the search's fastest result (the others may even run slower
 than the format's float32 candidate: an aoti package of MiniLM with 1 of 36 layers int8 ran 1.41x aoti
-fp32's time while Inductor packed its float32 linears, history.md). So when the all-int8 model is slower than the fastest passed candidate by more
-than ``MARGIN``, the search cannot give the winner, and the candidate is skipped with the numbers as its
-reason. On a busy machine (the guard's mark) the gate does not judge: the search runs.
+fp32's time while Inductor packed its float32 linears, history.md). So when the all-int8 model is slower
+than the fastest passed candidate by more than ``MARGIN``, the search cannot give the winner, and the
+candidate is skipped with the numbers as its reason. On a busy machine (the guard's mark) the gate does not judge: the search runs.
 
 The aoti writer asks once more after its search, before compiling the package (a minute for MiniLM), with
 the share of the all-int8 model's multiply-adds the search kept in int8 (``Int8Share``). Each layer's
