@@ -35,7 +35,7 @@ import torch
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.writer import REDUCED, Writer, option
-from tk.formats.aoti import FILE, NATIVE_FLAGS, cpu_flags, cpu_vector_isa, packing_features
+from tk.formats.aoti import FILE, cpu_vector_isa, packing_features, runs_natively
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
     (benchmarks/history.md). ``cpp.weight_prepack`` gates only Inductor's float packing; the int8
     linears are packed by torchao's own freezing pass either way.
     """
-    if device == "cpu" and precision == "int8" and not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
+    if device == "cpu" and precision == "int8" and not runs_natively("bf16"):
         return {"freezing": True, "cpp.weight_prepack": False}
     if device == "cpu" and precision in ("bf16", "fp16", "int8"):
         return {"freezing": True}

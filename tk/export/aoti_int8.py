@@ -125,9 +125,9 @@ def quantizable_modules(graph_module: torch.fx.GraphModule) -> list[str]:
 
 def bf16_available() -> bool:
     """Whether this CPU has bfloat16 dot products, so excluded modules run in bfloat16 rather than float32."""
-    from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+    from tk.formats.aoti import runs_natively
 
-    return any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"])
+    return runs_natively("bf16")
 
 
 def run_linears_in_bf16(graph_module: torch.fx.GraphModule, modules: Sequence[str]) -> int:
@@ -453,7 +453,8 @@ def int8_share(
     """What is left int8 of the ``quantized`` modules once ``excluded`` are not: layers, and multiply-adds
     on ``args`` (``layer_macs``)."""
     macs = layer_macs(float_module, args)
-    kept = [n for n in quantized if n not in set(excluded)]
+    left_out = set(excluded)
+    kept = [n for n in quantized if n not in left_out]
     total = sum(macs.get(n, 0) for n in quantized)
     share = sum(macs.get(n, 0) for n in kept) / total if total else 0.0
     return Int8Share(len(kept), len(quantized), share)

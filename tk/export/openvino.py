@@ -58,9 +58,9 @@ class OpenVinoWriter(Writer):
             if importlib.util.find_spec("nncf") is None:
                 return "int8 OpenVINO IRs are quantized by NNCF, which is not installed (pip install 'tk[openvino]')"
         if precision == "bf16":
-            from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+            from tk.formats.aoti import NATIVE_FLAGS, runs_natively
 
-            if not any(f in cpu_flags() for f in NATIVE_FLAGS["bf16"]):
+            if not runs_natively("bf16"):
                 return (
                     f"--precision bf16: this CPU has no {' or '.join(NATIVE_FLAGS['bf16'])}, and OpenVINO compiles "
                     "bf16 as f32 there, so the check could not test it; export it on such a CPU"

@@ -24,6 +24,11 @@ NATIVE_FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+def runs_natively(precision: str) -> bool:
+    """Whether this CPU has ``precision``'s dot products (any flag of ``NATIVE_FLAGS[precision]``)."""
+    return any(f in cpu_flags() for f in NATIVE_FLAGS[precision])
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where that file does not exist)."""

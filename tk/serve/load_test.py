@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -175,7 +176,10 @@ def engine_split_bound(
         worker.start()
     try:
         with guard.row() as mark:
-            start.wait(timeout=300)  # each has opened and warmed its engine
+            try:
+                start.wait(timeout=300)  # each has opened and warmed its engine
+            except threading.BrokenBarrierError:  # a worker failed: its message is in the queue
+                raise RuntimeError(f"an engine process failed: {results.get(timeout=30)}") from None
             counts = [results.get(timeout=seconds + 300) for _ in workers]
             for worker in workers:
                 worker.join(timeout=60)  # reaped before the row ends: their CPU is this run's own
