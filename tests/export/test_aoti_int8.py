@@ -86,6 +86,9 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert f"{quantized} of 9 layers int8" in line and f"SQNR at export {quant['sqnr_db_export']} dB" in line
     source = _package_source(out)
     assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
+    # GELU fused into each int8 up-projection under the package's dynamic shapes (tk.export.aoti_passes)
+    int8_ups = [f"blocks.{i}.ffn.up" for i in range(2) if f"blocks.{i}.ffn.up" not in quant["excluded"]]
+    assert source.count('"gelu"') >= len(int8_ups), quant["excluded"]
     if not bf16_available():  # the layers left out run in float32 as the float32 package runs them: not packed
         assert "aoti_torch_cpu__linear_pointwise" not in source
     # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model

@@ -87,7 +87,9 @@ class AotiWriter(Writer):
         program, quantization = ctx.program, None
         if ctx.options.precision == "int8":
             program, quantization = _int8_program(ctx, ctx.settings[self.name])
-        aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs)
+        aoti_package_from_exported_program(
+            program, ctx.add_file(FILE, "aoti"), inductor_configs=configs, int8=ctx.options.precision == "int8"
+        )
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
         if quantization is not None:
             info["quantization"] = quantization
@@ -144,7 +146,7 @@ def _package_gate(ask: Callable[[Any], None] | None) -> Callable[[Callable[[], A
 
             def package() -> Path:
                 aoti_package_from_exported_program(
-                    capture(), path, inductor_configs=inductor_configs_for("int8", "cpu")
+                    capture(), path, inductor_configs=inductor_configs_for("int8", "cpu"), int8=True
                 )
                 return path
 
@@ -176,15 +178,24 @@ def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
 
 
 def aoti_package_from_exported_program(
-    program: torch.export.ExportedProgram, path: Path, *, inductor_configs: dict[str, Any] | None = None
+    program: torch.export.ExportedProgram,
+    path: Path,
+    *,
+    inductor_configs: dict[str, Any] | None = None,
+    int8: bool = False,
 ) -> None:
     """Compile ``program`` for the device its tensors live on and package it at ``path``.
 
     ``inductor_configs`` are passed to AOTInductor (``torch._inductor.config`` names); default none.
-    The compile runs with gradients off, which freezing needs and inference packages never use.
+    ``int8``: a quantized program, compiled with ``tk.export.aoti_passes.SizesFromInputs`` so that
+    torchao's fusions match under dynamic shapes. The compile runs with gradients off, which freezing
+    needs and inference packages never use.
     """
+    from tk.export.aoti_passes import SizesFromInputs
+
+    passes = {"joint_custom_post_pass": SizesFromInputs()} if int8 else {}
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), torch._inductor.config.patch(passes):
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(path), inductor_configs=dict(inductor_configs or {})
