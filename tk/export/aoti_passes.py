@@ -22,6 +22,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 class SizesFromInputs(CustomGraphPass):
     """Inductor's ``joint_custom_post_pass``: symbolic sizes read from graph inputs, not from intermediate tensors."""
 
+    moved = 0  # sym_size nodes the last call moved to an input
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.moved = 0
         inputs: dict[Any, tuple[torch.fx.Node, int]] = {}  # size expression -> (input, axis) that has it
