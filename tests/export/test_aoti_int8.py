@@ -71,6 +71,7 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     # float32 linears unpacked where the layers left out of int8 run in float32 (no bf16 dot products)
     packed_floats = {} if bf16_available() else {"cpp.weight_prepack": False}
     assert aoti["inductor_configs"] == {"freezing": True, **packed_floats} and aoti["packed_for"]
+    assert aoti["graph_passes"] == ["tk.export.aoti_passes.SizesFromInputs/1"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
     quantized = quant["int8_modules"]

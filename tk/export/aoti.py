@@ -87,10 +87,13 @@ class AotiWriter(Writer):
         program, quantization = ctx.program, None
         if ctx.options.precision == "int8":
             program, quantization = _int8_program(ctx, ctx.settings[self.name])
-        aoti_package_from_exported_program(
-            program, ctx.add_file(FILE, "aoti"), inductor_configs=configs, int8=ctx.options.precision == "int8"
-        )
+        int8 = ctx.options.precision == "int8"
+        aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs, int8=int8)
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
+        if int8:
+            from tk.export.aoti_passes import SizesFromInputs
+
+            info["graph_passes"] = [SizesFromInputs().uuid()]
         if quantization is not None:
             info["quantization"] = quantization
         if ctx.options.device == "cpu":
