@@ -34,7 +34,8 @@ class SizesFromInputs(CustomGraphPass):
                     if isinstance(size, torch.SymInt):
                         inputs.setdefault(size.node.expr, (node, axis))
         for node in graph.nodes:
-            if node.target is not torch.ops.aten.sym_size.int or node.args[0].op == "placeholder":
+            tensor = node.args[0] if node.target is torch.ops.aten.sym_size.int else None
+            if not isinstance(tensor, torch.fx.Node) or tensor.op == "placeholder":
                 continue
             size = node.meta.get("val")
             source = inputs.get(size.node.expr) if isinstance(size, torch.SymInt) else None
