@@ -45,6 +45,21 @@ def test_onnx_unavailable_reasons():
         assert "no CUDA GPU" in OnnxRuntimeEngine.unavailable_reason("cuda")
 
 
+def test_onnx_precision_reason_agrees_with_loading_a_bf16_graph(tmp_path):
+    """The probe ``tk optimize`` skips onnx bf16 by says what loading a real bf16 graph finds."""
+    reason = OnnxRuntimeEngine.precision_reason("bf16", "cpu")
+    assert OnnxRuntimeEngine.precision_reason("fp32", "cpu") is None
+    out = tmp_path / "mlp-bf16"
+    export(build_model("mlp", size="tiny"), out, ExportOptions(formats=("onnx",), precision="bf16", check=False))
+    if reason is None:
+        with load(out, "onnx") as engine:
+            assert engine.run(random_feeds(engine.inputs, {"batch": 2}, seed=0))
+    else:
+        assert "bfloat16 MatMul" in reason
+        with pytest.raises(BackendUnavailableError, match="NOT_IMPLEMENTED"):
+            load(out, "onnx").run(random_feeds(read_manifest(out).signature.inputs, {"batch": 2}, seed=0))
+
+
 def test_onnx_numpy_in_numpy_out_and_torch_in_torch_out(linear_onnx):
     with load(linear_onnx, "onnx") as engine:
         feeds = random_feeds(engine.inputs, {"batch": 5}, seed=0)

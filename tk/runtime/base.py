@@ -115,6 +115,11 @@ class Engine(ABC):
         """Why this engine cannot run here (a missing package, no GPU), or None if it can."""
         return None
 
+    @classmethod
+    def precision_reason(cls, precision: str, device: str = "cpu") -> str | None:
+        """Why this engine cannot run an artifact of ``precision`` here (its kernels lack the dtype), or None."""
+        return None
+
     @abstractmethod
     def _load(self) -> None: ...
 

@@ -12,6 +12,7 @@ device memory, so torch CUDA tensors go in and come out without a trip through t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ class OnnxRuntimeEngine(Engine):
                     "(pip uninstall onnxruntime, then pip install 'tk[gpu]')"
                 )
         return None
+
+    @classmethod
+    def precision_reason(cls, precision: str, device: str = "cpu") -> str | None:
+        if precision not in _PROBED_DTYPES or cls.unavailable_reason(device) is not None:
+            return None
+        return _matmul_probe(precision, PROVIDERS[device])
 
     def _load(self) -> None:
         import onnxruntime as ort
@@ -323,3 +330,31 @@ def _external_locations(model_bytes: bytes) -> set[str]:
             info = {item.key: item.value for item in tensor.external_data}
             locations.add(info.get("location", ""))
     return locations
+
+
+_PROBED_DTYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16"}
+
+
+@functools.cache
+def _matmul_probe(precision: str, provider: str) -> str | None:
+    """Whether ``provider`` has a MatMul kernel for ``precision``: one 2x2 MatMul, opened in a session.
+
+    onnxruntime's CPU provider has no bfloat16 MatMul, so a bf16 graph fails at session creation
+    (NOT_IMPLEMENTED); asked once per process, so that ``tk optimize`` skips such a candidate
+    instead of exporting it first. A probe, not a version table: the kernels come and go by release."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    dtype = getattr(TensorProto, _PROBED_DTYPES[precision])
+    a, b, y = (helper.make_tensor_value_info(n, dtype, [2, 2]) for n in "aby")
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"])], "probe", [a, b], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=[provider])
+    except Exception as exc:  # onnxruntime raises its own pybind types
+        if "NOT_IMPLEMENTED" not in str(exc):
+            raise
+        return f"onnxruntime {ort.__version__} has no {onnx.TensorProto.DataType.Name(dtype).lower()} MatMul for {provider}"
+    return None

@@ -36,8 +36,13 @@ def engine_class(name: str) -> type[Engine]:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def unavailable_reason(name: str, device: str = "cpu") -> str | None:
-    return engine_class(name).unavailable_reason(device)
+def unavailable_reason(name: str, device: str = "cpu", precision: str | None = None) -> str | None:
+    """Why engine ``name`` cannot run here (given ``precision``: an artifact of that precision), or None."""
+    cls = engine_class(name)
+    reason = cls.unavailable_reason(device)
+    if reason is None and precision is not None:
+        reason = cls.precision_reason(precision, device)
+    return reason
 
 
 def available_engines(manifest: Manifest | None = None, device: str = "cpu") -> list[str]:

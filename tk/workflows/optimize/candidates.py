@@ -142,7 +142,7 @@ def skip_reason(
     from tk.runtime import unavailable_reason
 
     reason = format_unavailable_reason(candidate.format, device, candidate.precision)
-    reason = reason or unavailable_reason(candidate.engine, device)
+    reason = reason or unavailable_reason(candidate.engine, device, candidate.precision)
     if reason:
         return reason
     return hardware_reason(candidate.precision, device)
