@@ -1,11 +1,12 @@
-"""The graph passes tk hands to Inductor: same values, fewer users on intermediate tensors."""
+"""The graph passes tk applies before Inductor compiles a package: same values, other kernels."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tk.export.aoti_passes import SizesFromInputs
+from tk.export.aoti_passes import SizesFromInputs, _attention, attention_as_matmuls
 
 
 def _up_gelu_then_flatten(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,3 +35,45 @@ def test_sizes_are_read_from_inputs_so_the_linear_output_feeds_only_its_gelu():
 
 def test_the_pass_has_a_stable_cache_key():
     assert SizesFromInputs().uuid() == SizesFromInputs().uuid() == "tk.export.aoti_passes.SizesFromInputs/1"
+
+
+@pytest.mark.parametrize(
+    "mask, causal, heads_kv, scale",
+    [("float", False, 4, None), ("bool", False, 4, None), (None, True, 4, None), (None, False, 2, 0.3)],
+)
+def test_attention_as_matmuls_computes_what_sdpa_computes(mask, causal, heads_kv, scale):
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 7, 8)
+    k, v = torch.randn(3, heads_kv, 7, 8), torch.randn(3, heads_kv, 7, 8)
+    keep = torch.arange(7)[None, :] < torch.tensor([7, 4, 1])[:, None]  # padding of mixed lengths
+    attn_mask = {
+        "bool": keep[:, None, None, :],
+        "float": torch.zeros(3, 1, 1, 7).masked_fill(~keep[:, None, None, :], -1e4),
+    }.get(mask)
+    gqa = heads_kv != 4
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+    got = _attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class _Attend(torch.nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = x.unflatten(-1, (2, 4)).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum(1)
+
+
+def test_the_decomposed_program_has_no_sdpa_and_the_same_outputs_the_original_keeps_its_own():
+    x, mask = torch.randn(2, 5, 8), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = -1e4
+    program = torch.export.export(_Attend(), (x, mask))
+    decomposed = attention_as_matmuls(program)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+
+    def targets(p):
+        return [n.target for n in p.graph.nodes]
+
+    assert sdpa in targets(program) and sdpa not in targets(decomposed)  # a new program; the captured one is unchanged
+    assert attention_as_matmuls(decomposed) is decomposed  # nothing left to decompose
+    torch.testing.assert_close(decomposed.module()(x, mask), _Attend()(x, mask), rtol=1e-5, atol=1e-5)

@@ -88,12 +88,20 @@ class AotiWriter(Writer):
         if ctx.options.precision == "int8":
             program, quantization = _int8_program(ctx, ctx.settings[self.name])
         int8 = ctx.options.precision == "int8"
+        passes = []
+        if ctx.options.device == "cpu" and ctx.options.precision in ("bf16", "fp16"):
+            from tk.export.aoti_passes import ATTENTION_AS_MATMULS, attention_as_matmuls
+
+            program = attention_as_matmuls(program)
+            passes.append(ATTENTION_AS_MATMULS)
         aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs, int8=int8)
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
         if int8:
             from tk.export.aoti_passes import SizesFromInputs
 
-            info["graph_passes"] = [SizesFromInputs().uuid()]
+            passes.append(SizesFromInputs().uuid())
+        if passes:
+            info["graph_passes"] = passes
         if quantization is not None:
             info["quantization"] = quantization
         if ctx.options.device == "cpu":
