@@ -99,6 +99,26 @@ def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path)
     )
 
 
+def test_later_questions_leave_out_candidates_an_earlier_one_timed_far_slower(fp32_artifact: Path) -> None:
+    manifest = verify_artifact(fp32_artifact)
+    fast, slow, slowish, late = (
+        Candidate("openvino", "bf16", "openvino", ()),
+        Candidate("torch", "fp32", "torch", ()),
+        Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),)),
+        Candidate("aoti", "bf16", "aoti", ()),
+    )
+    speed_gate = SpeedGate(dict(SIZES))
+    for candidate in (fast, slow, slowish):
+        speed_gate.add(candidate, fp32_artifact, manifest)
+    assert [c for c, _, _ in speed_gate._contenders()] == [fast, slow, slowish]  # nothing timed yet: all
+    p50 = {"openvino bf16": 45.0, "torch fp32": 163.0, "onnx fp32": 89.0, PROBE: 38.0}  # 163 > 2 x 45 >= 89
+    speed_gate.verdicts.append({"format": "aoti", "p50_ms": p50, "fastest_passed": "openvino bf16", "busy": False})
+    speed_gate.add(late, fp32_artifact, manifest)  # passed after that question: timed
+    assert [c for c, _, _ in speed_gate._contenders()] == [fast, slowish, late]
+    speed_gate.verdicts.append({"format": "onnx", "p50_ms": dict(p50), "fastest_passed": "openvino bf16", "busy": True})
+    assert [c for c, _, _ in speed_gate._contenders()] == [fast, slowish, late]  # a busy question decides nothing
+
+
 def _force_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every int8 model misses the floor (so the gate is asked), and every probe is 'slower'."""
     monkeypatch.setattr(gate, "MARGIN", -1.0)

@@ -5,7 +5,8 @@ search that would return layers to float32: the costliest step of an optimize ru
 small Transformer; see benchmarks/history.md). The onnx and openvino writers ask as soon as the
 all-int8 model is written, before judging it (their probes cost seconds: a session, a compile); the
 aoti writer, whose probe is a package compile, asks only when that model misses the floor. The
-gate times the all-int8 model interleaved with every candidate that has passed so far, at the user's
+gate times the all-int8 model interleaved with every candidate that has passed so far (after the first
+question, those an earlier question did not time at over ``SLOWER`` times its fastest), at the user's
 batch and sequence, under the load guard. Every layer the search returns to float32 makes the model
 slower, not faster: the all-int8 model is the search's fastest result (the others may even run slower
 than the format's float32 candidate: an aoti package of MiniLM with 1 of 36 layers int8 ran 1.41x aoti
@@ -45,6 +46,11 @@ from tk.workflows.timing import interleave_calls, ms
 log = logging.getLogger("tk.optimize")
 
 MARGIN = 0.05  # the all-int8 model must be this much slower than the fastest passed candidate to be skipped
+# A candidate timed at more than this many times the fastest one in a previous question's rounds is not
+# timed again: it cannot be the fastest in the next rounds (bursts on these VMs move a call by 30-40%,
+# not 2x), and each of its calls is the slowest of the round. On the small Transformer (AVX512-BF16
+# EPYC) that left 4 of 10 passed candidates (the float32 torch, aoti and onnx ones) out of the 2nd and 3rd questions.
+SLOWER = 2.0
 ROUNDS = 5  # interleaved rounds of every model, after two warm-up calls each
 PROBE = "all-int8"
 
@@ -138,7 +144,7 @@ class SpeedGate:
         choice = EngineChoice("eager", self.device, allow_failed=True)
         with ExitStack() as stack:
             engines = {}
-            for candidate, root, manifest in self.passed:
+            for candidate, root, manifest in self._contenders():
                 quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # as time_candidates opens them
                 engines[candidate.name] = stack.enter_context(
                     open_engine(root, quiet, candidate.engine, manifest=manifest)
@@ -154,6 +160,16 @@ class SpeedGate:
             times, mark = interleave_calls(calls, iters=ROUNDS, guard=LoadGuard(self.wait_quiet_s))
         load = {"busy": mark.busy, "others_cores": mark.to_json()["others_cores"]}
         return {name: ms([c.total_s for c in samples]) for name, samples in times.items()}, load
+
+    def _contenders(self) -> list[tuple[Candidate, Path, Manifest]]:
+        """The passed candidates worth timing: all but those a quiet earlier question timed at over
+        ``SLOWER`` times its fastest (a candidate passed since then is timed)."""
+        timed = next((v for v in reversed(self.verdicts) if PROBE in v["p50_ms"] and not v["busy"]), None)
+        if timed is None:
+            return self.passed
+        p50 = timed["p50_ms"]
+        fastest = p50[timed["fastest_passed"]]
+        return [c for c in self.passed if p50.get(c[0].name, 0.0) <= SLOWER * fastest]
 
 
 def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:
