@@ -117,6 +117,9 @@ def test_later_questions_leave_out_candidates_an_earlier_one_timed_far_slower(fp
     assert [c for c, _, _ in speed_gate._contenders()] == [fast, slowish, late]
     speed_gate.verdicts.append({"format": "onnx", "p50_ms": dict(p50), "fastest_passed": "openvino bf16", "busy": True})
     assert [c for c, _, _ in speed_gate._contenders()] == [fast, slowish, late]  # a busy question decides nothing
+    quiet = {"openvino bf16": 45.0, "onnx fp32": 95.0, "aoti bf16": 50.0, PROBE: 60.0}  # torch fp32 not timed again
+    speed_gate.verdicts.append({"format": "onnx", "p50_ms": quiet, "fastest_passed": "openvino bf16", "busy": False})
+    assert [c for c, _, _ in speed_gate._contenders()] == [fast, late]  # each judged by the last question that timed it
 
 
 def _force_search(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,10 @@ symbol from a graph input instead: the same value, and the linear's output keeps
 ``attention_as_matmuls``: bfloat16 and float16 CPU packages compute ``scaled_dot_product_attention``
 as two batched products in the low precision around a float32 softmax, not with aten's CPU flash
 kernel. On the AVX512-BF16 EPYC (no AMX) the flash kernel ran bf16 attention at the small
-Transformer's shape (32 x 4 heads x 128 x 64) at ~90-105 GFLOP/s, no faster than float32, and took
-40% of the bf16 package's call; the two products with Inductor's fused softmax between them ran
-1.6-2.2x faster, and the whole package 1.10x (MiniLM's, 12 heads of 32: 1.03x), at the same
-accuracy (benchmarks/history.md). Scores accumulate in float32 inside the product and are rounded
+Transformer's shape (32 x 4 heads x 128 x 64) at ~90 GFLOP/s, no faster than float32, and took
+40% of the bf16 package's call; with the two products and Inductor's fused softmax between them
+the package ran 1.13-1.20x faster (MiniLM's, 12 heads of 32: 1.03x), at the same accuracy
+(benchmarks/history.md). Scores accumulate in float32 inside the product and are rounded
 to the low precision once before the float32 softmax; the probabilities are rounded again for the
 second product, as flash attention rounds them.
 """

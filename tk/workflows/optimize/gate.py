@@ -49,7 +49,7 @@ MARGIN = 0.05  # the all-int8 model must be this much slower than the fastest pa
 # A candidate timed at more than this many times the fastest one in a previous question's rounds is not
 # timed again: it cannot be the fastest in the next rounds (bursts on these VMs move a call by 30-40%,
 # not 2x), and each of its calls is the slowest of the round. On the small Transformer (AVX512-BF16
-# EPYC) that left 4 of 10 passed candidates (the float32 torch, aoti and onnx ones) out of the 2nd and 3rd questions.
+# EPYC) that leaves 4 of 9 passed candidates (torch, aoti and both onnx fp32) out of the 2nd and 3rd questions.
 SLOWER = 2.0
 ROUNDS = 5  # interleaved rounds of every model, after two warm-up calls each
 PROBE = "all-int8"
@@ -162,14 +162,18 @@ class SpeedGate:
         return {name: ms([c.total_s for c in samples]) for name, samples in times.items()}, load
 
     def _contenders(self) -> list[tuple[Candidate, Path, Manifest]]:
-        """The passed candidates worth timing: all but those a quiet earlier question timed at over
-        ``SLOWER`` times its fastest (a candidate passed since then is timed)."""
-        timed = next((v for v in reversed(self.verdicts) if PROBE in v["p50_ms"] and not v["busy"]), None)
-        if timed is None:
-            return self.passed
-        p50 = timed["p50_ms"]
-        fastest = p50[timed["fastest_passed"]]
-        return [c for c in self.passed if p50.get(c[0].name, 0.0) <= SLOWER * fastest]
+        """The passed candidates worth timing: all but those the last quiet question that timed them
+        found over ``SLOWER`` times its fastest (a candidate passed since then is timed)."""
+        slow: set[str] = set()
+        for verdict in self.verdicts:
+            p50 = verdict["p50_ms"]
+            if PROBE not in p50 or verdict["busy"]:
+                continue
+            fastest = p50[verdict["fastest_passed"]]
+            for name, p in p50.items():
+                if name != PROBE:
+                    (slow.add if p > SLOWER * fastest else slow.discard)(name)
+        return [c for c in self.passed if c[0].name not in slow]
 
 
 def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:
