@@ -50,6 +50,8 @@ def test_a_slower_probe_gets_a_reason_with_both_times(fp32_artifact: Path, monke
     assert verdict["format"] == "onnx" and verdict["fastest_passed"] == "onnx fp32"
     assert set(verdict["p50_ms"]) == {"onnx fp32", PROBE} and all(v > 0 for v in verdict["p50_ms"].values())
     assert verdict["skipped"] is (not verdict["busy"])
+    assert len(verdict["ratios"]) == (1 if verdict["busy"] else 2)  # a skip holds in a second set of rounds too
+    assert verdict["ratio"] == min(verdict["ratios"])  # judged on the set most favourable to the probe
 
 
 def test_a_probe_within_the_margin_lets_the_search_run(fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,6 +60,7 @@ def test_a_probe_within_the_margin_lets_the_search_run(fp32_artifact: Path, monk
     model = (fp32_artifact / verify_artifact(fp32_artifact).file("onnx").path).read_bytes()
     assert speed_gate("onnx", model) is None
     assert speed_gate.verdicts[0]["skipped"] is False
+    assert len(speed_gate.verdicts[0]["ratios"]) == 1  # nothing to confirm: one set
 
 
 def test_no_passed_candidate_or_a_probe_that_cannot_run_is_no_reason(fp32_artifact: Path) -> None:
