@@ -30,7 +30,7 @@ from tk.workflows.roofline import Roofline
 from tk.workflows.timing import interleave_calls, ms
 
 INT8_SPEEDUP_GOAL = 3.0
-BF16_PEAK_GOAL = 0.80
+BF16_PEAK_GOAL = 0.70  # issue 22: the whole call at >= 70% of the bf16 rate at its own shapes (issue 13 asked 80%)
 SPIN_OFF = {"onnx": {"spinning": False}}  # idle onnxruntime threads spin and slow the next engine's call
 EAGER = "eager fp32"
 Outputs = dict[str, np.ndarray]  # each engine's logits by row name
@@ -227,5 +227,5 @@ def bf16_row(
         "inductor_configs": manifest.formats["aoti"].get("inductor_configs", {}),
         "export_s": manifest.timings.get("aoti"),
         "met": peak is not None and rate / peak >= BF16_PEAK_GOAL,
-        "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the measured bf16 peak",
+        "goal_text": f">= {100 * BF16_PEAK_GOAL:.0f}% of the bf16 rate at the model's own shapes",
     }
