@@ -1,4 +1,4 @@
-"""One engine called from 8 threads at once gives exactly the sequential outputs."""
+"""One engine called from 8 threads at once gives the sequential outputs: exactly, or to the last bits for compile."""
 
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ def test_threads_match_sequential_calls(artifact, exported, engine_name):
         with ThreadPoolExecutor(THREADS) as pool:
             results = list(pool.map(worker, range(THREADS)))
     assert sum(len(r) for r in results) == THREADS * CALLS
+    # torch.compile's kernels may differ in the last bits between the main thread and a pool thread:
+    # one CI run (2026-12-03, AVX512 EPYC) read 3.4e-8 max abs (6e-7 relative) on logits near 0.1, the
+    # run before it was exact. A shared or stale buffer would differ by whole values, far above this.
+    rtol, atol = (1e-5, 1e-6) if engine_name == "compile" else (0.0, 0.0)
     for per_thread in results:
         for i, got in per_thread:
-            np.testing.assert_array_equal(got, sequential[i])
+            np.testing.assert_allclose(got, sequential[i], rtol=rtol, atol=atol)
