@@ -188,6 +188,14 @@ def rehash(root: Path, replaced: dict[str, bytes] | None = None) -> None:
     (root / "manifest.json").write_bytes(manifest_bytes(manifest))
 
 
+def package_source(root: Path) -> str:
+    """The C++ AOTInductor generated for an artifact's package (what its kernels call)."""
+    import zipfile
+
+    with zipfile.ZipFile(root / "model.aoti.pt2") as archive:
+        return "\n".join(archive.read(n).decode(errors="replace") for n in archive.namelist() if n.endswith(".cpp"))
+
+
 def run_in_threads(work: Callable[[], None], threads: int = 4) -> list[BaseException]:
     """Run ``work`` in ``threads`` threads at once; return what any of them raised."""
     return run_each_in_thread(lambda _: work(), threads)

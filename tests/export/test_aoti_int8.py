@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import zipfile
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
+from tests.conftest import package_source
 from tk.cli import cli
 from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
@@ -42,12 +42,6 @@ from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
 
 needs_compiler = pytest.mark.skipif(aoti_unavailable("cpu") is not None, reason=str(aoti_unavailable("cpu")))
-
-
-def _package_source(root) -> str:
-    """The C++ AOTInductor generated for the package (what its kernels call)."""
-    with zipfile.ZipFile(root / "model.aoti.pt2") as archive:
-        return "\n".join(archive.read(n).decode(errors="replace") for n in archive.namelist() if n.endswith(".cpp"))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +79,7 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     line = next(ln for ln in shown.output.splitlines() if ln.startswith("int8"))
     assert line.startswith("int8       aoti: static, torchao X86InductorQuantizer (PT2E), histogram; ")
     assert f"{quantized} of 9 layers int8" in line and f"SQNR at export {quant['sqnr_db_export']} dB" in line
-    source = _package_source(out)
+    source = package_source(out)
     assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
     # GELU fused into each int8 up-projection under the package's dynamic shapes (tk.export.aoti_passes)
     int8_ups = [f"blocks.{i}.ffn.up" for i in range(2) if f"blocks.{i}.ffn.up" not in quant["excluded"]]

@@ -8,11 +8,11 @@ the verdict must follow from the numbers it reports.
 from __future__ import annotations
 
 import math
-import zipfile
 
 import pytest
 import torch
 
+from tests.conftest import package_source
 from tk.export import ExportOptions
 from tk.export.aoti_passes import ATTENTION_AS_MATMULS
 from tk.formats.aoti import packing_features
@@ -40,8 +40,7 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     assert result.manifest.formats["aoti"]["inductor_configs"] == {"freezing": True}  # weights folded, prepacked
     assert result.manifest.formats["aoti"]["packed_for"] == packing_features()  # for this CPU's oneDNN kernels
     assert result.manifest.formats["aoti"]["graph_passes"] == [ATTENTION_AS_MATMULS]
-    with zipfile.ZipFile(tmp_path / precision / "model.aoti.pt2") as archive:
-        source = "\n".join(archive.read(n).decode(errors="replace") for n in archive.namelist() if n.endswith(".cpp"))
+    source = package_source(tmp_path / precision)
     assert "flash_attention" not in source and "bmm" in source  # attention as two products, not aten's flash kernel
     for fmt in ("torch", "aoti"):
         report = result.manifest.check[fmt]

@@ -87,19 +87,14 @@ class AotiWriter(Writer):
         program, quantization = ctx.program, None
         if ctx.options.precision == "int8":
             program, quantization = _int8_program(ctx, ctx.settings[self.name])
-        int8 = ctx.options.precision == "int8"
-        passes = []
-        if ctx.options.device == "cpu" and ctx.options.precision in ("bf16", "fp16"):
-            from tk.export.aoti_passes import ATTENTION_AS_MATMULS, attention_as_matmuls
-
-            program = attention_as_matmuls(program)
-            passes.append(ATTENTION_AS_MATMULS)
-        aoti_package_from_exported_program(program, ctx.add_file(FILE, "aoti"), inductor_configs=configs, int8=int8)
+        passes = aoti_package_from_exported_program(
+            program,
+            ctx.add_file(FILE, "aoti"),
+            inductor_configs=configs,
+            precision=ctx.options.precision,
+            device=ctx.options.device,
+        )
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
-        if int8:
-            from tk.export.aoti_passes import SizesFromInputs
-
-            passes.append(SizesFromInputs().uuid())
         if passes:
             info["graph_passes"] = passes
         if quantization is not None:
@@ -157,7 +152,7 @@ def _package_gate(ask: Callable[[Any], None] | None) -> Callable[[Callable[[], A
 
             def package() -> Path:
                 aoti_package_from_exported_program(
-                    capture(), path, inductor_configs=inductor_configs_for("int8", "cpu"), int8=True
+                    capture(), path, inductor_configs=inductor_configs_for("int8", "cpu"), precision="int8"
                 )
                 return path
 
@@ -193,18 +188,26 @@ def aoti_package_from_exported_program(
     path: Path,
     *,
     inductor_configs: dict[str, Any] | None = None,
-    int8: bool = False,
-) -> None:
-    """Compile ``program`` for the device its tensors live on and package it at ``path``.
+    precision: str = "fp32",
+    device: str = "cpu",
+) -> list[str]:
+    """Compile ``program`` (its tensors on ``device``) and package it at ``path``, with tk's graph
+    passes for ``precision`` (``tk.export.aoti_passes``); returns their names, the manifest's ``graph_passes``.
 
     ``inductor_configs`` are passed to AOTInductor (``torch._inductor.config`` names); default none.
-    ``int8``: a quantized program, compiled with ``tk.export.aoti_passes.SizesFromInputs`` so that
-    torchao's fusions match under dynamic shapes. The compile runs with gradients off, which freezing
-    needs and inference packages never use.
+    bf16/fp16 on the CPU: attention decomposed into two products (``attention_as_matmuls``). int8: a
+    quantized program, compiled with ``SizesFromInputs`` so that torchao's fusions match under dynamic
+    shapes. The compile runs with gradients off, which freezing needs and inference packages never use.
     """
-    from tk.export.aoti_passes import SizesFromInputs
+    from tk.export.aoti_passes import ATTENTION_AS_MATMULS, SizesFromInputs, attention_as_matmuls
 
-    passes = {"joint_custom_post_pass": SizesFromInputs()} if int8 else {}
+    names, passes = [], {}
+    if device == "cpu" and precision in ("bf16", "fp16"):
+        program = attention_as_matmuls(program)
+        names.append(ATTENTION_AS_MATMULS)
+    if precision == "int8":
+        passes["joint_custom_post_pass"] = SizesFromInputs()
+        names.append(SizesFromInputs().uuid())
     try:
         with warnings.catch_warnings(), torch.no_grad(), torch._inductor.config.patch(passes):
             warnings.simplefilter("ignore")
@@ -216,3 +219,4 @@ def aoti_package_from_exported_program(
             f"AOTInductor could not compile the program ({type(exc).__name__}: {first_line(exc)}); check that `g++ --version` works, "
             "or export --format torch or onnx instead"
         ) from exc
+    return names

@@ -62,18 +62,17 @@ def profile_aoti_artifact(root: Path, manifest: Manifest, feeds: dict[str, np.nd
     """The top operators of an artifact's AOTInductor package: its program (the artifact must hold
     the torch format) compiled again with its Inductor settings and graph passes plus ``cpp.enable_kernel_profile``."""
     from tk.export.aoti import aoti_package_from_exported_program
-    from tk.export.aoti_passes import ATTENTION_AS_MATMULS, attention_as_matmuls
     from tk.formats.torch_program import FILE as PROGRAM
     from tk.formats.torch_program import load_exported_program
 
     program = load_exported_program((root / PROGRAM).read_bytes())
     program.example_inputs = (_args(manifest, feeds), {})  # tk saves programs without them; AOTInductor needs some
     aoti = manifest.formats["aoti"]
-    if ATTENTION_AS_MATMULS in aoti.get("graph_passes", ()):
-        program = attention_as_matmuls(program)
     configs = {**aoti.get("inductor_configs", {}), "cpp.enable_kernel_profile": True}
     path = work / f"{root.name}-profiled.aoti.pt2"
-    aoti_package_from_exported_program(program, path, inductor_configs=configs, int8=manifest.precision == "int8")
+    aoti_package_from_exported_program(
+        program, path, inductor_configs=configs, precision=manifest.precision, device=aoti.get("device", "cpu")
+    )
     return profile_package(torch._inductor.aoti_load_package(str(path)), manifest, feeds)
 
 

@@ -185,8 +185,12 @@ class SpeedGate:
                 continue
             fastest = p50[verdict["fastest_passed"]]
             for name, p in p50.items():
-                if name != PROBE:
-                    (slow.add if p > SLOWER * fastest else slow.discard)(name)
+                if name == PROBE:
+                    continue
+                if p > SLOWER * fastest:
+                    slow.add(name)
+                else:
+                    slow.discard(name)  # timed near the fastest again since
         return [c for c in self.passed if c[0].name not in slow]
 
 
