@@ -39,7 +39,14 @@ def test_the_pass_has_a_stable_cache_key():
 
 @pytest.mark.parametrize(
     "mask, causal, heads_kv, scale",
-    [("float", False, 4, None), ("bool", False, 4, None), (None, True, 4, None), (None, False, 2, 0.3)],
+    [
+        ("float", False, 4, None),
+        ("bool", False, 4, None),
+        (None, True, 4, None),
+        (None, False, 2, 0.3),
+        ("float rows", False, 4, None),
+        ("bool keys", False, 4, 0.5),
+    ],
 )
 def test_attention_as_matmuls_computes_what_sdpa_computes(mask, causal, heads_kv, scale):
     torch.manual_seed(0)
@@ -49,6 +56,8 @@ def test_attention_as_matmuls_computes_what_sdpa_computes(mask, causal, heads_kv
     attn_mask = {
         "bool": keep[:, None, None, :],
         "float": torch.zeros(3, 1, 1, 7).masked_fill(~keep[:, None, None, :], -1e4),
+        "float rows": torch.randn(7, 7),  # one bias per query and key (2-D), broadcast over batch and heads
+        "bool keys": (torch.arange(7) < 5)[None],  # 1 x keys: the same keys hidden for every query
     }.get(mask)
     gqa = heads_kv != 4
     expected = torch.nn.functional.scaled_dot_product_attention(
@@ -56,6 +65,22 @@ def test_attention_as_matmuls_computes_what_sdpa_computes(mask, causal, heads_kv
     )
     got = _attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_attention_with_a_float32_minimum_mask_stays_finite_and_close(dtype):
+    """Hugging Face masks hidden keys with float32's lowest value, which rounds to -inf in bf16:
+    held at the low precision's lowest finite value, a row of only hidden keys stays finite."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    keep = torch.arange(16)[None, :] < torch.tensor([16, 6])[:, None]
+    attn_mask = torch.zeros(2, 1, 1, 16).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    got = _attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, rtol=0.05, atol=0.05)
+    hidden_all = torch.full((1, 1, 16, 16), torch.finfo(torch.float32).min)
+    assert torch.isfinite(_attention(q.to(dtype), k.to(dtype), v.to(dtype), hidden_all)).all()
 
 
 class _Attend(torch.nn.Module):

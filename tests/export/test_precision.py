@@ -42,6 +42,7 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     assert result.manifest.formats["aoti"]["graph_passes"] == [ATTENTION_AS_MATMULS]
     source = package_source(tmp_path / precision)
     assert "flash_attention" not in source and "bmm" in source  # attention as two products, not aten's flash kernel
+    assert "baddbmm" in source  # the padding mask added inside the first product, not in the softmax
     for fmt in ("torch", "aoti"):
         report = result.manifest.check[fmt]
         assert (report["rtol"], report["atol"], report["min_sqnr_db"]) == (rtol, atol, MIN_SQNR_DB[precision])

@@ -12,13 +12,13 @@ symbol from a graph input instead: the same value, and the linear's output keeps
 
 ``attention_as_matmuls``: bfloat16 and float16 CPU packages compute ``scaled_dot_product_attention``
 as two batched products in the low precision around a float32 softmax, not with aten's CPU flash
-kernel. On the AVX512-BF16 EPYC (no AMX) the flash kernel ran bf16 attention at the small
-Transformer's shape (32 x 4 heads x 128 x 64) at ~90 GFLOP/s, no faster than float32, and took
-40% of the bf16 package's call; with the two products and Inductor's fused softmax between them
-the package ran 1.13-1.20x faster (MiniLM's, 12 heads of 32: 1.03x), at the same accuracy
-(benchmarks/history.md). Scores accumulate in float32 inside the product and are rounded
-to the low precision once before the float32 softmax; the probabilities are rounded again for the
-second product, as flash attention rounds them.
+kernel, which ran bf16 attention on the AVX512-BF16 EPYC (no AMX) no faster than float32. The mask
+goes into the first product as ``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of
+the scores' shape and keeps each row's exponentials in a row-sized buffer; with the mask applied in
+the softmax, Inductor split it into two loop nests around a float32 buffer of B * H * L * S
+exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
+rounded to the low precision once before the float32 softmax; the probabilities are rounded again
+for the second product, as flash attention rounds them. Measurements: benchmarks/history.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-ATTENTION_AS_MATMULS = "tk.export.aoti_passes.attention_as_matmuls/1"
+ATTENTION_AS_MATMULS = "tk.export.aoti_passes.attention_as_matmuls/2"
 
 
 class SizesFromInputs(CustomGraphPass):
@@ -77,18 +77,45 @@ def _attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention``'s inference semantics (no dropout), softmax in float32."""
+    """``scaled_dot_product_attention``'s inference semantics (no dropout), softmax in float32.
+
+    The mask (and the causal triangle) is added inside the first product, as ``baddbmm``'s
+    input, so the softmax reads one tensor of the scores' own shape: Inductor then runs it row by
+    row in one loop nest with a row-sized buffer, where a mask indexed apart from the scores split
+    it into two loop nests around a float32 buffer of all the exponentials (B * H * L * S).
+    """
     if enable_gqa and key.size(-3) != query.size(-3):
         groups = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
-    scores = torch.matmul(query, key.transpose(-2, -1)).float() * (query.size(-1) ** -0.5 if scale is None else scale)
-    if is_causal:
-        length, other = query.size(-2), key.size(-2)
-        causal = torch.ones(length, other, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+    batch, length, other = query.shape[:-2], query.size(-2), key.size(-2)
+    factor = query.size(-1) ** -0.5 if scale is None else scale
+    queries = query.reshape(-1, length, query.size(-1))
+    keys = key.reshape(-1, other, key.size(-1)).transpose(-2, -1)
+    bias = _additive_bias(attn_mask, is_causal, length, other, query.dtype, query.device)
+    if bias is None:
+        scores = torch.bmm(queries, keys).float() * factor
+    else:
+        rows = bias.size(-2)  # 1 (one mask row for every query) or the query length
+        bias = bias.expand(*batch, rows, other).reshape(-1, rows, other)
+        scores = torch.baddbmm(bias, queries, keys, alpha=factor).float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.bmm(probs, value.reshape(-1, other, value.size(-1))).reshape(*batch, length, value.size(-1))
+
+
+def _additive_bias(
+    attn_mask: torch.Tensor | None, is_causal: bool, length: int, other: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """What the mask and the causal triangle add to the scores, in ``dtype``: 0 where a key is seen,
+    -inf where a boolean mask or the triangle hides it (as SDPA); a float mask as given, its values
+    below ``dtype``'s range held at its lowest finite value (a float32 minimum would round to -inf)."""
+    bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask.float()
-    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+            bias = attn_mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+    if is_causal:
+        hidden = ~torch.ones(length, other, dtype=torch.bool, device=device).tril()
+        causal = torch.zeros(length, other, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
+        bias = causal if bias is None else bias + causal
+    return bias
