@@ -150,7 +150,10 @@ def test_resolve_checks_the_ingress_and_turns_onnx_spinning_off(exported, monkey
 def test_haproxy_ingress_gets_its_own_ports_and_files(tmp_path):
     from tk.serve.ingress import free_ports, ingress_env
 
-    ready = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}  # Ray's 5 s killed proxies on a busy 2-core machine
+    ready = {
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",  # Ray's 5 s killed proxies on a busy 2-core machine
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Ray's 0.1 s took ~3.5% of a core from the engines
+    }
     assert ingress_env("proxy", {"stats": 1, "metrics": 2, "fallback": 3}, tmp_path) == ready
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(0 < p < 65536 for p in ports)
