@@ -149,13 +149,16 @@ def _export_options(
 # int8 lost to both on the AVX2 EPYC (benchmarks/history.md); the gate still lets a later one search
 # whenever its all-int8 model is the faster.
 INT8_ORDER = ("aoti", "onnx", "openvino")
+REDUCED_FLOATS = ("bf16", "fp16")
 
 
-def export_groups(tried: list[Candidate]) -> dict[Any, list[Candidate]]:
+def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dict[Any, list[Candidate]]:
     """The candidates written by one export each: one precision and setting (one capture for its formats),
     but each int8 format alone: each quantizes with its own search, and a failing member of a shared
     group is retried one format at a time, which would run the others' searches again. Groups keep
-    ``tried``'s order but for the int8 formats, which go in ``INT8_ORDER``."""
+    ``tried``'s order but for the int8 formats, which go in ``INT8_ORDER``; with ``reduced_first`` the
+    reduced float precisions (``REDUCED_FLOATS``) go before float32, whose groups the precision race may
+    then skip (``tk.workflows.optimize.precision_race``)."""
 
     def rank(candidate: Candidate) -> int:
         if candidate.precision != "int8" or candidate.format not in INT8_ORDER:
@@ -164,6 +167,8 @@ def export_groups(tried: list[Candidate]) -> dict[Any, list[Candidate]]:
 
     groups: dict[Any, list[Candidate]] = {}
     precisions = list(dict.fromkeys(c.precision for c in tried))
+    if reduced_first:
+        precisions.sort(key=lambda p: p not in REDUCED_FLOATS)  # stable: float32 and int8 keep their order
     for candidate in sorted(tried, key=lambda c: (precisions.index(c.precision), rank(c))):
         alone = candidate.format if candidate.precision == "int8" else None
         groups.setdefault((candidate.group, alone), []).append(candidate)
@@ -192,6 +197,11 @@ class _Run:
         self.timing: dict[str, Any] = {}
         # --keep all asks for every candidate's artifact: then every int8 search runs
         self.gate = None if options.keep == "all" else SpeedGate(sizes, options.device, options.wait_quiet_s)
+        # float32 groups are skipped when a faster float precision kept the spec (not for named candidates)
+        self.race_fp32 = options.keep == "best" and options.candidates is None and options.device == "cpu"
+        self.race: dict[str, Any] | None = None  # the precision race's record, once run
+        self._raced = False  # the race runs once, after the first reduced float candidate passes
+        self._fp32_out: str | None = None  # why the float32 groups cannot win (None: they may)
 
     def over_budget(self) -> bool:
         budget = self.options.time_budget_min
@@ -201,12 +211,16 @@ class _Run:
         """Export each group (or take it from the cache), then judge each of its candidates."""
         from tk.workflows.optimize.artifacts import group_dir
 
-        groups = export_groups(tried)
+        groups = export_groups(tried, reduced_first=self.race_fp32)
         passed: list[tuple[Candidate, Path, Manifest]] = []
         for done, members in enumerate(groups.values()):
             names = ", ".join(c.name for c in members)
             if self.over_budget():
                 rows.extend(_row(c, "skipped", "budget: --time-budget spent") for c in members)
+                continue
+            fp32_out = self._fp32_cannot_win(passed) if members[0].precision == "fp32" and self.race_fp32 else None
+            if fp32_out:
+                rows.extend(_row(c, "skipped", fp32_out) for c in members)
                 continue
             self.say(f"export {names}", done, len(groups))
             root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec)
@@ -230,6 +244,39 @@ class _Run:
                         self.gate.add(candidate, where, manifest)
         self.say("judge", len(groups), len(groups))
         return passed
+
+    def _fp32_cannot_win(self, passed: list[tuple[Candidate, Path, Manifest]]) -> str | None:
+        """Why the float32 groups cannot win, once a reduced float candidate kept the spec (the precision
+        race, run once: ``tk.workflows.optimize.precision_race``); None: they may."""
+        if self._raced:
+            return self._fp32_out
+        reduced = next(((c, root, m) for c, root, m in passed if c.precision in REDUCED_FLOATS), None)
+        if reduced is None:
+            return None  # asked again at the next float32 group, if one passes before it
+        from tk.workflows.optimize.precision_race import skip_reason
+
+        self.say(f"race {reduced[0].precision} against fp32", 0, 1)
+        race = self._race(*reduced)
+        self._raced = True
+        self._fp32_out = skip_reason(race, reduced[0].name) if race and race.fp32_cannot_win() else None
+        if race is not None:
+            self.race = race.to_json() | {"skipped_fp32": self._fp32_out is not None}
+            log.info("optimize race %s", self.race)
+        return self._fp32_out
+
+    def _race(self, candidate: Candidate, root: Path, manifest: Manifest) -> Any:
+        import torch
+
+        from tk.runtime import load
+        from tk.runtime.inputs import random_inputs
+        from tk.workflows.optimize.precision_race import run_race
+
+        others = {k: v for k, v in self.sizes.items() if k != "batch"}
+        with load(root, "eager", device="cpu", manifest=manifest, allow_failed=True, trust_model_code=True) as eager:
+            eager.load()  # the user's own model, built from their command line (as the reference is)
+            feeds = random_inputs(eager.inputs, eager.dims, 1, seed=0, sizes=others)
+            args = tuple(torch.from_numpy(feeds[s.name]) for s in eager.inputs)
+            return run_race(eager.module, args, candidate.precision, self.sizes.get("batch", 1))
 
     def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
         try:
@@ -339,4 +386,5 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
         "timing": state.timing,
         "cache": {"dir": str(state.cache), "hits": state.cache_hits, "exports": state.exports},
         "speed_gate": state.gate.verdicts if state.gate is not None else None,
+        "precision_race": state.race,
     }

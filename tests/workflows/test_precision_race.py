@@ -1,0 +1,118 @@
+"""The precision race: float32 candidates are skipped when a faster float precision kept the spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tk.models import build_model
+from tk.workflows.optimize import OptimizeOptions, optimize
+from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.optimize.precision_race import PrecisionRace, run_race, skip_reason
+from tk.workflows.optimize.run import export_groups
+
+
+def _race(rate: float = 400.0, fp32: float = 200.0, gflop: float = 25.8, share: float = 1.0) -> PrecisionRace:
+    return PrecisionRace("bf16", rate, fp32, gflop, share, rounds=7)
+
+
+def test_reduced_floats_are_written_before_float32_and_int8_stays_last() -> None:
+    fused, unfused = (("onnx_fusions", True),), (("onnx_fusions", False),)
+    static = (("int8_mode", "static"),)
+    tried = [
+        Candidate("onnx", "fp32", "onnx", fused), Candidate("aoti", "fp32", "aoti", fused),
+        Candidate("onnx", "fp32", "onnx", unfused), Candidate("aoti", "bf16", "aoti", fused),
+        Candidate("openvino", "bf16", "openvino", fused), Candidate("onnx", "int8", "onnx", static),
+        Candidate("aoti", "int8", "aoti", static),
+    ]  # fmt: skip
+    first = [[c.name for c in members] for members in export_groups(tried, reduced_first=True).values()]
+    assert first == [
+        ["aoti bf16", "openvino bf16"],
+        ["onnx fp32", "aoti fp32"],
+        ["onnx fp32 unfused"],
+        ["aoti int8 static"],
+        ["onnx int8 static"],
+    ]
+    plain = [[c.name for c in members] for members in export_groups(tried).values()]
+    assert plain[0] == ["onnx fp32", "aoti fp32"] and plain[2] == ["aoti bf16", "openvino bf16"]
+
+
+def test_float32_is_out_only_with_a_clear_rate_most_of_the_work_and_enough_of_it() -> None:
+    assert _race().fp32_cannot_win()
+    assert _race(rate=290.0).ratio == pytest.approx(1.45) and not _race(rate=290.0).fp32_cannot_win()
+    assert not _race(share=0.5).fp32_cannot_win()  # a convolution net: its products are not nn.Linear
+    assert not _race(gflop=0.002).fp32_cannot_win()  # a tiny call: overheads, not products, decide
+    reason = skip_reason(_race(), "aoti bf16")
+    assert reason.startswith("cannot win here: bf16 products ran 2.00× float32's")
+    assert "400 vs 200 GFLOP/s, median of 7 interleaved rounds; 100% of its FLOPs" in reason
+    assert "aoti bf16 kept your accuracy" in reason and "--keep all" in reason
+
+
+def test_the_race_measures_both_rates_at_the_models_own_linear_shapes() -> None:
+    module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    race = run_race(module, (torch.randn(1, 8, 64),), "fp16", batch=4, rounds=3)  # fp16 is measurable on any CPU
+    assert race is not None and race.precision == "fp16" and race.rounds == 3
+    rows = 8 * 4  # every leading dimension, scaled to the batch
+    assert race.linear_gflop == pytest.approx((2 * rows * 64 * 128 + 2 * rows * 128 * 32) / 1e9, rel=1e-12)
+    assert race.linear_share == pytest.approx(1.0)  # the products are all of the model's FLOPs
+    assert race.rate_gflops > 0 and race.fp32_rate_gflops > 0
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3)).eval()
+    assert run_race(conv, (torch.randn(1, 3, 16, 16),), "fp16", batch=2) is None  # no nn.Linear to race on
+
+
+@pytest.fixture
+def bf16_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 candidates even on a CPU without AVX512-BF16 (they run emulated: slower, as accurate)."""
+    import tk.workflows.optimize.candidates as candidates
+
+    monkeypatch.setattr(candidates, "hardware_reason", lambda precision, device, flags=None: None)
+
+
+def _optimize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRace, **kwargs: object) -> object:
+    import tk.workflows.optimize.precision_race as precision_race
+
+    asked: list[tuple[str, int]] = []
+
+    def fixed_race(module: nn.Module, args: tuple, precision: str, batch: int, rounds: int = 7) -> PrecisionRace:
+        asked.append((precision, batch))  # the rates are the machine's: the rule is what is tested here
+        return race
+
+    monkeypatch.setattr(precision_race, "run_race", fixed_race)
+    options = OptimizeOptions(accuracy="sqnr>=20", sizes={"batch": 4, "seq": 16}, formats=("torch",),
+                              precisions=("fp32", "bf16"), seconds=0.05, peaks=False, cache_dir=tmp_path / "cache",
+                              **kwargs)  # fmt: skip
+    torch.manual_seed(0)
+    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    result.asked = asked  # type: ignore[attr-defined]
+    return result
+
+
+@pytest.mark.usefixtures("bf16_here")
+def test_a_passing_bf16_candidate_with_twice_the_rate_skips_the_float32_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = _optimize(tmp_path, monkeypatch, _race())
+    rows = {r.candidate: r for r in result.rows}  # type: ignore[attr-defined]
+    assert result.asked == [("bf16", 4)]  # type: ignore[attr-defined]  # once, at the timing batch
+    assert rows["torch bf16"].status == "passed" and rows["torch bf16"].winner
+    assert rows["torch fp32"].status == "skipped"
+    assert rows["torch fp32"].reason == skip_reason(_race(), "torch bf16")
+    assert result.exports == 1  # type: ignore[attr-defined]  # the float32 group was never written
+    record = result.record["precision_race"]  # type: ignore[attr-defined]
+    assert record["skipped_fp32"] is True and record["ratio"] == 2.0 and record["precision"] == "bf16"
+
+
+@pytest.mark.usefixtures("bf16_here")
+def test_a_close_rate_lets_float32_run_and_keep_all_never_races(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    close = _optimize(tmp_path / "close", monkeypatch, _race(rate=250.0))
+    rows = {r.candidate: r for r in close.rows}  # type: ignore[attr-defined]
+    assert rows["torch fp32"].status == "passed" and rows["torch fp32"].p50_ms is not None
+    assert close.record["precision_race"]["skipped_fp32"] is False  # type: ignore[attr-defined]
+    every = _optimize(tmp_path / "all", monkeypatch, _race(), keep="all")
+    assert every.asked == [] and every.record["precision_race"] is None  # type: ignore[attr-defined]
+    assert {r.candidate: r.status for r in every.rows}["torch fp32"] == "passed"  # type: ignore[attr-defined]

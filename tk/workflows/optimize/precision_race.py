@@ -1,0 +1,93 @@
+"""Whether the float32 candidates can still win: a reduced float precision's matrix products against float32's.
+
+On a CPU with AVX512-BF16 or AMX, once a bf16 candidate keeps the user's accuracy, the float32 candidates
+(four formats and the unfused onnx graph: about a quarter of a small Transformer's optimize run) only
+cost time: their products run at half the bf16 rate or less. Before the float32 groups are written, the
+two rates are measured at the model's own linear shapes at the timing size (``tk.workflows.roofline``'s
+``ShapePeak``: oneDNN-packed, as the packages run them), interleaved, and the float32 groups are skipped
+when the reduced precision is clearly faster where the model spends its work. The rule is a prediction,
+so it is kept for the cases where it cannot be wrong by a tie: the products carry most of the model's
+FLOPs, the call is large enough for a rate to mean something, and the rate is at least ``FASTER_BY``
+float32's (interleaved p50s of one model in two formats differ by 1-4% on our machines; the small
+Transformer's bf16 package ran 2.4x the best float32 candidate where the rates differed 1.95x).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FASTER_BY = 1.5  # the reduced precision's rate over float32's at the model's shapes
+LINEAR_SHARE = 0.8  # of the model's FLOPs in its nn.Linear products
+MIN_GFLOP = 1.0  # per call at the timing size: below it per-call overheads, not products, decide
+ROUNDS = 7
+
+
+@dataclass(frozen=True)
+class PrecisionRace:
+    """The reduced precision's and float32's median rates at the model's linear shapes, and how much
+    of the model's work those shapes are."""
+
+    precision: str
+    rate_gflops: float
+    fp32_rate_gflops: float
+    linear_gflop: float  # per call at the timing size
+    linear_share: float  # of the model's FLOPs
+    rounds: int
+
+    @property
+    def ratio(self) -> float:
+        return self.rate_gflops / self.fp32_rate_gflops
+
+    def fp32_cannot_win(self) -> bool:
+        return self.linear_gflop >= MIN_GFLOP and self.linear_share >= LINEAR_SHARE and self.ratio >= FASTER_BY
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "rate_gflops": round(self.rate_gflops, 1),
+            "fp32_rate_gflops": round(self.fp32_rate_gflops, 1),
+            "ratio": round(self.ratio, 3),
+            "linear_gflop": round(self.linear_gflop, 3),
+            "linear_share": round(self.linear_share, 3),
+            "rounds": self.rounds,
+            "rule": {"faster_by": FASTER_BY, "linear_share": LINEAR_SHARE, "min_gflop": MIN_GFLOP},
+        }
+
+
+def skip_reason(race: PrecisionRace, passed: str) -> str:
+    """The float32 rows' reason when ``race`` says they cannot win and ``passed`` kept the spec."""
+    return (
+        f"cannot win here: {race.precision} products ran {race.ratio:.2f}× float32's at this model's linear "
+        f"shapes ({race.rate_gflops:.0f} vs {race.fp32_rate_gflops:.0f} GFLOP/s, median of {race.rounds} "
+        f"interleaved rounds; {race.linear_share:.0%} of its FLOPs) and {passed} kept your accuracy "
+        "(--keep all writes it anyway)"
+    )
+
+
+def run_race(
+    module: Any, args: tuple[Any, ...], precision: str, batch: int, rounds: int = ROUNDS
+) -> PrecisionRace | None:
+    """Measure ``precision`` against float32 at ``module``'s linear shapes (``args`` at batch 1, scaled to
+    ``batch``); None where either rate cannot be measured here or the model calls no ``nn.Linear``."""
+    from tk.workflows.roofline import Roofline
+
+    roofline = Roofline(module, args, ("fp32", precision))
+    if roofline.skipped or not roofline.flops:
+        return None
+    peaks = roofline.between(batch)
+    for _ in range(rounds):
+        for peak in peaks:
+            peak()
+    for peak in peaks:
+        peak.release()
+    rate = {p.precision: p.spread().median for p in peaks}
+    linear = sum(s.flops for s in roofline.shapes)
+    return PrecisionRace(
+        precision=precision,
+        rate_gflops=rate[precision],
+        fp32_rate_gflops=rate["fp32"],
+        linear_gflop=linear * batch / 1e9,
+        linear_share=min(1.0, linear / roofline.flops),
+        rounds=rounds,
+    )
