@@ -65,7 +65,9 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     # float32 linears unpacked where the layers left out of int8 run in float32 (no bf16 dot products)
     packed_floats = {} if bf16_available() else {"cpp.weight_prepack": False}
     assert aoti["inductor_configs"] == {"freezing": True, **packed_floats} and aoti["packed_for"]
-    assert aoti["graph_passes"] == ["tk.export.aoti_passes.SizesFromInputs/1"]
+    # attention as two bf16 products where the CPU has bf16 dot products, not aten's float32 flash kernel
+    in_bf16 = ["tk.export.aoti_passes.attention_as_matmuls/2+bf16"] if bf16_available() else []
+    assert aoti["graph_passes"] == [*in_bf16, "tk.export.aoti_passes.SizesFromInputs/1"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
     quantized = quant["int8_modules"]
@@ -86,6 +88,7 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert source.count('"gelu"') >= len(int8_ups), quant["excluded"]
     if not bf16_available():  # the layers left out run in float32 as the float32 package runs them: not packed
         assert "aoti_torch_cpu__linear_pointwise" not in source
+    assert ("flash_attention" in source) is not bf16_available()
     # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model
     feeds = random_feeds(spec.signature.inputs, {"batch": 5, "seq": 37}, seed=77)
     engines = [load(out, "eager"), load(out, "aoti")]

@@ -102,3 +102,19 @@ def test_the_decomposed_program_has_no_sdpa_and_the_same_outputs_the_original_ke
     assert sdpa in targets(program) and sdpa not in targets(decomposed)  # a new program; the captured one is unchanged
     assert attention_as_matmuls(decomposed) is decomposed  # nothing left to decompose
     torch.testing.assert_close(decomposed.module()(x, mask), _Attend()(x, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_in_bf16_runs_its_products_in_bf16_and_returns_float32():
+    """An int8 package's float32 attention as two bfloat16 products (``ATTENTION_IN_BF16``)."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 8), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = torch.finfo(torch.float32).min
+    decomposed = attention_as_matmuls(torch.export.export(_Attend(), (x, mask)), torch.bfloat16)
+    products = [
+        n for n in decomposed.graph.nodes if n.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
+    ]
+    assert len(products) == 2 and all(n.meta["val"].dtype == torch.bfloat16 for n in products)
+    got, expected = decomposed.module()(x, mask), _Attend()(x, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)  # bfloat16's 8-bit mantissa, twice rounded
+    assert torch.isfinite(got).all()

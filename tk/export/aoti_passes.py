@@ -18,17 +18,22 @@ the scores' shape and keeps each row's exponentials in a row-sized buffer; with 
 the softmax, Inductor split it into two loop nests around a float32 buffer of B * H * L * S
 exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
 rounded to the low precision once before the float32 softmax; the probabilities are rounded again
-for the second product, as flash attention rounds them. Measurements: benchmarks/history.md.
+for the second product, as flash attention rounds them. An int8 package's attention (float32 around
+its int8 linears) runs the same way in bfloat16 where the CPU has bfloat16 dot products
+(``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti``).
+Measurements: benchmarks/history.md.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 ATTENTION_AS_MATMULS = "tk.export.aoti_passes.attention_as_matmuls/2"
+ATTENTION_IN_BF16 = "tk.export.aoti_passes.attention_as_matmuls/2+bf16"  # an int8 package's attention
 
 
 class SizesFromInputs(CustomGraphPass):
@@ -59,12 +64,21 @@ class SizesFromInputs(CustomGraphPass):
         return "tk.export.aoti_passes.SizesFromInputs/1"
 
 
-def attention_as_matmuls(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` with every ``aten.scaled_dot_product_attention`` decomposed into two products and a float32 softmax."""
+def attention_as_matmuls(
+    program: torch.export.ExportedProgram, dtype: torch.dtype | None = None
+) -> torch.export.ExportedProgram:
+    """``program`` with every ``aten.scaled_dot_product_attention`` decomposed into two products and a
+    float32 softmax; with ``dtype``, the products run in it (query, key and value cast to it, the
+    output cast back): the int8 packages' float32 attention in bfloat16."""
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     if not any(node.target is sdpa for node in program.graph.nodes):
         return program
-    return program.run_decompositions({sdpa: _attention})
+    return program.run_decompositions({sdpa: _attention if dtype is None else functools.partial(_attention_in, dtype)})
+
+
+def _attention_in(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    return _attention(query.to(dtype), key.to(dtype), value.to(dtype), *args, **kwargs).to(query.dtype)
 
 
 def _attention(
