@@ -72,7 +72,7 @@ def bf16_here(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _optimize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRace, **kwargs: object) -> object:
-    import tk.workflows.optimize.precision_race as precision_race
+    import tk.workflows.optimize.run as run
 
     asked: list[tuple[str, int]] = []
 
@@ -80,7 +80,7 @@ def _optimize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRa
         asked.append((precision, batch))  # the rates are the machine's: the rule is what is tested here
         return race
 
-    monkeypatch.setattr(precision_race, "run_race", fixed_race)
+    monkeypatch.setattr(run, "run_race", fixed_race)
     options = OptimizeOptions(accuracy="sqnr>=20", sizes={"batch": 4, "seq": 16}, formats=("torch",),
                               precisions=("fp32", "bf16"), seconds=0.05, peaks=False, cache_dir=tmp_path / "cache",
                               **kwargs)  # fmt: skip

@@ -32,8 +32,8 @@ from typing import Any
 PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 # Each push is a Ray actor call (CPU in the replica's core worker and in the board): at 0.05 s, two
 # replicas under load kept the board at ~5% of a core and each replica's pusher at ~1%, on a 2-core machine
-# where every share of a core is taken from the engines; at 0.5 s the board fell to ~1.6%. The price is a
-# stats read's wait (two intervals).
+# where every share of a core is taken from the engines; at 0.2 s the board took ~2.5% (1.6% at 0.5 s).
+# The price is a stats read's wait (two intervals: 0.4 s). benchmarks/history.md, Serving.
 PUSH_INTERVAL_S = 0.2
 METRICS_INTERVAL_S = 1.0
 BOARD_NAME = "tk-serve-stats"

@@ -28,6 +28,7 @@ from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, in
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
+from tk.workflows.optimize.precision_race import PrecisionRace, run_race, skip_reason
 from tk.workflows.optimize.table import TIE, Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
 
@@ -253,8 +254,6 @@ class _Run:
         reduced = next(((c, root, m) for c, root, m in passed if c.precision in REDUCED_FLOATS), None)
         if reduced is None:
             return None  # asked again at the next float32 group, if one passes before it
-        from tk.workflows.optimize.precision_race import skip_reason
-
         self.say(f"race {reduced[0].precision} against fp32", 0, 1)
         race = self._race(*reduced)
         self._raced = True
@@ -264,12 +263,11 @@ class _Run:
             log.info("optimize race %s", self.race)
         return self._fp32_out
 
-    def _race(self, candidate: Candidate, root: Path, manifest: Manifest) -> Any:
+    def _race(self, candidate: Candidate, root: Path, manifest: Manifest) -> PrecisionRace | None:
         import torch
 
         from tk.runtime import load
         from tk.runtime.inputs import random_inputs
-        from tk.workflows.optimize.precision_race import run_race
 
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
         with load(root, "eager", device="cpu", manifest=manifest, allow_failed=True, trust_model_code=True) as eager:
