@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tk.models import build_model
-from tk.workflows.optimize import OptimizeOptions, optimize
+from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.precision_race import PrecisionRace, run_race, skip_reason
 from tk.workflows.optimize.run import export_groups
@@ -71,7 +71,10 @@ def bf16_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(candidates, "hardware_reason", lambda precision, device, flags=None: None)
 
 
-def _optimize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRace, **kwargs: object) -> object:
+def _optimize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRace, **kwargs: object
+) -> tuple[OptimizeResult, list[tuple[str, int]]]:
+    """A tiny optimize run over torch fp32 and bf16 whose race returns ``race``; the result, and each race asked."""
     import tk.workflows.optimize.run as run
 
     asked: list[tuple[str, int]] = []
@@ -83,25 +86,23 @@ def _optimize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRa
     monkeypatch.setattr(run, "run_race", fixed_race)
     options = OptimizeOptions(accuracy="sqnr>=20", sizes={"batch": 4, "seq": 16}, formats=("torch",),
                               precisions=("fp32", "bf16"), seconds=0.05, peaks=False, cache_dir=tmp_path / "cache",
-                              **kwargs)  # fmt: skip
+                              **kwargs)  # type: ignore[arg-type]  # fmt: skip
     torch.manual_seed(0)
-    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
-    result.asked = asked  # type: ignore[attr-defined]
-    return result
+    return optimize(build_model("transformer", size="tiny"), tmp_path / "out", options), asked
 
 
 @pytest.mark.usefixtures("bf16_here")
 def test_a_passing_bf16_candidate_with_twice_the_rate_skips_the_float32_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = _optimize(tmp_path, monkeypatch, _race())
-    rows = {r.candidate: r for r in result.rows}  # type: ignore[attr-defined]
-    assert result.asked == [("bf16", 4)]  # type: ignore[attr-defined]  # once, at the timing batch
+    result, asked = _optimize(tmp_path, monkeypatch, _race())
+    rows = {r.candidate: r for r in result.rows}
+    assert asked == [("bf16", 4)]  # once, at the timing batch
     assert rows["torch bf16"].status == "passed" and rows["torch bf16"].winner
     assert rows["torch fp32"].status == "skipped"
     assert rows["torch fp32"].reason == skip_reason(_race(), "torch bf16")
-    assert result.exports == 1  # type: ignore[attr-defined]  # the float32 group was never written
-    record = result.record["precision_race"]  # type: ignore[attr-defined]
+    assert result.exports == 1  # the float32 group was never written
+    record = result.record["precision_race"]
     assert record["skipped_fp32"] is True and record["ratio"] == 2.0 and record["precision"] == "bf16"
 
 
@@ -109,10 +110,10 @@ def test_a_passing_bf16_candidate_with_twice_the_rate_skips_the_float32_group(
 def test_a_close_rate_lets_float32_run_and_keep_all_never_races(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    close = _optimize(tmp_path / "close", monkeypatch, _race(rate=250.0))
-    rows = {r.candidate: r for r in close.rows}  # type: ignore[attr-defined]
+    close, _ = _optimize(tmp_path / "close", monkeypatch, _race(rate=250.0))
+    rows = {r.candidate: r for r in close.rows}
     assert rows["torch fp32"].status == "passed" and rows["torch fp32"].p50_ms is not None
-    assert close.record["precision_race"]["skipped_fp32"] is False  # type: ignore[attr-defined]
-    every = _optimize(tmp_path / "all", monkeypatch, _race(), keep="all")
-    assert every.asked == [] and every.record["precision_race"] is None  # type: ignore[attr-defined]
-    assert {r.candidate: r.status for r in every.rows}["torch fp32"] == "passed"  # type: ignore[attr-defined]
+    assert close.record["precision_race"]["skipped_fp32"] is False
+    every, asked = _optimize(tmp_path / "all", monkeypatch, _race(), keep="all")
+    assert asked == [] and every.record["precision_race"] is None
+    assert {r.candidate: r.status for r in every.rows}["torch fp32"] == "passed"
