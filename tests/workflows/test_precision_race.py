@@ -13,6 +13,7 @@ from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.precision_race import PrecisionRace, run_race, skip_reason
 from tk.workflows.optimize.run import export_groups
+from tk.workflows.roofline import Roofline
 
 
 def _race(rate: float = 400.0, fp32: float = 200.0, gflop: float = 25.8, share: float = 1.0) -> PrecisionRace:
@@ -53,14 +54,17 @@ def test_float32_is_out_only_with_a_clear_rate_most_of_the_work_and_enough_of_it
 
 def test_the_race_measures_both_rates_at_the_models_own_linear_shapes() -> None:
     module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
-    race = run_race(module, (torch.randn(1, 8, 64),), "fp16", batch=4, rounds=3)  # fp16 is measurable on any CPU
+    roofline = Roofline(module, (torch.randn(1, 8, 64),), ("fp32", "fp16"))  # fp16 is measurable on any CPU
+    race = run_race(roofline, "fp16", batch=4, rounds=3)
     assert race is not None and race.precision == "fp16" and race.rounds == 3
     rows = 8 * 4  # every leading dimension, scaled to the batch
     assert race.linear_gflop == pytest.approx((2 * rows * 64 * 128 + 2 * rows * 128 * 32) / 1e9, rel=1e-12)
     assert race.linear_share == pytest.approx(1.0)  # the products are all of the model's FLOPs
     assert race.rate_gflops > 0 and race.fp32_rate_gflops > 0
     conv = nn.Sequential(nn.Conv2d(3, 8, 3)).eval()
-    assert run_race(conv, (torch.randn(1, 3, 16, 16),), "fp16", batch=2) is None  # no nn.Linear to race on
+    no_linear = Roofline(conv, (torch.randn(1, 3, 16, 16),), ("fp32", "fp16"))
+    assert run_race(no_linear, "fp16", batch=2) is None  # no nn.Linear to race on
+    assert run_race(roofline, "bf16", batch=4) is None  # a precision the roofline was not made for
 
 
 @pytest.fixture
@@ -79,7 +83,7 @@ def _optimize(
 
     asked: list[tuple[str, int]] = []
 
-    def fixed_race(module: nn.Module, args: tuple, precision: str, batch: int, rounds: int = 7) -> PrecisionRace:
+    def fixed_race(roofline: Roofline, precision: str, batch: int, rounds: int = 7) -> PrecisionRace:
         asked.append((precision, batch))  # the rates are the machine's: the rule is what is tested here
         return race
 

@@ -15,7 +15,10 @@ Transformer's bf16 package ran 2.4x the best float32 candidate where the rates d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tk.workflows.roofline import Roofline
 
 FASTER_BY = 1.5  # the reduced precision's rate over float32's at the model's shapes
 LINEAR_SHARE = 0.8  # of the model's FLOPs in its nn.Linear products
@@ -65,17 +68,13 @@ def skip_reason(race: PrecisionRace, passed: str) -> str:
     )
 
 
-def run_race(
-    module: Any, args: tuple[Any, ...], precision: str, batch: int, rounds: int = ROUNDS
-) -> PrecisionRace | None:
-    """Measure ``precision`` against float32 at ``module``'s linear shapes (``args`` at batch 1, scaled to
-    ``batch``); None where either rate cannot be measured here or the model calls no ``nn.Linear``."""
-    from tk.workflows.roofline import Roofline
-
-    roofline = Roofline(module, args, ("fp32", precision))
-    if roofline.skipped or not roofline.flops:
+def run_race(roofline: Roofline, precision: str, batch: int, rounds: int = ROUNDS) -> PrecisionRace | None:
+    """Measure ``precision`` against float32 at ``roofline``'s linear shapes (counted at batch 1, scaled
+    to ``batch``; the roofline made for both precisions); None where either rate cannot be measured here
+    or the model calls no ``nn.Linear``."""
+    if roofline.skipped or not roofline.flops or {"fp32", precision} - set(roofline.precisions):
         return None
-    peaks = roofline.between(batch)
+    peaks = [p for p in roofline.between(batch) if p.precision in ("fp32", precision)]
     for _ in range(rounds):
         for peak in peaks:
             peak()

@@ -264,17 +264,14 @@ class _Run:
         return self._fp32_out
 
     def _race(self, candidate: Candidate, root: Path, manifest: Manifest) -> PrecisionRace | None:
-        import torch
-
         from tk.runtime import load
-        from tk.runtime.inputs import random_inputs
+        from tk.workflows.optimize.timing import eager_roofline
 
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
+        # the user's own model, built from their command line (as the reference is)
         with load(root, "eager", device="cpu", manifest=manifest, allow_failed=True, trust_model_code=True) as eager:
-            eager.load()  # the user's own model, built from their command line (as the reference is)
-            feeds = random_inputs(eager.inputs, eager.dims, 1, seed=0, sizes=others)
-            args = tuple(torch.from_numpy(feeds[s.name]) for s in eager.inputs)
-            return run_race(eager.module, args, candidate.precision, self.sizes.get("batch", 1))
+            roofline = eager_roofline(eager, others, {"fp32", candidate.precision})
+            return run_race(roofline, candidate.precision, self.sizes.get("batch", 1))
 
     def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
         try:

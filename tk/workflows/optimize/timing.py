@@ -56,7 +56,7 @@ def time_candidates(
         for candidate, root, manifest in entries:
             quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # spinning slows its neighbours
             engines[candidate.name] = stack.enter_context(open_engine(root, quiet, candidate.engine, manifest=manifest))
-        roofline = _roofline(eager, others, set(precision_of.values())) if peaks and device == "cpu" else None
+        roofline = eager_roofline(eager, others, set(precision_of.values())) if peaks and device == "cpu" else None
         report = measure(
             engines, [batch], seconds=seconds, sizes=others, progress=progress, guard=LoadGuard(wait_quiet_s),
             between=roofline.between if roofline else None,
@@ -77,7 +77,7 @@ def time_candidates(
     return timed
 
 
-def _roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> Roofline:
+def eager_roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> Roofline:
     """The model's FLOPs and linear shapes at batch 1 (``measure`` scales them to the batch)."""
     eager.load()
     feeds = random_inputs(eager.inputs, eager.dims, 1, seed=0, sizes=others)
