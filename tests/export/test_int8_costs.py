@@ -96,3 +96,39 @@ def test_headroom_is_the_least_sqnr_over_each_batchs_own_target():
         assert judge.worst_sqnr_db == pytest.approx(sqnr[2]) and judge.worst_shape == (8, 16)
         calls.clear()
         assert judge.headroom_db(noisy, [sqnr[0] - 1, sqnr[1] + 2, 0.0]) == pytest.approx(-2.0) and len(calls) == 2
+
+
+def test_references_run_when_a_batch_is_first_judged_and_the_lower_target_only_under_the_target():
+    torch.manual_seed(0)
+    model = _TwoLinears().eval()
+    batches = [(torch.randn(8, 16),) for _ in range(4)]
+    noise = {id(b[0]): torch.randn(8, 4) * s for b, s in zip(batches, (0.001, 0.001, 0.1, 0.001), strict=True)}
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return model(x) + noise[id(x)]
+
+    referenced = []
+
+    def float_model(x: torch.Tensor) -> torch.Tensor:
+        referenced.append(id(x))
+        return model(x)
+
+    with torch.no_grad():
+        sqnr = _Judge.of(model, batches).per_batch(noisy)
+        assert sqnr[2] < min(sqnr[0], sqnr[1], sqnr[3]) - 20  # 100x the noise: 40 dB under the others
+        judge = _Judge.of(float_model, batches)
+        assert referenced == []
+        screen = judge.subset([0, 2])
+        target = sqnr[2] + 10
+        asked = []
+
+        def held_to(index: int) -> float:
+            asked.append(index)
+            return sqnr[2] - 1
+
+        assert screen.headroom_db(noisy, [target, target], held_to=held_to) == pytest.approx(1.0)
+        assert asked == [2]  # batch 0 cleared the target: no lower one asked for
+        assert referenced == [id(batches[0][0]), id(batches[2][0])]  # only the screen's references
+        assert screen.headroom_db(noisy, [target, target]) == pytest.approx(-10.0)  # without it: 10 dB under
+        assert judge.per_batch(noisy) == pytest.approx(sqnr)
+        assert sorted(referenced) == sorted(id(b[0]) for b in batches)  # each reference computed once

@@ -313,3 +313,57 @@ def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_we
     assert not any(op.get_type_name() == "FakeQuantize" for op in everything_out.get_ordered_ops())
     assert judge.sqnr_db(everything_out) > 100.0  # float32 again (the judged SQNR of int8 is ~30-50 dB)
     assert judge.sqnr_db(quantized) < 60.0
+
+
+def test_openvino_units_multiply_adds_count_products_and_attention_at_the_batchs_shapes():
+    """What the speed gate weighs a search's units by: each of _Encoder's four 32x32 products on 4 x 16
+    tokens is 4*16*32*32 = 65,536 multiply-adds, attention (16 keys, q and v 32 wide) 4*16*16*(32+32)
+    = 65,536, the embedding table none; at 2 x 8 tokens, a quarter and an eighth of that."""
+    import nncf
+    import openvino as ov
+
+    from tk.export.openvino import quantized_units, unit_macs
+
+    torch.manual_seed(0)
+    model = ov.convert_model(torch.export.export(_Encoder().eval(), (torch.randint(0, 64, (4, 16)),)))
+    name = model.inputs[0].get_any_name()
+    rng = np.random.default_rng(0)
+    batches = [{name: rng.integers(0, 64, (4, 16)).astype(np.int64)} for _ in range(2)]
+    quantized = nncf.quantize(model, nncf.Dataset(batches), subset_size=2, model_type=nncf.ModelType.TRANSFORMER)
+    units = quantized_units(quantized, model)
+    kinds = {op.get_friendly_name(): op.get_type_name() for op in quantized.get_ordered_ops()}
+    shape = str(model.inputs[0].get_partial_shape())
+    macs = unit_macs(model, units, batches[0])
+    assert {kinds[u]: macs[u] for u in units if kinds[u] != "MatMul"} == {
+        "Gather": 0,
+        "ScaledDotProductAttention": 65536,
+    }
+    assert [macs[u] for u in units if kinds[u] == "MatMul"] == [65536] * 4
+    small = unit_macs(model, units, {name: batches[0][name][:2, :8]})
+    assert all(small[u] * (8 if kinds[u] == "ScaledDotProductAttention" else 4) == macs[u] for u in units)
+    assert str(model.inputs[0].get_partial_shape()) == shape  # reshaped a copy, not the model
+
+
+def test_openvino_judge_runs_the_first_batches_whole_then_stops_at_the_first_under_the_target():
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from tk.export.openvino import _Judge
+
+    x = ops.parameter([2, 4], np.float32, name="x")
+    reference = ov.Model([ops.multiply(x, np.float32(1.0))], [x])
+    shifted = ov.Model([ops.add(x, np.float32(0.01))], [x])  # SQNR: the batch's power over 0.01²
+    rng = np.random.default_rng(0)
+    scales = (1.0, 0.01, 1.0, 0.01, 1.0)  # batches 1 and 3: 40 dB under the others
+    batches = [{"x": (s * rng.standard_normal((2, 4))).astype(np.float32)} for s in scales]
+    judge = _Judge(reference, batches)
+    every = [_Judge(reference, [b]).sqnr_db(shifted) for b in batches]
+    assert every[1] < every[0] - 30 and every[3] < every[2] - 30
+    target = every[1] + 10
+
+    assert judge.sqnr_db(shifted, target_db=target) == pytest.approx(every[1], abs=1e-3)
+    assert judge.stopped_at == 1  # no first batches to judge whole: stops at the first under the target
+    assert judge.sqnr_db(shifted, target_db=target, judge_first=3) == pytest.approx(min(every[:3]), abs=1e-3)
+    assert judge.stopped_at == 2 and judge.first_worst == pytest.approx(min(every[:3]), abs=1e-3)
+    assert judge.sqnr_db(shifted, target_db=min(every) - 1, judge_first=1) == pytest.approx(min(every), abs=1e-3)
+    assert judge.stopped_at == -1 and judge.first_worst == pytest.approx(every[0], abs=1e-3)  # all cleared it

@@ -322,45 +322,77 @@ def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
 
 @dataclass
 class _Judge:
-    """The float32 program's outputs on some batches, and how far a candidate is from them."""
+    """The float32 program's outputs on some batches, and how far a candidate is from them.
 
-    batches: list[tuple[torch.Tensor, ...]]
-    reference: list[list[np.ndarray]]
+    A batch's reference is computed when it is first judged, once for a judge and its subsets: a search
+    whose rounds judge a screen, or a gate that ends the export, never runs the float32 program on the rest
+    (on the small Transformer the 44 judged batches' references took ~19 s of the export)."""
+
+    float_module: Callable[..., Any]
+    all_batches: list[tuple[torch.Tensor, ...]]
+    indices: list[int]  # this judge's batches, as indices of ``all_batches``
+    references: dict[int, list[np.ndarray]]  # shared with the judge's subsets
     worst_shape: tuple[int, ...] = ()  # the first input's shape in the worst batch of the last call
     worst_sqnr_db: float = math.inf  # the worst batch's SQNR in the last call
     judged_sqnr_db: list[float] = field(default_factory=list)  # each judged batch's SQNR in the last call
 
     @classmethod
-    def of(cls, float_module: torch.fx.GraphModule, batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
-        return cls(list(batches), [_outputs(float_module, b) for b in batches])
+    def of(cls, float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
+        return cls(float_module, list(batches), list(range(len(batches))), {})
+
+    @property
+    def batches(self) -> list[tuple[torch.Tensor, ...]]:
+        return [self.all_batches[i] for i in self.indices]
 
     def subset(self, indices: Sequence[int]) -> _Judge:
         """A judge of some of the batches (the same references)."""
-        return _Judge([self.batches[i] for i in indices], [self.reference[i] for i in indices])
+        return _Judge(self.float_module, self.all_batches, [self.indices[i] for i in indices], self.references)
 
-    def sqnr_db(self, candidate: torch.fx.GraphModule) -> float:
+    def reference(self, index: int) -> list[np.ndarray]:
+        """The float32 program's outputs on ``all_batches[index]``."""
+        if index not in self.references:
+            self.references[index] = _outputs(self.float_module, self.all_batches[index])
+        return self.references[index]
+
+    def sqnr_on(self, candidate: Callable[..., Any], index: int) -> float:
+        """``candidate``'s SQNR on ``all_batches[index]``."""
+        return worst_sqnr_db([self.reference(index)], [_outputs(candidate, self.all_batches[index])])
+
+    def sqnr_db(self, candidate: Callable[..., Any]) -> float:
         """The worst SQNR over the batches."""
         return self.headroom_db(candidate, None)
 
-    def per_batch(self, candidate: torch.fx.GraphModule) -> list[float]:
+    def per_batch(self, candidate: Callable[..., Any]) -> list[float]:
         self.headroom_db(candidate, None)
         return list(self.judged_sqnr_db)
 
     def headroom_db(
-        self, candidate: torch.fx.GraphModule, targets: Sequence[float] | None, *, judge_first: int = 0
+        self,
+        candidate: Callable[..., Any],
+        targets: Sequence[float] | None,
+        *,
+        judge_first: int = 0,
+        held_to: Callable[[int], float] | None = None,
     ) -> float:
         """The least SQNR - target over the batches (``targets``: one per batch; None: no targets,
         and the result is the worst SQNR), stopping at the first batch under its target once the
-        first ``judge_first`` batches are judged."""
+        first ``judge_first`` batches are judged. ``held_to(index)``: on a batch under its target, a
+        lower target that batch is held to instead (of ``all_batches[index]``), asked only there."""
         headroom, self.worst_sqnr_db = math.inf, math.inf
         self.judged_sqnr_db = []
-        for i, (reference, batch) in enumerate(zip(self.reference, self.batches, strict=True)):
-            sqnr = worst_sqnr_db([reference], [_outputs(candidate, batch)])
+        for i, index in enumerate(self.indices):
+            sqnr = self.sqnr_on(candidate, index)
             self.judged_sqnr_db.append(sqnr)
             if sqnr < self.worst_sqnr_db:
-                self.worst_sqnr_db, self.worst_shape = sqnr, tuple(batch[0].shape)
-            headroom = min(headroom, sqnr - (targets[i] if targets is not None else 0.0))
-            if targets is not None and headroom < 0 and i + 1 >= judge_first:
+                self.worst_sqnr_db, self.worst_shape = sqnr, tuple(self.all_batches[index][0].shape)
+            if targets is None:
+                headroom = min(headroom, sqnr)
+                continue
+            target = targets[i]
+            if sqnr < target and held_to is not None:
+                target = min(target, held_to(index))
+            headroom = min(headroom, sqnr - target)
+            if headroom < 0 and i + 1 >= judge_first:
                 break
         return headroom
 
@@ -394,7 +426,8 @@ def int8_program(
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
     CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` is asked before the search, with a
     function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
-    ``share_gate`` after it, with the ``Int8Share`` it kept; either may end the export.
+    ``share_gate`` during it (after each round under the target, with the most it can still keep) and
+    after it, with the ``Int8Share`` it kept; either may end the export.
     """
     if method not in METHODS:
         raise UsageError(
@@ -431,9 +464,17 @@ def int8_program(
                     gate(lambda: _recaptured(quantized, example_inputs, signature, dims))
                 calibrated = judged.subset(range(len(batches)))
                 result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
-                quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result)
+                macs: dict[str, int] = {}  # counted at the gate's first question
+
+                def share(excluded: list[str], bound: bool = False) -> Int8Share:
+                    if not macs:
+                        macs.update(layer_macs(quantizer.float_module, batches[0]))
+                    return int8_share(quantizer.float_module, batches[0], ranked, excluded, macs=macs, bound=bound)
+
+                at_least = None if share_gate is None else (lambda excluded: share_gate(share(excluded, bound=True)))
+                quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result, at_least=at_least)
                 if share_gate is not None:
-                    share_gate(int8_share(quantizer.float_module, batches[0], ranked, result.automatic))
+                    share_gate(share(result.automatic))
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
@@ -449,15 +490,18 @@ def int8_share(
     args: tuple[torch.Tensor, ...],
     quantized: Sequence[str],
     excluded: Sequence[str],
+    *,
+    macs: dict[str, int] | None = None,
+    bound: bool = False,
 ) -> Int8Share:
     """What is left int8 of the ``quantized`` modules once ``excluded`` are not: layers, and multiply-adds
-    on ``args`` (``layer_macs``)."""
-    macs = layer_macs(float_module, args)
+    on ``args`` (``layer_macs``, or ``macs`` where they were counted already)."""
+    macs = layer_macs(float_module, args) if macs is None else macs
     left_out = set(excluded)
     kept = [n for n in quantized if n not in left_out]
     total = sum(macs.get(n, 0) for n in quantized)
     share = sum(macs.get(n, 0) for n in kept) / total if total else 0.0
-    return Int8Share(len(kept), len(quantized), share)
+    return Int8Share(len(kept), len(quantized), share, bound=bound)
 
 
 def layer_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> dict[str, int]:
@@ -538,31 +582,45 @@ def _all_int8(
 
 
 def _exclude_costliest(
-    quantizer: _Quantizer, judged: _Judge, min_sqnr_db: float, result: AotiInt8Result
+    quantizer: _Quantizer,
+    judged: _Judge,
+    min_sqnr_db: float,
+    result: AotiInt8Result,
+    *,
+    at_least: Callable[[list[str]], None] | None = None,
 ) -> torch.fx.GraphModule:
     """``exclude_costliest`` by ``result.layer_sqnr_db`` until ``judged`` clears the floor plus the
-    margin; the last round's program. A round stops at the first batch under its target.
+    margin; the last round's program. A round stops at the first batch under its target. ``at_least``:
+    ``exclude_costliest``'s (the speed gate, asked mid-search).
 
-    Where excluded modules run in bfloat16, every module in bfloat16 is judged first: on a batch
-    where that stays under the target (a model whose outputs bfloat16 already moves that much),
-    int8 is held to it minus the margin there, instead of a target no exclusion can reach."""
+    Where excluded modules run in bfloat16, a batch under the target is judged with every module in
+    bfloat16 too: where that stays under the target (a model whose outputs bfloat16 already moves that
+    much), int8 is held to it minus the margin there, instead of a target no exclusion can reach. Only
+    the batches some round is under are judged so (the verdicts are those of judging every batch first,
+    which took ~15 s of the small Transformer's export)."""
     target = min_sqnr_db + MARGIN_DB
     targets = [target] * len(judged.batches)
-    if quantizer.excluded_in_bf16 and result.layer_sqnr_db:
-        ceiling = judged.per_batch(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
-        targets = [min(target, c - MARGIN_DB) for c in ceiling]
-        under = [i for i, c in enumerate(ceiling) if c < target]
-        if under:
-            worst = min(under, key=ceiling.__getitem__)
-            log.info(
-                "export int8   every module in bf16: %d of %d judged batches under %.1f dB (worst %.1f dB at %s): "
-                "int8 is held to bf16's SQNR - %.0f dB on those",
-                len(under), len(ceiling), target, ceiling[worst],
-                "x".join(map(str, judged.batches[worst][0].shape)), MARGIN_DB,
-            )  # fmt: skip
+    held: dict[int, float] = {}  # batch index -> its target with every module in bfloat16
+    all_bf16: list[torch.fx.GraphModule] = []
+
+    def held_to(index: int) -> float:
+        if index not in held:
+            if not all_bf16:
+                all_bf16.append(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
+            ceiling = judged.sqnr_on(all_bf16[0], index)
+            held[index] = ceiling - MARGIN_DB
+            if ceiling < target:
+                log.info(
+                    "export int8   every module in bf16: %.1f dB at %s, under %.1f dB: int8 is held to %.1f dB there",
+                    ceiling, "x".join(map(str, judged.all_batches[index][0].shape)), target, ceiling - MARGIN_DB,
+                )  # fmt: skip
+        return held[index]
+
+    lowered = held_to if quantizer.excluded_in_bf16 and result.layer_sqnr_db else None
     rounds: list[torch.fx.GraphModule] = []
     # the passing rounds, by their set: the bisection ends by asking again for the one it keeps
     passed: dict[frozenset[str], tuple[torch.fx.GraphModule, float, float, tuple[int, ...]]] = {}
+    failed: set[frozenset[str]] = set()  # the sets under the target on some screen: on any larger one too
 
     def search(judge: _Judge, targets: list[float]) -> tuple[list[str], float | None]:
         passed.clear()
@@ -573,7 +631,7 @@ def _exclude_costliest(
                 rounds[:] = [module]
                 return value
             rounds[:] = [quantizer.quantize(exclude=automatic)]
-            headroom = judge.headroom_db(rounds[0], targets)
+            headroom = judge.headroom_db(rounds[0], targets, held_to=lowered)
             at = "x".join(map(str, judge.worst_shape))
             stopped = f" (a batch at {at} under its target: the rest not run)" if headroom < 0 else ""
             log.info(
@@ -584,10 +642,12 @@ def _exclude_costliest(
                 passed[frozenset(automatic)] = (rounds[0], target + headroom, judge.worst_sqnr_db, judge.worst_shape)
             return target + headroom
 
-        return exclude_costliest(result.layer_sqnr_db, judge_without, target, MAX_ROUNDS)
+        return exclude_costliest(
+            result.layer_sqnr_db, judge_without, target, MAX_ROUNDS, failed_before=failed, at_least=at_least
+        )
 
     def judge_all(automatic: list[str]) -> tuple[float, int | None]:
-        headroom = judged.headroom_db(rounds[0], targets)
+        headroom = judged.headroom_db(rounds[0], targets, held_to=lowered)
         failed = len(judged.judged_sqnr_db) - 1  # the batch it stopped at
         log.info(
             "export int8   %d modules %s: SQNR %.1f dB on all %d batches%s",

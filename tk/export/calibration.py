@@ -8,6 +8,7 @@ PT2E-quantized AOTInductor package (``tk.export.aoti_int8``) and NNCF's OpenVINO
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,10 +64,13 @@ def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:
     """Fail an int8 export in which no layer stayed int8 (it would be a float32 artifact called int8);
     log how many did otherwise."""
     if quantizable and int8 == 0:
+        from tk.formats.aoti import runs_natively
+
+        other = "--precision bf16" if runs_natively("bf16") else "float32 (this CPU has no bf16 dot products)"
         raise ConversionError(
             f"--precision int8 --format {fmt}: no layer stayed int8 (all {quantizable} were left out, below the "
             "SQNR floor or by --keep-fp32), so the artifact would not be int8; calibrate with real inputs "
-            "(--calibrate FILE), train the model, accept a lower floor (--min-sqnr DB) or export --precision bf16"
+            f"(--calibrate FILE), train the model, accept a lower floor (--min-sqnr DB) or export {other}"
         )
     log.info("export int8   %d of %d layers int8", int8, quantizable)
 
@@ -141,7 +145,13 @@ def calibration_batches(arrays: dict[str, np.ndarray], batch: int = CALIBRATION_
 
 
 def exclude_costliest(
-    costs: dict[str, float], judge: Callable[[list[str]], float], target_db: float, max_rounds: int
+    costs: dict[str, float],
+    judge: Callable[[list[str]], float],
+    target_db: float,
+    max_rounds: int,
+    *,
+    failed_before: set[frozenset[str]] | None = None,
+    at_least: Callable[[list[str]], None] | None = None,
 ) -> tuple[list[str], float | None]:
     """Leave out the layers that cost the most signal, 1, 2, 4... more per round, until ``judge`` says
     the graph without them reaches ``target_db``. ``costs``: each layer's cost as an SQNR, lower is
@@ -151,19 +161,38 @@ def exclude_costliest(
     A round that reaches the target after leaving out several more layers is bisected back: the fewest
     of them that still reach it are kept out, so no layer leaves int8 that did not have to. The last
     ``judge`` call is always the returned set's (callers keep that call's graph).
+    ``failed_before``: sets already found under the target by a judge of fewer batches (a screen's
+    rounds, before a batch joined it: a set under the target on some batches is under it on more); they
+    are not judged again but where the answer is returned, and the sets found under it are added.
+    ``at_least(layers)``, after each round under the target with layers left to take: the fewest layers
+    the search can still return (the returned set is always a longer prefix of the same ranking); it may
+    end the search by raising (tk optimize's speed gate: the int8 left cannot win).
     Returns the excluded layers, costliest first, and the last SQNR (None when there was none to exclude)."""
+    known = failed_before if failed_before is not None else set()
+
+    def ask(layers: list[str], *, returned: bool = False) -> float:
+        key = frozenset(layers)
+        if key in known and not returned:
+            return -math.inf
+        value = judge(list(layers))
+        if value < target_db:
+            known.add(key)
+        return value
+
     ranked = sorted(costs, key=costs.__getitem__)
     excluded: list[str] = []
     sqnr = None
     step = 1
-    for _ in range(max_rounds):
+    for round_ in range(max_rounds):
         if not ranked:
             break
         take, ranked = ranked[:step], ranked[step:]
         excluded.extend(take)
-        sqnr = judge(list(excluded))
+        sqnr = ask(excluded, returned=not ranked or round_ == max_rounds - 1)  # the last round's set is returned
         if sqnr >= target_db:
-            return _fewest_that_pass(excluded, len(excluded) - len(take), sqnr, judge, target_db)
+            return _fewest_that_pass(excluded, len(excluded) - len(take), sqnr, ask, target_db)
+        if at_least is not None and ranked and round_ < max_rounds - 1:
+            at_least([*excluded, ranked[0]])
         step *= 2
     return excluded, sqnr
 

@@ -18,9 +18,11 @@ from tk.spec import Dim
 log = logging.getLogger("tk.export")
 
 # Asked by an int8 writer before its exclusion search, with the format's name and its all-int8 model (ONNX
-# bytes, an OpenVINO model, a function that compiles the aoti package), and by the aoti writer again after
-# the search, before its compile, with the ``Int8Share`` the search kept: why the result cannot be the
-# fastest candidate, or None (tk optimize's speed gate). A reason ends the export with CannotWinError.
+# bytes, an OpenVINO model, a function that compiles the aoti package); by the aoti and openvino writers
+# after each round of their search that stays under the target, with the most ``Int8Share`` the search can
+# still keep (``bound``); and by the aoti writer after the search, before its compile, with the share it
+# kept: why the result cannot be the fastest candidate, or None (tk optimize's speed gate). A reason ends
+# the export with CannotWinError.
 Int8Gate = Callable[[str, Any], str | None]
 
 
@@ -32,6 +34,7 @@ class Int8Share:
     int8_layers: int
     layers: int  # the all-int8 model's int8 layers
     share: float  # 0..1
+    bound: bool = False  # asked mid-search: the most the search can still keep (its result keeps no more)
 
 
 @dataclass

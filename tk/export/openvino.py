@@ -23,13 +23,14 @@ more per round.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.context import ExportContext, ExportOptions
+from tk.export.context import ExportContext, ExportOptions, Int8Share
 from tk.export.writer import NoOptions, Writer
 from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
 
@@ -112,6 +113,7 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
         transformer=has_attention(model),
         min_sqnr_db=int8_floor_db(ctx),
         gate=int8_gate(ctx, "openvino"),
+        share_gate=int8_gate(ctx, "openvino"),
     )
     layers = record["quantizable_nodes"]
     require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
@@ -190,6 +192,37 @@ def quantized_units(quantized: Any, model: Any) -> list[str]:
         ):
             units.append(name)
     return units
+
+
+def unit_macs(model: Any, units: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Multiply-adds of each of ``units`` (``quantized_units``) of ``model`` (the float32 IR) on ``feeds``:
+    a product's output elements times its reduced dimension (both of attention's, fused); an embedding
+    table's none (int8 there saves memory, not products)."""
+    copy = model.clone()
+    copy.reshape({port.get_any_name(): list(feeds[port.get_any_name()].shape) for port in copy.inputs})
+    ops = {op.get_friendly_name(): op for op in copy.get_ordered_ops()}
+    macs = {}
+    for name in units:
+        op = ops.get(name)
+        kind = op.get_type_name() if op is not None else ""
+        if (
+            kind not in ("MatMul", "Convolution", "ScaledDotProductAttention")
+            or not op.get_output_partial_shape(0).is_static
+        ):
+            macs[name] = 0
+            continue
+        out = list(op.get_output_partial_shape(0).to_shape())
+        first = list(op.get_input_partial_shape(0).to_shape())
+        if kind == "MatMul":
+            reduced = first[-2] if op.get_attributes().get("transpose_a") else first[-1]
+        elif kind == "Convolution":
+            reduced = math.prod(list(op.get_input_partial_shape(1).to_shape())[1:])
+        else:  # softmax(q k^T) v: q's length x key length x (q's width + v's width) per head
+            keys = list(op.get_input_partial_shape(1).to_shape())[-2]
+            macs[name] = math.prod(first[:-1]) * keys * (first[-1] + out[-1])
+            continue
+        macs[name] = math.prod(out) * reduced
+    return macs
 
 
 def _int8_table(op: Any, float_op: Any) -> bool:
@@ -322,6 +355,7 @@ class _Judge:
         self._indices = list(range(len(self.batches)))  # this judge's batches, as indices of the first judge's
         self._root = self
         self.stopped_at = -1  # the batch the last call stopped at (under its target), or -1
+        self.first_worst = float("inf")  # the last call's worst SQNR over its first ``judge_first`` batches
 
     def subset(self, indices: Sequence[int]) -> _Judge:
         """A judge of some of the batches (the same references, computed once for both)."""
@@ -344,14 +378,17 @@ class _Judge:
         for feeds in self.batches:
             yield _run(request, feeds)
 
-    def sqnr_db(self, model: Any, *, target_db: float | None = None) -> float:
-        """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging."""
+    def sqnr_db(self, model: Any, *, target_db: float | None = None, judge_first: int = 0) -> float:
+        """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging
+        once the first ``judge_first`` are judged (their worst is kept in ``first_worst``)."""
         from tk.parity import worst_sqnr_db
 
-        worst, self.stopped_at = float("inf"), -1
+        worst, self.stopped_at, self.first_worst = float("inf"), -1, float("inf")
         for i, outputs in enumerate(self._outputs(model)):
             worst = min(worst, worst_sqnr_db([self.reference(i)], [outputs]))
-            if target_db is not None and worst < target_db:
+            if i < judge_first:
+                self.first_worst = worst
+            if target_db is not None and worst < target_db and i + 1 >= judge_first:
                 self.stopped_at = i
                 break
         return worst
@@ -377,6 +414,7 @@ def int8_ir_from_ir(
     transformer: bool = False,
     min_sqnr_db: float | None = None,
     gate: Callable[[Any], None] | None = None,
+    share_gate: Callable[[Int8Share], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
 
@@ -385,7 +423,10 @@ def int8_ir_from_ir(
     migrates most of each input's range into the weight, which can cost more than it saves) and the
     better kept; then units (``quantized_units``) are left float32, costliest first by
     ``one_at_a_time_sqnr_db``, until it is reached. ``gate`` (``tk.export.calibration.int8_gate``) sees
-    the all-int8 model before it is judged (with a floor), and may end the export.
+    the all-int8 model before it is judged (with a floor), and may end the export; ``share_gate`` is
+    asked after each round of the search that stays under the target, with the most the search can still
+    keep int8 (``Int8Share`` by the units' multiply-adds on the first calibration batch, ``bound``), and
+    may end it too.
     """
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
@@ -422,19 +463,23 @@ def int8_ir_from_ir(
     quantized = quantize(())
     if target is not None and gate is not None:
         gate(quantized)  # before the judge: a model that cannot win needs no verdict
-    sqnr = judged.sqnr_db(quantized)
+    # under a target, a model is judged on the calibration batches, then up to its first batch under the
+    # target; models under it are compared on the calibration batches, which each is judged on whole
+    first = len(calibration)
+    sqnr = judged.sqnr_db(quantized, target_db=target, judge_first=first)
     log.info(
-        "export int8   OpenVINO SQNR %.1f dB on %d batches, SmoothQuant %s",
+        "export int8   OpenVINO SQNR %.1f dB on %s, SmoothQuant %s",
         sqnr,
-        len(judged.batches),
+        f"{len(judged.batches)} batches" if judged.stopped_at < 0 else f"the first {judged.stopped_at + 1} batches",
         settings["smooth_quant"],
     )
     if target is not None and sqnr < target and transformer:
+        score = judged.first_worst
         settings["smooth_quant"] = "off"
         plain = quantize(())
-        plain_sqnr = judged.sqnr_db(plain)
+        plain_sqnr = judged.sqnr_db(plain, target_db=target, judge_first=first)
         log.info("export int8   OpenVINO SQNR %.1f dB, SmoothQuant off", plain_sqnr)
-        if plain_sqnr > sqnr:
+        if plain_sqnr >= target or judged.first_worst > score:
             quantized, sqnr = plain, plain_sqnr
         else:
             settings["smooth_quant"] = "nncf default"
@@ -453,6 +498,7 @@ def int8_ir_from_ir(
         costs = one_at_a_time_sqnr_db(quantized, model, units, calibration)
         best: dict[str, Any] = {}
         passed: dict[frozenset[str], tuple[Any, float]] = {}  # the bisection ends by asking again for the one it keeps
+        failed: set[frozenset[str]] = set()  # the sets under the target on some screen: on any larger one too
 
         def judge_on(judge: _Judge) -> Callable[[list[str]], float]:
             passed.clear()
@@ -484,8 +530,21 @@ def int8_ir_from_ir(
             )  # fmt: skip
             return value, None if failed < 0 else failed
 
+        macs: dict[str, int] = {}  # counted at the gate's first question
+
+        def at_least(excluded: list[str]) -> None:
+            assert share_gate is not None  # handed to the search only where there is one
+            if not macs:
+                macs.update(unit_macs(model, units, calibration[0]))
+            total = sum(macs.values())
+            kept = total - sum(macs[name] for name in excluded)
+            share_gate(Int8Share(len(units) - len(excluded), len(units), kept / total if total else 0.0, bound=True))
+
         def search(screen: list[int]) -> tuple[list[str], float | None]:
-            return exclude_costliest(costs, judge_on(judged.subset(screen)), target, MAX_ROUNDS)
+            return exclude_costliest(
+                costs, judge_on(judged.subset(screen)), target, MAX_ROUNDS, failed_before=failed,
+                at_least=None if share_gate is None else at_least,
+            )  # fmt: skip
 
         excluded, last, _ = screened_exclusion(len(judged.batches), len(calibration), search, judge_all, target)
         if last is not None:
