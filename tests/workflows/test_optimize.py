@@ -150,7 +150,9 @@ def test_a_bad_spec_is_one_line_before_any_work() -> None:
 def test_candidates_skip_reduced_precision_this_cpu_cannot_run() -> None:
     assert "would run emulated" in (hardware_reason("bf16", "cpu", frozenset()) or "")
     assert hardware_reason("bf16", "cpu", frozenset({"amx_bf16"})) is None
-    assert "float16" in (hardware_reason("fp16", "cpu", frozenset({"avx512_bf16"})) or "")
+    assert "(bf16 is the CPU's)" in (hardware_reason("fp16", "cpu", frozenset({"avx512_bf16"})) or "")
+    assert "(int8 is the CPU's)" in (hardware_reason("fp16", "cpu", frozenset({"avx512_vnni"})) or "")
+    assert "(float32 is the CPU's)" in (hardware_reason("fp16", "cpu", frozenset({"avx2"})) or "")
     assert hardware_reason("int8", "cpu", frozenset()) is None  # int8 is judged and timed: it may still win
     with pytest.raises(UsageError, match="unknown onnx fp64"):
         enumerate_candidates("cpu", names=("onnx fp64",))

@@ -102,6 +102,56 @@ def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path)
     )
 
 
+def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_time(fp32_artifact: Path) -> None:
+    """The AVX512-VNNI Xeon's numbers: OpenVINO's all-int8 IR 124.1 ms, its fp32 IR 226.0, the aoti int8
+    package (the fastest) 129.7. A search that must leave 10% of the multiply-adds in float32 is at best
+    124.1 + 0.1 x (226.0 - 124.1) = 134.3 ms: it stops; with 97% int8 left (127.2 ms) it goes on."""
+    fastest = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
+    own = Candidate("openvino", "fp32", "openvino", (("onnx_fusions", True),))
+
+    def probed() -> SpeedGate:
+        speed_gate = SpeedGate(dict(SIZES))
+        for candidate in (fastest, own):
+            speed_gate.add(candidate, fp32_artifact, verify_artifact(fp32_artifact))
+        p50 = {"aoti int8 static": 129.7, "openvino fp32": 226.0, PROBE: 124.1}
+        speed_gate.verdicts.append(
+            {"format": "openvino", "p50_ms": p50, "fastest_passed": "aoti int8 static", "busy": False}
+        )
+        return speed_gate
+
+    speed_gate = probed()
+    reason = speed_gate("openvino", Int8Share(21, 23, 0.9, bound=True))
+    assert reason is not None and reason.startswith(
+        "cannot win here: its search must leave more layers out: at most 21 of 23 int8 (90% of their multiply-adds)"
+    )
+    assert "at best 134.3 ms at batch 4 × seq 16, no faster than aoti int8 static's 129.7 ms" in reason
+    assert "(all-int8 124.1 ms, float 226.0 ms in the same rounds)" in reason
+    verdict = speed_gate.verdicts[-1]
+    assert verdict["during_search"] == {"int8_layers": 21, "layers": 23, "share": 0.9} and "after_search" not in verdict
+    assert verdict["at_best_ms"] == pytest.approx(134.29) and verdict["float_ms"] == 226.0 and verdict["skipped"]
+    assert probed()("openvino", Int8Share(22, 23, 0.97, bound=True)) is None  # at best 127.2 ms
+    # without its own float candidate in the rounds, the fastest stands in (the optimistic side)
+    assert probed()("aoti", Int8Share(21, 23, 0.9, bound=True)) is None  # no aoti probe timed
+    lone = SpeedGate(dict(SIZES))
+    lone.add(fastest, fp32_artifact, verify_artifact(fp32_artifact))
+    lone.verdicts.append({"format": "openvino", "p50_ms": {"aoti int8 static": 129.7, PROBE: 124.1},
+                          "fastest_passed": "aoti int8 static", "busy": False})  # fmt: skip
+    assert lone("openvino", Int8Share(21, 23, 0.9, bound=True)) is None  # 124.1 + 0.1 x 5.6: faster
+    assert lone.verdicts[-1]["float_ms"] == 129.7
+
+
+def test_a_format_the_race_cleared_is_not_compiled_to_ask(fp32_artifact: Path) -> None:
+    speed_gate = _gate(fp32_artifact)
+    speed_gate.no_probe["aoti"] = "int8 products ran 1.60× bf16's"
+    compiled = []
+    assert speed_gate("aoti", lambda: compiled.append(1)) is None and compiled == []  # the search runs
+    assert speed_gate.verdicts == [
+        {"format": "aoti", "probe": "not timed", "reason": "int8 products ran 1.60× bf16's", "skipped": False}
+    ]
+    assert speed_gate("aoti", Int8Share(1, 36, 0.02)) is None  # no probe timed: the package is compiled
+    assert speed_gate._contenders() == speed_gate.passed  # the record without times leaves every contender in
+
+
 def test_later_questions_leave_out_candidates_an_earlier_one_timed_far_slower(fp32_artifact: Path) -> None:
     manifest = verify_artifact(fp32_artifact)
     fast, slow, slowish, late = (
@@ -149,6 +199,9 @@ def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatc
     gate_record = result.record["speed_gate"]
     assert [v["format"] for v in gate_record] == ["aoti", "onnx", "openvino"]  # run.INT8_ORDER
     assert all(v["fastest_passed"] == "onnx fp32" for v in gate_record)
+    race = result.record["precision_race"]  # no reduced float here: int8 raced float32 before the int8 groups
+    assert race["precision"] == "int8" and race["skipped_fp32"] is False
+    assert race["linear_gflop"] < 1.0 and "probe" not in gate_record[0]  # tiny: too small to trust, so probed
     assert not any(p.name.startswith("int8") for p in (tmp_path / "cache").iterdir())  # nothing half-written cached
 
 

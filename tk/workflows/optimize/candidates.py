@@ -159,7 +159,9 @@ def hardware_reason(precision: str, device: str, flags: frozenset[str] | None = 
     if precision == "bf16":
         return cpu_precision_reason("bf16", flags)
     if precision == "fp16" and not any(f in flags for f in FP16_FLAGS):
-        return f"this CPU has no {' or '.join(FP16_FLAGS)}: float16 products would run emulated (bf16 is the CPU's)"
+        native = [p for p in ("bf16", "int8") if cpu_precision_reason(p, flags) is None] or ["float32"]
+        its = f"{' and '.join(native)} {'is' if len(native) == 1 else 'are'} the CPU's"
+        return f"this CPU has no {' or '.join(FP16_FLAGS)}: float16 products would run emulated ({its})"
     return None
 
 

@@ -15,13 +15,23 @@ fp32's time while Inductor packed its float32 linears, history.md). So when the 
 than the fastest passed candidate by more than ``MARGIN``, the search cannot give the winner, and the
 candidate is skipped with the numbers as its reason. On a busy machine (the guard's mark) the gate does not judge: the search runs.
 
-The aoti writer asks once more after its search, before compiling the package (a minute for MiniLM), with
-the share of the all-int8 model's multiply-adds the search kept in int8 (``Int8Share``). Each layer's
-int8 gain is taken as its share of what the all-int8 model gained over the fastest passed candidate in
-the gate's rounds: at best ``fastest - share x (fastest - all-int8)``. That is a bound on the optimistic
-side (the format's own float32 time is no faster than the fastest, and each int8/float boundary adds a
-quantize), so when even it is within ``TIE`` of a float32 candidate, which wins a tie (``pick_winner``),
-the package is not compiled. MiniLM at ``cosine>=0.9999`` on the AVX2 EPYC: 1 of 36 layers kept.
+The aoti and openvino writers ask again during their search, after each round that stays under the
+target, with the most the search can still keep in int8 (its result leaves out a longer prefix of the
+same ranking), and the aoti writer once more after it, before compiling the package (a minute for
+MiniLM), with the share it kept (``Int8Share``: of the all-int8 model's multiply-adds). Each layer's
+int8 gain is taken as its share of what the all-int8 model gained over the format's own fastest float
+candidate in the probe's rounds (the fastest passed candidate where the format has none there): at best
+``all-int8 + (1 - share) x (float - all-int8)``. That leans to the optimistic side (each int8/float
+boundary adds a quantize), so when even it is no faster than the fastest passed candidate (within
+``TIE`` of a float32 one, which wins a tie: ``pick_winner``), the search stops or the package is not
+compiled. MiniLM at ``cosine>=0.9999`` on the AVX2 EPYC: 1 of 36 layers kept. On the AVX512-VNNI Xeon
+without bf16 (small Transformer), OpenVINO's all-int8 IR ran 124 ms against the aoti int8 package's 130
+and OpenVINO fp32's 226; its search ran 3 minutes and kept 15 of 23 units int8, 136 ms: it loses.
+
+A format in ``no_probe`` is not asked: ``tk optimize`` puts aoti there when its precision race found int8
+products clearly faster than bf16's at the model's shapes (``tk.workflows.optimize.precision_race``), where
+the all-int8 package's compile would only confirm that the search may run; its after-search question then
+has no probe to judge by, and the package is compiled.
 """
 
 from __future__ import annotations
@@ -70,6 +80,9 @@ class SpeedGate:
     wait_quiet_s: float = 0.0
     passed: list[tuple[Candidate, Path, Manifest]] = field(default_factory=list)
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # each question's numbers, for optimize.json
+    # formats whose all-int8 model is not timed, with the reason (the precision race's int8 rate: aoti's probe
+    # is a package compile); their search runs
+    no_probe: dict[str, str] = field(default_factory=dict)
 
     def add(self, candidate: Candidate, root: Path, manifest: Manifest) -> None:
         self.passed.append((candidate, root, manifest))
@@ -82,6 +95,10 @@ class SpeedGate:
             return None
         if isinstance(model, Int8Share):
             return self._after_search(fmt, model)
+        if fmt in self.no_probe:
+            self.verdicts.append({"format": fmt, "probe": "not timed", "reason": self.no_probe[fmt], "skipped": False})
+            log.info("optimize gate: %s: %s", fmt, self.no_probe[fmt])
+            return None
         try:
             sets, load = self._time(fmt, model)
         except Exception as exc:  # a probe that cannot run here is no reason to skip: the search runs
@@ -110,27 +127,36 @@ class SpeedGate:
         )
 
     def _after_search(self, fmt: str, kept: Int8Share) -> str | None:
-        """Why the search's result cannot win, judged on the format's all-int8 probe (None: no probe, or busy)."""
-        probe = next((v for v in reversed(self.verdicts) if v["format"] == fmt and PROBE in v["p50_ms"]), None)
+        """Why the search's result cannot win, judged on the format's all-int8 probe (None: no probe, or
+        busy); ``kept.bound``: asked mid-search, with the most the search can still keep in int8."""
+        probe = next((v for v in reversed(self.verdicts) if v["format"] == fmt and PROBE in v.get("p50_ms", {})), None)
         if probe is None or probe["busy"]:
             return None
         best = probe["fastest_passed"]
         fastest, all_int8 = probe["p50_ms"][best], probe["p50_ms"][PROBE]
-        at_best = fastest - kept.share * max(fastest - all_int8, 0.0)
+        # what the layers left out run at: the format's own fastest float candidate in the probe's rounds
+        # (the layers left out of an int8 IR or package run as its float model does), else the fastest
+        own = [p for c, _, _ in self.passed if c.format == fmt and c.precision != "int8"
+               if (p := probe["p50_ms"].get(c.name)) is not None]  # fmt: skip
+        floats = min(own, default=fastest)
+        at_best = all_int8 + (1 - kept.share) * max(floats - all_int8, 0.0)
         float32 = any(c.name == best and c.precision == "fp32" for c, _, _ in self.passed)
         line = fastest / (1 + TIE) if float32 else fastest  # a float32 candidate wins a tie
         verdict = {
             "format": fmt,
-            "after_search": {"int8_layers": kept.int8_layers, "layers": kept.layers, "share": round(kept.share, 4)},
+            "during_search" if kept.bound else "after_search": {
+                "int8_layers": kept.int8_layers, "layers": kept.layers, "share": round(kept.share, 4),
+            },
             "at_best_ms": round(at_best, 3),
+            "float_ms": round(floats, 3),
             "fastest_passed": best,
             "p50_ms": {best: fastest},
             "skipped": at_best >= line,
-        }
+        }  # fmt: skip
         self.verdicts.append(verdict)
-        log.info("optimize gate: %s search kept %d of %d layers int8 (%.0f%% of their multiply-adds): at best "
-                 "%.1f ms against %s %.1f ms", fmt, kept.int8_layers, kept.layers, 100 * kept.share, at_best,
-                 best, fastest)  # fmt: skip
+        log.info("optimize gate: %s search %s %d of %d layers int8 (%.0f%% of their multiply-adds): at best "
+                 "%.1f ms against %s %.1f ms", fmt, "can keep at most" if kept.bound else "kept",
+                 kept.int8_layers, kept.layers, 100 * kept.share, at_best, best, fastest)  # fmt: skip
         if not verdict["skipped"]:
             return None
         where = " × ".join(f"{k} {v}" for k, v in self.sizes.items())
@@ -139,10 +165,14 @@ class SpeedGate:
             if float32
             else f"no faster than {best}'s {fastest:.1f} ms"
         )
+        what = (
+            f"its search must leave more layers out: at most {kept.int8_layers} of {kept.layers} int8"
+            if kept.bound
+            else f"its search kept {kept.int8_layers} of {kept.layers} layers int8"
+        )
         return (
-            f"cannot win here: its search kept {kept.int8_layers} of {kept.layers} layers int8 "
-            f"({kept.share:.0%} of their multiply-adds), so at best {at_best:.1f} ms at {where}, {against} "
-            f"(all-int8 {all_int8:.1f} ms in the same rounds)"
+            f"cannot win here: {what} ({kept.share:.0%} of their multiply-adds), so at best {at_best:.1f} ms at "
+            f"{where}, {against} (all-int8 {all_int8:.1f} ms, float {floats:.1f} ms in the same rounds)"
         )
 
     def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], dict[str, Any]]:
@@ -180,7 +210,7 @@ class SpeedGate:
         found over ``SLOWER`` times its fastest (a candidate passed since then is timed)."""
         slow: set[str] = set()
         for verdict in self.verdicts:
-            p50 = verdict["p50_ms"]
+            p50 = verdict.get("p50_ms", {})
             if PROBE not in p50 or verdict["busy"]:
                 continue
             fastest = p50[verdict["fastest_passed"]]

@@ -28,7 +28,7 @@ from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, in
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
-from tk.workflows.optimize.precision_race import PrecisionRace, run_race, skip_reason
+from tk.workflows.optimize.precision_race import PrecisionRace, int8_probe_reason, run_race, skip_reason
 from tk.workflows.optimize.table import TIE, Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
 
@@ -203,6 +203,7 @@ class _Run:
         self.race: dict[str, Any] | None = None  # the precision race's record, once run
         self._raced = False  # the race runs once, after the first reduced float candidate passes
         self._fp32_out: str | None = None  # why the float32 groups cannot win (None: they may)
+        self._race_int8 = False  # whether the race measures int8 too (set by write_and_judge)
 
     def over_budget(self) -> bool:
         budget = self.options.time_budget_min
@@ -213,12 +214,16 @@ class _Run:
         from tk.workflows.optimize.artifacts import group_dir
 
         groups = export_groups(tried, reduced_first=self.race_fp32)
+        # the race measures int8 too where the gate would compile an aoti all-int8 package to ask
+        self._race_int8 = self.gate is not None and any(c.precision == "int8" and c.format == "aoti" for c in tried)
         passed: list[tuple[Candidate, Path, Manifest]] = []
         for done, members in enumerate(groups.values()):
             names = ", ".join(c.name for c in members)
             if self.over_budget():
                 rows.extend(_row(c, "skipped", "budget: --time-budget spent") for c in members)
                 continue
+            if members[0].precision == "int8" and self._race_int8 and not self._raced:
+                self._race_int8_alone(passed)  # no reduced float was raced: int8 against float32
             fp32_out = self._fp32_cannot_win(passed) if members[0].precision == "fp32" and self.race_fp32 else None
             if fp32_out:
                 rows.extend(_row(c, "skipped", fp32_out) for c in members)
@@ -255,23 +260,41 @@ class _Run:
         if reduced is None:
             return None  # asked again at the next float32 group, if one passes before it
         self.say(f"race {reduced[0].precision} against fp32", 0, 1)
-        race = self._race(*reduced)
+        race = self._race(reduced[1], reduced[2], reduced[0].precision)
         self._raced = True
         self._fp32_out = skip_reason(race, reduced[0].name) if race and race.fp32_cannot_win() else None
         if race is not None:
             self.race = race.to_json() | {"skipped_fp32": self._fp32_out is not None}
+            if self.gate is not None and race.int8_ahead():
+                self.gate.no_probe["aoti"] = int8_probe_reason(race)
             log.info("optimize race %s", self.race)
         return self._fp32_out
 
-    def _race(self, candidate: Candidate, root: Path, manifest: Manifest) -> PrecisionRace | None:
+    def _race_int8_alone(self, passed: list[tuple[Candidate, Path, Manifest]]) -> None:
+        """Race int8 against float32 where no reduced float precision was raced (a CPU without bf16 dot
+        products): a clear int8 lead spares the speed gate the aoti all-int8 package's compile."""
+        self._raced = True
+        if self.gate is None or not passed:
+            return
+        self.say("race int8 against fp32", 0, 1)
+        _, root, manifest = passed[0]  # any passed artifact: the race builds the eager model it records
+        race = self._race(root, manifest, "int8")
+        if race is None:
+            return
+        self.race = race.to_json() | {"skipped_fp32": False}
+        if race.int8_ahead():
+            self.gate.no_probe["aoti"] = int8_probe_reason(race)
+        log.info("optimize race %s", self.race)
+
+    def _race(self, root: Path, manifest: Manifest, precision: str) -> PrecisionRace | None:
         from tk.runtime import load
         from tk.workflows.optimize.timing import eager_roofline
 
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
         # the user's own model, built from their command line (as the reference is)
         with load(root, "eager", device="cpu", manifest=manifest, allow_failed=True, trust_model_code=True) as eager:
-            roofline = eager_roofline(eager, others, {"fp32", candidate.precision})
-            return run_race(roofline, candidate.precision, self.sizes.get("batch", 1))
+            roofline = eager_roofline(eager, others, {"fp32", precision, *(["int8"] * self._race_int8)})
+            return run_race(roofline, precision, self.sizes.get("batch", 1))
 
     def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
         try:
