@@ -68,10 +68,10 @@ def test_int8_peak_runs_onednn_quantized_linear_exactly():
     """The int8 product is oneDNN's quantized linear (not torch._int_mm), and it computes the right thing."""
     if (reason := peak_unavailable_reason("int8")) is not None:
         pytest.skip(reason)
-    from tk.workflows.roofline import INT8_X_SCALE, INT8_X_ZERO_POINT, _product
+    from tk.formats.products import INT8_X_SCALE, INT8_X_ZERO_POINT, packed_linear
 
     gen = torch.Generator().manual_seed(0)
-    product = _product("int8", LinearShape(8, 32, 12), gen)
+    product = packed_linear("int8", 8, 32, 12, gen)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 128, (8, 32), dtype=torch.uint8, generator=gen)
     w = torch.randint(-127, 128, (12, 32), dtype=torch.int8, generator=gen)

@@ -1,4 +1,4 @@
-"""The precision race: float32 candidates are skipped when a faster float precision kept the spec."""
+"""The precision race: which precisions can still win, from their product rates at the model's shapes."""
 
 from __future__ import annotations
 
@@ -11,15 +11,23 @@ from torch import nn
 from tk.models import build_model
 from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
-from tk.workflows.optimize.precision_race import PrecisionRace, int8_probe_reason, run_race, skip_reason
+from tk.workflows.optimize.precision_race import (
+    PrecisionRace,
+    int8_probe_reason,
+    no_gain_reason,
+    run_race,
+    skip_reason,
+)
 from tk.workflows.optimize.run import export_groups
 from tk.workflows.roofline import Roofline
 
 
 def _race(
-    rate: float = 400.0, fp32: float = 200.0, gflop: float = 25.8, share: float = 1.0, int8: float | None = None
-) -> PrecisionRace:
-    return PrecisionRace("bf16", rate, fp32, gflop, share, rounds=7, int8_rate_gflops=int8)
+    rate: float = 400.0, fp32: float = 200.0, gflop: float = 25.8, share: float = 1.0, int8: float | None = None,
+    precision: str = "bf16",
+) -> PrecisionRace:  # fmt: skip
+    rates = {"fp32": fp32, precision: rate} | ({"int8": int8} if int8 is not None else {})
+    return PrecisionRace(rates, gflop, share, rounds=7)
 
 
 def test_reduced_floats_are_written_before_float32_and_int8_stays_last() -> None:
@@ -44,57 +52,65 @@ def test_reduced_floats_are_written_before_float32_and_int8_stays_last() -> None
 
 
 def test_float32_is_out_only_with_a_clear_rate_most_of_the_work_and_enough_of_it() -> None:
-    assert _race().fp32_cannot_win()
-    assert _race(rate=290.0).ratio == pytest.approx(1.45) and not _race(rate=290.0).fp32_cannot_win()
-    assert not _race(share=0.5).fp32_cannot_win()  # a convolution net: its products are not nn.Linear
-    assert not _race(gflop=0.002).fp32_cannot_win()  # a tiny call: overheads, not products, decide
-    reason = skip_reason(_race(), "aoti bf16")
+    assert _race().fp32_cannot_win("bf16")
+    assert _race(rate=290.0).ratio("bf16") == pytest.approx(1.45) and not _race(rate=290.0).fp32_cannot_win("bf16")
+    assert not _race(share=0.5).fp32_cannot_win("bf16")  # a convolution net: its products are not nn.Linear
+    assert not _race(gflop=0.002).fp32_cannot_win("bf16")  # a tiny call: overheads, not products, decide
+    assert not _race().fp32_cannot_win("fp16") and not _race().fp32_cannot_win("fp32")  # fp16 was not raced
+    reason = skip_reason(_race(), "aoti bf16", "bf16")
     assert reason.startswith("cannot win here: bf16 products ran 2.00× float32's")
     assert "400 vs 200 GFLOP/s, median of 7 interleaved rounds; 100% of its FLOPs" in reason
     assert "aoti bf16 kept your accuracy" in reason and "--keep all" in reason
 
 
-def test_int8_is_ahead_by_the_same_rule_and_says_why_the_probe_is_not_compiled() -> None:
-    assert _race(int8=640.0).int8_ahead() and _race(int8=640.0).int8_ratio == pytest.approx(1.6)
-    assert not _race().int8_ahead() and _race().int8_ratio is None  # not raced
-    assert not _race(int8=560.0).int8_ahead()  # 1.4x: not clear enough
+def test_a_reduced_float_no_faster_than_float32_cannot_win() -> None:
+    """Measured on a Xeon with AVX512-BF16 and no AMX: bf16 products 0.65x float32's, its packages 0.7x."""
+    slow = _race(rate=150.0, fp32=230.0)
+    assert slow.no_gain("bf16") and not slow.no_gain("fp32") and not slow.no_gain("fp16")  # fp16 not raced
+    assert not _race(rate=276.0, fp32=230.0).no_gain("bf16")  # 1.2x: OUTRUNS_BY, worth a try
+    assert _race(rate=275.0, fp32=230.0).no_gain("bf16")
+    assert not _race(rate=150.0, fp32=230.0, share=0.5).no_gain("bf16")  # products are not the model's work
+    reason = no_gain_reason(slow, "bf16")
+    assert reason.startswith("cannot win here: bf16 products ran 0.65× float32's at this model's linear shapes")
+    assert "(150 vs 230 GFLOP/s, median of 7 interleaved rounds; 100% of its FLOPs), under the 1.2×" in reason
+    assert "float32 runs as fast and loses nothing" in reason
+    assert slow.fastest_float() == "fp32" and _race().fastest_float() == "bf16"
+
+
+def test_int8_is_ahead_of_the_fastest_float_that_may_win_and_says_why_the_probe_is_not_compiled() -> None:
+    assert _race(int8=640.0).int8_ahead() and _race(int8=640.0).ratio("int8", "bf16") == pytest.approx(1.6)
+    assert not _race().int8_ahead() and _race().ratio("int8") is None  # not raced
+    assert not _race(int8=560.0).int8_ahead()  # 1.4x bf16's: not clear enough
     assert not _race(int8=640.0, share=0.5).int8_ahead() and not _race(int8=640.0, gflop=0.002).int8_ahead()
     reason = int8_probe_reason(_race(int8=640.0))
-    assert reason.startswith("int8 products ran 1.60× bf16's at this model's linear shapes (640 vs 400 GFLOP/s")
+    assert reason.startswith("int8 products ran 1.60× bf16's at this model's linear shapes (640 vs 400 GOP/s")
     assert reason.endswith("the all-int8 package was not compiled to ask, and the search runs")
-    assert _race(int8=640.0).to_json()["int8_ratio"] == 1.6 and _race().to_json()["int8_rate_gflops"] is None
+    # bf16 slower than float32 is out of the race: int8 is measured against float32
+    slow_bf16 = _race(rate=150.0, fp32=230.0, int8=700.0)
+    assert slow_bf16.int8_ahead() and int8_probe_reason(slow_bf16).startswith("int8 products ran 3.04× float32's")
+    alone = PrecisionRace({"fp32": 200.0, "int8": 600.0}, 25.8, 1.0, rounds=7)  # a CPU without bf16 dot products
+    assert alone.int8_ahead() and not alone.fp32_cannot_win("int8")  # int8 may miss the accuracy
+    data = _race(int8=640.0).to_json()
+    assert data["rates_gflops"] == {"fp32": 200.0, "bf16": 400.0, "int8": 640.0}
+    assert data["over_fp32"] == {"bf16": 2.0, "int8": 3.2} and data["rule"]["outruns_by"] == 1.2
 
 
-def test_int8_raced_alone_is_measured_against_float32_and_never_skips_float32() -> None:
-    """Where the CPU has no bf16 dot products, int8 races float32 itself (after the float32 groups)."""
-    alone = PrecisionRace("int8", 600.0, 200.0, 25.8, 1.0, rounds=7)
-    assert alone.int8_ahead() and alone.int8_ratio == pytest.approx(3.0) and not alone.fp32_cannot_win()
-    assert not PrecisionRace("int8", 280.0, 200.0, 25.8, 1.0, rounds=7).int8_ahead()  # 1.4x
-    reason = int8_probe_reason(alone)
-    assert reason.startswith("int8 products ran 3.00× float32's at this model's linear shapes (600 vs 200 GFLOP/s")
-
-
-def test_the_race_measures_both_rates_at_the_models_own_linear_shapes() -> None:
+def test_the_race_measures_every_rate_at_the_models_own_linear_shapes() -> None:
     module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
     roofline = Roofline(module, (torch.randn(1, 8, 64),), ("fp32", "fp16"))  # fp16 is measurable on any CPU
-    race = run_race(roofline, "fp16", batch=4, rounds=3)
-    assert race is not None and race.precision == "fp16" and race.rounds == 3
+    race = run_race(roofline, batch=4, rounds=3)
+    assert race is not None and set(race.rates) == {"fp32", "fp16"} and race.rounds == 3
     rows = 8 * 4  # every leading dimension, scaled to the batch
     assert race.linear_gflop == pytest.approx((2 * rows * 64 * 128 + 2 * rows * 128 * 32) / 1e9, rel=1e-12)
     assert race.linear_share == pytest.approx(1.0)  # the products are all of the model's FLOPs
-    assert race.rate_gflops > 0 and race.fp32_rate_gflops > 0
+    assert all(rate > 0 for rate in race.rates.values())
     conv = nn.Sequential(nn.Conv2d(3, 8, 3)).eval()
     no_linear = Roofline(conv, (torch.randn(1, 3, 16, 16),), ("fp32", "fp16"))
-    assert run_race(no_linear, "fp16", batch=2) is None  # no nn.Linear to race on
-    assert run_race(roofline, "bf16", batch=4) is None  # a precision the roofline was not made for
-    assert race.int8_rate_gflops is None  # int8 only where the roofline was made for it
+    assert run_race(no_linear, batch=2) is None  # no nn.Linear to race on
     with_int8 = Roofline(module, (torch.randn(1, 8, 64),), ("fp32", "fp16", "int8"))
-    raced = run_race(with_int8, "fp16", batch=4, rounds=3)
-    assert raced is not None and raced.fp32_rate_gflops > 0
-    if "int8" in with_int8.skipped:  # no oneDNN int8 linear here: raced without it
-        assert raced.int8_rate_gflops is None
-    else:
-        assert raced.int8_rate_gflops is not None and raced.int8_rate_gflops > 0
+    raced = run_race(with_int8, batch=4, rounds=3)
+    assert raced is not None
+    assert ("int8" in raced.rates) is ("int8" not in with_int8.skipped)  # where oneDNN's int8 linear exists
 
 
 @pytest.fixture
@@ -107,14 +123,16 @@ def bf16_here(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _optimize(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: PrecisionRace, **kwargs: object
-) -> tuple[OptimizeResult, list[tuple[str, int]]]:
-    """A tiny optimize run over torch fp32 and bf16 whose race returns ``race``; the result, and each race asked."""
+) -> tuple[OptimizeResult, list[tuple[tuple[str, ...], int]]]:
+    """A tiny optimize run over torch fp32 and bf16 whose race returns ``race``; the result, and each race
+    asked (the precisions its roofline was made for, the batch)."""
     import tk.workflows.optimize.run as run
 
-    asked: list[tuple[str, int]] = []
+    asked: list[tuple[tuple[str, ...], int]] = []
 
-    def fixed_race(roofline: Roofline, precision: str, batch: int, rounds: int = 7) -> PrecisionRace:
-        asked.append((precision, batch))  # the rates are the machine's: the rule is what is tested here
+    def fixed_race(roofline: Roofline, batch: int, rounds: int = 7) -> PrecisionRace:
+        # the rates are the machine's: the rules are what is tested here
+        asked.append((tuple(sorted({*roofline.precisions, *roofline.skipped})), batch))
         return race
 
     monkeypatch.setattr(run, "run_race", fixed_race)
@@ -131,65 +149,73 @@ def test_a_passing_bf16_candidate_with_twice_the_rate_skips_the_float32_group(
 ) -> None:
     result, asked = _optimize(tmp_path, monkeypatch, _race())
     rows = {r.candidate: r for r in result.rows}
-    assert asked == [("bf16", 4)]  # once, at the timing batch
+    assert asked == [(("bf16", "fp32"), 4)]  # once, before the first group, at the timing batch
     assert rows["torch bf16"].status == "passed" and rows["torch bf16"].winner
     assert rows["torch fp32"].status == "skipped"
-    assert rows["torch fp32"].reason == skip_reason(_race(), "torch bf16")
+    assert rows["torch fp32"].reason == skip_reason(_race(), "torch bf16", "bf16")
     assert result.exports == 1  # the float32 group was never written
     record = result.record["precision_race"]
-    assert record["skipped_fp32"] is True and record["ratio"] == 2.0 and record["precision"] == "bf16"
+    assert record["skipped"] == ["fp32"] and record["over_fp32"] == {"bf16": 2.0}
 
 
 @pytest.mark.usefixtures("bf16_here")
-def test_a_close_rate_lets_float32_run_and_keep_all_never_races(
+def test_a_bf16_no_faster_than_float32_is_skipped_before_it_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    close, _ = _optimize(tmp_path / "close", monkeypatch, _race(rate=250.0))
+    """The Xeon with AVX512-BF16 and no AMX: bf16 products 0.65x float32's, so bf16 is never exported."""
+    slow = _race(rate=150.0, fp32=230.0)
+    result, asked = _optimize(tmp_path, monkeypatch, slow)
+    rows = {r.candidate: r for r in result.rows}
+    assert len(asked) == 1
+    assert rows["torch bf16"].status == "skipped" and rows["torch bf16"].reason == no_gain_reason(slow, "bf16")
+    assert rows["torch fp32"].status == "passed" and rows["torch fp32"].winner
+    assert result.exports == 1 and result.record["precision_race"]["skipped"] == ["bf16"]
+
+
+@pytest.mark.usefixtures("bf16_here")
+def test_a_close_rate_lets_both_run_and_keep_all_never_races(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    close, _ = _optimize(tmp_path / "close", monkeypatch, _race(rate=250.0))  # 1.25x: bf16 tried, fp32 kept
     rows = {r.candidate: r for r in close.rows}
     assert rows["torch fp32"].status == "passed" and rows["torch fp32"].p50_ms is not None
-    assert close.record["precision_race"]["skipped_fp32"] is False
+    assert rows["torch bf16"].status == "passed" and close.record["precision_race"]["skipped"] == []
     every, asked = _optimize(tmp_path / "all", monkeypatch, _race(), keep="all")
     assert asked == [] and every.record["precision_race"] is None
     assert {r.candidate: r.status for r in every.rows}["torch fp32"] == "passed"
 
 
-def test_without_a_reduced_float_int8_races_float32_before_the_int8_groups(
+def test_named_candidates_race_only_for_the_int8_probe_and_skip_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No bf16 candidate passed (a CPU without bf16 dot products): before the first int8 group, int8's
-    rate is raced against float32's; a clear lead spares the gate the aoti all-int8 compile."""
+    """With --candidates the user asked for those artifacts: the race runs (before the first group) only
+    where an aoti int8 candidate is to come, and only spares the gate's all-int8 compile."""
     import tk.workflows.optimize.run as run
     from tk.accuracy import parse_accuracy
-    from tk.export import ExportOptions, write_artifact
-    from tk.manifest import verify_artifact
-    from tk.workflows.check import run_export_check
     from tk.workflows.optimize.run import _Run
 
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
-    root = tmp_path / "fp32"
-    write_artifact(spec, root, ExportOptions(formats=("torch",)), check=run_export_check)
-    passed = [(Candidate("torch", "fp32", "torch"), root, verify_artifact(root))]
+    tried = [Candidate("torch", "fp32", "torch"), Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))]
     for int8_rate, ahead in ((600.0, True), (250.0, False)):
-        asked: list[tuple[str, int]] = []
+        asked: list[tuple[str, ...]] = []
 
         def fixed_race(
-            roofline: Roofline, precision: str, batch: int, rounds: int = 7, rate: float = int8_rate,
-            asked: list[tuple[str, int]] = asked,
-        ) -> PrecisionRace:  # fmt: skip
-            asked.append((precision, batch))
-            assert {"fp32", "int8"} <= set(roofline.precisions)
-            return PrecisionRace("int8", rate, 200.0, 25.8, 1.0, rounds=7)
+            roofline: Roofline, batch: int, rounds: int = 7, rate: float = int8_rate, asked: list = asked
+        ) -> PrecisionRace:
+            asked.append(tuple(sorted({*roofline.precisions, *roofline.skipped})))
+            return PrecisionRace({"fp32": 200.0, "int8": rate}, 25.8, 1.0, rounds=7)
 
         monkeypatch.setattr(run, "run_race", fixed_race)
-        state = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path), parse_accuracy(None), None,  # type: ignore[arg-type]
+        options = OptimizeOptions(cache_dir=tmp_path, candidates=("torch fp32", "aoti int8 static"))
+        state = _Run(spec, tmp_path / "out", options, parse_accuracy(None), None,  # type: ignore[arg-type]
                      {"batch": 4, "seq": 16}, lambda *_: None)  # fmt: skip
-        state._race_int8 = True
-        state._race_int8_alone(passed)
-        assert asked == [("int8", 4)]
-        assert state.race is not None and state.race["precision"] == "int8" and state.race["skipped_fp32"] is False
-        assert state.gate is not None
+        state._run_race(tried)
+        assert asked == [("fp32", "int8")] and state.race is not None and state.gate is not None
+        assert state._race_skip("fp32", []) is None  # named: nothing skipped
         if ahead:
             assert state.gate.no_probe["aoti"].startswith("int8 products ran 3.00× float32's")
         else:
             assert "aoti" not in state.gate.no_probe
+    no_int8 = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path, candidates=("torch fp32",)),
+                   parse_accuracy(None), None, {"batch": 4, "seq": 16}, lambda *_: None)  # type: ignore[arg-type]  # fmt: skip
+    no_int8._run_race(tried[:1])
+    assert no_int8.race is None  # nothing to decide: not measured

@@ -35,7 +35,7 @@ import torch
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.writer import REDUCED, Writer, option
-from tk.formats.aoti import FILE, cpu_vector_isa, packing_features, runs_natively
+from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,18 @@ def _int8_program(
     ctx: ExportContext, options: AotiOptions
 ) -> tuple[torch.export.ExportedProgram, dict[str, Any], list[str]]:
     """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti_int8``), and the
-    graph passes applied before: on a CPU with bfloat16 dot products, attention as two bfloat16 products
-    (``attention_as_matmuls``: the small Transformer's all-int8 package ran 1.12-1.19x faster than with
-    aten's float32 flash kernel), applied before quantizing so that the exclusion search judges what the
-    package computes."""
-    from tk.export.aoti_int8 import DEFAULT_METHOD, int8_program
+    graph passes applied before: where the CPU's bfloat16 products outrun its float32 ones
+    (``excluded_run_in_bf16``), attention as two bfloat16 products (``attention_as_matmuls``: the small
+    Transformer's all-int8 package ran 1.12-1.19x faster than with aten's float32 flash kernel on the
+    AVX512-BF16 EPYC), applied before quantizing so that the exclusion search judges what the package
+    computes."""
+    from tk.export.aoti_int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
     from tk.export.aoti_passes import ATTENTION_IN_BF16, attention_as_matmuls
     from tk.export.calibration import calibration_feeds, int8_floor_db, int8_gate, judge_feeds, require_int8_layers
 
     assert ctx.program is not None
     source, passes = ctx.program, []
-    if ctx.options.device == "cpu" and runs_natively("bf16"):
+    if ctx.options.device == "cpu" and excluded_run_in_bf16():
         source = attention_as_matmuls(source, torch.bfloat16)
         passes = [ATTENTION_IN_BF16] if source is not ctx.program else []
     program, result = int8_program(
@@ -180,14 +181,17 @@ def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
     linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). float32 and CUDA packages keep
     Inductor's defaults, which is what their tolerances were verified with.
 
-    An int8 package on a CPU without bfloat16 dot products runs the layers left out of int8 in
-    float32, and freezing would hand those to oneDNN's packed float32 linear
-    (``cpp.weight_prepack``): on the AVX2 EPYC that made MiniLM's package with 1 of 36 layers int8
-    302 ms against 217 ms with the float32 linears left as the float32 package runs them
-    (benchmarks/history.md). ``cpp.weight_prepack`` gates only Inductor's float packing; the int8
+    An int8 package whose left-out layers run in float32 (``excluded_run_in_bf16`` False: no bfloat16
+    dot products, or none faster than float32's) would have freezing hand those to oneDNN's packed
+    float32 linear (``cpp.weight_prepack``): on the AVX2 EPYC that made MiniLM's package with 1 of 36
+    layers int8 302 ms against 217 ms with the float32 linears left as the float32 package runs them
+    (benchmarks/history.md; on the AVX-512 Xeon without AMX packed and plain float32 linears ran
+    within 7% of each other). ``cpp.weight_prepack`` gates only Inductor's float packing; the int8
     linears are packed by torchao's own freezing pass either way.
     """
-    if device == "cpu" and precision == "int8" and not runs_natively("bf16"):
+    from tk.export.aoti_int8 import excluded_run_in_bf16
+
+    if device == "cpu" and precision == "int8" and not excluded_run_in_bf16():
         return {"freezing": True, "cpp.weight_prepack": False}
     if device == "cpu" and precision in ("bf16", "fp16", "int8"):
         return {"freezing": True}

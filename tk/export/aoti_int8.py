@@ -23,10 +23,12 @@ rank theirs), a failing round stops at its first batch under the target, and the
 are judged on a screen (the calibration batches and every 4th held-out one; the set they keep is
 then judged on every batch, and a batch under the target there joins the screen for another search). On a batch
 where the program with every module in bfloat16 is itself under the target (a barely trained
-model), int8 is held to bfloat16's SQNR minus the margin there: no exclusion could do better. Where the CPU has bfloat16 dot products the
-excluded modules run in bfloat16 (casts around the linear; the weight cast is folded by
-freezing), which costs the signal little (bfloat16 keeps 8 bits of mantissa whatever the range,
-where per-tensor int8 loses its bits to an outlier) and runs faster than float32 at the same SQNR.
+model), int8 is held to bfloat16's SQNR minus the margin there: no exclusion could do better. Where
+the CPU's bfloat16 products outrun its float32 ones (``tk.formats.products.bf16_outruns_fp32``: measured,
+since an AVX512-BF16 flag alone does not make them faster) the excluded modules run in bfloat16 (casts
+around the linear; the weight cast is folded by freezing), which costs the signal little (bfloat16
+keeps 8 bits of mantissa whatever the range, where per-tensor int8 loses its bits to an outlier) and
+runs faster than float32 at the same SQNR; elsewhere they run in float32.
 ``--keep-fp32 MODULE`` keeps a module in float32. The package's numbers come from oneDNN's kernels,
 not from the program the judge runs; the export check measures the package itself.
 """
@@ -123,11 +125,12 @@ def quantizable_modules(graph_module: torch.fx.GraphModule) -> list[str]:
     return names
 
 
-def bf16_available() -> bool:
-    """Whether this CPU has bfloat16 dot products, so excluded modules run in bfloat16 rather than float32."""
-    from tk.formats.aoti import runs_natively
+def excluded_run_in_bf16() -> bool:
+    """Whether the modules left out of int8 (and attention) run in bfloat16 rather than float32: where
+    this CPU's bfloat16 products outrun its float32 ones (measured once a process)."""
+    from tk.formats.products import bf16_outruns_fp32
 
-    return runs_natively("bf16")
+    return bf16_outruns_fp32()
 
 
 def run_linears_in_bf16(graph_module: torch.fx.GraphModule, modules: Sequence[str]) -> int:
@@ -423,8 +426,8 @@ def int8_program(
     With ``min_sqnr_db``, modules are excluded automatically (costliest first: ``one_at_a_time_sqnr_db``
     on the calibration batches) until the SQNR on the calibration and
     ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
-    automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default: where the
-    CPU has bfloat16 dot products), in float32 elsewhere. ``gate`` is asked before the search, with a
+    automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default:
+    ``excluded_run_in_bf16()``), in float32 elsewhere. ``gate`` is asked before the search, with a
     function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
     ``share_gate`` during it (after each round under the target, with the most it can still keep) and
     after it, with the ``Int8Share`` it kept; either may end the export.
@@ -445,7 +448,7 @@ def int8_program(
             warnings.simplefilter("ignore")
             kept = list(keep_fp32)  # any module path: the quantizer leaves out every linear inside it
             batches = [as_args(f) for f in calibration]
-            in_bf16 = bf16_available() if excluded_in_bf16 is None else excluded_in_bf16
+            in_bf16 = excluded_run_in_bf16() if excluded_in_bf16 is None else excluded_in_bf16
             quantizer = _Quantizer(program, batches, method, kept, in_bf16)
             candidates = quantizable_modules(quantizer.float_module)
             under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]

@@ -19,8 +19,8 @@ the softmax, Inductor split it into two loop nests around a float32 buffer of B 
 exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
 rounded to the low precision once before the float32 softmax; the probabilities are rounded again
 for the second product, as flash attention rounds them. An int8 package's attention (float32 around
-its int8 linears) runs the same way in bfloat16 where the CPU has bfloat16 dot products
-(``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti``).
+its int8 linears) runs the same way in bfloat16 where the CPU's bfloat16 products outrun its float32
+ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti``).
 Measurements: benchmarks/history.md.
 """
 

@@ -8,11 +8,10 @@ share of "peak" meaningless. Here:
 
 - ``linear_shapes`` walks the module's ``nn.Linear`` layers (forward hooks on one call) for the
   M x K x N of each product at the benchmark's shape (M = every leading dimension: batch x seq);
-- ``ShapePeak`` runs each distinct shape once per call, the way the packages run them: oneDNN's
-  packed linear (``mkldnn._linear_pointwise`` on a ``_reorder_linear_weight``, what Inductor's
-  freezing emits for fp32 and bf16) and, for int8, oneDNN's quantized linear
-  (``onednn.qlinear_pointwise`` on a ``qlinear_prepack``-ed weight, fp32 out: what PT2E/x86
-  int8 packages run; not ``torch._int_mm``). One call gives one rate sample: the shapes' FLOPs
+- ``ShapePeak`` runs each distinct shape once per call, the way the packages run them
+  (``tk.formats.products.packed_linear``: oneDNN's packed linear, what Inductor's freezing emits
+  for fp32, bf16 and fp16, and for int8 oneDNN's quantized linear, fp32 out, what PT2E/x86 int8
+  packages run; not ``torch._int_mm``). One call gives one rate sample: the shapes' FLOPs
   (each weighted by how often the model calls it) over their time;
 - the samples are taken between the model's calls (``tk.workflows.timing.interleave``'s
   ``between``), and the rate an artifact is judged against is their median (with quartiles and
@@ -32,14 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tk.formats.products import PRECISION_DTYPES, packed_linear
 from tk.workflows.hardware import cpu_precision_reason
 from tk.workflows.timing import Spread
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INT8_X_SCALE, INT8_X_ZERO_POINT = 0.02, 64  # activations in [0, 127]: no u8 x s8 saturation without VNNI
 
 
 @dataclass(frozen=True)
@@ -89,29 +85,6 @@ def peak_unavailable_reason(precision: str) -> str | None:
     return None
 
 
-def _product(precision: str, shape: LinearShape, gen: torch.Generator) -> Callable[[], torch.Tensor]:
-    """One linear at ``shape`` in ``precision``, weights prepacked as the packages hold them."""
-    m, k, n = shape.m, shape.k, shape.n
-    if precision == "int8":
-        x = torch.randint(0, 128, (m, k), dtype=torch.uint8, generator=gen)
-        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        packed = torch.ops.onednn.qlinear_prepack(w, [m, k])
-        w_scale, w_zero = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
-        bias = torch.randn(n, generator=gen)
-        return lambda: torch.ops.onednn.qlinear_pointwise(
-            x, INT8_X_SCALE, INT8_X_ZERO_POINT, packed, w_scale, w_zero, bias, 1.0, 0, torch.float32, "none", [], ""
-        )
-    dtype = PRECISION_DTYPES[precision]
-    x, w, b = (torch.randn(size, generator=gen).to(dtype) for size in ((m, k), (n, k), (n,)))
-    if precision in ("fp32", "bf16") and torch.backends.mkldnn.is_available():
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        except RuntimeError:  # this CPU lacks oneDNN's kernels for the dtype: the plain product
-            return lambda: F.linear(x, w, b)
-        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-    return lambda: F.linear(x, w, b)
-
-
 class ShapePeak:
     """The matrix-product rate of ``precision`` at ``shapes``: each call runs every shape once and
     keeps one sample, in GFLOP/s (GOP/s for int8). Made once (operands packed, one warm-up call)."""
@@ -125,7 +98,7 @@ class ShapePeak:
         gen = torch.Generator().manual_seed(seed)
         self.precision, self.shapes = precision, shapes
         self.flops = sum(s.flops for s in shapes)
-        self._products = [(s, _product(precision, s, gen)) for s in shapes]
+        self._products = [(s, packed_linear(precision, s.m, s.k, s.n, gen)) for s in shapes]
         self.samples: list[float] = []
         with torch.inference_mode():
             for _, product in self._products:

@@ -29,9 +29,9 @@ without bf16 (small Transformer), OpenVINO's all-int8 IR ran 124 ms against the 
 and OpenVINO fp32's 226; its search ran 3 minutes and kept 15 of 23 units int8, 136 ms: it loses.
 
 A format in ``no_probe`` is not asked: ``tk optimize`` puts aoti there when its precision race found int8
-products clearly faster than bf16's at the model's shapes (``tk.workflows.optimize.precision_race``), where
-the all-int8 package's compile would only confirm that the search may run; its after-search question then
-has no probe to judge by, and the package is compiled.
+products clearly faster than the fastest float precision's at the model's shapes
+(``tk.workflows.optimize.precision_race``), where the all-int8 package's compile would only confirm that
+the search may run; its after-search question then has no probe to judge by, and the package is compiled.
 """
 
 from __future__ import annotations

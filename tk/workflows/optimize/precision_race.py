@@ -1,138 +1,150 @@
-"""Whether the float32 candidates can still win: a reduced float precision's matrix products against float32's.
+"""The precision race: which precisions can still win, from their matrix products at the model's shapes.
 
-On a CPU with AVX512-BF16 or AMX, once a bf16 candidate keeps the user's accuracy, the float32 candidates
-(four formats and the unfused onnx graph: about a quarter of a small Transformer's optimize run) only
-cost time: their products run at half the bf16 rate or less. Before the float32 groups are written, the
-two rates are measured at the model's own linear shapes at the timing size (``tk.workflows.roofline``'s
-``ShapePeak``: oneDNN-packed, as the packages run them), interleaved, and the float32 groups are skipped
-when the reduced precision is clearly faster where the model spends its work. The rule is a prediction,
-so it is kept for the cases where it cannot be wrong by a tie: the products carry most of the model's
-FLOPs, the call is large enough for a rate to mean something, and the rate is at least ``FASTER_BY``
-float32's (interleaved p50s of one model in two formats differ by 1-4% on our machines; the small
-Transformer's bf16 package ran 2.4x the best float32 candidate where the rates differed 1.95x).
+Before the first candidate group is written, the rates of float32, each reduced float precision among
+the candidates and int8 are measured at the model's own linear shapes at the timing size
+(``tk.workflows.roofline``'s ``ShapePeak``: oneDNN-packed, as the packages run them), interleaved, about
+3 s for the small Transformer at 32 x 128. Three rules read them, each only where the products carry
+most of the model's FLOPs and a call is large enough for a rate to mean something:
 
-Where an aoti int8 candidate is to come, the race measures oneDNN's int8 linear at the same shapes too:
-when it runs ``FASTER_BY`` the reduced precision's rate (by the same rule), the speed gate does not
-compile the all-int8 package to ask whether int8 can win (about 30 s of the small Transformer's run): its
-answer there was always yes (the all-int8 package 1.35-1.43x the bf16 package's speed where the products
-differed 1.58x on the AVX512-BF16 EPYC), and a wrong yes costs only a search, never the winner. On a
-CPU without bfloat16 dot products (no reduced float candidate to race), int8 is raced against float32
-alone, once the float32 groups are judged, by the same rule: on the AVX512-VNNI Xeon without bf16 the
-probe compile it saves took about a minute of a 10-minute run.
+- a reduced float precision whose products run under ``OUTRUNS_BY`` float32's cannot win: float32 runs
+  as fast and loses nothing, so its groups are skipped. A CPU flag does not say this: on an Intel Xeon
+  with AVX512-BF16 and no AMX, bf16 products ran 0.65-0.70x float32's and the bf16 packages 0.7x the
+  float32 ones, where on the AVX512-BF16 AMD EPYC they ran about 2x (benchmarks/history.md);
+- once a reduced float candidate keeps the user's accuracy, the float32 groups (four formats and the
+  unfused onnx graph: about a quarter of a small Transformer's run) are skipped when its products run
+  at least ``FASTER_BY`` float32's (interleaved p50s of one model in two formats differ by 1-4% on our
+  machines; the small Transformer's bf16 package ran 2.4x the best float32 candidate where the rates
+  differed 1.95x);
+- where int8 products run at least ``FASTER_BY`` the fastest float precision still in the race, the
+  speed gate does not compile the aoti all-int8 package to ask whether int8 can win (about 30 s of the
+  small Transformer's run): its answer there was always yes (the all-int8 package 1.35-1.43x the bf16
+  package's speed where the products differed 1.58x on the AVX512-BF16 EPYC; 1.6-1.8x float32's on the
+  AVX512-VNNI Xeons), and a wrong yes costs only a search, never the winner. int8 never skips a float
+  group: it may miss the accuracy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from tk.formats.products import OUTRUNS_BY
 
 if TYPE_CHECKING:
     from tk.workflows.roofline import Roofline
 
-FASTER_BY = 1.5  # the reduced precision's rate over float32's at the model's shapes
+FASTER_BY = 1.5  # a rate over another's that decides a skip
 LINEAR_SHARE = 0.8  # of the model's FLOPs in its nn.Linear products
 MIN_GFLOP = 1.0  # per call at the timing size: below it per-call overheads, not products, decide
 ROUNDS = 7
+FLOATS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
 class PrecisionRace:
-    """The reduced precision's and float32's median rates at the model's linear shapes, and how much
-    of the model's work those shapes are."""
+    """Each raced precision's median rate at the model's linear shapes, and how much of the model's
+    work those shapes are."""
 
-    precision: str
-    rate_gflops: float
-    fp32_rate_gflops: float
-    linear_gflop: float  # per call at the timing size
-    linear_share: float  # of the model's FLOPs
-    rounds: int
-    int8_rate_gflops: float | None = None  # oneDNN's int8 linear at the same shapes, where it was raced
+    rates: dict[str, float] = field(default_factory=dict)  # precision -> GFLOP/s (GOP/s for int8)
+    linear_gflop: float = 0.0  # per call at the timing size
+    linear_share: float = 0.0  # of the model's FLOPs
+    rounds: int = ROUNDS
 
-    def _clear(self, ratio: float) -> bool:
-        return self.linear_gflop >= MIN_GFLOP and self.linear_share >= LINEAR_SHARE and ratio >= FASTER_BY
+    def decides(self) -> bool:
+        """Whether the rates can decide anything: most of the model's work, and enough of it, is products."""
+        return self.linear_gflop >= MIN_GFLOP and self.linear_share >= LINEAR_SHARE
 
-    @property
-    def ratio(self) -> float:
-        return self.rate_gflops / self.fp32_rate_gflops
+    def ratio(self, precision: str, against: str = "fp32") -> float | None:
+        if precision not in self.rates or against not in self.rates:
+            return None
+        return self.rates[precision] / self.rates[against]
 
-    @property
-    def int8_ratio(self) -> float | None:
-        """int8's rate over the fastest float precision raced (float32's, in a race of int8 itself)."""
-        if self.precision == "int8":
-            return self.ratio
-        return None if self.int8_rate_gflops is None else self.int8_rate_gflops / self.rate_gflops
+    def no_gain(self, precision: str) -> bool:
+        """Whether reduced float ``precision`` cannot win: its products run under ``OUTRUNS_BY`` float32's."""
+        ratio = self.ratio(precision) if precision in FLOATS[1:] else None
+        return ratio is not None and self.decides() and ratio < OUTRUNS_BY
 
-    @property
-    def int8_against(self) -> tuple[str, float, float]:
-        """The float precision int8 was raced against, int8's rate and that precision's."""
-        if self.precision == "int8":
-            return "float32", self.rate_gflops, self.fp32_rate_gflops
-        return self.precision, self.int8_rate_gflops or 0.0, self.rate_gflops
+    def fp32_cannot_win(self, passed: str) -> bool:
+        """Whether float32 cannot win once a ``passed`` (reduced float) candidate kept the accuracy."""
+        ratio = self.ratio(passed) if passed in FLOATS[1:] else None
+        return ratio is not None and self.decides() and ratio >= FASTER_BY
 
-    def fp32_cannot_win(self) -> bool:
-        # int8 is no reason to skip float32: it may miss the accuracy (and is raced after the float32 groups)
-        return self.precision != "int8" and self._clear(self.ratio)
+    def fastest_float(self) -> str:
+        """The float precision with the highest rate, among those that may win."""
+        floats = [p for p in FLOATS if p in self.rates and not self.no_gain(p)]
+        return max(floats, key=self.rates.__getitem__, default="fp32")
 
     def int8_ahead(self) -> bool:
-        """Whether int8 products clearly outrun the reduced precision's, where the model spends its work."""
-        return self.int8_ratio is not None and self._clear(self.int8_ratio)
+        """Whether int8 products clearly outrun the fastest float precision's, where the model spends its work."""
+        ratio = self.ratio("int8", self.fastest_float())
+        return ratio is not None and self.decides() and ratio >= FASTER_BY
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "precision": self.precision,
-            "rate_gflops": round(self.rate_gflops, 1),
-            "fp32_rate_gflops": round(self.fp32_rate_gflops, 1),
-            "ratio": round(self.ratio, 3),
+            "rates_gflops": {p: round(r, 1) for p, r in self.rates.items()},
+            "over_fp32": {p: round(r, 3) for p in self.rates if p != "fp32" and (r := self.ratio(p)) is not None},
             "linear_gflop": round(self.linear_gflop, 3),
             "linear_share": round(self.linear_share, 3),
             "rounds": self.rounds,
-            "int8_rate_gflops": None if self.int8_rate_gflops is None else round(self.int8_rate_gflops, 1),
-            "int8_ratio": None if self.int8_ratio is None else round(self.int8_ratio, 3),
-            "rule": {"faster_by": FASTER_BY, "linear_share": LINEAR_SHARE, "min_gflop": MIN_GFLOP},
-        }
+            "rule": {
+                "outruns_by": OUTRUNS_BY, "faster_by": FASTER_BY, "linear_share": LINEAR_SHARE, "min_gflop": MIN_GFLOP,
+            },
+        }  # fmt: skip
 
 
-def skip_reason(race: PrecisionRace, passed: str) -> str:
-    """The float32 rows' reason when ``race`` says they cannot win and ``passed`` kept the spec."""
+def _rates(race: PrecisionRace, precision: str, against: str) -> str:
+    unit = "GOP/s" if "int8" in (precision, against) else "GFLOP/s"
     return (
-        f"cannot win here: {race.precision} products ran {race.ratio:.2f}× float32's at this model's linear "
-        f"shapes ({race.rate_gflops:.0f} vs {race.fp32_rate_gflops:.0f} GFLOP/s, median of {race.rounds} "
-        f"interleaved rounds; {race.linear_share:.0%} of its FLOPs) and {passed} kept your accuracy "
-        "(--keep all writes it anyway)"
+        f"{race.ratio(precision, against):.2f}× {_named(against)}'s at this model's linear shapes "
+        f"({race.rates[precision]:.0f} vs {race.rates[against]:.0f} {unit}, median of {race.rounds} interleaved "
+        f"rounds; {race.linear_share:.0%} of its FLOPs)"
+    )
+
+
+def _named(precision: str) -> str:
+    return "float32" if precision == "fp32" else precision
+
+
+def no_gain_reason(race: PrecisionRace, precision: str) -> str:
+    """A reduced float row's reason when ``race.no_gain(precision)``."""
+    return (
+        f"cannot win here: {precision} products ran {_rates(race, precision, 'fp32')}, under the "
+        f"{OUTRUNS_BY}× it would need: float32 runs as fast and loses nothing (--keep all writes it anyway)"
+    )
+
+
+def skip_reason(race: PrecisionRace, passed: str, precision: str) -> str:
+    """The float32 rows' reason when ``race.fp32_cannot_win(precision)`` and candidate ``passed`` kept the spec."""
+    return (
+        f"cannot win here: {precision} products ran {_rates(race, precision, 'fp32')} and {passed} kept your "
+        "accuracy (--keep all writes it anyway)"
     )
 
 
 def int8_probe_reason(race: PrecisionRace) -> str:
     """Why the speed gate does not compile the all-int8 package, when ``race.int8_ahead()``."""
-    against, int8_rate, rate = race.int8_against
     return (
-        f"int8 products ran {race.int8_ratio:.2f}× {against}'s at this model's linear shapes "
-        f"({int8_rate:.0f} vs {rate:.0f} GFLOP/s; {race.linear_share:.0%} of its FLOPs): "
-        "the all-int8 package was not compiled to ask, and the search runs"
+        f"int8 products ran {_rates(race, 'int8', race.fastest_float())}: the all-int8 package was not "
+        "compiled to ask, and the search runs"
     )
 
 
-def run_race(roofline: Roofline, precision: str, batch: int, rounds: int = ROUNDS) -> PrecisionRace | None:
-    """Measure ``precision`` against float32 (and int8, where the roofline was made for it and can measure
-    it here) at ``roofline``'s linear shapes (counted at batch 1, scaled to ``batch``); None where either
-    of the first two cannot be measured here or the model calls no ``nn.Linear``."""
-    if not roofline.flops or {"fp32", precision} - set(roofline.precisions):
+def run_race(roofline: Roofline, batch: int, rounds: int = ROUNDS) -> PrecisionRace | None:
+    """Measure every precision ``roofline`` was made for and can measure here, at its linear shapes
+    (counted at batch 1, scaled to ``batch``); None where float32 cannot be measured or the model
+    calls no ``nn.Linear``."""
+    if not roofline.flops or "fp32" not in roofline.precisions:
         return None
-    raced = ("fp32", precision, "int8")
-    peaks = [p for p in roofline.between(batch) if p.precision in raced]
+    peaks = roofline.between(batch)
     for _ in range(rounds):
         for peak in peaks:
             peak()
     for peak in peaks:
         peak.release()
-    rate = {p.precision: p.spread().median for p in peaks}
     linear = sum(s.flops for s in roofline.shapes)
     return PrecisionRace(
-        precision=precision,
-        rate_gflops=rate[precision],
-        fp32_rate_gflops=rate["fp32"],
+        rates={p.precision: p.spread().median for p in peaks},
         linear_gflop=linear * batch / 1e9,
         linear_share=min(1.0, linear / roofline.flops),
         rounds=rounds,
-        int8_rate_gflops=rate.get("int8") if precision != "int8" else None,
     )

@@ -28,7 +28,13 @@ from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, in
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
-from tk.workflows.optimize.precision_race import PrecisionRace, int8_probe_reason, run_race, skip_reason
+from tk.workflows.optimize.precision_race import (
+    PrecisionRace,
+    int8_probe_reason,
+    no_gain_reason,
+    run_race,
+    skip_reason,
+)
 from tk.workflows.optimize.table import TIE, Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
 
@@ -198,12 +204,10 @@ class _Run:
         self.timing: dict[str, Any] = {}
         # --keep all asks for every candidate's artifact: then every int8 search runs
         self.gate = None if options.keep == "all" else SpeedGate(sizes, options.device, options.wait_quiet_s)
-        # float32 groups are skipped when a faster float precision kept the spec (not for named candidates)
-        self.race_fp32 = options.keep == "best" and options.candidates is None and options.device == "cpu"
-        self.race: dict[str, Any] | None = None  # the precision race's record, once run
-        self._raced = False  # the race runs once, after the first reduced float candidate passes
-        self._fp32_out: str | None = None  # why the float32 groups cannot win (None: they may)
-        self._race_int8 = False  # whether the race measures int8 too (set by write_and_judge)
+        # the precision race's skips: not for named candidates (the user asked for those) nor --keep all
+        self.race_skips = options.keep == "best" and options.candidates is None and options.device == "cpu"
+        self.race: PrecisionRace | None = None  # measured once, before the first group
+        self.race_skipped: list[str] = []  # the precisions whose groups the race skipped
 
     def over_budget(self) -> bool:
         budget = self.options.time_budget_min
@@ -213,20 +217,17 @@ class _Run:
         """Export each group (or take it from the cache), then judge each of its candidates."""
         from tk.workflows.optimize.artifacts import group_dir
 
-        groups = export_groups(tried, reduced_first=self.race_fp32)
-        # the race measures int8 too where the gate would compile an aoti all-int8 package to ask
-        self._race_int8 = self.gate is not None and any(c.precision == "int8" and c.format == "aoti" for c in tried)
+        groups = export_groups(tried, reduced_first=self.race_skips)
+        self._run_race(tried)
         passed: list[tuple[Candidate, Path, Manifest]] = []
         for done, members in enumerate(groups.values()):
             names = ", ".join(c.name for c in members)
             if self.over_budget():
                 rows.extend(_row(c, "skipped", "budget: --time-budget spent") for c in members)
                 continue
-            if members[0].precision == "int8" and self._race_int8 and not self._raced:
-                self._race_int8_alone(passed)  # no reduced float was raced: int8 against float32
-            fp32_out = self._fp32_cannot_win(passed) if members[0].precision == "fp32" and self.race_fp32 else None
-            if fp32_out:
-                rows.extend(_row(c, "skipped", fp32_out) for c in members)
+            cannot_win = self._race_skip(members[0].precision, passed)
+            if cannot_win:
+                rows.extend(_row(c, "skipped", cannot_win) for c in members)
                 continue
             self.say(f"export {names}", done, len(groups))
             root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec)
@@ -251,50 +252,49 @@ class _Run:
         self.say("judge", len(groups), len(groups))
         return passed
 
-    def _fp32_cannot_win(self, passed: list[tuple[Candidate, Path, Manifest]]) -> str | None:
-        """Why the float32 groups cannot win, once a reduced float candidate kept the spec (the precision
-        race, run once: ``tk.workflows.optimize.precision_race``); None: they may."""
-        if self._raced:
-            return self._fp32_out
-        reduced = next(((c, root, m) for c, root, m in passed if c.precision in REDUCED_FLOATS), None)
-        if reduced is None:
-            return None  # asked again at the next float32 group, if one passes before it
-        self.say(f"race {reduced[0].precision} against fp32", 0, 1)
-        race = self._race(reduced[1], reduced[2], reduced[0].precision)
-        self._raced = True
-        self._fp32_out = skip_reason(race, reduced[0].name) if race and race.fp32_cannot_win() else None
-        if race is not None:
-            self.race = race.to_json() | {"skipped_fp32": self._fp32_out is not None}
-            if self.gate is not None and race.int8_ahead():
-                self.gate.no_probe["aoti"] = int8_probe_reason(race)
-            log.info("optimize race %s", self.race)
-        return self._fp32_out
-
-    def _race_int8_alone(self, passed: list[tuple[Candidate, Path, Manifest]]) -> None:
-        """Race int8 against float32 where no reduced float precision was raced (a CPU without bf16 dot
-        products): a clear int8 lead spares the speed gate the aoti all-int8 package's compile."""
-        self._raced = True
-        if self.gate is None or not passed:
+    def _run_race(self, tried: list[Candidate]) -> None:
+        """Measure the precisions' product rates once, before the first group (``precision_race``): where
+        its skips apply, or where an aoti int8 candidate is to come (the gate's all-int8 probe)."""
+        int8 = self.gate is not None and any(c.precision == "int8" and c.format == "aoti" for c in tried)
+        if self.options.device != "cpu" or not (self.race_skips or int8):
             return
-        self.say("race int8 against fp32", 0, 1)
-        _, root, manifest = passed[0]  # any passed artifact: the race builds the eager model it records
-        race = self._race(root, manifest, "int8")
+        reduced = {c.precision for c in tried if c.precision in REDUCED_FLOATS}
+        precisions = {"fp32", *reduced, *(["int8"] * int8)}
+        if precisions == {"fp32"}:
+            return
+        self.say(f"race {', '.join(sorted(precisions))}", 0, 1)
+        race = self._race(precisions)
         if race is None:
             return
-        self.race = race.to_json() | {"skipped_fp32": False}
-        if race.int8_ahead():
+        self.race = race
+        if int8 and self.gate is not None and race.int8_ahead():
             self.gate.no_probe["aoti"] = int8_probe_reason(race)
-        log.info("optimize race %s", self.race)
+        log.info("optimize race %s", race.to_json())
 
-    def _race(self, root: Path, manifest: Manifest, precision: str) -> PrecisionRace | None:
-        from tk.runtime import load
-        from tk.workflows.optimize.timing import eager_roofline
+    def _race_skip(self, precision: str, passed: list[tuple[Candidate, Path, Manifest]]) -> str | None:
+        """Why ``precision``'s next group cannot win, by the race (``precision_race``); None: it may."""
+        race = self.race
+        if race is None or not self.race_skips:
+            return None
+        reason = None
+        if precision in REDUCED_FLOATS and race.no_gain(precision):
+            reason = no_gain_reason(race, precision)
+        elif precision == "fp32":
+            faster = [c for c, _, _ in passed if c.precision in REDUCED_FLOATS and race.fp32_cannot_win(c.precision)]
+            if faster:
+                best = max(faster, key=lambda c: race.rates[c.precision])
+                reason = skip_reason(race, best.name, best.precision)
+        if reason and precision not in self.race_skipped:
+            self.race_skipped.append(precision)
+        return reason
 
-        others = {k: v for k, v in self.sizes.items() if k != "batch"}
-        # the user's own model, built from their command line (as the reference is)
-        with load(root, "eager", device="cpu", manifest=manifest, allow_failed=True, trust_model_code=True) as eager:
-            roofline = eager_roofline(eager, others, {"fp32", precision, *(["int8"] * self._race_int8)})
-            return run_race(roofline, precision, self.sizes.get("batch", 1))
+    def _race(self, precisions: set[str]) -> PrecisionRace | None:
+        from tk.workflows.roofline import Roofline
+
+        # counted at batch 1 on the user's own model (as the reference is), scaled to the timing batch
+        example = self.spec.example_inputs({**self.sizes, "batch": 1})
+        roofline = Roofline(self.spec.module, example, precisions)
+        return run_race(roofline, self.sizes.get("batch", 1))
 
     def _judge(self, candidate: Candidate, root: Path, manifest: Manifest, *, cached: bool) -> Row:
         try:
@@ -404,5 +404,5 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
         "timing": state.timing,
         "cache": {"dir": str(state.cache), "hits": state.cache_hits, "exports": state.exports},
         "speed_gate": state.gate.verdicts if state.gate is not None else None,
-        "precision_race": state.race,
+        "precision_race": None if state.race is None else state.race.to_json() | {"skipped": state.race_skipped},
     }

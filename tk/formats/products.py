@@ -1,0 +1,92 @@
+"""Matrix products as CPU packages run them, and whether bfloat16's outrun float32's on this CPU.
+
+``packed_linear`` builds one linear the way a frozen AOTInductor package calls it: oneDNN's packed
+linear (``mkldnn._linear_pointwise`` on a ``_reorder_linear_weight``) for float32, bfloat16 and
+float16, oneDNN's quantized linear (``onednn.qlinear_pointwise`` on a ``qlinear_prepack``-ed weight,
+float32 out) for int8. The roofline (``tk.workflows.roofline``) times it at a model's own shapes.
+
+``bf16_outruns_fp32`` answers the question a flag cannot: an AVX512-BF16 flag says that bfloat16 dot
+products exist, not that they are faster. On an Intel Xeon (model 207) with AVX512-BF16 and no AMX,
+oneDNN's bfloat16 linear ran 0.65-0.70x its float32 linear at the small Transformer's shapes
+(``vdpbf16ps`` issues on one port where float32 FMAs issue on two), while on the AVX512-BF16 AMD
+EPYC it ran about 2x (benchmarks/history.md). The int8 aoti writer asks it before running the
+layers it leaves out of int8, and attention, in bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tk.formats.aoti import runs_natively
+
+log = logging.getLogger("tk.formats")
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT8_X_SCALE, INT8_X_ZERO_POINT = 0.02, 64  # activations in [0, 127]: no u8 x s8 saturation without VNNI
+
+# The probe: one product the size of a Transformer's up projection at a few thousand tokens; enough work
+# (4.3 GFLOP) that a call's overhead does not decide, small enough to take about half a second.
+PROBE_MKN = (2048, 1024, 1024)
+PROBE_ROUNDS = 5
+# a reduced float's products over float32's that make it worth running (tk optimize's race uses it too):
+# bfloat16 measured 0.65-0.70x on the Xeon without AMX, about 2x on the EPYC, 5x and more with AMX
+OUTRUNS_BY = 1.2
+
+
+def packed_linear(precision: str, m: int, k: int, n: int, gen: torch.Generator) -> Callable[[], torch.Tensor]:
+    """One linear of ``m`` rows, ``k`` in and ``n`` out features in ``precision`` (fp32, bf16, fp16, int8),
+    weights prepacked as the packages hold them; the plain product where oneDNN cannot pack them here."""
+    if precision == "int8":
+        x = torch.randint(0, 128, (m, k), dtype=torch.uint8, generator=gen)
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        packed = torch.ops.onednn.qlinear_prepack(w, [m, k])
+        w_scale, w_zero = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
+        bias = torch.randn(n, generator=gen)
+        return lambda: torch.ops.onednn.qlinear_pointwise(
+            x, INT8_X_SCALE, INT8_X_ZERO_POINT, packed, w_scale, w_zero, bias, 1.0, 0, torch.float32, "none", [], ""
+        )
+    dtype = PRECISION_DTYPES[precision]
+    x, w, b = (torch.randn(size, generator=gen).to(dtype) for size in ((m, k), (n, k), (n,)))
+    if torch.backends.mkldnn.is_available():
+        try:
+            weight = torch.ops.mkldnn._reorder_linear_weight(w, m)
+        except RuntimeError:  # this CPU lacks oneDNN's kernels for the dtype: the plain product
+            return lambda: F.linear(x, w, b)
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, weight, b, "none", [], "")
+    return lambda: F.linear(x, w, b)
+
+
+def product_ratio(precision: str, against: str, mkn: tuple[int, int, int] = PROBE_MKN,
+                  rounds: int = PROBE_ROUNDS) -> float:  # fmt: skip
+    """How many times faster ``precision``'s packed linear at ``mkn`` runs than ``against``'s: the median
+    over ``rounds`` interleaved pairs (one warm-up each), so a busy minute slows both alike."""
+    gen = torch.Generator().manual_seed(0)
+    first, second = (packed_linear(p, *mkn, gen) for p in (precision, against))
+    ratios = []
+    with torch.inference_mode():
+        first(), second()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            first()
+            middle = time.perf_counter()
+            second()
+            ratios.append((time.perf_counter() - middle) / (middle - start))
+    return statistics.median(ratios)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_outruns_fp32() -> bool:
+    """Whether this CPU's bfloat16 products run at least ``OUTRUNS_BY`` float32's (measured once a
+    process, ``product_ratio``); False where it has no bfloat16 dot products or oneDNN."""
+    if not runs_natively("bf16") or not torch.backends.mkldnn.is_available():
+        return False
+    ratio = product_ratio("bf16", "fp32")
+    log.info("bf16 products ran %.2fx float32's at %s (oneDNN, packed)", ratio, "x".join(map(str, PROBE_MKN)))
+    return ratio >= OUTRUNS_BY
