@@ -108,6 +108,25 @@ def test_json_and_png_are_written_and_listed(runs: dict[str, Any]) -> None:
     assert {"optimize-json", "optimize-png", "weights"} <= roles
 
 
+def test_the_record_says_where_the_time_went(runs: dict[str, Any]) -> None:
+    """optimize.json's stages: each export (cached or not), judge and the timing, in order, with seconds."""
+    for run, cached in (("first", False), ("second", True)):
+        record = runs[run].record
+        stages = [s["stage"] for s in record["stages"]]
+        # named candidates with no aoti int8 among them: no race
+        assert stages == [
+            "export torch fp32, onnx fp32",
+            "judge torch fp32",
+            "judge onnx fp32",
+            "export onnx int8 dynamic",
+            "judge onnx int8 dynamic",
+            "time 2 candidates",
+        ]
+        assert [s["cached"] for s in record["stages"] if "cached" in s] == [cached, cached]
+        assert all(s["seconds"] >= 0 for s in record["stages"])
+        assert sum(s["seconds"] for s in record["stages"]) <= record["seconds"] + 0.1
+
+
 def test_a_second_run_reuses_every_candidate_artifact(runs: dict[str, Any]) -> None:
     first, second = runs["first"], runs["second"]
     assert (first.exports, first.cache_hits) == (2, 0)  # one capture for onnx + torch fp32, one for int8 dynamic

@@ -8,10 +8,11 @@ artifact whose manifest names the recommended engine and holds the whole candida
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,18 @@ class _Run:
         self.race_skips = options.keep == "best" and options.candidates is None and options.device == "cpu"
         self.race: PrecisionRace | None = None  # measured once, before the first group
         self.race_skipped: list[str] = []  # the precisions whose groups the race skipped
+        self.stages: list[dict[str, Any]] = []  # where the run's time went, stage by stage (optimize.json)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, **facts: Any) -> Iterator[dict[str, Any]]:
+        """Record how long the block took as stage ``name``; the block may add facts to the yielded record."""
+        record = {"stage": name, **facts}
+        start = time.monotonic()
+        try:
+            yield record
+        finally:
+            record["seconds"] = round(time.monotonic() - start, 2)
+            self.stages.append(record)
 
     def over_budget(self) -> bool:
         budget = self.options.time_budget_min
@@ -231,7 +244,9 @@ class _Run:
                 continue
             self.say(f"export {names}", done, len(groups))
             root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec)
-            written = write_group(self.spec, root, members, self.base)
+            with self.stage(f"export {names}") as record:
+                written = write_group(self.spec, root, members, self.base)
+                record["cached"] = written.cache_hits > 0
             self.cache_hits += written.cache_hits
             self.exports += written.exports
             for candidate in members:
@@ -243,7 +258,8 @@ class _Run:
                     continue
                 where, manifest = written.artifacts[candidate]
                 self.say(f"judge {candidate.name}", done, len(groups))
-                row = self._judge(candidate, where, manifest, cached=written.cache_hits > 0)
+                with self.stage(f"judge {candidate.name}"):
+                    row = self._judge(candidate, where, manifest, cached=written.cache_hits > 0)
                 rows.append(row)
                 if row.status == "passed":
                     passed.append((candidate, where, manifest))
@@ -263,7 +279,8 @@ class _Run:
         if precisions == {"fp32"}:
             return
         self.say(f"race {', '.join(sorted(precisions))}", 0, 1)
-        race = self._race(precisions)
+        with self.stage("race"):
+            race = self._race(precisions)
         if race is None:
             return
         self.race = race
@@ -328,9 +345,10 @@ class _Run:
         if not entries:
             return None
         self.say(f"time {len(entries)} candidates", 0, 1)
-        timed = time_candidates(entries, self.sizes, device=self.options.device, seconds=self.options.seconds,
-                                wait_quiet_s=self.options.wait_quiet_s, peaks=self.options.peaks,
-                                progress=lambda text: self.say(f"time: {text}", 0, 1))  # fmt: skip
+        with self.stage(f"time {len(entries)} candidates"):
+            timed = time_candidates(entries, self.sizes, device=self.options.device, seconds=self.options.seconds,
+                                    wait_quiet_s=self.options.wait_quiet_s, peaks=self.options.peaks,
+                                    progress=lambda text: self.say(f"time: {text}", 0, 1))  # fmt: skip
         self.say("time", 1, 1)
         self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager")}
         by_name = {r.candidate: r for r in rows}
@@ -404,5 +422,7 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
         "timing": state.timing,
         "cache": {"dir": str(state.cache), "hits": state.cache_hits, "exports": state.exports},
         "speed_gate": state.gate.verdicts if state.gate is not None else None,
+        "stages": state.stages,
+        "seconds": round(time.monotonic() - state.started, 1),
         "precision_race": None if state.race is None else state.race.to_json() | {"skipped": state.race_skipped},
     }
