@@ -170,6 +170,8 @@ def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(m
         reference = [_outputs(program.module(), b) for b in batches]
         got = [_outputs(quantized.module(), b) for b in batches]
     assert worst_sqnr_db(reference, got) >= floor + MARGIN_DB - 0.5  # every batch, recaptured program
+    # the kept set's SQNR is the worst of every batch (the screen's, judged in its round, and the rest's)
+    assert strict.sqnr_db == pytest.approx(worst_sqnr_db(reference, got), abs=0.5)
 
 
 def test_keep_fp32_modules_are_never_quantized():
