@@ -124,6 +124,18 @@ def test_a_high_load_with_other_processes_on_the_cpu_is_busy():
     assert mark.others_cores == pytest.approx(0.8) and mark.busy
 
 
+def test_others_on_over_half_a_core_are_busy_whatever_the_load_reads():
+    """The hypervisor's steal is not in the load average: 0.87 of a core of it read at load 1.6 on 2 cores."""
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(1.6, 0, clock, cpu).row() as mark:
+        cpu.run(4.0, own_cores=1.1, other_cores=0.87, clock=clock)
+    assert mark.others_cores == pytest.approx(0.87) and mark.busy
+    clock, cpu = FakeClock(), FakeCpu()
+    with cpu_guard(1.6, 0, clock, cpu).row() as mark:
+        cpu.run(4.0, own_cores=1.6, other_cores=0.4, clock=clock)
+    assert mark.others_cores == pytest.approx(0.4) and not mark.busy  # under half a core, at a quiet load
+
+
 def test_the_wait_ends_once_other_processes_are_quiet_even_if_the_load_average_lags():
     clock, cpu = FakeClock(), FakeCpu()
     with cpu_guard(3.0, 60, clock, cpu, sleeping_others=0.05).row() as mark:
