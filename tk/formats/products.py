@@ -54,7 +54,9 @@ def packed_linear(precision: str, m: int, k: int, n: int, gen: torch.Generator) 
         )
     dtype = PRECISION_DTYPES[precision]
     x, w, b = (torch.randn(size, generator=gen).to(dtype) for size in ((m, k), (n, k), (n,)))
-    if torch.backends.mkldnn.is_available():
+    # float16 packed only where oneDNN runs it (as Inductor's freezing decides: is_mkldnn_fp16_supported)
+    packs = precision != "fp16" or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    if torch.backends.mkldnn.is_available() and packs:
         try:
             weight = torch.ops.mkldnn._reorder_linear_weight(w, m)
         except RuntimeError:  # this CPU lacks oneDNN's kernels for the dtype: the plain product
