@@ -14,11 +14,12 @@ from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.precision_race import (
     PrecisionRace,
     int8_probe_reason,
+    int8_skip_reason,
     no_gain_reason,
     run_race,
     skip_reason,
 )
-from tk.workflows.optimize.run import export_groups
+from tk.workflows.optimize.run import export_groups, int8_before_fp32, linear_int8_share
 from tk.workflows.roofline import Roofline
 
 
@@ -219,3 +220,68 @@ def test_named_candidates_race_only_for_the_int8_probe_and_skip_nothing(
                    parse_accuracy(None), None, {"batch": 4, "seq": 16}, lambda *_: None)  # type: ignore[arg-type]  # fmt: skip
     no_int8._run_race(tried[:1])
     assert no_int8.race is None  # nothing to decide: not measured
+
+
+def test_int8_leads_where_float32_is_the_fastest_float_and_amdahl_decides_float32s_skip() -> None:
+    """The Xeon without AMX: int8 3.4x float32's, bf16 0.6x (out of the race), the products 92% of the FLOPs."""
+    xeon = PrecisionRace({"fp32": 200.0, "bf16": 120.0, "int8": 680.0}, 25.8, 0.923, rounds=7)
+    assert xeon.int8_leads() and xeon.fastest_float() == "fp32"
+    assert not _race(int8=640.0).int8_leads()  # bf16 2x float32 is the fastest float: bf16 goes first instead
+    kept = 0.937  # the small Transformer's package: head and one qkv left out
+    want = 1 / ((1 - 0.923) + 0.923 * (kept / 3.4 + 1 - kept))
+    assert xeon.int8_speedup(kept) == pytest.approx(want) and want == pytest.approx(2.57, abs=0.01)
+    assert xeon.fp32_loses_to_int8(kept)
+    assert not xeon.fp32_loses_to_int8(0.3)  # 1.27x: most of the work left in float32
+    assert not PrecisionRace({"fp32": 200.0, "int8": 680.0}, 0.002, 0.923, rounds=7).fp32_loses_to_int8(kept)
+    reason = int8_skip_reason(xeon, "aoti int8 static", kept)
+    assert reason.startswith("cannot win here: aoti int8 static kept your accuracy with 94% of the linears'")
+    assert "int8 products ran 3.40× float32's at this model's linear shapes (680 vs 200 GOP/s" in reason
+    assert "by Amdahl's law about 2.57× float32's speed, over the 1.5× this needs" in reason
+
+
+def test_the_aoti_int8_group_moves_before_the_first_float32_group() -> None:
+    static = (("int8_mode", "static"),)
+    tried = [
+        Candidate("torch", "fp32", "torch"), Candidate("aoti", "fp32", "aoti"), Candidate("onnx", "int8", "onnx", static),
+        Candidate("aoti", "int8", "aoti", static), Candidate("openvino", "int8", "openvino", static),
+    ]  # fmt: skip
+    moved = [[c.name for c in members] for members in int8_before_fp32(export_groups(tried)).values()]
+    assert moved == [["aoti int8 static"], ["torch fp32", "aoti fp32"], ["onnx int8 static"], ["openvino int8 static"]]
+    no_aoti = export_groups(tried[:3])
+    assert int8_before_fp32(no_aoti) == no_aoti
+
+
+def test_the_int8_share_counts_each_linears_multiply_adds_outside_the_left_out_paths() -> None:
+    module = build_model("transformer", size="tiny").module  # hidden 32, ffn 64, 2 blocks, 2 labels
+    per_block = 32 * 96 + 32 * 32 + 32 * 64 + 64 * 32  # qkv, proj, up, down
+    total = 2 * per_block + 32 * 2
+    assert linear_int8_share(module, []) == pytest.approx(1.0)
+    assert linear_int8_share(module, ["head", "blocks.0.attn.qkv"]) == pytest.approx(1 - (64 + 32 * 96) / total)
+    assert linear_int8_share(module, ["blocks.1"]) == pytest.approx(1 - per_block / total)  # a path holds its linears
+    assert linear_int8_share(nn.Sequential(nn.ReLU()), []) is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.ops.onednn, "qlinear_pointwise"), reason="no oneDNN int8 linear in this torch")
+def test_where_int8_leads_a_passing_int8_package_skips_the_float32_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rates of the Xeon without AMX (the race's numbers are the machine's; the rule is tested): the aoti
+    int8 group is written first and, once it passes, float32 is never written."""
+    import tk.workflows.optimize.run as run
+
+    xeon = PrecisionRace({"fp32": 200.0, "int8": 680.0}, 25.8, 0.923, rounds=7)
+    monkeypatch.setattr(run, "run_race", lambda roofline, batch, rounds=7: xeon)
+    options = OptimizeOptions(accuracy="sqnr>=5", sizes={"batch": 4, "seq": 16}, formats=("torch", "aoti"),
+                              precisions=("fp32", "int8"), seconds=0.05, peaks=False, cache_dir=tmp_path / "cache")  # fmt: skip
+    torch.manual_seed(0)
+    result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    rows = {r.candidate: r for r in result.rows}
+    stages = [s["stage"] for s in result.record["stages"]]
+    assert stages[:3] == ["race", "export aoti int8 static", "judge aoti int8 static"], stages
+    assert rows["aoti int8 static"].status == "passed" and rows["aoti int8 static"].winner
+    for name in ("torch fp32", "aoti fp32"):
+        assert rows[name].status == "skipped" and rows[name].reason.startswith(
+            "cannot win here: aoti int8 static kept your accuracy"
+        ), rows[name].reason
+    assert result.exports == 1 and result.record["precision_race"]["skipped"] == ["fp32"]

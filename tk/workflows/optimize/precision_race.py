@@ -19,8 +19,14 @@ most of the model's FLOPs and a call is large enough for a rate to mean somethin
   speed gate does not compile the aoti all-int8 package to ask whether int8 can win (about 30 s of the
   small Transformer's run): its answer there was always yes (the all-int8 package 1.35-1.43x the bf16
   package's speed where the products differed 1.58x on the AVX512-BF16 EPYC; 1.6-1.8x float32's on the
-  AVX512-VNNI Xeons), and a wrong yes costs only a search, never the winner. int8 never skips a float
-  group: it may miss the accuracy.
+  AVX512-VNNI Xeons), and a wrong yes costs only a search, never the winner;
+- where that fastest float precision is float32 itself (no reduced float can win), the aoti int8 group
+  is written before the float32 groups, and once it keeps the user's accuracy the float32 groups are
+  skipped when Amdahl's law, from the share of the linears' multiply-adds it kept in int8 and the rates,
+  says it runs at least ``FASTER_BY`` float32's: ``1 / ((1 - L) + L (s / r + 1 - s))`` with L the
+  products' share of the FLOPs, s the int8 share and r int8's rate over float32's. The law counts the
+  non-product work at float32's speed, and it read 2.2-2.6x on the Xeon without AMX where the package
+  ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
 """
 
 from __future__ import annotations
@@ -79,6 +85,25 @@ class PrecisionRace:
         ratio = self.ratio("int8", self.fastest_float())
         return ratio is not None and self.decides() and ratio >= FASTER_BY
 
+    def int8_leads(self) -> bool:
+        """Whether int8 is ahead and float32 is the fastest float precision that may win: the aoti int8
+        group then goes before the float32 groups, which a passing int8 candidate may skip."""
+        return self.int8_ahead() and self.fastest_float() == "fp32"
+
+    def int8_speedup(self, share: float) -> float | None:
+        """What Amdahl's law gives an int8 model with ``share`` of its linears' multiply-adds in int8 over
+        the float32 one: the products (``linear_share`` of the FLOPs) at the two rates, the rest as is."""
+        ratio = self.ratio("int8")
+        if ratio is None:
+            return None
+        products = self.linear_share * (share / ratio + 1 - share)
+        return 1 / ((1 - self.linear_share) + products)
+
+    def fp32_loses_to_int8(self, share: float) -> bool:
+        """Whether float32 cannot win once an int8 candidate with ``share`` in int8 kept the accuracy."""
+        speedup = self.int8_speedup(share)
+        return speedup is not None and self.int8_leads() and speedup >= FASTER_BY
+
     def to_json(self) -> dict[str, Any]:
         return {
             "rates_gflops": {p: round(r, 1) for p, r in self.rates.items()},
@@ -118,6 +143,15 @@ def skip_reason(race: PrecisionRace, passed: str, precision: str) -> str:
     return (
         f"cannot win here: {precision} products ran {_rates(race, precision, 'fp32')} and {passed} kept your "
         "accuracy (--keep all writes it anyway)"
+    )
+
+
+def int8_skip_reason(race: PrecisionRace, passed: str, share: float) -> str:
+    """The float32 rows' reason when ``race.fp32_loses_to_int8(share)`` and int8 candidate ``passed`` kept the spec."""
+    return (
+        f"cannot win here: {passed} kept your accuracy with {share:.0%} of the linears' multiply-adds in int8, "
+        f"and int8 products ran {_rates(race, 'int8', 'fp32')}: by Amdahl's law about "
+        f"{race.int8_speedup(share):.2f}× float32's speed, over the {FASTER_BY}× this needs (--keep all writes it anyway)"
     )
 
 

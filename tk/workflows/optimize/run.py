@@ -32,6 +32,7 @@ from tk.workflows.optimize.judge import Reference, headline, judge_candidate
 from tk.workflows.optimize.precision_race import (
     PrecisionRace,
     int8_probe_reason,
+    int8_skip_reason,
     no_gain_reason,
     run_race,
     skip_reason,
@@ -166,7 +167,8 @@ def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dic
     group is retried one format at a time, which would run the others' searches again. Groups keep
     ``tried``'s order but for the int8 formats, which go in ``INT8_ORDER``; with ``reduced_first`` the
     reduced float precisions (``REDUCED_FLOATS``) go before float32, whose groups the precision race may
-    then skip (``tk.workflows.optimize.precision_race``)."""
+    then skip (``tk.workflows.optimize.precision_race``; where int8 leads, ``int8_before_fp32`` moves the
+    aoti int8 group before them too)."""
 
     def rank(candidate: Candidate) -> int:
         if candidate.precision != "int8" or candidate.format not in INT8_ORDER:
@@ -181,6 +183,30 @@ def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dic
         alone = candidate.format if candidate.precision == "int8" else None
         groups.setdefault((candidate.group, alone), []).append(candidate)
     return groups
+
+
+def int8_before_fp32(groups: dict[Any, list[Candidate]]) -> dict[Any, list[Candidate]]:
+    """``groups`` with the aoti int8 group moved before the first float32 group (``PrecisionRace.int8_leads``)."""
+    order = list(groups.items())
+    aoti = next((i for i, (_, m) in enumerate(order) if m[0].precision == "int8" and m[0].format == "aoti"), None)
+    first_fp32 = next((i for i, (_, m) in enumerate(order) if m[0].precision == "fp32"), None)
+    if aoti is None or first_fp32 is None or aoti < first_fp32:
+        return groups
+    order.insert(first_fp32, order.pop(aoti))
+    return dict(order)
+
+
+def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
+    """The share of ``module``'s ``nn.Linear`` multiply-adds per row (in x out features) outside the
+    ``excluded`` module paths (a path excludes every linear under it); None where it has no linear."""
+    from torch import nn
+
+    sizes = {name: m.in_features * m.out_features for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+    total = sum(sizes.values())
+    if not total:
+        return None
+    out = sum(n for name, n in sizes.items() if any(name == e or name.startswith(e + ".") for e in excluded))
+    return 1 - out / total
 
 
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
@@ -232,6 +258,8 @@ class _Run:
 
         groups = export_groups(tried, reduced_first=self.race_skips)
         self._run_race(tried)
+        if self.race is not None and self.race_skips and self.race.int8_leads():
+            groups = int8_before_fp32(groups)
         passed: list[tuple[Candidate, Path, Manifest]] = []
         for done, members in enumerate(groups.values()):
             names = ", ".join(c.name for c in members)
@@ -298,12 +326,26 @@ class _Run:
             reason = no_gain_reason(race, precision)
         elif precision == "fp32":
             faster = [c for c, _, _ in passed if c.precision in REDUCED_FLOATS and race.fp32_cannot_win(c.precision)]
+            int8 = [(c, share) for c, _, m in passed if (share := self._aoti_int8_share(c, m)) is not None]
             if faster:
                 best = max(faster, key=lambda c: race.rates[c.precision])
                 reason = skip_reason(race, best.name, best.precision)
+            elif int8 and race.fp32_loses_to_int8(max(share for _, share in int8)):
+                candidate, share = max(int8, key=lambda pair: pair[1])
+                reason = int8_skip_reason(race, candidate.name, share)
         if reason and precision not in self.race_skipped:
             self.race_skipped.append(precision)
         return reason
+
+    def _aoti_int8_share(self, candidate: Candidate, manifest: Manifest) -> float | None:
+        """The share of the model's linear multiply-adds a passed aoti int8 candidate kept in int8 (its
+        manifest names the modules it left out, by path); None for any other candidate."""
+        if candidate.precision != "int8" or candidate.format != "aoti":
+            return None
+        quant = manifest.formats.get("aoti", {}).get("quantization")
+        if not isinstance(quant, dict):
+            return None
+        return linear_int8_share(self.spec.module, quant.get("excluded", []))
 
     def _race(self, precisions: set[str]) -> PrecisionRace | None:
         from tk.workflows.roofline import Roofline
