@@ -270,3 +270,34 @@ def test_keep_all_turns_the_gate_off(tmp_path: Path) -> None:
         options = OptimizeOptions(keep=keep, cache_dir=tmp_path)
         state = _Run(spec, tmp_path / "out", options, parse_accuracy(None), None, dict(SIZES), lambda *_: None)  # type: ignore[arg-type]
         assert (state.gate is not None) is gated
+
+
+def test_with_no_float_candidate_of_its_format_the_race_gives_the_float_end(fp32_artifact: Path) -> None:
+    """The Xeon without AMX once float32 was skipped: OpenVINO's all-int8 IR 75.1 ms against the aoti int8
+    package's 76.0, no OpenVINO fp32 ever timed. The race's rates put the linears at 92 ms more per call in
+    float32: with 92% int8 left, at best 75.1 + 0.08 x 92 = 82.5 ms: the search stops (standing in, the
+    package's own 76.0 read at best 75.2 and the search ran 107 s to lose)."""
+    fastest = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
+
+    def probed(gap: float | None) -> SpeedGate:
+        speed_gate = SpeedGate(dict(SIZES), products_gap_ms=gap)
+        speed_gate.add(fastest, fp32_artifact, verify_artifact(fp32_artifact))
+        p50 = {"aoti int8 static": 76.0, PROBE: 75.1}
+        speed_gate.verdicts.append(
+            {"format": "openvino", "p50_ms": p50, "fastest_passed": "aoti int8 static", "busy": False}
+        )
+        return speed_gate
+
+    speed_gate = probed(92.0)
+    reason = speed_gate("openvino", Int8Share(21, 23, 0.92, bound=True))
+    assert reason is not None and "float 167.1 ms (all-int8 plus its products at float32's rate)" in reason
+    assert speed_gate.verdicts[-1]["at_best_ms"] == pytest.approx(75.1 + 0.08 * 92.0)
+    assert probed(None)("openvino", Int8Share(21, 23, 0.92, bound=True)) is None  # the fastest stands in
+
+
+def test_the_products_gap_is_the_linears_time_at_float32_less_at_int8() -> None:
+    from tk.workflows.optimize.precision_race import PrecisionRace
+
+    race = PrecisionRace({"fp32": 193.0, "int8": 621.0}, 25.77, 0.923, rounds=7)
+    assert race.products_gap_ms() == pytest.approx(25.77 * (1 / 193.0 - 1 / 621.0) * 1e3)  # ~92 ms
+    assert PrecisionRace({"fp32": 193.0}, 25.77, 0.923).products_gap_ms() is None

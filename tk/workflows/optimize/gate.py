@@ -21,7 +21,8 @@ same ranking), and the aoti writer once more after it, before compiling the pack
 MiniLM), with the share it kept (``Int8Share``: of the all-int8 model's multiply-adds). Each layer's
 int8 gain is taken as its share of what the all-int8 model gained over the format's own fastest float
 candidate in the probe's rounds (where it was left out of them, its time relative to the fastest in an
-earlier question, scaled; where it never ran beside it, the fastest passed candidate): at best
+earlier question, scaled; where it never ran, the all-int8 model plus what its linears take longer at
+float32's rate than int8's by the precision race; else the fastest passed candidate): at best
 ``all-int8 + (1 - share) x (float - all-int8)``. That leans to the optimistic side (each int8/float
 boundary adds a quantize), so when even it is no faster than the fastest passed candidate (within
 ``TIE`` of a float32 one, which wins a tie: ``pick_winner``), the search stops or the package is not
@@ -84,6 +85,9 @@ class SpeedGate:
     # formats whose all-int8 model is not timed, with the reason (the precision race's int8 rate: aoti's probe
     # is a package compile); their search runs
     no_probe: dict[str, str] = field(default_factory=dict)
+    # what the model's linears take longer at float32's rate than at int8's, per call at ``sizes`` (the
+    # precision race's rates): the float end of a format whose float candidate was never timed here
+    products_gap_ms: float | None = None
 
     def add(self, candidate: Candidate, root: Path, manifest: Manifest) -> None:
         self.passed.append((candidate, root, manifest))
@@ -177,8 +181,9 @@ class SpeedGate:
         """What the layers left out of ``fmt``'s int8 model run at (they run as its float model does): its
         own fastest float candidate in the probe's rounds; where that was not timed there (left out as
         over ``SLOWER`` times the fastest), its time over ``best``'s in the last quiet question that timed
-        both, times ``best``'s here; else ``best``'s own time (the optimistic side). With where it came
-        from. On the Xeon without AMX, OpenVINO's search for the small Transformer ran on with the
+        both, times ``best``'s here; where none ever was (float32 skipped: the precision race), the
+        all-int8 model plus ``products_gap_ms``; else ``best``'s own time (the optimistic side). With
+        where it came from. On the Xeon without AMX, OpenVINO's search for the small Transformer ran on with the
         fastest standing in (at best 71.8 ms against 78.4) and kept 13 of 23 layers int8 at 91.7 ms."""
         fastest = probe["p50_ms"][best]
         names = [c.name for c, _, _ in self.passed if c.format == fmt and c.precision != "int8"]
@@ -192,6 +197,8 @@ class SpeedGate:
             earlier = [p50[name] / p50[best] for name in names if name in p50]
             if earlier:
                 return min(earlier) * fastest, f"by its time over {best}'s in an earlier question"
+        if self.products_gap_ms is not None:
+            return probe["p50_ms"][PROBE] + self.products_gap_ms, "(all-int8 plus its products at float32's rate)"
         return fastest, f"{best}'s, standing in"
 
     def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], dict[str, Any]]:

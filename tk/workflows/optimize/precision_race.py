@@ -104,6 +104,12 @@ class PrecisionRace:
         speedup = self.int8_speedup(share)
         return speedup is not None and self.int8_leads() and speedup >= FASTER_BY
 
+    def products_gap_ms(self) -> float | None:
+        """How much longer the model's linears take per call at float32's rate than at int8's (ms)."""
+        if "int8" not in self.rates or "fp32" not in self.rates:
+            return None
+        return self.linear_gflop * (1 / self.rates["fp32"] - 1 / self.rates["int8"]) * 1e3
+
     def to_json(self) -> dict[str, Any]:
         return {
             "rates_gflops": {p: round(r, 1) for p, r in self.rates.items()},

@@ -314,6 +314,8 @@ class _Run:
         self.race = race
         if int8 and self.gate is not None and race.int8_ahead():
             self.gate.no_probe["aoti"] = int8_probe_reason(race)
+        if self.gate is not None and race.decides():
+            self.gate.products_gap_ms = race.products_gap_ms()
         log.info("optimize race %s", race.to_json())
 
     def _race_skip(self, precision: str, passed: list[tuple[Candidate, Path, Manifest]]) -> str | None:
