@@ -33,6 +33,22 @@ def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+AOTI_INT8 = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
+OPENVINO_FP32 = Candidate("openvino", "fp32", "openvino", (("onnx_fusions", True),))
+
+
+def _asked_before(
+    root: Path, passed: tuple[Candidate, ...], *questions: tuple[str, dict[str, float]], gap: float | None = None
+) -> SpeedGate:
+    """A gate with ``passed`` added and earlier quiet questions (format, p50s) whose fastest was the aoti int8 package."""
+    speed_gate = SpeedGate(dict(SIZES), products_gap_ms=gap)
+    for candidate in passed:
+        speed_gate.add(candidate, root, verify_artifact(root))
+    for fmt, p50 in questions:
+        speed_gate.verdicts.append({"format": fmt, "p50_ms": p50, "fastest_passed": "aoti int8 static", "busy": False})
+    return speed_gate
+
+
 def _gate(root: Path) -> SpeedGate:
     speed_gate = SpeedGate(dict(SIZES))
     speed_gate.add(Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),)), root, verify_artifact(root))
@@ -106,18 +122,10 @@ def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_t
     """The AVX512-VNNI Xeon's numbers: OpenVINO's all-int8 IR 124.1 ms, its fp32 IR 226.0, the aoti int8
     package (the fastest) 129.7. A search that must leave 10% of the multiply-adds in float32 is at best
     124.1 + 0.1 x (226.0 - 124.1) = 134.3 ms: it stops; with 97% int8 left (127.2 ms) it goes on."""
-    fastest = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
-    own = Candidate("openvino", "fp32", "openvino", (("onnx_fusions", True),))
 
     def probed() -> SpeedGate:
-        speed_gate = SpeedGate(dict(SIZES))
-        for candidate in (fastest, own):
-            speed_gate.add(candidate, fp32_artifact, verify_artifact(fp32_artifact))
         p50 = {"aoti int8 static": 129.7, "openvino fp32": 226.0, PROBE: 124.1}
-        speed_gate.verdicts.append(
-            {"format": "openvino", "p50_ms": p50, "fastest_passed": "aoti int8 static", "busy": False}
-        )
-        return speed_gate
+        return _asked_before(fp32_artifact, (AOTI_INT8, OPENVINO_FP32), ("openvino", p50))
 
     speed_gate = probed()
     reason = speed_gate("openvino", Int8Share(21, 23, 0.9, bound=True))
@@ -132,10 +140,7 @@ def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_t
     assert probed()("openvino", Int8Share(22, 23, 0.97, bound=True)) is None  # at best 127.2 ms
     # without its own float candidate in the rounds, the fastest stands in (the optimistic side)
     assert probed()("aoti", Int8Share(21, 23, 0.9, bound=True)) is None  # no aoti probe timed
-    lone = SpeedGate(dict(SIZES))
-    lone.add(fastest, fp32_artifact, verify_artifact(fp32_artifact))
-    lone.verdicts.append({"format": "openvino", "p50_ms": {"aoti int8 static": 129.7, PROBE: 124.1},
-                          "fastest_passed": "aoti int8 static", "busy": False})  # fmt: skip
+    lone = _asked_before(fp32_artifact, (AOTI_INT8,), ("openvino", {"aoti int8 static": 129.7, PROBE: 124.1}))
     assert lone("openvino", Int8Share(21, 23, 0.9, bound=True)) is None  # 124.1 + 0.1 x 5.6: faster
     assert (
         lone.verdicts[-1]["float_ms"] == 129.7 and lone.verdicts[-1]["float_from"] == "aoti int8 static's, standing in"
@@ -147,19 +152,9 @@ def test_a_float_left_out_of_the_rounds_is_scaled_from_an_earlier_question(fp32_
     question, then left out of OpenVINO's as over twice the fastest. Its 1.86x the package there, times the
     package's 78.4 ms in OpenVINO's rounds, is the float end: with 83% int8 left, at best 69.3 + 0.17 x
     (145.8 - 69.3) = 82.3 ms, no faster than 78.4: the search stops (the fastest standing in read 70.8)."""
-    fastest = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
-    own = Candidate("openvino", "fp32", "openvino", (("onnx_fusions", True),))
-    speed_gate = SpeedGate(dict(SIZES))
-    for candidate in (own, fastest):
-        speed_gate.add(candidate, fp32_artifact, verify_artifact(fp32_artifact))
     earlier = {"openvino fp32": 168.0, "aoti int8 static": 90.5, PROBE: 137.6}
-    speed_gate.verdicts.append(
-        {"format": "onnx", "p50_ms": earlier, "fastest_passed": "aoti int8 static", "busy": False}
-    )
     here = {"aoti int8 static": 78.4, PROBE: 69.3}  # openvino fp32 not timed: 168 > 2 x 69.3
-    speed_gate.verdicts.append(
-        {"format": "openvino", "p50_ms": here, "fastest_passed": "aoti int8 static", "busy": False}
-    )
+    speed_gate = _asked_before(fp32_artifact, (OPENVINO_FP32, AOTI_INT8), ("onnx", earlier), ("openvino", here))
     reason = speed_gate("openvino", Int8Share(19, 23, 0.83, bound=True))
     float_ms = 168.0 / 90.5 * 78.4
     assert (
@@ -277,16 +272,10 @@ def test_with_no_float_candidate_of_its_format_the_race_gives_the_float_end(fp32
     package's 76.0, no OpenVINO fp32 ever timed. The race's rates put the linears at 92 ms more per call in
     float32: with 92% int8 left, at best 75.1 + 0.08 x 92 = 82.5 ms: the search stops (standing in, the
     package's own 76.0 read at best 75.2 and the search ran 107 s to lose)."""
-    fastest = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
 
     def probed(gap: float | None) -> SpeedGate:
-        speed_gate = SpeedGate(dict(SIZES), products_gap_ms=gap)
-        speed_gate.add(fastest, fp32_artifact, verify_artifact(fp32_artifact))
         p50 = {"aoti int8 static": 76.0, PROBE: 75.1}
-        speed_gate.verdicts.append(
-            {"format": "openvino", "p50_ms": p50, "fastest_passed": "aoti int8 static", "busy": False}
-        )
-        return speed_gate
+        return _asked_before(fp32_artifact, (AOTI_INT8,), ("openvino", p50), gap=gap)
 
     speed_gate = probed(92.0)
     reason = speed_gate("openvino", Int8Share(21, 23, 0.92, bound=True))

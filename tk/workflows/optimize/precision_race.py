@@ -25,8 +25,8 @@ most of the model's FLOPs and a call is large enough for a rate to mean somethin
   skipped when Amdahl's law, from the share of the linears' multiply-adds it kept in int8 and the rates,
   says it runs at least ``FASTER_BY`` float32's: ``1 / ((1 - L) + L (s / r + 1 - s))`` with L the
   products' share of the FLOPs, s the int8 share and r int8's rate over float32's. The law counts the
-  non-product work at float32's speed, and it read 2.2-2.6x on the Xeon without AMX where the package
-  ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
+  non-product work at float32's speed, and from the rates of five runs it gave 2.2-2.6x on the Xeon
+  without AMX where the package ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
 """
 
 from __future__ import annotations

@@ -238,9 +238,9 @@ class _Run:
         self.stages: list[dict[str, Any]] = []  # where the run's time went, stage by stage (optimize.json)
 
     @contextlib.contextmanager
-    def stage(self, name: str, **facts: Any) -> Iterator[dict[str, Any]]:
+    def stage(self, name: str) -> Iterator[dict[str, Any]]:
         """Record how long the block took as stage ``name``; the block may add facts to the yielded record."""
-        record = {"stage": name, **facts}
+        record: dict[str, Any] = {"stage": name}
         start = time.monotonic()
         try:
             yield record
@@ -328,13 +328,13 @@ class _Run:
             reason = no_gain_reason(race, precision)
         elif precision == "fp32":
             faster = [c for c, _, _ in passed if c.precision in REDUCED_FLOATS and race.fp32_cannot_win(c.precision)]
-            int8 = [(c, share) for c, _, m in passed if (share := self._aoti_int8_share(c, m)) is not None]
+            int8 = [(share, c) for c, _, m in passed if (share := self._aoti_int8_share(c, m)) is not None]
+            most_int8 = max(int8, key=lambda pair: pair[0], default=None)
             if faster:
                 best = max(faster, key=lambda c: race.rates[c.precision])
                 reason = skip_reason(race, best.name, best.precision)
-            elif int8 and race.fp32_loses_to_int8(max(share for _, share in int8)):
-                candidate, share = max(int8, key=lambda pair: pair[1])
-                reason = int8_skip_reason(race, candidate.name, share)
+            elif most_int8 is not None and race.fp32_loses_to_int8(most_int8[0]):
+                reason = int8_skip_reason(race, most_int8[1].name, most_int8[0])
         if reason and precision not in self.race_skipped:
             self.race_skipped.append(precision)
         return reason
