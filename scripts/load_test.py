@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=2000, help="requests per scenario and mode")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=32, help="samples per engine call with batching on")
-    parser.add_argument("--max-delay-ms", type=float, default=5.0)
+    parser.add_argument("--max-delay-ms", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2, help="engine intra-op threads")
     parser.add_argument("--one-client-requests", type=int, default=200)
     parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy", help="tk serve --ingress")

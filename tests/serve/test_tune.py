@@ -63,6 +63,11 @@ def test_grid_skips_what_the_cpus_cannot_hold_and_is_bounded():
         grid_points(TuneGrid([0], [1.0], [1]), cpus=2, cpus_per_replica=1.0)
 
 
+def test_a_max_batch_of_one_is_tried_at_the_smallest_delay_only():
+    points = grid_points(TuneGrid([1, 8], [5.0, 0.0], [1]), cpus=2, cpus_per_replica=1.0)
+    assert [(p.max_batch, p.max_delay_ms) for p in points] == [(1, 0.0), (8, 5.0), (8, 0.0)]
+
+
 def test_each_point_splits_the_cpus_among_its_replicas_unless_threads_are_given(tmp_path):
     from tk.runtime import EngineChoice
     from tk.serve.app import ServeConfig

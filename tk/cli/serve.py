@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 @click.option(
     "--max-delay-ms",
     type=float,
-    default=5.0,
+    default=0.0,
     show_default=True,
-    help="Longest wait, in milliseconds, for a batch to fill.",
+    help="Longest wait past the oldest queued request's arrival for a batch below --max-batch to fill, in "
+    "milliseconds (0, as Triton's default: a batch is what queued while the engine ran).",
 )
 @click.option(
     "--max-queue",

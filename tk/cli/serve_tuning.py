@@ -28,7 +28,10 @@ def tuning_options(command: Any) -> Any:
             "--tune-batch", default="1,8,32", show_default=True, help="--tune: max batch sizes to try (comma list)."
         ),
         click.option(
-            "--tune-delay-ms", default="1,5", show_default=True, help="--tune: batch delays to try, in ms (comma list)."
+            "--tune-delay-ms",
+            default="0,5",
+            show_default=True,
+            help="--tune: batch delays to try, in ms (comma list; a max batch of 1 is tried at 0 only).",
         ),
         click.option(
             "--tune-replicas",

@@ -7,9 +7,10 @@ signature) and warms the engine up in its constructor, so Ray Serve routes nothi
 it is ready.
 
 Requests are parsed and checked in ``__call__`` (a bad one is answered 400 there and never
-reaches the engine), then queued for ``@serve.batch``: a batch closes at ``max_batch`` samples
-(``batch_size_fn`` counts samples, so a request with several samples counts as several) or after
-``max_delay_ms``. Requests whose non-batch shapes agree share one engine call; a batch below the
+reaches the engine), then queued for ``tk.serve.batcher.Batcher``, which batches as Triton's
+scheduler does: a batch forms when the engine is free, from the requests queued by then, up to
+``max_batch`` samples (a request with several samples counts as several), waiting at most
+``max_delay_ms`` past the oldest request's arrival while it is below that. Requests whose non-batch shapes agree share one engine call; a batch below the
 artifact's batch minimum (a static batch) is padded by repeating its last sample, and each
 request gets exactly its own rows back. Ray Serve's ``max_queued_requests`` turns a full queue
 into an immediate 503. Metrics are Prometheus text from ``prometheus_client``, kept per replica
@@ -45,6 +46,7 @@ from tk.errors import InputError, TkError, UsageError, first_line
 from tk.manifest import verify_artifact
 from tk.runtime.choice import EngineChoice, open_engine
 from tk.runtime.inputs import sample_dim
+from tk.serve.batcher import Batcher
 from tk.serve.cluster import (
     RayConnection,
     connect,
@@ -95,7 +97,7 @@ class ServeConfig:
     gpus_per_replica: float = 0.0
     max_batch: int | None = None  # samples per engine call (default: the artifact's batch max)
     batching: bool = True  # False: each request runs alone, as soon as the engine is free
-    max_delay_ms: float = 5.0  # longest wait for a batch to fill
+    max_delay_ms: float = 0.0  # longest wait past the oldest request for a batch below max_batch to fill
     max_queue: int = 64  # requests waiting for a replica before 503s (-1: unbounded)
     max_ongoing: int | None = None  # requests a replica holds at once (default: 2 x max_batch, at least 8)
     request_timeout_s: float = 20.0  # the proxy answers an error past this (while a replica restarts, say): no hangs
@@ -386,9 +388,8 @@ def deployment(config: ServeConfig) -> Any:
         def __init__(self, config: ServeConfig) -> None:
             keep_replica_grpc_on_loopback()
             self.server = ModelServer(config)
-            self._batch.set_max_batch_size(max_batch)
-            self._batch.set_batch_wait_timeout_s(delay_s)
             server = self.server
+            self.batcher = Batcher(server.compute, max_batch, delay_s, size=lambda request: request.samples)
             self.pusher = Pusher(server.replica, server.stats, lambda: server.metrics.text()[0])
             self.pusher.push(wait=True)  # on the board before the first request, so every replica is counted
 
@@ -396,12 +397,6 @@ def deployment(config: ServeConfig) -> Any:
             pusher = getattr(self, "pusher", None)
             if pusher is not None:
                 pusher.close()
-
-        @serve.batch(
-            max_batch_size=8, batch_wait_timeout_s=0.005, batch_size_fn=lambda items: sum(r.samples for r in items)
-        )
-        async def _batch(self, requests: list[InferRequest]) -> list[Any]:
-            return await asyncio.to_thread(self.server.compute, requests)
 
         async def __call__(self, request: Request) -> Response:
             arrived = time.perf_counter()
@@ -418,7 +413,7 @@ def deployment(config: ServeConfig) -> Any:
                 return self._error(400, first_line(exc), arrived)
             parsed.enqueued = time.perf_counter()
             if batching:
-                result = await self._batch(parsed)
+                result = await self.batcher.submit(parsed)
             else:
                 (result,) = await asyncio.to_thread(server.compute, [parsed])
             if isinstance(result, Exception):

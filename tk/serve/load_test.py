@@ -45,7 +45,7 @@ class LoadTestSettings:
 
     clients: int = 16
     max_batch: int = 32  # samples per engine call with batching on
-    max_delay_ms: float = 5.0
+    max_delay_ms: float = 0.0
     threads: int = 2  # engine intra-op threads
     one_client_requests: int = 200
     ingress: str = "haproxy"

@@ -144,6 +144,8 @@ def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float, threads: int
             raise UsageError(
                 f"--tune grid: expected replicas and batches of 1 or more and delays of 0 or more ms, got {replicas}, {batch}, {delay}"
             )
+        if batch == 1 and delay != min(grid.max_delay_ms):
+            continue  # a batch of one never waits for another request: its other delays are the same point
         point = TunePoint(replicas, batch, float(delay), engine_threads=threads or max(1, cpus // replicas))
         if replicas * cpus_per_replica > cpus:
             point.skipped = f"{replicas} x {cpus_per_replica:g} CPUs > {cpus}"
