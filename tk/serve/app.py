@@ -10,9 +10,10 @@ Requests are parsed and checked in ``__call__`` (a bad one is answered 400 there
 reaches the engine), then queued for ``tk.serve.batcher.Batcher``, which batches as Triton's
 scheduler does: a batch forms when the engine is free, from the requests queued by then, up to
 ``max_batch`` samples (a request with several samples counts as several), waiting at most
-``max_delay_ms`` past the oldest request's arrival while it is below that. Requests whose non-batch shapes agree share one engine call; a batch below the
-artifact's batch minimum (a static batch) is padded by repeating its last sample, and each
-request gets exactly its own rows back. Ray Serve's ``max_queued_requests`` turns a full queue
+``max_delay_ms`` past the oldest request's arrival while it is below that. Requests whose
+non-batch shapes agree share one engine call; a batch below the artifact's batch minimum (a
+static batch) is padded by repeating its last sample, and each request gets exactly its own rows
+back. Ray Serve's ``max_queued_requests`` turns a full queue
 into an immediate 503. Metrics are Prometheus text from ``prometheus_client``, kept per replica
 and answered summed over every replica (``tk.serve.stats``).
 
