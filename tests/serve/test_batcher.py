@@ -12,15 +12,18 @@ from tk.serve.batcher import Batcher
 
 
 class Engine:
-    """A blocking batch function that records each batch it ran; ``gate`` holds a call until set."""
+    """A blocking batch function that records each batch it ran; ``gate`` holds a call until set,
+    ``entered`` is set once a call has begun."""
 
     def __init__(self, seconds: float = 0.0) -> None:
         self.seconds = seconds
         self.batches: list[list[int]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
 
     def __call__(self, items: list[int]) -> list[int]:
+        self.entered.set()
         self.gate.wait(timeout=10)
         time.sleep(self.seconds)
         self.batches.append(list(items))
@@ -41,7 +44,7 @@ def test_requests_queued_while_the_engine_runs_form_the_next_batch_in_order():
         batcher = Batcher(engine, max_batch=8)
         engine.gate.clear()
         first = asyncio.ensure_future(batcher.submit(1))
-        await _until(lambda: len(batcher.batch_sizes) == 1)  # the engine took the lone request at once
+        await _until(engine.entered.is_set)  # the engine took the lone request at once
         rest = [asyncio.ensure_future(batcher.submit(i)) for i in range(2, 7)]
         await asyncio.sleep(0.05)
         engine.gate.set()
@@ -125,7 +128,7 @@ def test_a_cancelled_request_is_dropped_and_does_not_stop_the_worker():
         batcher = Batcher(engine, max_batch=8)
         engine.gate.clear()
         first = asyncio.ensure_future(batcher.submit(1))
-        await _until(lambda: len(batcher.batch_sizes) == 1)
+        await _until(engine.entered.is_set)
         gone = asyncio.ensure_future(batcher.submit(2))
         kept = asyncio.ensure_future(batcher.submit(3))
         await asyncio.sleep(0.01)

@@ -31,7 +31,7 @@ def tuning_options(command: Any) -> Any:
             "--tune-delay-ms",
             default="0,5",
             show_default=True,
-            help="--tune: batch delays to try, in ms (comma list; a max batch of 1 is tried at 0 only).",
+            help="--tune: batch delays to try, in ms (comma list; a max batch of 1 is tried at the smallest only).",
         ),
         click.option(
             "--tune-replicas",

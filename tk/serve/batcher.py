@@ -42,7 +42,6 @@ class Batcher(Generic[Item, Result]):
         self._pending: collections.deque[tuple[Item, asyncio.Future[Result], float]] = collections.deque()
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
-        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=1024)  # samples per run, newest last
 
     async def submit(self, item: Item) -> Result:
         """``item``'s result, once the batch it joined has run (its exception, if ``run`` raised)."""
@@ -105,6 +104,4 @@ class Batcher(Generic[Item, Result]):
             self._pending.popleft()
             batch.append((item, future))
             samples += size
-        if batch:
-            self.batch_sizes.append(samples)
         return batch
