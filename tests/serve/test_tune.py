@@ -17,10 +17,13 @@ from tk.errors import UsageError
 from tk.serve.tune import (
     TuneGrid,
     TunePoint,
+    TuneResult,
     apply_settings,
     grid_points,
+    parse_samples,
     read_settings,
     recommend,
+    recommended_settings,
     write_settings,
 )
 
@@ -68,13 +71,58 @@ def test_a_max_batch_of_one_is_tried_at_the_smallest_delay_only():
     assert [(p.max_batch, p.max_delay_ms) for p in points] == [(1, 0.0), (8, 5.0), (8, 0.0)]
 
 
+def test_with_requests_of_several_samples_a_max_batch_of_one_is_batching_off_and_smaller_batches_are_skipped():
+    points = grid_points(TuneGrid([1, 2, 4, 8], [5.0, 0.0], [1]), cpus=2, cpus_per_replica=1.0, largest=4)
+    rows = [(p.max_batch, p.max_delay_ms, p.batching, p.skipped) for p in points]
+    assert rows == [
+        (4, 0.0, False, None),  # each request alone; the max batch takes the largest request
+        (2, 5.0, True, "below the largest request (4 samples)"),
+        (2, 0.0, True, "below the largest request (4 samples)"),
+        (4, 5.0, True, None),
+        (4, 0.0, True, None),
+        (8, 5.0, True, None),
+        (8, 0.0, True, None),
+    ]
+    assert points[0].settings()["batching"] is False
+    single = grid_points(TuneGrid([1, 8], [0.0], [1]), cpus=2, cpus_per_replica=1.0)
+    assert [(p.max_batch, p.batching) for p in single] == [(1, True), (8, True)]
+
+
+def test_tune_samples_are_n_or_a_range():
+    assert parse_samples("1") == (1, 1) and parse_samples("1-4") == (1, 4) and parse_samples(" 3-3 ") == (3, 3)
+    for text in ("0", "4-1", "a", "1-2-3", "", "-1"):
+        with pytest.raises(UsageError, match=f"--tune-samples: expected N or A-B .*got {text!r}"):
+            parse_samples(text)
+
+
+def test_the_settings_written_carry_the_best_points_batching():
+    off = TunePoint(
+        2, 4, 0.0, requests=10, samples_per_s=50.0, p50_ms=1.0, p99_ms=2.0, engine_threads=1, batching=False
+    )
+    on = TunePoint(2, 8, 0.0, requests=10, samples_per_s=40.0, p50_ms=1.0, p99_ms=2.0, engine_threads=1)
+    best, within = recommend([on, off], p99_ms=10)
+    assert best is off and within
+    from tk.runtime import EngineChoice
+    from tk.serve.app import ServeConfig
+
+    base = ServeConfig("art", engine=EngineChoice("onnx"), cpus_per_replica=1.0)
+    settings = recommended_settings(TuneResult([on, off], best, within, 10.0, 2, (1, 4)), base)
+    assert settings == {
+        "replicas": 2, "max_batch": 4, "max_delay_ms": 0.0, "batching": False, "engine_threads": 1,
+        "cpus_per_replica": 1.0,
+    }  # fmt: skip
+    assert apply_settings(base, settings).batching is False
+
+
 def test_each_point_splits_the_cpus_among_its_replicas_unless_threads_are_given(tmp_path):
     from tk.runtime import EngineChoice
     from tk.serve.app import ServeConfig
 
     points = grid_points(TuneGrid([8], [1.0], [1, 2, 3]), cpus=4, cpus_per_replica=1.0)
     assert [(p.replicas, p.engine_threads) for p in points] == [(1, 4), (2, 2), (3, 1)]
-    assert points[1].settings() == {"replicas": 2, "max_batch": 8, "max_delay_ms": 1.0, "engine_threads": 2}
+    assert points[1].settings() == {
+        "replicas": 2, "max_batch": 8, "max_delay_ms": 1.0, "batching": True, "engine_threads": 2,
+    }  # fmt: skip
     fixed = grid_points(TuneGrid([8], [1.0], [1, 2]), cpus=4, cpus_per_replica=1.0, threads=3)
     assert [p.engine_threads for p in fixed] == [3, 3]
     path = tmp_path / "serve.json"
@@ -110,24 +158,30 @@ def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_
     out = tmp_path / "tuned.json"
     tune = subprocess.run(
         [sys.executable, "-m", "tk", "serve", str(art.root), "--tune", "--tune-batch", "1,4", "--tune-delay-ms", "2",
-         "--tune-replicas", "1", "--tune-requests", "24", "--tune-clients", "4", "--tune-budget-s", "240",
+         "--tune-replicas", "1", "--tune-requests", "24", "--tune-clients", "4", "--tune-samples", "1-3",
+         "--tune-budget-s", "240",
          "--p99-ms", "60000", "--threads", "1", "--tune-out", str(out)],
         cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert tune.returncode == 0, tune.stderr[-3000:]
     assert "<- best" in tune.stdout and f"wrote {out}" in tune.stdout, tune.stdout
+    assert "requests of 1-3 samples" in tune.stdout, tune.stdout
     settings = read_settings(out)
-    assert settings["replicas"] == 1 and settings["max_batch"] in (1, 4) and settings["max_delay_ms"] == 2.0
-    assert settings["batching"] is True and settings["engine_threads"] == 1  # --threads 1 fixes every point's
+    # a max batch of 1 with requests of up to 3 samples: batching off, each request alone, a max batch of 3
+    assert (settings["max_batch"], settings["batching"]) in ((3, False), (4, True)), settings
+    assert settings["replicas"] == 1 and settings["max_delay_ms"] == 2.0
+    assert settings["engine_threads"] == 1  # --threads 1 fixes every point's
     rows = [line for line in tune.stdout.splitlines() if "│" in line and ("yes" in line or "no" in line)]
     assert len(rows) == 2, tune.stdout  # both points ran (24 requests each, none failed: the budget is loose)
+    assert sum(" off " in row for row in rows) == 1, tune.stdout
     from tests.serve.conftest import free_port
 
     port = free_port()
     with serve_process.running(str(art.root), "--config", str(out), "--max-delay-ms", "3", "--port", str(port)):
         line = serve_process.text()
-        assert f"max batch {settings['max_batch']}, max delay 3 ms" in line, line  # the file, and the flag wins
+        said = f"max batch {settings['max_batch']}, max delay 3 ms" if settings["batching"] else "no batching"
+        assert said in line, line  # the file, and the flag wins
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/transformer/config", timeout=30) as reply:
             config = json.loads(reply.read())
         assert config["max_batch_size"] == settings["max_batch"]

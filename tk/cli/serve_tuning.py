@@ -43,9 +43,16 @@ def tuning_options(command: Any) -> Any:
             type=int,
             default=200,
             show_default=True,
-            help="--tune: single-sample requests per point.",
+            help="--tune: requests per point.",
         ),
         click.option("--tune-clients", type=int, default=16, show_default=True, help="--tune: concurrent clients."),
+        click.option(
+            "--tune-samples",
+            default="1",
+            show_default=True,
+            help="--tune: samples per request, N or A-B (each request's count drawn from A to B): the sizes your "
+            "clients send. Above 1, a max batch of 1 is the point with batching off.",
+        ),
         click.option(
             "--tune-budget-s",
             type=float,
@@ -108,6 +115,7 @@ def tune_command(
     tune_replicas: str | None,
     tune_requests: int,
     tune_clients: int,
+    tune_samples: str,
     tune_budget_s: float,
     tune_out: Path,
 ) -> None:
@@ -116,7 +124,7 @@ def tune_command(
     from rich.console import Console
     from rich.table import Table
 
-    from tk.serve.tune import TuneGrid, recommended_settings, tune, write_settings
+    from tk.serve.tune import TuneGrid, parse_samples, recommended_settings, tune, write_settings
 
     cpus = os.cpu_count() or 1
     replicas = (
@@ -124,15 +132,20 @@ def tune_command(
         if tune_replicas
         else list(range(1, max(1, int(cpus // max(config.cpus_per_replica, 1e-9))) + 1))
     )
+    samples = parse_samples(tune_samples)
     grid = TuneGrid(
         _numbers("--tune-batch", tune_batch, int), _numbers("--tune-delay-ms", tune_delay_ms, float), replicas
     )
 
     def on_point(point: Any) -> None:
         click.echo(
-            f"replicas {point.replicas} x {point.engine_threads or 'default'} threads, max batch {point.max_batch}, "
-            f"delay {point.max_delay_ms:g} ms: "
-            f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
+            f"replicas {point.replicas} x {point.engine_threads or 'default'} threads, "
+            + (
+                f"max batch {point.max_batch}, delay {point.max_delay_ms:g} ms: "
+                if point.batching
+                else "batching off: "
+            )
+            + f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
             err=True,
         )
 
@@ -142,21 +155,31 @@ def tune_command(
         p99_ms=p99_ms,
         requests=tune_requests,
         clients=tune_clients,
+        samples=samples,
         budget_s=tune_budget_s,
         cpus=cpus,
         on_point=on_point,
     )
-    table = Table(title=f"tk serve --tune: {tune_clients} clients, single-sample requests, p99 budget {p99_ms:g} ms")
+    low, high = samples
+    sizes = (
+        "single-sample requests"
+        if high == 1
+        else f"requests of {low}-{high} samples"
+        if low < high
+        else f"requests of {high} samples"
+    )
+    table = Table(title=f"tk serve --tune: {tune_clients} clients, {sizes}, p99 budget {p99_ms:g} ms")
     columns = ("replicas", "threads", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms")
     for column in (*columns, "fits"):
         table.add_column(column, justify="right")
     for p in result.points:
+        batch, delay = (str(p.max_batch), f"{p.max_delay_ms:g}") if p.batching else ("off", "-")
         if p.skipped is not None:
             table.add_row(
                 str(p.replicas),
                 str(p.engine_threads or "-"),
-                str(p.max_batch),
-                f"{p.max_delay_ms:g}",
+                batch,
+                delay,
                 "-",
                 "-",
                 "-",
@@ -167,7 +190,7 @@ def tune_command(
             continue
         mark = ("yes" if p.fits else "no") + (" <- best" if p is result.best else "")
         table.add_row(
-            str(p.replicas), str(p.engine_threads or "-"), str(p.max_batch), f"{p.max_delay_ms:g}", str(p.requests),
+            str(p.replicas), str(p.engine_threads or "-"), batch, delay, str(p.requests),
             str(p.failed),
             f"{p.samples_per_s:.1f}", f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", mark,
         )  # fmt: skip

@@ -8,9 +8,14 @@ let one replica's Python (HTTP, batching) run while the other computes (benchmar
 
 The tune starts one local Ray instance, then for each point of the grid (replicas × max batch ×
 max delay, replicas limited to what the machine's CPUs hold at ``cpus_per_replica``) deploys the
-app and sends ``requests`` single-sample requests from ``clients`` concurrent ``tritonclient.http``
-clients, each checked for a 200. A point is judged by its samples/s, and fits when no request
-failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
+app and sends ``requests`` requests from ``clients`` concurrent ``tritonclient.http`` clients, each
+checked for a 200. Requests hold one sample each, or (``samples``, ``(low, high)``) a count drawn
+uniformly from that range, seeded, the same at every point: the traffic the server will see, since
+batching that gains with single-sample requests can lose with larger ones (benchmarks/history.md,
+"Serving: requests of several samples"). With requests of up to ``high`` samples, a max batch of 1
+is the point with batching off (each request runs alone, a max batch of ``high``), and a max batch
+between 1 and ``high`` cannot hold every request and is skipped. A point is judged by its
+samples/s, and fits when no request failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
 most samples/s (none fitting: the one with the lowest p99, said so). The whole tune is bounded: at
 most ``MAX_POINTS`` points, and no point starts after ``budget_s`` (points left are reported as
 skipped). Numbers depend on what else the machine runs: tune on the machine that serves.
@@ -120,9 +125,15 @@ class TunePoint:
     skipped: str | None = None  # why it did not run
     fits: bool = False
     engine_threads: int | None = None  # each replica's engine threads (None: the engine's default)
+    batching: bool = True  # False: each request runs alone (the max batch only bounds a request's samples)
 
     def settings(self) -> dict[str, Any]:
-        chosen = {"replicas": self.replicas, "max_batch": self.max_batch, "max_delay_ms": self.max_delay_ms}
+        chosen = {
+            "replicas": self.replicas,
+            "max_batch": self.max_batch,
+            "max_delay_ms": self.max_delay_ms,
+            "batching": self.batching,
+        }
         return chosen | ({"engine_threads": self.engine_threads} if self.engine_threads is not None else {})
 
 
@@ -133,11 +144,27 @@ class TuneResult:
     within_budget: bool  # best met the p99 budget (False: the lowest p99 was chosen instead)
     p99_ms: float
     cpus: int
+    samples: tuple[int, int] = (1, 1)  # the fewest and most samples a request held
 
 
-def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float, threads: int | None = None) -> list[TunePoint]:
+def parse_samples(text: str) -> tuple[int, int]:
+    """``--tune-samples``: ``N`` or ``A-B`` (1 <= A <= B) as ``(A, B)``; ``UsageError`` otherwise."""
+    parts = text.strip().split("-")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        low, high = 0, 0
+    if not 1 <= low <= high:
+        raise UsageError(f"--tune-samples: expected N or A-B samples per request with 1 <= A <= B, got {text!r}")
+    return low, high
+
+
+def grid_points(
+    grid: TuneGrid, cpus: int, cpus_per_replica: float, threads: int | None = None, largest: int = 1
+) -> list[TunePoint]:
     """The grid's points, replicas first; those the CPUs cannot hold are skipped with the reason. Each
-    replica's engine runs ``threads`` threads, or (None) its share of the CPUs: ``cpus // replicas``."""
+    replica's engine runs ``threads`` threads, or (None) its share of the CPUs: ``cpus // replicas``.
+    ``largest``: the most samples a request holds (a max batch of 1 is then batching off; see the module)."""
     points = []
     for replicas, batch, delay in itertools.product(grid.replicas, grid.max_batch, grid.max_delay_ms):
         if replicas < 1 or batch < 1 or not (math.isfinite(delay) and delay >= 0):
@@ -147,6 +174,10 @@ def grid_points(grid: TuneGrid, cpus: int, cpus_per_replica: float, threads: int
         if batch == 1 and delay != min(grid.max_delay_ms):
             continue  # a batch of one never waits for another request: its other delays are the same point
         point = TunePoint(replicas, batch, float(delay), engine_threads=threads or max(1, cpus // replicas))
+        if batch == 1 and largest > 1:
+            point.max_batch, point.batching = largest, False
+        elif batch < largest:
+            point.skipped = f"below the largest request ({largest} samples)"
         if replicas * cpus_per_replica > cpus:
             point.skipped = f"{replicas} x {cpus_per_replica:g} CPUs > {cpus}"
         points.append(point)
@@ -175,6 +206,7 @@ def tune(
     p99_ms: float,
     requests: int = 200,
     clients: int = 16,
+    samples: tuple[int, int] = (1, 1),
     budget_s: float = 300.0,
     cpus: int | None = None,
     on_point: Any = None,
@@ -191,11 +223,19 @@ def tune(
             f"--tune-requests/--tune-clients/--tune-budget-s: expected 1 or more, got {requests}/{clients}/{budget_s}"
         )
     cpus = cpus or os.cpu_count() or 1
-    points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"))
+    low, high = samples
+    points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"), largest=high)
     resolved = resolve(replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(grid.max_batch)))
     sig = _signature(resolved)
+    batch_name = _batch_name(sig)
+    limit = sig.dims.get(batch_name)
+    if limit is not None and high > limit.max:
+        raise UsageError(
+            f"--tune-samples {low}-{high}: this artifact's batch max is {limit.max}; use at most {limit.max}"
+        )
+    counts = np.random.default_rng(0).integers(low, high + 1, size=min(requests, 256))
     feeds = [
-        random_feeds(sig.inputs, {**sig.opt_sizes(), _batch_name(sig): 1}, seed=i) for i in range(min(requests, 256))
+        random_feeds(sig.inputs, {**sig.opt_sizes(), batch_name: int(count)}, seed=i) for i, count in enumerate(counts)
     ]
     load = [feeds[i % len(feeds)] for i in range(requests)]
     deadline = time.monotonic() + budget_s
@@ -222,7 +262,8 @@ def tune(
             point.requests = len(latencies) + len(result.failures)
             point.failed = len(result.failures)
             if latencies:
-                point.samples_per_s = len(latencies) / result.wall_s
+                answered = sum(int(counts[i % len(counts)]) for i in result.latencies)
+                point.samples_per_s = answered / result.wall_s
                 point.p50_ms = float(np.percentile(latencies, 50)) * 1e3
                 point.p99_ms = float(np.percentile(latencies, 99)) * 1e3
             if on_point is not None:
@@ -230,7 +271,7 @@ def tune(
     finally:
         stop(running)
     best, within = recommend(points, p99_ms)
-    return TuneResult(points, best, within, p99_ms, cpus)
+    return TuneResult(points, best, within, p99_ms, cpus, samples)
 
 
 def _signature(config: Any) -> Any:
@@ -264,7 +305,7 @@ def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
 
 
 def recommended_settings(result: TuneResult, base: Any) -> dict[str, Any]:
-    """What ``--tune`` writes: the best point's settings (batching on) with the base's CPUs per replica."""
+    """What ``--tune`` writes: the best point's settings with the base's CPUs per replica."""
     if result.best is None:
         raise UsageError("--tune: expected at least one grid point to run without failures, none did")
-    return {**result.best.settings(), "batching": True, "cpus_per_replica": float(base.cpus_per_replica)}
+    return {**result.best.settings(), "cpus_per_replica": float(base.cpus_per_replica)}
