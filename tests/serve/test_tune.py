@@ -20,7 +20,7 @@ from tk.serve.tune import (
     TuneResult,
     apply_settings,
     grid_points,
-    parse_samples,
+    parse_range,
     read_settings,
     recommend,
     recommended_settings,
@@ -88,11 +88,34 @@ def test_with_requests_of_several_samples_a_max_batch_of_one_is_batching_off_and
     assert [(p.max_batch, p.batching) for p in single] == [(1, True), (8, True)]
 
 
-def test_tune_samples_are_n_or_a_range():
-    assert parse_samples("1") == (1, 1) and parse_samples("1-4") == (1, 4) and parse_samples(" 3-3 ") == (3, 3)
+def test_tune_samples_and_seq_are_n_or_a_range():
+    assert parse_range("--tune-samples", "1") == (1, 1) and parse_range("--tune-seq", "16-128") == (16, 128)
+    assert parse_range("--tune-samples", " 3-3 ") == (3, 3)
     for text in ("0", "4-1", "a", "1-2-3", "", "-1"):
-        with pytest.raises(UsageError, match=f"--tune-samples: expected N or A-B .*got {text!r}"):
-            parse_samples(text)
+        with pytest.raises(UsageError, match=f"--tune-seq: expected N or A-B with 1 <= A <= B, got {text!r}"):
+            parse_range("--tune-seq", text)
+
+
+def test_tune_seq_lengths_are_seeded_within_the_range_and_checked_against_the_artifact():
+    from tk.serve.tune import _lengths
+    from tk.spec import Dim, Signature
+
+    sig = Signature([], [], {"batch": Dim("batch", 1, 8, 32), "seq": Dim("seq", 8, 64, 128)})
+    lengths = _lengths(sig, (16, 128), 200)
+    assert min(lengths) >= 16 and max(lengths) <= 128 and len(set(lengths)) > 50
+    assert lengths == _lengths(sig, (16, 128), 200)  # the same requests at every point and every run
+    with pytest.raises(UsageError, match="--tune-seq 4-128: this artifact takes sequences of 8 to 128"):
+        _lengths(sig, (4, 128), 10)
+    with pytest.raises(UsageError, match="--tune-seq: this artifact has no seq dimension \\(its dimensions: batch\\)"):
+        _lengths(Signature([], [], {"batch": Dim("batch", 1, 8, 32)}), (16, 16), 10)
+
+
+def test_the_tune_table_says_what_was_sent():
+    from tk.cli.serve_tuning import _traffic
+
+    assert _traffic((1, 1), None) == "single-sample requests"
+    assert _traffic((1, 4), (16, 128)) == "requests of 1-4 samples, 16-128 tokens"
+    assert _traffic((2, 2), (64, 64)) == "requests of 2 samples, 64 tokens"
 
 
 def test_the_settings_written_carry_the_best_points_batching():
@@ -158,7 +181,7 @@ def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_
     out = tmp_path / "tuned.json"
     tune = subprocess.run(
         [sys.executable, "-m", "tk", "serve", str(art.root), "--tune", "--tune-batch", "1,4", "--tune-delay-ms", "2",
-         "--tune-replicas", "1", "--tune-requests", "24", "--tune-clients", "4", "--tune-samples", "1-3",
+         "--tune-replicas", "1", "--tune-requests", "24", "--tune-clients", "4", "--tune-samples", "1-3", "--tune-seq", "4-12",
          "--tune-budget-s", "240",
          "--p99-ms", "60000", "--threads", "1", "--tune-out", str(out)],
         cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
@@ -166,7 +189,7 @@ def test_tiny_tune_writes_a_config_that_serve_accepts(exported, tmp_path, serve_
     )  # fmt: skip
     assert tune.returncode == 0, tune.stderr[-3000:]
     assert "<- best" in tune.stdout and f"wrote {out}" in tune.stdout, tune.stdout
-    assert "requests of 1-3 samples" in tune.stdout, tune.stdout
+    assert "requests of 1-3 samples, 4-12 tokens" in tune.stdout, tune.stdout
     settings = read_settings(out)
     # a max batch of 1 with requests of up to 3 samples: batching off, each request alone, a max batch of 3
     assert (settings["max_batch"], settings["batching"]) in ((3, False), (4, True)), settings

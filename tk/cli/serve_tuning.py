@@ -54,6 +54,13 @@ def tuning_options(command: Any) -> Any:
             "clients send. Above 1, a max batch of 1 is the point with batching off.",
         ),
         click.option(
+            "--tune-seq",
+            default=None,
+            metavar="N|A-B",
+            help="--tune: tokens per sample, N or A-B (each request's length drawn from A to B; default the "
+            "artifact's opt). Requests of different lengths never share an engine call.",
+        ),
+        click.option(
             "--tune-budget-s",
             type=float,
             default=300.0,
@@ -116,6 +123,7 @@ def tune_command(
     tune_requests: int,
     tune_clients: int,
     tune_samples: str,
+    tune_seq: str | None,
     tune_budget_s: float,
     tune_out: Path,
 ) -> None:
@@ -124,7 +132,7 @@ def tune_command(
     from rich.console import Console
     from rich.table import Table
 
-    from tk.serve.tune import TuneGrid, parse_samples, recommended_settings, tune, write_settings
+    from tk.serve.tune import TuneGrid, parse_range, recommended_settings, tune, write_settings
 
     cpus = os.cpu_count() or 1
     replicas = (
@@ -132,7 +140,8 @@ def tune_command(
         if tune_replicas
         else list(range(1, max(1, int(cpus // max(config.cpus_per_replica, 1e-9))) + 1))
     )
-    samples = parse_samples(tune_samples)
+    samples = parse_range("--tune-samples", tune_samples)
+    seq = parse_range("--tune-seq", tune_seq) if tune_seq is not None else None
     grid = TuneGrid(
         _numbers("--tune-batch", tune_batch, int), _numbers("--tune-delay-ms", tune_delay_ms, float), replicas
     )
@@ -156,18 +165,12 @@ def tune_command(
         requests=tune_requests,
         clients=tune_clients,
         samples=samples,
+        seq=seq,
         budget_s=tune_budget_s,
         cpus=cpus,
         on_point=on_point,
     )
-    low, high = samples
-    sizes = (
-        "single-sample requests"
-        if high == 1
-        else f"requests of {low}-{high} samples"
-        if low < high
-        else f"requests of {high} samples"
-    )
+    sizes = _traffic(samples, seq)
     table = Table(title=f"tk serve --tune: {tune_clients} clients, {sizes}, p99 budget {p99_ms:g} ms")
     columns = ("replicas", "threads", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms")
     for column in (*columns, "fits"):
@@ -202,3 +205,13 @@ def tune_command(
         f"recommended: {', '.join(f'{k} {v}' for k, v in settings.items())}{verdict}; wrote {tune_out} "
         f"(tk serve ARTIFACT --config {tune_out})"
     )
+
+
+def _traffic(samples: tuple[int, int], seq: tuple[int, int] | None) -> str:
+    """What the tune sent, in words: "requests of 1-4 samples, 16-128 tokens"."""
+
+    def span(bounds: tuple[int, int]) -> str:
+        return f"{bounds[0]}-{bounds[1]}" if bounds[0] < bounds[1] else str(bounds[0])
+
+    words = "single-sample requests" if samples == (1, 1) else f"requests of {span(samples)} samples"
+    return words + (f", {span(seq)} tokens" if seq is not None else "")

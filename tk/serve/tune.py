@@ -14,7 +14,9 @@ uniformly from that range, seeded, the same at every point: the traffic the serv
 batching that gains with single-sample requests can lose with larger ones (benchmarks/history.md,
 "Serving: requests of several samples"). With requests of up to ``high`` samples, a max batch of 1
 is the point with batching off (each request runs alone, a max batch of ``high``), and a max batch
-between 1 and ``high`` cannot hold every request and is skipped. A point is judged by its
+between 1 and ``high`` cannot hold every request and is skipped. Sequences are the artifact's opt
+length, or (``seq``) lengths drawn from a range: requests of different lengths never share an
+engine call (``tk.serve.app``), so traffic of many lengths gains less from batching. A point is judged by its
 samples/s, and fits when no request failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
 most samples/s (none fitting: the one with the lowest p99, said so). The whole tune is bounded: at
 most ``MAX_POINTS`` points, and no point starts after ``budget_s`` (points left are reported as
@@ -145,17 +147,18 @@ class TuneResult:
     p99_ms: float
     cpus: int
     samples: tuple[int, int] = (1, 1)  # the fewest and most samples a request held
+    seq: tuple[int, int] | None = None  # the shortest and longest sequence (None: the artifact's opt)
 
 
-def parse_samples(text: str) -> tuple[int, int]:
-    """``--tune-samples``: ``N`` or ``A-B`` (1 <= A <= B) as ``(A, B)``; ``UsageError`` otherwise."""
+def parse_range(flag: str, text: str) -> tuple[int, int]:
+    """``--tune-samples`` or ``--tune-seq``: ``N`` or ``A-B`` (1 <= A <= B) as ``(A, B)``; ``UsageError`` otherwise."""
     parts = text.strip().split("-")
     try:
         low, high = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
     except ValueError:
         low, high = 0, 0
     if not 1 <= low <= high:
-        raise UsageError(f"--tune-samples: expected N or A-B samples per request with 1 <= A <= B, got {text!r}")
+        raise UsageError(f"{flag}: expected N or A-B with 1 <= A <= B, got {text!r}")
     return low, high
 
 
@@ -207,6 +210,7 @@ def tune(
     requests: int = 200,
     clients: int = 16,
     samples: tuple[int, int] = (1, 1),
+    seq: tuple[int, int] | None = None,
     budget_s: float = 300.0,
     cpus: int | None = None,
     on_point: Any = None,
@@ -233,10 +237,13 @@ def tune(
         raise UsageError(
             f"--tune-samples {low}-{high}: this artifact's batch max is {limit.max}; use at most {limit.max}"
         )
-    counts = np.random.default_rng(0).integers(low, high + 1, size=min(requests, 256))
-    feeds = [
-        random_feeds(sig.inputs, {**sig.opt_sizes(), batch_name: int(count)}, seed=i) for i, count in enumerate(counts)
-    ]
+    distinct = min(requests, 256)
+    counts = np.random.default_rng(0).integers(low, high + 1, size=distinct)
+    sizes = [{**sig.opt_sizes(), batch_name: int(count)} for count in counts]
+    if seq is not None:
+        for size, length in zip(sizes, _lengths(sig, seq, distinct), strict=True):
+            size["seq"] = length
+    feeds = [random_feeds(sig.inputs, size, seed=i) for i, size in enumerate(sizes)]
     load = [feeds[i % len(feeds)] for i in range(requests)]
     deadline = time.monotonic() + budget_s
     runnable = [p for p in points if p.skipped is None]
@@ -271,7 +278,21 @@ def tune(
     finally:
         stop(running)
     best, within = recommend(points, p99_ms)
-    return TuneResult(points, best, within, p99_ms, cpus, samples)
+    return TuneResult(points, best, within, p99_ms, cpus, samples, seq)
+
+
+def _lengths(sig: Any, seq: tuple[int, int], count: int) -> list[int]:
+    """``count`` sequence lengths drawn from ``seq`` (seeded); ``UsageError`` where the artifact has no
+    ``seq`` dimension or takes no such lengths."""
+    dim = sig.dims.get("seq")
+    if dim is None:
+        raise UsageError(
+            f"--tune-seq: this artifact has no seq dimension (its dimensions: {', '.join(sig.dims) or 'none'})"
+        )
+    low, high = seq
+    if low < dim.min or high > dim.max:
+        raise UsageError(f"--tune-seq {low}-{high}: this artifact takes sequences of {dim.min} to {dim.max}")
+    return [int(n) for n in np.random.default_rng(1).integers(low, high + 1, size=count)]
 
 
 def _signature(config: Any) -> Any:
