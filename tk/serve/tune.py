@@ -15,9 +15,9 @@ batching that gains with single-sample requests can lose with larger ones (bench
 "Serving: requests of several samples"). With requests of up to ``high`` samples, a max batch of 1
 is the point with batching off (each request runs alone, a max batch of ``high``), and a max batch
 between 1 and ``high`` cannot hold every request and is skipped. Sequences are the artifact's opt
-length, or (``seq``) lengths drawn from a range: requests of different lengths never share an
-engine call (``tk.serve.app``), so traffic of many lengths gains less from batching. A point is judged by its
-samples/s, and fits when no request failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
+length, or (``seq``) lengths drawn from a range, since requests of different lengths never share
+an engine call (``tk.serve.app``). A point is judged by its samples/s, and fits when no request
+failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
 most samples/s (none fitting: the one with the lowest p99, said so). The whole tune is bounded: at
 most ``MAX_POINTS`` points, and no point starts after ``budget_s`` (points left are reported as
 skipped). Numbers depend on what else the machine runs: tune on the machine that serves.
