@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +41,21 @@ def test_a_batch_of_requests_gives_each_its_own_rows(exported, eager_outputs, dy
     ]
     if not dynamic:
         requests = requests[:3]  # 6 samples: padded to the static batch of 8
+    for request in requests:
+        request.enqueued = time.perf_counter()
     results = server.compute(requests)
     for request, result in zip(requests, results, strict=True):
         assert not isinstance(result, Exception), result
         expected = eager_outputs(art.spec, request.feeds)["logits"]
         assert result["logits"].shape == expected.shape == (request.samples, 2)
         np.testing.assert_allclose(result["logits"], expected, rtol=rtol, atol=atol)
+    # Triton's counts: inferences are the samples clients sent (not the static batch's padding), one
+    # execution per engine call (one per sequence length here)
+    assert server.stats.inference_count == sum(r.samples for r in requests)
+    assert server.stats.execution_count == len({r.shape_key for r in requests})
+    if dynamic:  # the second group (seq 9) queued while the first (seq 16) ran: its queue time holds that call
+        first, second = requests[0], requests[2]
+        assert second.phase_ns["queue"] >= first.phase_ns["infer"] > 0
 
 
 def test_resolve_refuses_what_the_artifact_cannot_take(exported):
@@ -59,6 +69,36 @@ def test_resolve_refuses_what_the_artifact_cannot_take(exported):
         resolve(ServeConfig(str(art.root), replicas=0))
     with pytest.raises(UsageError, match="--request-timeout: expected a finite number of seconds"):
         resolve(ServeConfig(str(art.root), request_timeout_s=float("nan")))
+    for share in (float("nan"), float("inf"), 1e-5, -1.0):  # Ray schedules no finer fraction than 1e-4
+        with pytest.raises(UsageError, match=f"--cpus-per-replica: expected 0 or a finite 0.0001 or more, got {share}"):
+            resolve(ServeConfig(str(art.root), cpus_per_replica=share))
+    with pytest.raises(UsageError, match="--gpus-per-replica: expected 0 or a finite"):
+        resolve(ServeConfig(str(art.root), gpus_per_replica=float("nan")))
+
+
+def test_outputs_without_the_batch_first_cannot_be_split_per_request_and_are_refused():
+    from tk.serve.app import require_batch_first_outputs
+    from tk.spec import Dim, Signature, TensorSpec
+
+    inputs = [TensorSpec("x", "float32", ("batch", 4))]
+    dims = {"batch": Dim("batch", 1, 4, 8)}
+    require_batch_first_outputs(Signature(inputs, [TensorSpec("y", "float32", ("batch", 2))], dims))
+    for shape in ((2, "batch"), ()):
+        with pytest.raises(UsageError, match=r"expected every output to hold the batch dimension 'batch' first"):
+            require_batch_first_outputs(Signature(inputs, [TensorSpec("y", "float32", shape)], dims))
+
+
+def test_replicas_that_the_local_ray_cannot_place_are_refused_not_waited_for():
+    from tk.serve.app import require_room
+
+    require_room(ServeConfig("art", replicas=2, cpus_per_replica=1.0), {"CPU": 2.0})
+    require_room(ServeConfig("art", replicas=4, cpus_per_replica=0.5), {"CPU": 2.0})
+    with pytest.raises(
+        UsageError, match=r"--replicas 3 x --cpus-per-replica 1: expected at most 2 CPUs in all .*got 3"
+    ):
+        require_room(ServeConfig("art", replicas=3, cpus_per_replica=1.0), {"CPU": 2.0})
+    with pytest.raises(UsageError, match=r"--replicas 1 x --gpus-per-replica 1: expected at most 0 GPUs in all"):
+        require_room(ServeConfig("art", gpus_per_replica=1.0), {"CPU": 2.0})  # no GPU in Ray's resources
 
 
 def test_serve_command_refuses_bad_options_in_one_line(exported):

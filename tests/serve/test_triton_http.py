@@ -137,6 +137,32 @@ def test_failed_requests_are_counted(server):
     assert after["inference_stats"]["fail"]["count"] - before == 1
 
 
+def test_compressed_requests_as_tritonclient_sends_them(server, eager_outputs):
+    import gzip
+    import json
+    import urllib.error
+    import urllib.request
+
+    art, config = server
+    rtol, atol, _ = artifact_tolerance(art.manifest.precision, art.manifest.model)
+    feeds = random_feeds(art.manifest.signature.inputs, {"batch": 2, "seq": 8}, seed=7)
+    expected = eager_outputs(art.spec, feeds)["logits"]
+    for algorithm in ("gzip", "deflate"):
+        reply = client(config).infer(MODEL, infer_inputs(feeds), request_compression_algorithm=algorithm)
+        np.testing.assert_allclose(reply.as_numpy("logits"), expected, rtol=rtol, atol=atol)
+    body = json.dumps({"inputs": [
+        {"name": n, "shape": list(a.shape), "datatype": "INT64", "data": a.reshape(-1).tolist()} for n, a in feeds.items()
+    ]}).encode()  # fmt: skip
+    url = f"http://127.0.0.1:{config.port}/v2/models/{MODEL}/infer"
+    request = urllib.request.Request(url, data=gzip.compress(body), headers={"Content-Encoding": "br"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    assert refused.value.code == 415
+    assert json.loads(refused.value.read()) == {
+        "error": "header Content-Encoding: expected gzip, deflate or identity, got 'br'"
+    }
+
+
 def test_metrics_sum_over_replicas(server):
     art, config = server
     import urllib.request

@@ -46,6 +46,13 @@ def test_settings_round_trip_and_refusals(tmp_path):
             read_settings(path)
     with pytest.raises(UsageError, match="readable JSON file"):
         read_settings(tmp_path / "missing.json")
+    path.write_bytes(b"\x89PNG\r\n\x1a\n")  # a file that is no text
+    with pytest.raises(UsageError, match=r"--config .*expected a UTF-8 JSON file of settings, got 'utf-8' codec"):
+        read_settings(path)
+    for text, shown in (("NaN", "NaN"), ("1e400", "Infinity"), ("1" + "0" * 400, "an integer of over 30 digits")):
+        path.write_text('{"max_delay_ms": ' + text + "}")
+        with pytest.raises(UsageError, match=f"--config .*max_delay_ms: expected a finite float, got {shown}"):
+            read_settings(path)
     assert read_settings(_write(tmp_path, {"max_delay_ms": 3})) == {"max_delay_ms": 3.0}  # an int is a float
 
 
@@ -116,6 +123,31 @@ def test_the_tune_table_says_what_was_sent():
     assert _traffic((1, 1), None) == "single-sample requests"
     assert _traffic((1, 4), (16, 128)) == "requests of 1-4 samples, 16-128 tokens"
     assert _traffic((2, 2), (64, 64)) == "requests of 2 samples, 64 tokens"
+
+
+def test_a_grid_above_the_artifacts_batch_max_is_refused_before_ray_starts(exported):
+    from tk.runtime import EngineChoice
+    from tk.serve.app import ServeConfig
+    from tk.serve.tune import tune
+
+    art = exported("transformer", ("onnx",))  # batch max 64
+    base = ServeConfig(str(art.root), engine=EngineChoice("onnx"))
+    with pytest.raises(UsageError, match="no point fits this machine's CPUs and this artifact's batch max"):
+        tune(base, TuneGrid([128, 256], [0.0], [1]), p99_ms=100, cpus=2)
+    with pytest.raises(UsageError, match="--tune-samples 1-65: this artifact's batch max is 64"):
+        tune(base, TuneGrid([8], [0.0], [1]), p99_ms=100, cpus=2, samples=(1, 65))
+
+
+def test_tune_refuses_a_cluster_address_and_counts_replicas_of_no_cpus_as_whole_ones(exported):
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+    from tk.cli.serve_tuning import _share
+
+    art = exported("transformer", ("onnx",))
+    result = CliRunner().invoke(cli, ["serve", str(art.root), "--tune", "--address", "ray://10.0.0.1:10001"])
+    assert result.exit_code == 2 and "--tune: expected a local Ray instance of its own" in result.stderr, result.stderr
+    assert _share(0.0) == 1.0 and _share(0.5) == 0.5  # --cpus-per-replica 0: replicas 1..cpus, not 1..2e9
 
 
 def test_the_settings_written_carry_the_best_points_batching():

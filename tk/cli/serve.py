@@ -117,6 +117,13 @@ def serve_cmd(
 
     config = with_settings(config, tuning.pop("config_file"))
     if tuning.pop("tune"):
+        from tk.errors import UsageError
+
+        if address:
+            raise UsageError(
+                f"--tune: expected a local Ray instance of its own (it starts one), got --address {address}; "
+                "tune on a machine like those that will serve, without --address"
+            )
         tune_command(config, **tuning)
         return
 

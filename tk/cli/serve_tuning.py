@@ -138,7 +138,7 @@ def tune_command(
     replicas = (
         _numbers("--tune-replicas", tune_replicas, int)
         if tune_replicas
-        else list(range(1, max(1, int(cpus // max(config.cpus_per_replica, 1e-9))) + 1))
+        else list(range(1, max(1, int(cpus // _share(config.cpus_per_replica))) + 1))
     )
     samples = parse_range("--tune-samples", tune_samples)
     seq = parse_range("--tune-seq", tune_seq) if tune_seq is not None else None
@@ -215,3 +215,9 @@ def _traffic(samples: tuple[int, int], seq: tuple[int, int] | None) -> str:
 
     words = "single-sample requests" if samples == (1, 1) else f"requests of {span(samples)} samples"
     return words + (f", {span(seq)} tokens" if seq is not None else "")
+
+
+def _share(cpus_per_replica: float) -> float:
+    """The CPUs a replica is counted at when ``--tune-replicas`` is not given: its share, or a whole CPU
+    where it asks for none (replicas of no CPUs would otherwise fit without end)."""
+    return cpus_per_replica if cpus_per_replica > 0 else 1.0

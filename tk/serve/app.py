@@ -61,8 +61,10 @@ from tk.serve.protocol import (
     InferRequest,
     NonFiniteOutputError,
     RequestTooLarge,
+    UnsupportedEncoding,
     check_model_name,
     declared_length,
+    decoded_body,
     default_model_name,
     encode_infer_response,
     error_body,
@@ -82,6 +84,7 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "tk-serve"
 DEFAULT_PORT = 8000
+MIN_SHARE = 1e-4  # the finest fraction of a CPU or GPU Ray schedules
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class ServeConfig:
 def resolve(config: ServeConfig) -> ServeConfig:
     """Check ``config`` against the artifact and fill in its defaults; raises ``UsageError``."""
     manifest = verify_artifact(config.artifact)
+    require_batch_first_outputs(manifest.signature)
     batch = manifest.signature.dims.get(sample_dim(manifest.signature.inputs))
     limit = batch.max if batch is not None else None
     max_batch = config.max_batch if config.max_batch is not None else (limit or 8)
@@ -124,10 +128,12 @@ def resolve(config: ServeConfig) -> ServeConfig:
         raise UsageError(f"--replicas: expected 1 or more, got {config.replicas}")
     if not (math.isfinite(config.max_delay_ms) and config.max_delay_ms >= 0):
         raise UsageError(f"--max-delay-ms: expected a finite 0 or more, got {config.max_delay_ms}")
-    if config.cpus_per_replica < 0 or config.gpus_per_replica < 0:
-        raise UsageError(
-            f"--cpus-per-replica/--gpus-per-replica: expected 0 or more, got {config.cpus_per_replica}/{config.gpus_per_replica}"
-        )
+    for flag, share in (
+        ("--cpus-per-replica", config.cpus_per_replica),
+        ("--gpus-per-replica", config.gpus_per_replica),
+    ):
+        if not (math.isfinite(share) and (share == 0 or share >= MIN_SHARE)):  # Ray refuses finer fractions
+            raise UsageError(f"{flag}: expected 0 or a finite {MIN_SHARE:g} or more, got {share}")
     # what a replica's load would refuse (engine missing here, format absent, failed check, a bad option),
     # refused now in one line: constructing the engine runs those checks and loads nothing
     open_engine(config.artifact, config.engine, manifest=manifest)
@@ -161,6 +167,18 @@ def resolve(config: ServeConfig) -> ServeConfig:
             "ingress": ingress,
         }
     )
+
+
+def require_batch_first_outputs(signature: Any) -> None:
+    """``UsageError`` unless every output holds the inputs' batch dimension first: a batch's outputs are
+    split back into each request's own rows along axis 0."""
+    batch = sample_dim(signature.inputs)
+    for spec in signature.outputs:
+        if not spec.shape or spec.shape[0] != batch:
+            raise UsageError(
+                f"tk serve: expected every output to hold the batch dimension {batch!r} first (each request gets "
+                f"its own rows of it), got output {spec.name!r} of shape {list(spec.shape)}"
+            )
 
 
 class Metrics:
@@ -269,10 +287,6 @@ class ModelServer:
 
     def compute(self, requests: list[InferRequest]) -> list[dict[str, np.ndarray] | Exception]:
         """Run a batch of checked requests: one engine call per group of equal non-batch shapes."""
-        started = time.perf_counter()
-        for request in requests:
-            self.metrics.queue.observe(started - request.enqueued)
-            request.phase_ns["queue"] = int((started - request.enqueued) * 1e9)
         self.metrics.batch_requests.observe(len(requests))
         results: list[dict[str, np.ndarray] | Exception] = [RuntimeError("not run")] * len(requests)
         groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
@@ -281,7 +295,7 @@ class ModelServer:
         for indices in groups.values():
             members = [requests[i] for i in indices]
             try:
-                outputs, input_ns, infer_ns = self._run_group(members)
+                outputs, input_ns, infer_ns, began = self._run_group(members)
             except Exception as exc:  # one failed call fails its own requests only
                 log.exception("engine call failed")
                 for i in indices:
@@ -289,7 +303,11 @@ class ModelServer:
                 continue
             start = 0
             for i, request in zip(indices, members, strict=True):
-                request.phase_ns |= {"input": input_ns, "infer": infer_ns}
+                # queued: from the batcher's queue until the engine began on it, but for gathering its inputs
+                # (the engine's lock and earlier groups of the same batch included)
+                queue_ns = max(0, int((began - request.enqueued) * 1e9) - input_ns)
+                self.metrics.queue.observe(queue_ns / 1e9)
+                request.phase_ns |= {"queue": queue_ns, "input": input_ns, "infer": infer_ns}
                 stop = start + request.samples
                 results[i] = {
                     name: value[start:stop] for name, value in outputs.items()
@@ -297,8 +315,9 @@ class ModelServer:
                 start = stop
         return results
 
-    def _run_group(self, members: list[InferRequest]) -> tuple[dict[str, np.ndarray], int, int]:
-        """The group's outputs, and the ns spent gathering its inputs and in the engine."""
+    def _run_group(self, members: list[InferRequest]) -> tuple[dict[str, np.ndarray], int, int, float]:
+        """The group's outputs, the ns spent gathering its inputs and in the engine, and when the
+        engine began (``perf_counter``)."""
         gathering = time.perf_counter()
         count = sum(r.samples for r in members)
         feeds = {}
@@ -308,14 +327,15 @@ class ModelServer:
                 parts.append(np.repeat(parts[-1][-1:], self.min_batch - count, axis=0))
             feeds[spec.name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self.metrics.batch.observe(count)
+        gathered = time.perf_counter()
         with self._engine_lock:
             started = time.perf_counter()
             outputs = self.engine.run(feeds, check=False)  # every request was checked in parse
             finished = time.perf_counter()
             self.metrics.compute.observe(finished - started)
-        input_ns, infer_ns = int((started - gathering) * 1e9), int((finished - started) * 1e9)
-        self.stats.executed(max(count, self.min_batch), input_ns, infer_ns)
-        return {name: np.asarray(value) for name, value in outputs.items()}, input_ns, infer_ns
+        input_ns, infer_ns = int((gathered - gathering) * 1e9), int((finished - started) * 1e9)
+        self.stats.executed(max(count, self.min_batch), input_ns, infer_ns, samples=count)
+        return {name: np.asarray(value) for name, value in outputs.items()}, input_ns, infer_ns, started
 
     def route(self, method: str, path: str) -> str:
         """Which handler a request goes to: live, ready, server, model, model_ready, infer, config,
@@ -406,10 +426,12 @@ def deployment(config: ServeConfig) -> Any:
             if kind != "infer":
                 return await _answer_other(kind, request, server, self.pusher)
             try:
-                body = await _read_body(request, max_bytes)
+                body = decoded_body(await _read_body(request, max_bytes), request.headers, max_bytes)
                 parsed = server.parse(body, request.headers)
             except RequestTooLarge as exc:
                 return self._error(413, first_line(exc), arrived)
+            except UnsupportedEncoding as exc:
+                return self._error(415, first_line(exc), arrived)
             except TkError as exc:
                 return self._error(400, first_line(exc), arrived)
             parsed.enqueued = time.perf_counter()
@@ -536,6 +558,8 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
     owns_serve = connection.local or not serve_is_running()
     running = RunningServer(config, connection, owns_serve, state_dir, ports or {}, watcher)
     try:
+        if connection.local:  # Serve would wait forever for replicas this machine cannot place
+            require_room(config, ray.cluster_resources())
         serve.start(
             http_options={"host": config.host, "port": config.port, "request_timeout_s": config.request_timeout_s}
         )
@@ -545,6 +569,20 @@ def start(config: ServeConfig, *, address: str | None = None, num_cpus: int | No
         _shutdown(running)
         raise
     return running
+
+
+def require_room(config: ServeConfig, resources: Mapping[str, float]) -> None:
+    """``UsageError`` unless ``config``'s replicas fit ``resources`` (Ray's ``cluster_resources()``)."""
+    for flag, share, kind in (
+        ("--cpus-per-replica", config.cpus_per_replica, "CPU"),
+        ("--gpus-per-replica", config.gpus_per_replica, "GPU"),
+    ):
+        needed, present = config.replicas * share, float(resources.get(kind, 0.0))
+        if needed > present + 1e-9:
+            raise UsageError(
+                f"--replicas {config.replicas} x {flag} {share:g}: expected at most {present:g} {kind}s in all "
+                f"(what this machine's Ray has), got {needed:g}; use fewer replicas or a smaller share"
+            )
 
 
 def _wait_until_ready(running: RunningServer, timeout_s: float = 30.0) -> None:

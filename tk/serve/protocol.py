@@ -134,6 +134,40 @@ class RequestTooLarge(TkError):
     """A request body over the server's limit (answered 413)."""
 
 
+class UnsupportedEncoding(TkError):
+    """A request body in a ``Content-Encoding`` the server does not decode (answered 415)."""
+
+
+# Content-Encoding -> zlib's wbits: what tritonclient's request_compression_algorithm sends (gzip.compress,
+# zlib.compress) and Triton's server decodes
+ENCODINGS = {"gzip": 16 + 15, "deflate": 15}
+
+
+def decoded_body(body: bytes, headers: Mapping[str, str], limit: int) -> bytes:
+    """``body`` decompressed per its ``Content-Encoding`` (gzip, deflate, identity), never past ``limit``
+    bytes (``RequestTooLarge``: a small body may inflate a thousandfold); ``InputError`` for a damaged one."""
+    import zlib
+
+    encoding = next((v for k, v in headers.items() if k.lower() == "content-encoding"), "").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    wbits = ENCODINGS.get(encoding)
+    if wbits is None:
+        raise UnsupportedEncoding(
+            f"header Content-Encoding: expected gzip, deflate or identity, got {_short(encoding)}"
+        )
+    inflate = zlib.decompressobj(wbits)
+    try:
+        out = inflate.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InputError(f"Content-Encoding {encoding}: the body is not {encoding} data ({exc})") from None
+    if len(out) > limit or inflate.unconsumed_tail:
+        raise too_large(f"more than {limit} (decompressed)", limit)
+    if not inflate.eof:
+        raise InputError(f"Content-Encoding {encoding}: the body ends before its compressed stream does")
+    return out
+
+
 def too_large(size: int | str, limit: int) -> RequestTooLarge:
     return RequestTooLarge(
         f"request body of {size} bytes is over this server's limit of {limit} bytes "
@@ -276,6 +310,14 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
     except ValueError as exc:
         raise InputError(f'{prefix}: "data" is not a regular array ({exc})') from None
     kinds = {"INT64": "iu", "INT32": "iu", "BOOL": "b"}.get(expected, "iuf")
+    if raw.size and raw.dtype.kind == "O" and dtype.kind in "iu":  # numpy keeps integers past uint64 as objects
+        info = np.iinfo(dtype)
+        flat = raw.reshape(-1).tolist()
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+            bad = next(v for v in flat if not info.min <= v <= info.max)
+            raise InputError(
+                f"{prefix}: value {_short(bad)} is outside the range of {expected} ({info.min} to {info.max})"
+            )
     if raw.size and raw.dtype.kind not in kinds:
         what = {"iu": "integers", "b": "true/false values", "iuf": "numbers"}[kinds]
         raise InputError(f"{prefix}: expected {what} for datatype {expected}, got {raw.dtype.kind!r}-kind values")

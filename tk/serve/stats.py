@@ -56,11 +56,12 @@ class InferenceStats:
         self.phases = {phase: _zero() for phase in PHASES}
         self.batches: dict[int, dict[str, dict[str, int]]] = {}  # batch size -> compute phases
 
-    def executed(self, batch_size: int, input_ns: int, infer_ns: int) -> None:
-        """One engine call over ``batch_size`` samples."""
+    def executed(self, batch_size: int, input_ns: int, infer_ns: int, samples: int | None = None) -> None:
+        """One engine call over ``batch_size`` samples, of which ``samples`` (default all) came from
+        clients: the rest pad a batch below the engine's minimum, and are not inferences (Triton's count)."""
         with self._lock:
             self.execution_count += 1
-            self.inference_count += batch_size
+            self.inference_count += batch_size if samples is None else samples
             entry = self.batches.setdefault(
                 batch_size, {p: _zero() for p in ("compute_input", "compute_infer", "compute_output")}
             )

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tk.errors import UsageError
+from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
 from tk.serve.load import send_requests
 
@@ -71,6 +71,8 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"--config {path}: expected a readable JSON file, got {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--config {path}: expected JSON, got an error at line {exc.lineno}: {exc.msg}") from None
+    except ValueError as exc:  # not UTF-8 text (a model file, say), or an integer past Python's digit limit
+        raise UsageError(f"--config {path}: expected a UTF-8 JSON file of settings, got {first_line(exc)}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a JSON object of settings, got {type(data).__name__}")
     settings: dict[str, Any] = {}
@@ -83,8 +85,17 @@ def read_settings(path: str | Path) -> dict[str, Any]:
             if kind is bool
             else isinstance(value, kind if kind is not float else (int, float)) and not isinstance(value, bool)
         )
+        if ok and kind is float:
+            ok = math.isfinite(float(value)) if abs(value) < 1e308 else False  # an int past float's range, NaN, inf
         if not ok:
-            raise UsageError(f"--config {path}: {key}: expected {kind.__name__}, got {json.dumps(value)}")
+            shown = (
+                json.dumps(value)
+                if not isinstance(value, int) or abs(value) < 10**30
+                else "an integer of over 30 digits"
+            )
+            raise UsageError(
+                f"--config {path}: {key}: expected {'a finite ' if kind is float else ''}{kind.__name__}, got {shown}"
+            )
         settings[key] = kind(value)
     return settings
 
@@ -228,15 +239,29 @@ def tune(
         )
     cpus = cpus or os.cpu_count() or 1
     low, high = samples
-    points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"), largest=high)
-    resolved = resolve(replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(grid.max_batch)))
-    sig = _signature(resolved)
+    sig = _signature(base)
     batch_name = _batch_name(sig)
     limit = sig.dims.get(batch_name)
     if limit is not None and high > limit.max:
         raise UsageError(
             f"--tune-samples {low}-{high}: this artifact's batch max is {limit.max}; use at most {limit.max}"
         )
+    points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"), largest=high)
+    for point in points:
+        if point.skipped is None and limit is not None and point.max_batch > limit.max:
+            point.skipped = f"above this artifact's batch max ({limit.max})"
+    runnable = [p for p in points if p.skipped is None]
+    if not runnable:
+        raise UsageError("--tune grid: no point fits this machine's CPUs and this artifact's batch max")
+    resolved = resolve(
+        replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(p.max_batch for p in runnable))
+    )
+
+    def settings_of(point: TunePoint) -> Any:
+        # what a point's max batch implies (requests held, the largest body) follows it, as it will when served
+        unresolved = replace(resolved, max_ongoing=base.max_ongoing, max_request_bytes=base.max_request_bytes)
+        return resolve(apply_settings(unresolved, point.settings()))
+
     distinct = min(requests, 256)
     counts = np.random.default_rng(0).integers(low, high + 1, size=distinct)
     sizes = [{**sig.opt_sizes(), batch_name: int(count)} for count in counts]
@@ -246,25 +271,27 @@ def tune(
     feeds = [random_feeds(sig.inputs, size, seed=i) for i, size in enumerate(sizes)]
     load = [feeds[i % len(feeds)] for i in range(requests)]
     deadline = time.monotonic() + budget_s
-    runnable = [p for p in points if p.skipped is None]
-    if not runnable:
-        raise UsageError("--tune grid: no point fits this machine's CPUs")
     first = runnable[0]
-    running = start(apply_settings(resolved, first.settings()), num_cpus=cpus)
+    running = start(settings_of(first), num_cpus=cpus)
     try:
-        current = running.config
         for point in points:
             if point.skipped is not None:
                 continue
             if time.monotonic() > deadline:
                 point.skipped = f"time budget of {budget_s:g} s spent"
                 continue
-            config = resolve(apply_settings(current, point.settings()))
+            config = settings_of(point)
             if point is not first:
                 redeploy(config)
             model = str(config.name)
             send_requests(config.port, model, load[: min(len(load), 2 * clients)], clients, deadline=deadline)  # warm
             result = send_requests(config.port, model, load, clients, deadline=deadline)
+            sent = len(result.latencies) + len(result.failures)
+            if sent < len(load):  # the deadline came during this point: its numbers are not the others'
+                point.skipped = (
+                    f"time budget of {budget_s:g} s spent during this point ({sent} of {len(load)} requests)"
+                )
+                continue
             latencies = sorted(result.latencies.values())
             point.requests = len(latencies) + len(result.failures)
             point.failed = len(result.failures)
