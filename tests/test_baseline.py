@@ -108,10 +108,39 @@ def test_engines_and_shapes_that_differ() -> None:
     gate = accuracy_gate(check_result(1e-3, engine="torch"), before)
     statuses = {(v.engine, v.figure): v.status for v in gate.verdicts}
     assert statuses[("onnx", "run")] == "skip" and statuses[("torch", "run")] == "skip"
-    assert gate.passed and gate.notes
+    # nothing compared is no pass: a failing case for the JUnit file, and the line the command ends with (exit 2)
+    assert gate.unmatched == (
+        "--baseline: nothing was compared (the baseline holds engines onnx, this run ran torch); "
+        "run what the baseline holds or record a new one"
+    )
+    assert [(v.figure, v.status) for v in gate.failures()] == [("baseline", "fail")]
     other = accuracy_baseline(check_result(1e-3), Recipe(shapes=[{"batch": 2}]))
     with pytest.raises(UsageError, match="sizes"):
         accuracy_gate(check_result(1e-3), other)
+
+
+def test_figures_an_early_failure_left_unmeasured_fail_and_are_not_taken_as_perfect() -> None:
+    before = accuracy_baseline(check_result(1e-3), Recipe(shapes=SHAPES))
+    broken = check_result(1e-3)
+    ref = np.zeros((64, 10), np.float32)
+    cand = ref.copy()
+    cand[0, :3] = np.nan  # NaN where the reference has none: the comparison stops before any figure
+    broken.reports["onnx"].outputs = [compare_output("logits", ref, cand, rtol=0.2, atol=0.2)]
+    gate = accuracy_gate(broken, before)
+    figures = {v.figure: v for v in gate.verdicts if v.item == "logits"}
+    for name in ("max_abs", "sqnr_db", "cosine"):
+        assert figures[name].failed and figures[name].value is None, figures[name]
+        assert "not measured (3 NaN and 0 Inf where the reference has 0" in figures[name].message
+
+
+def test_a_speed_baseline_with_nothing_in_common_is_no_pass() -> None:
+    baseline = speed_baseline(bench_report({"onnx": 2.0}))
+    gate = speed_gate(bench_report({"torch": 2.0}), baseline)
+    assert gate.unmatched is not None and "the baseline holds onnx at batch 1, 8" in gate.unmatched
+    assert "this run measured torch at batch 1; torch at batch 8" in gate.unmatched
+    assert not gate.passed
+    busy = speed_gate(bench_report({"onnx": 1.0}, busy_at=(1, 8)), baseline)
+    assert busy.unmatched is None and busy.passed  # compared, but not judged: a busy machine is no mismatch
 
 
 def test_missing_output_fails() -> None:
@@ -154,7 +183,22 @@ def test_recipe_resolution(tmp_path: Path) -> None:
         (
             '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0},'
             ' "engines": {"onnx": {"y": {"sqnr_db": "high"}}}}',
-            "not a number",
+            "not a finite number",
+        ),
+        (  # Python's json reads NaN: a NaN limit would pass every value
+            '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0},'
+            ' "engines": {"onnx": {"y": {"max_abs": NaN, "cosine": Infinity}}}}',
+            "onnx y max_abs is not a finite number",
+        ),
+        (
+            '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0, "samples": "x"},'
+            ' "engines": {"onnx": {"y": {"max_abs": 0.1}}}}',
+            "recipe samples is not a count",
+        ),
+        (
+            '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0, "shapes": [[1]]},'
+            ' "engines": {"onnx": {"y": {"max_abs": 0.1}}}}',
+            "recipe shapes are not a list of dimension sizes",
         ),
     ],
 )
@@ -243,6 +287,19 @@ def test_damaged_speed_file(tmp_path: Path) -> None:
                                 "settings": {}, "engines": {"onnx": {"one": 2.0}}}))  # fmt: skip
     with pytest.raises(UsageError, match="not an integer"):
         load_speed_baseline(path)
+    good = {"format": "tk-baseline", "kind": "speed", "version": 1, "machine": {"cpu": "x"}, "settings": {},
+            "engines": {"onnx": {"1": 2.0}}}  # fmt: skip
+    for settings, match in (
+        ({"batch_sizes": 8}, "settings.batch_sizes is not a list of batch sizes"),
+        ({"sizes": [128]}, "settings.sizes is not an object of dimension sizes"),
+        ({"io": 1}, "settings.io is not a name"),
+    ):
+        path.write_text(json.dumps({**good, "settings": settings}))
+        with pytest.raises(UsageError, match=match):
+            load_speed_baseline(path)
+    path.write_text(json.dumps(good).replace("2.0", "Infinity"))
+    with pytest.raises(UsageError, match="speed-up inf is not a positive number"):
+        load_speed_baseline(path)
     with pytest.raises(UsageError, match="no speed-up over eager"):
         speed_baseline(bench_report({}))
 
@@ -313,6 +370,23 @@ def test_check_baseline_refusals(exported, tmp_path: Path) -> None:
     assert other.exit_code == 2 and "--samples 16" in one_error_line(other)
     bad_margin = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--margin", "psnr=1")
     assert bad_margin.exit_code == 2 and "--margin" in one_error_line(bad_margin)
+    recorded = json.loads(baseline.read_text())
+    # a regression: not saved over the baseline it failed (exit 1)
+    strict = json.loads(json.dumps(recorded))
+    for figures in strict["engines"]["torch"].values():
+        figures.update(cosine=2.0)  # no output can reach it: the torch engine matches eager exactly here
+    baseline.write_text(json.dumps(strict))
+    again = tmp_path / "again.json"
+    failed = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--save-baseline", again)
+    assert failed.exit_code == 1 and not again.exists(), failed.output
+    assert "baseline not saved" in failed.stderr and "comparison with --baseline failed" in failed.stderr
+    # a baseline of other engines compares nothing: one line, exit 2, and a failing JUnit case that says why
+    recorded["engines"] = {"onnx": recorded["engines"]["torch"]}
+    baseline.write_text(json.dumps(recorded))
+    junit = tmp_path / "check.xml"
+    unmatched = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--junit", junit)
+    assert unmatched.exit_code == 2 and "nothing was compared" in one_error_line(unmatched)
+    assert "nothing was compared" in junit.read_text()
     baseline.write_text(baseline.read_text()[:40])
     damaged = invoke("check", root, "--engine", "torch", "--baseline", baseline)
     assert damaged.exit_code == 2 and "not a readable JSON" in one_error_line(damaged)
@@ -346,6 +420,11 @@ def test_bench_baseline_through_the_command_line(exported, tmp_path: Path) -> No
     assert "another CPU" in allowed.stdout
     alone = invoke(*args, "--max-slowdown", "5")
     assert alone.exit_code == 2 and "--baseline" in one_error_line(alone)
+    for flags, fragment in ((["--max-slowdown", "150"], "--max-slowdown: expected a percentage"),
+                            (["--io", "device"], "measured with --io host, this run asks for --io device")):  # fmt: skip
+        refused = invoke(*args, "--baseline", baseline, "--any-cpu", *flags)
+        assert refused.exit_code == 2 and fragment in one_error_line(refused)
+        assert "warm-up" not in refused.stderr  # before any timing
 
 
 def test_eager_precision_is_recorded_and_a_change_noted() -> None:

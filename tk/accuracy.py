@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import UsageError
-from tk.parity import compare
+from tk.parity import TOLERANCE_MISSES, compare
 
 DEFAULT_ACCURACY = "sqnr>=35"
 METRICS: dict[str, str] = {"sqnr": ">=", "cosine": ">=", "top1": ">=", "max_abs": "<="}  # metric -> its bound
@@ -218,7 +218,7 @@ def _top1_percent(ref: np.ndarray, cand: np.ndarray, mask: np.ndarray | None, la
 
 
 # a parity report's tolerance misses, which the user's spec replaces; every other problem (shapes, NaN) stays one
-_TOLERANCE_MISSES = ("max abs error", "SQNR")
+_TOLERANCE_MISSES = TOLERANCE_MISSES
 
 
 def values_from_report(report: Mapping[str, Any]) -> tuple[dict[str, float | None], list[str]]:

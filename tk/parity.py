@@ -106,6 +106,16 @@ class ParityReport:
         }
 
 
+# the problems compare_output states after measuring every figure (tolerance misses); any other problem (a
+# shape, NaN or Inf where the reference has none) stopped it before, leaving the figures at their defaults
+TOLERANCE_MISSES = ("max abs error", "SQNR")
+
+
+def figures_measured(out: OutputParity) -> bool:
+    """Whether ``out``'s max abs, SQNR and cosine were measured (it passed, or missed only a tolerance)."""
+    return out.passed or str(out.problem or "").startswith(TOLERANCE_MISSES)
+
+
 def compare_output(
     name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float, atol: float, min_sqnr_db: float | None = None
 ) -> OutputParity:

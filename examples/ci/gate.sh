@@ -26,6 +26,7 @@ TK=${TK:-tk}
 read -ra tk <<< "$TK"
 
 mkdir -p "$OUT" "$BASELINES"
+rm -f "$OUT/check.xml" "$OUT/bench.xml"  # a step that ends early must not leave an older run's file to upload
 status=0
 step() {  # run a step, remember the worst exit code, keep going
     echo "+ $*" >&2

@@ -48,6 +48,7 @@ class CheckGates:
 
     def finish(self, result: Any) -> None:
         """Judge ``result`` (a ``CheckResult``) against the baseline, write the files, raise on a failure."""
+        from tk.errors import UsageError
         from tk.workflows.baseline import (
             accuracy_baseline,
             accuracy_gate,
@@ -64,7 +65,7 @@ class CheckGates:
             write_junit(self.junit, "tk.check", gate.verdicts)
             click.echo(f"junit: {self.junit}")
         if self.save_baseline is not None:
-            if result.passed:
+            if result.passed and gate.passed:
                 shapes = next(iter(result.reports.values())).shapes if result.reports else []
                 recipe = recipe_of(**self.recipe, shapes=shapes)
                 first = next(iter(result.reports.values()), None)
@@ -72,8 +73,11 @@ class CheckGates:
                 save_accuracy_baseline(self.save_baseline, accuracy_baseline(result, recipe, artifact))
                 click.echo(f"baseline: {self.save_baseline}")
             else:
-                click.echo(f"baseline not saved to {self.save_baseline}: the check failed", err=True)
+                what = "the check" if not result.passed else "the comparison with --baseline"
+                click.echo(f"baseline not saved to {self.save_baseline}: {what} failed", err=True)
         result.raise_if_failed()
+        if gate.unmatched is not None:
+            raise UsageError(gate.unmatched)
         gate.raise_if_failed()
         if self.loaded is not None:
             judged = sum(v.limit is not None and v.status == "pass" for v in gate.verdicts)
@@ -145,6 +149,7 @@ class BenchGates:
 
     def finish(self, report: Any) -> None:
         """Judge ``report`` (a ``BenchReport``) against the baseline, write the files, raise on a slowdown."""
+        from tk.errors import UsageError
         from tk.workflows.baseline import (
             DEFAULT_MAX_SLOWDOWN_PCT,
             render_gate,
@@ -168,12 +173,16 @@ class BenchGates:
         if self.junit is not None:
             write_junit(self.junit, "tk.bench", gate.verdicts)
             click.echo(f"junit: {self.junit}")
-        if self.save_baseline is not None:
+        if self.save_baseline is not None and not gate.passed:
+            click.echo(f"baseline not saved to {self.save_baseline}: the comparison with --baseline failed", err=True)
+        elif self.save_baseline is not None:
             busy = [n for n in gate.notes if n.startswith("busy machine")]
             if busy:
                 click.echo(f"warning: recording a baseline on a {busy[0]}", err=True)
             save_speed_baseline(self.save_baseline, speed_baseline(report))
             click.echo(f"baseline: {self.save_baseline}")
+        if gate.unmatched is not None:
+            raise UsageError(gate.unmatched)
         gate.raise_if_failed()
 
 
@@ -195,20 +204,27 @@ def bench_gates(fn: Any) -> Any:
         gates = BenchGates(save_baseline_path, baseline_path, max_slowdown, any_cpu, junit_path)
         if baseline_path is None and (max_slowdown is not None or any_cpu):
             raise UsageError("--max-slowdown and --any-cpu apply to --baseline FILE")
-        if baseline_path is not None:
-            from tk.workflows.baseline import load_speed_baseline, refuse_other_cpu
+        if baseline_path is not None:  # everything the gate would refuse, refused before any timing
+            from tk.workflows.baseline import check_max_slowdown, load_speed_baseline, refuse_other_cpu
             from tk.workflows.hardware import machine_description
 
+            if max_slowdown is not None:
+                check_max_slowdown(max_slowdown)
             gates.loaded = load_speed_baseline(baseline_path)
-            refuse_other_cpu(gates.loaded, machine_description(), any_cpu=any_cpu)  # before any timing
+            refuse_other_cpu(gates.loaded, machine_description(), any_cpu=any_cpu)
             settings = gates.loaded.settings
             if "batch_sizes" in kwargs and not _given("batch_sizes") and settings.get("batch_sizes"):
                 kwargs["batch_sizes"] = ",".join(str(b) for b in settings["batch_sizes"])
-            seq = (settings.get("sizes") or {}).get("seq")
-            if "seq" in kwargs and not _given("seq") and seq is not None:
-                kwargs["seq"] = seq
-            if "io" in kwargs and not _given("io") and settings.get("io"):
-                kwargs["io"] = settings["io"]
+            recorded = {"seq": (settings.get("sizes") or {}).get("seq"), "io": settings.get("io")}
+            for name, value in recorded.items():
+                if name not in kwargs or value is None:
+                    continue
+                if _given(name) and kwargs[name] != value:
+                    raise UsageError(
+                        f"--baseline: measured with --{name} {value}, this run asks for --{name} {kwargs[name]}: "
+                        "not comparable; drop the option or record a new baseline"
+                    )
+                kwargs[name] = value
         return fn(gates=gates, **kwargs)
 
     options = [

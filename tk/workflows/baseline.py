@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tk.errors import ParityError, UsageError, first_line
 from tk.fileio import atomic_write_json, sha256_file
+from tk.parity import figures_measured
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -111,6 +112,7 @@ class Gate:
     verdicts: list[Verdict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     judged: bool = False  # whether a baseline was compared
+    unmatched: str | None = None  # a baseline was given and nothing in it was run (the line to end with)
 
     @property
     def passed(self) -> bool:
@@ -239,7 +241,16 @@ def _require(ok: bool, path: str | Path, what: str) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (Python's json reads NaN and Infinity, which would make every limit pass or fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_sizes(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_count(v) for k, v in value.items())
 
 
 @dataclass
@@ -289,7 +300,14 @@ def load_accuracy_baseline(path: str | Path) -> AccuracyBaseline:
     data = _read(path, ACCURACY)
     recipe, engines = data.get("recipe"), data.get("engines")
     _require(isinstance(recipe, dict) and isinstance(recipe.get("seed"), int), path, "recipe without a seed")
-    _require(isinstance(recipe.get("shapes", []), list), path, "recipe shapes are not a list")
+    _require(
+        isinstance(recipe.get("shapes", []), list) and all(_is_sizes(s) for s in recipe.get("shapes", [])),
+        path,
+        "recipe shapes are not a list of dimension sizes",
+    )
+    for name in ("samples", "batch_size"):
+        _require(recipe.get(name) is None or _is_count(recipe.get(name)), path, f"recipe {name} is not a count")
+    _require(isinstance(recipe.get("reference", "eager"), str), path, "recipe reference is not a name")
     for name in ("inputs", "golden"):
         entry = recipe.get(name)
         _require(
@@ -306,7 +324,7 @@ def load_accuracy_baseline(path: str | Path) -> AccuracyBaseline:
         for output, figures in outputs.items():
             _require(isinstance(figures, dict), path, f"{engine} {output} is not an object")
             for figure, value in figures.items():
-                _require(value is None or _is_number(value), path, f"{engine} {output} {figure} is not a number")
+                _require(value is None or _is_number(value), path, f"{engine} {output} {figure} is not a finite number")
     known = {f.name for f in fields(Recipe)}
     return AccuracyBaseline(
         Recipe(**{k: v for k, v in recipe.items() if k in known}),
@@ -359,8 +377,16 @@ def accuracy_gate(
                 continue
             base = recorded.get(out.name, {}) if recorded is not None else None
             for figure in FIGURES:
-                if figure in now[out.name]:
+                if figure not in now[out.name]:
+                    continue
+                if figures_measured(out):
                     gate.verdicts.append(_judge_figure(engine, out.name, figure, now[out.name], base, margins))
+                else:  # the comparison stopped before any figure: its defaults (0, inf, 1) are no measurement
+                    gate.verdicts.append(
+                        Verdict("check", engine, out.name, figure, None, status="fail",
+                                baseline=(base or {}).get(figure),
+                                message=f"{engine} {out.name} {figure}: not measured ({out.problem})")
+                    )  # fmt: skip
         if report.batch_invariance is not None:
             bi = report.batch_invariance
             gate.verdicts.append(
@@ -384,8 +410,16 @@ def accuracy_gate(
                     )
                 )
         if not any(v.baseline is not None for v in gate.verdicts):
-            gate.notes.append("no engine and output in common with the baseline: nothing was compared")
+            ran = ", ".join(result.reports) or "none"
+            _nothing_compared(gate, f"the baseline holds engines {', '.join(baseline.engines)}, this run ran {ran}")
     return gate
+
+
+def _nothing_compared(gate: Gate, why: str) -> None:
+    """A baseline given and nothing it holds run: one failing case for the JUnit file, and the line
+    ``Gate.unmatched`` that the command ends with (exit 2: a setup to fix, not a regression)."""
+    gate.unmatched = f"--baseline: nothing was compared ({why}); run what the baseline holds or record a new one"
+    gate.verdicts.append(Verdict(gate.suite, "*", "*", "baseline", status="fail", message=gate.unmatched))
 
 
 def _judge_figure(
@@ -507,6 +541,17 @@ def load_speed_baseline(path: str | Path) -> SpeedBaseline:
     _require(isinstance(machine, dict) and isinstance(machine.get("cpu"), str), path, "no machine.cpu")
     _require(isinstance(machine.get("cpu_flags", []), list), path, "machine.cpu_flags is not a list")
     _require(isinstance(settings, dict), path, "no settings")
+    batch_sizes, sizes = settings.get("batch_sizes"), settings.get("sizes")
+    _require(
+        batch_sizes is None or (isinstance(batch_sizes, list) and all(_is_count(b) for b in batch_sizes)),
+        path,
+        "settings.batch_sizes is not a list of batch sizes",
+    )
+    _require(sizes is None or _is_sizes(sizes), path, "settings.sizes is not an object of dimension sizes")
+    for name in ("io", "eager_precision"):
+        _require(
+            settings.get(name) is None or isinstance(settings.get(name), str), path, f"settings.{name} is not a name"
+        )
     _require(isinstance(engines, dict) and bool(engines), path, "no engines")
     for engine, rows in engines.items():
         _require(isinstance(rows, dict) and bool(rows), path, f"engine {engine!r} has no batch sizes")
@@ -547,10 +592,17 @@ def busy_reason(report: BenchReport) -> dict[int, str]:
     cores = report.machine.get("cores")
     for row in report.rows:
         if row.busy:
+            others = f"; other processes kept {row.others_cores:.2f} cores busy" if row.others_cores is not None else ""
             reasons[row.batch_size] = (
                 f"1-minute load average {row.load_before} before, {row.load_after} after timing, on {cores} cores"
+                + others
             )
     return reasons
+
+
+def check_max_slowdown(pct: float) -> None:
+    if not (math.isfinite(pct) and 0 <= pct < 100):
+        raise UsageError(f"--max-slowdown: expected a percentage from 0 to below 100, got {pct:g}")
 
 
 def speed_gate(
@@ -567,8 +619,7 @@ def speed_gate(
     unless ``any_cpu``; so is one measured at other sizes or another ``io`` mode. A busy machine's
     rows are reported and skipped, not judged.
     """
-    if not (math.isfinite(max_slowdown_pct) and 0 <= max_slowdown_pct < 100):
-        raise UsageError(f"--max-slowdown: expected a percentage from 0 to below 100, got {max_slowdown_pct:g}")
+    check_max_slowdown(max_slowdown_pct)
     gate = Gate("bench", judged=baseline is not None)
     busy = busy_reason(report)
     if baseline is not None:
@@ -628,6 +679,10 @@ def speed_gate(
                         Verdict("bench", engine, f"batch {batch}", "speedup", None, rows[batch], status="skip",
                                 message=f"{engine} batch {batch}: in the baseline, not measured here")
                     )  # fmt: skip
+        if not any(v.limit is not None for v in gate.verdicts):  # busy rows count: they were compared, not judged
+            held = "; ".join(f"{e} at batch {', '.join(rows)}" for e, rows in baseline.engines.items())
+            ran = "; ".join(f"{e} at batch {b}" for e, b in sorted(seen)) or "nothing besides eager"
+            _nothing_compared(gate, f"the baseline holds {held}, this run measured {ran}")
     return gate
 
 
