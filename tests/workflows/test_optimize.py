@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -160,10 +161,41 @@ def test_the_command_prints_the_table_from_the_cache(runs: dict[str, Any]) -> No
 
 
 def test_a_bad_spec_is_one_line_before_any_work() -> None:
-    result = CliRunner().invoke(cli, ["optimize", "transformer", "--accuracy", "sqnr>35", "--out", "x"], obj={})
-    assert result.exit_code == 2
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --accuracy:")
+    cases = {
+        ("--accuracy", "sqnr>35"): "error: --accuracy:",
+        ("--time-budget", "nan"): "error: --time-budget: expected a finite number of minutes above 0, got nan",
+        ("--seconds", "0"): "error: --seconds: expected a finite number of seconds above 0, got 0.0",
+    }
+    for flags, start in cases.items():
+        result = CliRunner().invoke(cli, ["optimize", "transformer", *flags, "--out", "x"], obj={})
+        assert result.exit_code == 2
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(start), result.output
+
+
+def test_the_cache_key_holds_the_weights_and_code_of_models_no_name_pins() -> None:
+    from torch import nn
+
+    from tk.workflows.optimize.artifacts import model_digest
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    b = copy.deepcopy(a)
+    assert model_digest(a) == model_digest(b)
+    with torch.no_grad():
+        b[0].weight[0, 0] += 1e-3  # new weights saved into the same hf:DIR, say
+    assert model_digest(a) != model_digest(b)
+    c = nn.Sequential(nn.Linear(4, 3), nn.GELU())
+    c.load_state_dict(a.state_dict())
+    assert model_digest(a) != model_digest(c)  # the same weights under other code
+
+
+def test_a_npy_or_damaged_npz_has_no_labels_and_read_inputs_says_what_is_wrong(tmp_path: Path) -> None:
+    from tk.workflows.user_inputs import _has_array
+
+    np.save(tmp_path / "x.npy", np.zeros((2, 3)))
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04 not a zip")
+    assert not _has_array(tmp_path / "x.npy", "labels") and not _has_array(tmp_path / "bad.npz", "labels")
 
 
 def test_candidates_skip_reduced_precision_this_cpu_cannot_run() -> None:
@@ -212,8 +244,12 @@ def test_a_spent_budget_skips_every_candidate_and_writes_nothing(tmp_path: Path)
     from tk.errors import ParityError
 
     options = OptimizeOptions(candidates=("onnx fp32",), time_budget_min=1e-9, cache_dir=tmp_path / "cache")
-    with pytest.raises(ParityError, match="no candidate keeps sqnr>=35") as info:
+    with pytest.raises(ParityError) as info:
         optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    assert str(info.value) == (  # nothing failed the spec: the line says what became of each candidate instead
+        "no candidate to pick: none failed sqnr>=35, and none passed and was timed "
+        "(onnx fp32: skipped (budget: --time-budget spent))"
+    )
     row = _row(info.value.result, "onnx fp32")  # type: ignore[attr-defined]
     assert (row.status, row.reason) == ("skipped", "budget: --time-budget spent")
     assert not (tmp_path / "out").exists()

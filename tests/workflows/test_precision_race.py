@@ -184,6 +184,27 @@ def test_a_close_rate_lets_both_run_and_keep_all_never_races(tmp_path: Path, mon
     assert {r.candidate: r.status for r in every.rows}["torch fp32"] == "passed"
 
 
+def test_a_reduced_float_is_not_skipped_for_float32_when_no_float32_candidate_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--precisions bf16 on a CPU whose bf16 is slower than its float32: bf16 is all there is, so it runs."""
+    import tk.workflows.optimize.run as run
+    from tk.accuracy import parse_accuracy
+    from tk.workflows.optimize.run import _Run
+
+    slow = _race(rate=150.0, fp32=230.0)
+    monkeypatch.setattr(run, "run_race", lambda roofline, batch, rounds=7: slow)
+    torch.manual_seed(0)
+    spec = build_model("transformer", size="tiny")
+    for tried, skipped in (([Candidate("torch", "bf16", "torch")], False),
+                           ([Candidate("torch", "bf16", "torch"), Candidate("torch", "fp32", "torch")], True)):  # fmt: skip
+        state = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path), parse_accuracy(None), None,  # type: ignore[arg-type]
+                     {"batch": 4, "seq": 16}, lambda *_: None)  # fmt: skip
+        state._run_race(tried)
+        assert state.race is slow
+        assert (state._race_skip("bf16", []) == no_gain_reason(slow, "bf16")) is skipped
+
+
 def test_named_candidates_race_only_for_the_int8_probe_and_skip_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

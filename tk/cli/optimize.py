@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,10 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     from tk.workflows.optimize import OptimizeOptions, optimize
 
     parse_accuracy(accuracy)  # a bad spec fails before the model is built
-    if time_budget is not None and time_budget <= 0:
-        raise UsageError(f"--time-budget: expected minutes above 0, got {time_budget}")
+    if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
+        raise UsageError(f"--time-budget: expected a finite number of minutes above 0, got {time_budget}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"--seconds: expected a finite number of seconds above 0, got {seconds}")
     spec = build(model, size, inputs, task)
     ranges, sizes = _dims_and_sizes(batch, seq, dims)
     options = OptimizeOptions(
@@ -107,7 +110,11 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     win = result.winner
     click.echo(f"winner: {win.candidate} (engine {win.engine}), {win.p50_ms:.3g} ms, {win.speedup:.2f}× eager fp32")
     click.echo(f"artifact: {out} (tk.runtime.load({str(out)!r}) and --engine auto open {win.engine})")
-    click.echo(f"table: {out / 'optimize.json'}  plot: {out / 'optimize.png'}")
+    plot = out / "optimize.png"
+    click.echo(
+        f"table: {out / 'optimize.json'}  "
+        + (f"plot: {plot}" if plot.is_file() else "plot: none (needs matplotlib: pip install 'tk[plot]')")
+    )
 
 
 def _run_with_progress(spec: Any, out: Path, options: Any, optimize: Any) -> Any:

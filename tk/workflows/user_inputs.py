@@ -54,10 +54,15 @@ def read_labeled_inputs(
 
 
 def _has_array(path: Path, name: str) -> bool:
+    """Whether the directory or ``.npz`` at ``path`` holds an array ``name`` (a ``.npy`` holds one, unnamed)."""
     if path.is_dir():
         return (path / f"{name}.npy").is_file()
+    if path.suffix.lower() != ".npz":
+        return False
+    import zipfile
+
     try:
         with np.load(path, allow_pickle=False) as archive:
             return name in getattr(archive, "files", [])
-    except (OSError, ValueError):
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
         return False  # read_inputs says what is wrong with the file

@@ -2,14 +2,16 @@
 precision and setting), caching them, and writing the winner as an ordinary artifact.
 
 The cache holds finished candidate artifacts under a directory named by a hash of what decides
-them (model, checkpoint, dimension ranges, precision, options, formats, calibration data, torch
-version and the CPU's packing features), so a re-run reuses every artifact it already wrote.
+them (model, its weights and code, dimension ranges, precision, options, formats, calibration data,
+torch version and the CPU's packing features), so a re-run reuses every artifact it already wrote
+and never one of an older model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import os
 import shutil
@@ -32,7 +34,7 @@ from tk.workflows.optimize.candidates import Candidate, group_key
 
 log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: keyed by the model's weights and code (model_digest)
 
 
 @dataclasses.dataclass
@@ -56,13 +58,33 @@ def arrays_digest(arrays: dict[str, np.ndarray] | None) -> str:
     return digest.hexdigest()
 
 
+def model_digest(module: torch.nn.Module) -> str:
+    """sha256 of the module's weights and buffers (names, dtypes, shapes, bytes), its structure
+    (``repr``) and the source file of its class: what a model named by a directory or a
+    ``package.module:callable`` does not pin (new weights saved into the same ``hf:DIR``, an edited
+    user model)."""
+    digest = hashlib.sha256(repr(module).encode())
+    for name, tensor in sorted(module.state_dict().items()):
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    try:
+        digest.update(Path(inspect.getfile(type(module))).read_bytes())
+    except (TypeError, OSError):  # a class without a source file (built in, or made at run time)
+        pass
+    return digest.hexdigest()
+
+
 def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, checkpoint_sha: str | None,
-              spec: ModelSpec) -> Path:  # fmt: skip
+              spec: ModelSpec, model_sha: str | None) -> Path:  # fmt: skip
+    """Where one group's artifact is cached: named by everything that decides it (``model_sha``:
+    ``model_digest`` of the module as built, before any ``--checkpoint`` is loaded into it)."""
     precision, options = candidates[0].group
     parts = {
         "version": CACHE_VERSION,
         "model": spec.reference(),
         "checkpoint": checkpoint_sha,
+        "weights_and_code": model_sha,
         "dims": {n: dataclasses.asdict(d) for n, d in base.dims.items()},
         "precision": precision,
         "options": dict(options),

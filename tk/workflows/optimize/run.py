@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from tk.accuracy import METRICS, AccuracySpec, parse_accuracy
-from tk.errors import ParityError, TkError, UsageError, first_line
+from tk.errors import BackendUnavailableError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
 from tk.manifest import Manifest
 from tk.models import ModelSpec
+from tk.models import entries as model_entries
 from tk.spec import Dim
-from tk.workflows.optimize.artifacts import CACHE, refuse_foreign_out, write_group, write_winner
+from tk.workflows.optimize.artifacts import CACHE, model_digest, refuse_foreign_out, write_group, write_winner
 from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
@@ -108,8 +109,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     record = _record(state, rows, winner)
     result = OptimizeResult(out, rows, winner, record, state.cache_hits, state.exports)
     if winner is None:
-        error = ParityError(f"no candidate keeps {accuracy}: " + "; ".join(
-            f"{r.candidate}: {r.reason}" for r in rows if r.status == "failed") or "none could be written")  # fmt: skip
+        error = ParityError(no_winner_reason(rows, accuracy, {c.name for c in found.tried}))
         error.result = result  # type: ignore[attr-defined]
         raise error
     say("write", 0, 1)
@@ -209,6 +209,19 @@ def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
     return 1 - out / total
 
 
+def no_winner_reason(rows: list[Row], accuracy: AccuracySpec, tried: set[str], shown: int = 6) -> str:
+    """Why no candidate won, in one line: those that failed the spec, or (none did) what became of each
+    candidate ``tried`` (those this machine cannot run, or not asked for, are in the table)."""
+    failed = [f"{r.candidate}: {r.reason}" for r in rows if r.status == "failed"]
+    if failed:
+        return f"no candidate keeps {accuracy}: " + "; ".join(failed)
+    fates = [
+        f"{r.candidate}: {r.status}" + (f" ({r.reason})" if r.reason else "") for r in rows if r.candidate in tried
+    ]
+    more = f"; and {len(fates) - shown} more" if len(fates) > shown else ""
+    return f"no candidate to pick: none failed {accuracy}, and none passed and was timed ({'; '.join(fates[:shown])}{more})"
+
+
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
     return Row(candidate.name, candidate.format, candidate.precision, candidate.engine, candidate.export_options,
                status, reason)  # fmt: skip
@@ -224,6 +237,9 @@ class _Run:
         self.cache = options.cache_dir or out / CACHE
         self.reference = Reference(data, sizes.get("batch", 1), options.device)
         self.checkpoint_sha = sha256_file(options.checkpoint) if options.checkpoint else None
+        # a built-in model is pinned by its name, size and checkpoint (untrained, its weights are random at each
+        # build); hf:DIR's weights and a user model's code and weights are pinned by nothing but their digest
+        self.model_sha = None if spec.name in model_entries() else model_digest(spec.module)
         self.started = time.monotonic()
         self.cache_hits = self.exports = 0
         self.base = ExportOptions()
@@ -234,6 +250,7 @@ class _Run:
         # the precision race's skips: not for named candidates (the user asked for those) nor --keep all
         self.race_skips = options.keep == "best" and options.candidates is None and options.device == "cpu"
         self.race: PrecisionRace | None = None  # measured once, before the first group
+        self.fp32_tried = True  # whether a float32 candidate is among those tried (set with the race)
         self.race_skipped: list[str] = []  # the precisions whose groups the race skipped
         self.stages: list[dict[str, Any]] = []  # where the run's time went, stage by stage (optimize.json)
 
@@ -271,7 +288,7 @@ class _Run:
                 rows.extend(_row(c, "skipped", cannot_win) for c in members)
                 continue
             self.say(f"export {names}", done, len(groups))
-            root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec)
+            root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec, self.model_sha)
             with self.stage(f"export {names}") as record:
                 written = write_group(self.spec, root, members, self.base)
                 record["cached"] = written.cache_hits > 0
@@ -299,6 +316,8 @@ class _Run:
     def _run_race(self, tried: list[Candidate]) -> None:
         """Measure the precisions' product rates once, before the first group (``precision_race``): where
         its skips apply, or where an aoti int8 candidate is to come (the gate's all-int8 probe)."""
+        # a reduced float is skipped for float32's sake only where a float32 candidate runs (--precisions bf16 has none)
+        self.fp32_tried = any(c.precision == "fp32" for c in tried)
         int8 = self.gate is not None and any(c.precision == "int8" and c.format == "aoti" for c in tried)
         if self.options.device != "cpu" or not (self.race_skips or int8):
             return
@@ -324,7 +343,7 @@ class _Run:
         if race is None or not self.race_skips:
             return None
         reason = None
-        if precision in REDUCED_FLOATS and race.no_gain(precision):
+        if precision in REDUCED_FLOATS and race.no_gain(precision) and self.fp32_tried:
             reason = no_gain_reason(race, precision)
         elif precision == "fp32":
             faster = [c for c, _, _ in passed if c.precision in REDUCED_FLOATS and race.fp32_cannot_win(c.precision)]
@@ -413,7 +432,10 @@ class _Run:
         candidate, root, manifest, judged = self.judged[winner.candidate]
         title = f"{self.spec.name} {self.spec.size or ''}: {self.accuracy} at {self.sizes}"
         extras = {"optimize.json": (json.dumps(record, indent=2) + "\n").encode()}
-        extras["optimize.png"] = plot_bytes(rows, self.accuracy.criteria[0].metric, title)
+        try:
+            extras["optimize.png"] = plot_bytes(rows, self.accuracy.criteria[0].metric, title)
+        except BackendUnavailableError as exc:  # the plot is optional; the run's results are not
+            log.warning("optimize: no optimize.png: %s", first_line(exc))
         others = []
         if self.options.keep == "all":
             others = sorted({Path(r.artifact) for r in rows if r.status == "passed" and r.artifact and not r.winner})
