@@ -347,3 +347,49 @@ def test_outside_the_margin_or_as_accurate_the_fastest_wins() -> None:
     more.reason = "14 of 17 layers int8"
     assert pick_winner([fewer, more], "sqnr") is more
     assert more.reason == "14 of 17 layers int8; within 3% of aoti int8 static's 100 ms (a tie) and more accurate"
+
+
+def test_an_interrupted_swap_puts_the_previous_artifact_and_the_cache_back(
+    exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the two directories cannot be exchanged in one step, the old artifact is moved aside first; a
+    Ctrl-C between the two renames must leave OUT as it was, with its cache, and nothing half-written."""
+    import os
+    import shutil
+
+    import tk.workflows.optimize.artifacts as artifacts
+    from tk.manifest import read_manifest
+    from tk.workflows.optimize.artifacts import CACHE, refuse_foreign_out, write_winner
+    from tk.workflows.optimize.candidates import Candidate
+
+    art = exported("mlp", ("torch",))
+    out = tmp_path / "out"
+    shutil.copytree(art.root, out)
+    (out / CACHE).mkdir()
+    (out / CACHE / "kept").write_text("a cached candidate")
+    before = sorted(p.name for p in out.iterdir())
+
+    def interrupted(staging: Path, target: Path) -> None:  # the fallback's first rename, then Ctrl-C
+        old = tmp_path / f".{target.name}.x.old"
+        old.mkdir()
+        os.replace(target, old / "artifact")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts, "swap_into_place", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_winner(out, art.root, read_manifest(art.root), Candidate("torch", "fp32", "torch"), {},
+                     {"accuracy": "sqnr>=35"}, {}, [], out / CACHE)  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / CACHE / "kept").read_text() == "a cached candidate"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no .old, no .partial
+
+    # a run killed outright between the renames: the next optimize puts the artifact back before it starts
+    old = tmp_path / ".out.y.old"
+    old.mkdir()
+    os.replace(out, old / "artifact")
+    refuse_foreign_out(out)
+    assert sorted(p.name for p in out.iterdir()) == before and not old.exists()
+    with pytest.raises(UsageError, match=r"--cache-dir .*mine: inside --out it must be .*\.candidates"):
+        refuse_foreign_out(out, out / "mine")  # replaced with the old artifact when the winner is written
+    refuse_foreign_out(out, out / CACHE)
+    refuse_foreign_out(out, tmp_path / "elsewhere")

@@ -267,6 +267,11 @@ def _replace_dir(staging: Path, out: Path) -> None:
     which ``recover_interrupted`` puts back if a kill lands between the two renames.
     """
     _refuse_foreign_dir(out)
+    swap_into_place(staging, out)
+
+
+def swap_into_place(staging: Path, out: Path) -> None:
+    """``_replace_dir`` without its check of ``out`` (``tk optimize`` checks its own ``--out``)."""
     if not (out.exists() or out.is_symlink()):
         os.replace(staging, out)
         return

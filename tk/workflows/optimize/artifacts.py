@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from tk.errors import CannotWinError, IntegrityError, ParityError, TkError, UsageError, first_line
-from tk.export import ExportOptions, write_artifact
-from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir
+from tk.export import ExportOptions, recover_interrupted, swap_into_place, write_artifact
+from tk.fileio import atomic_write_bytes, exclusive_temp_dir
 from tk.formats.aoti import packing_features
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, verify_artifact
 from tk.models import ModelSpec
@@ -183,8 +183,18 @@ def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], bas
     return written
 
 
-def refuse_foreign_out(out: Path) -> None:
-    """``out`` may be absent, empty, an artifact, or hold only the optimize cache; nothing else is replaced."""
+def refuse_foreign_out(out: Path, cache: Path | None = None) -> None:
+    """``out`` may be absent, empty, an artifact, or hold only the optimize cache; nothing else is replaced.
+    A ``cache`` (``--cache-dir``) inside ``out`` must be ``out/.candidates``: the rest of ``out`` is replaced
+    as a whole. An artifact an interrupted run left aside is put back first."""
+    if cache is not None:
+        where, inside = cache.resolve(), out.resolve()
+        if (where == inside or inside in where.parents) and where != inside / CACHE:
+            raise UsageError(
+                f"--cache-dir {cache}: inside --out it must be {out / CACHE} (the rest of {out} is replaced when "
+                "the winner is written); choose that or a directory outside it"
+            )
+    recover_interrupted(out)
     if not (out.exists() or out.is_symlink()):
         return
     if not out.is_dir():
@@ -230,24 +240,13 @@ def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate
         atomic_write_bytes(staging / MANIFEST, manifest_bytes(final))
         for other in others:
             shutil.copytree(other, staging / "candidates" / other.name, symlinks=True)
-        if cache == out / CACHE and cache.is_dir():
+        if cache.resolve() == (out / CACHE).resolve() and cache.is_dir():
             os.replace(cache, staging / CACHE)  # the cache lives in the artifact: it moves with it
         sign_artifact(staging, ignore=(CACHE,))  # after the last write; the cache is no part of the artifact
-        _swap_into_place(staging, out)
+        swap_into_place(staging, out)
     except BaseException:
-        if (staging / CACHE).is_dir() and not cache.exists():
+        recover_interrupted(out)  # an interruption between the fallback's two renames: the old artifact goes back
+        if (staging / CACHE).is_dir() and not cache.exists() and cache.parent.is_dir():
             os.replace(staging / CACHE, cache)
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _swap_into_place(staging: Path, out: Path) -> None:
-    if not (out.exists() or out.is_symlink()):
-        os.replace(staging, out)
-    elif exchange_paths(staging, out):
-        shutil.rmtree(staging, ignore_errors=True)
-    else:
-        old = exclusive_temp_dir(out.parent, f".{out.name}.", ".old")
-        os.replace(out, old / "artifact")
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)

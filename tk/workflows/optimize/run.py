@@ -90,7 +90,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     accuracy = parse_accuracy(options.accuracy)
     if options.keep not in KEEP:
         raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
-    refuse_foreign_out(out)
+    refuse_foreign_out(out, options.cache_dir)
     dims = resolve_dims(spec, ranges_for_sizes(spec.signature.dims, options.dims, options.sizes), True)
     sizes = timing_sizes(dims, options.sizes)
     data = optimize_data(spec, dims, sizes, options.data)
