@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import re
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,8 +147,6 @@ ENCODINGS = {"gzip": 16 + 15, "deflate": 15}
 def decoded_body(body: bytes, headers: Mapping[str, str], limit: int) -> bytes:
     """``body`` decompressed per its ``Content-Encoding`` (gzip, deflate, identity), never past ``limit``
     bytes (``RequestTooLarge``: a small body may inflate a thousandfold); ``InputError`` for a damaged one."""
-    import zlib
-
     encoding = next((v for k, v in headers.items() if k.lower() == "content-encoding"), "").strip().lower()
     if encoding in ("", "identity"):
         return body

@@ -67,7 +67,7 @@ def model_digest(module: torch.nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
+        digest.update(flat.view(torch.uint8).numpy())  # the tensor's own bytes, not a copy
     try:
         digest.update(Path(inspect.getfile(type(module))).read_bytes())
     except (TypeError, OSError):  # a class without a source file (built in, or made at run time)
