@@ -93,6 +93,11 @@ REFUSED = [
     (["--keep-unfused", "--no-fuse"], "--keep-unfused: with --no-fuse the shipped model.onnx is the unfused graph"),
     (["--format", "torch", "--no-fuse"], "--fuse/--no-fuse: applies to --format onnx only; this export writes torch"),
     (["--format", "aoti", "--opset", "18"], "--opset: applies to --format onnx only; this export writes aoti"),
+    (["--freeze"], "--freeze/--no-freeze: applies to --format aoti only; this export writes onnx"),
+    (
+        ["--format", "aoti", "--precision", "int8", "--no-freeze"],
+        "--no-freeze: int8 packages need Inductor's freezing to lower their quantized linears",
+    ),
     (
         ["--precision", "int8", "--int8-mode", "dynamic", "--keep-unfused"],
         "--keep-unfused: dynamic int8 quantizes the unfused graph",

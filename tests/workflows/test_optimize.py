@@ -209,6 +209,23 @@ def test_candidates_skip_reduced_precision_this_cpu_cannot_run() -> None:
         enumerate_candidates("cpu", names=("onnx fp64",))
 
 
+def test_a_frozen_float32_package_is_its_own_candidate_on_the_cpu_only() -> None:
+    from tk.export import ExportOptions
+    from tk.export.aoti import AotiOptions
+    from tk.workflows.optimize.artifacts import group_export_options
+
+    found = enumerate_candidates("cpu", formats=("aoti",), precisions=("fp32",))
+    assert [c.name for c in found.tried] == ["aoti fp32", "aoti fp32 frozen"]
+    plain, frozen = found.tried
+    assert plain.group != frozen.group  # one export each: the frozen package is compiled apart
+    assert frozen.to_json()["options"] == {"aoti_freeze": True}
+    options = group_export_options([frozen], ExportOptions())
+    assert options.formats == ("aoti",) and options.settings == {"aoti": AotiOptions(freeze=True)}
+    assert group_export_options([plain], ExportOptions()).settings == {}
+    on_gpu = {s.candidate.name: s.reason for s in enumerate_candidates("cuda").skipped}
+    assert on_gpu["aoti fp32 frozen"] == "freezing is a CPU package's setting"
+
+
 def test_timing_sizes_stay_inside_the_ranges() -> None:
     dims = {"batch": Dim("batch", 1, 8, 64), "seq": Dim("seq", 1, 16, 64)}
     assert timing_sizes(dims, {"batch": 32}) == {"batch": 32, "seq": 16}

@@ -83,6 +83,12 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "--keep-unfused", is_flag=True, default=None, help="Also ship the ONNX graph before fusion (model.unfused.onnx)."
 )
 @click.option(
+    "--freeze/--no-freeze",
+    default=None,
+    help="aoti on the CPU: Inductor's freezing, weights packed for this CPU (default: on for bf16/fp16/int8, off "
+    "for fp32, where it is faster on some CPUs and slower on others: tk optimize times both).",
+)
+@click.option(
     "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
 )
 @click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64.")
@@ -140,6 +146,7 @@ def export_cmd(
     calibration_method: str | None,
     fuse: bool | None,
     keep_unfused: bool | None,
+    freeze: bool | None,
     dynamic: bool,
     batch: str | None,
     seq: str | None,
@@ -168,6 +175,7 @@ def export_cmd(
         "--calibration-method": calibration_method,
         "--fuse/--no-fuse": fuse,
         "--keep-unfused": keep_unfused,
+        "--freeze/--no-freeze": freeze,
         "--opset": opset,
         "--trt-workspace": trt_workspace,
         "--trt-opt-level": trt_opt_level,

@@ -13,10 +13,10 @@ linears become oneDNN linears on weights packed once, in the layout oneDNN picks
 a larger share of the bf16 matrix-product peak, for the same compile time. Inductor's C++ GEMM template (``max_autotune``) does not help there: without AMX
 it computes bfloat16 products in float32, and autotuning the small model kept oneDNN's kernel
 for every linear while doubling the compile time. Freezing only applies while gradients are
-off, so the compile runs under ``torch.no_grad()``. float32 packages keep Inductor's defaults:
-their 1e-5 parity is what the tests verify, and freezing's prepacked float32 linears ran MiniLM
-1.4x slower on the AVX2 EPYC (``inductor_configs_for``). The settings used are recorded in the
-manifest (``inductor_configs``).
+off, so the compile runs under ``torch.no_grad()``. float32 packages keep Inductor's defaults
+unless ``--freeze`` asks: freezing's prepacked float32 linears ran MiniLM 1.4x slower on the AVX2
+EPYC and 1.07x faster on the AVX-512 Xeon (``inductor_configs_for``), so ``tk optimize`` times
+both. The settings used are recorded in the manifest (``inductor_configs``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ class AotiOptions:
     """The ``aoti`` writer's settings; None means the default."""
 
     calibration_method: str | None = option("--calibration-method")  # int8: histogram (default) | minmax
+    # Inductor's freezing (weights as constants, packed for this CPU); default on for bf16/fp16/int8 on the CPU,
+    # off for float32 (``inductor_configs_for``)
+    freeze: bool | None = option("--freeze/--no-freeze")
 
 
 class AotiWriter(Writer):
@@ -67,6 +70,12 @@ class AotiWriter(Writer):
         return None
 
     def validate(self, options: AotiOptions, export: ExportOptions) -> None:
+        if options.freeze is not None and export.device != "cpu":
+            raise UsageError(f"--freeze/--no-freeze: applies to CPU packages only; this export is for {export.device}")
+        if options.freeze is False and export.precision == "int8":
+            raise UsageError(
+                "--no-freeze: int8 packages need Inductor's freezing to lower their quantized linears; drop it"
+            )
         method = options.calibration_method
         if method is None:
             return
@@ -83,10 +92,11 @@ class AotiWriter(Writer):
 
     def write(self, ctx: ExportContext) -> None:
         assert ctx.program is not None
-        configs = inductor_configs_for(ctx.options.precision, ctx.options.device)
+        options: AotiOptions = ctx.settings[self.name]
+        configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
         program, quantization, passes = ctx.program, None, []
         if ctx.options.precision == "int8":
-            program, quantization, passes = _int8_program(ctx, ctx.settings[self.name])
+            program, quantization, passes = _int8_program(ctx, options)
         passes += aoti_package_from_exported_program(
             program,
             ctx.add_file(FILE, "aoti"),
@@ -173,13 +183,21 @@ def _package_gate(ask: Callable[[Any], None] | None) -> Callable[[Callable[[], A
     return gate
 
 
-def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
-    """Inductor settings an ``aoti`` package is compiled with: freezing for bf16, fp16 and int8 on the CPU.
+def inductor_configs_for(precision: str, device: str, *, freeze: bool | None = None) -> dict[str, Any]:
+    """Inductor settings an ``aoti`` package is compiled with: freezing for bf16, fp16 and int8 on the CPU,
+    and for float32 where ``freeze`` asks for it (``--freeze``; ``False`` turns it off for bf16/fp16).
 
     Freezing makes the weights constants, so their casts are folded and the linears run on weights
     packed once for oneDNN (see the module docstring); for int8 it is what lowers each quantized
-    linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). float32 and CUDA packages keep
-    Inductor's defaults, which is what their tolerances were verified with.
+    linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). CUDA packages keep Inductor's defaults.
+
+    float32 keeps Inductor's defaults unless asked: whether oneDNN's packed float32 linears beat the
+    plain ones depends on the CPU (MiniLM's frozen package ran 1.4x slower on the AVX2 EPYC, and
+    ``cpp.enable_concat_linear``'s one product for q, k and v with freezing 1.07x faster on the
+    AVX-512 Xeon without AMX; benchmarks/history.md), so ``tk optimize`` times both (``aoti fp32
+    frozen``). A frozen float32 package concatenates the linears that share an input
+    (``cpp.enable_concat_linear``): q, k and v become one wider product, which runs closer to the
+    product rate than three narrow ones.
 
     An int8 package whose left-out layers run in float32 (``excluded_run_in_bf16`` False: no bfloat16
     dot products, or none faster than float32's) would have freezing hand those to oneDNN's packed
@@ -191,11 +209,13 @@ def inductor_configs_for(precision: str, device: str) -> dict[str, Any]:
     """
     from tk.export.aoti_int8 import excluded_run_in_bf16
 
-    if device == "cpu" and precision == "int8" and not excluded_run_in_bf16():
-        return {"freezing": True, "cpp.weight_prepack": False}
-    if device == "cpu" and precision in ("bf16", "fp16", "int8"):
-        return {"freezing": True}
-    return {}
+    if device != "cpu":
+        return {}
+    if precision == "int8":
+        return {"freezing": True, "cpp.weight_prepack": False} if not excluded_run_in_bf16() else {"freezing": True}
+    if precision in ("bf16", "fp16"):
+        return {} if freeze is False else {"freezing": True}
+    return {"freezing": True, "cpp.enable_concat_linear": True} if freeze else {}
 
 
 def aoti_package_from_exported_program(

@@ -95,8 +95,17 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "torch": torch.__version__,
         "cpu": packing_features(),
     }
-    slug = "-".join(str(v) if not isinstance(v, bool) else ("fused" if v else "unfused") for _, v in options)
+    slug = "-".join(_slug(k, v) for k, v in options)
     return cache / f"{precision}-{slug or 'default'}-{group_key(parts)}"
+
+
+def _slug(option: str, value: Any) -> str:
+    """A group option's word in its cache directory's name."""
+    if option == "aoti_freeze":
+        return "frozen" if value else "plain"
+    if isinstance(value, bool):
+        return "fused" if value else "unfused"
+    return str(value)
 
 
 def cached(root: Path, formats: list[str]) -> Manifest | None:
@@ -147,8 +156,8 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
 
 
 def group_export_options(candidates: list[Candidate], base: ExportOptions) -> ExportOptions:
-    """``base`` for one group: its formats and precision, and the ONNX writer's settings its options name
-    (fusions; the int8 mode, which only the ONNX writer has: the aoti int8 package is always static)."""
+    """``base`` for one group: its formats and precision, and the writers' settings its options name (the
+    ONNX writer's fusions and int8 mode: the aoti int8 package is always static; the aoti writer's freezing)."""
     from tk.export.onnx import OnnxOptions
 
     precision, options = candidates[0].group
@@ -159,7 +168,11 @@ def group_export_options(candidates: list[Candidate], base: ExportOptions) -> Ex
         onnx["fusions"] = chosen["onnx_fusions"]
     if "int8_mode" in chosen:
         onnx["int8_mode"] = chosen["int8_mode"]
-    settings = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
+    settings: dict[str, Any] = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
+    if chosen.get("aoti_freeze") and "aoti" in formats:
+        from tk.export.aoti import AotiOptions
+
+        settings["aoti"] = AotiOptions(freeze=True)
     return dataclasses.replace(
         base, formats=formats, precision=precision, settings=settings, min_sqnr_db=sqnr_floor_for(precision, base),
         calibration_data=base.calibration_data if precision == "int8" else None,  # --data calibrates int8 only

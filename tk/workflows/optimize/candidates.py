@@ -37,6 +37,8 @@ class Candidate:
             words.append(opts["int8_mode"])
         if opts.get("onnx_fusions") is False:
             words.append("unfused")
+        if opts.get("aoti_freeze"):
+            words.append("frozen")
         if self.engine != self.format:
             words.append(f"({self.engine})")
         return " ".join(words)
@@ -51,7 +53,8 @@ class Candidate:
 
     @property
     def export_options(self) -> dict[str, Any]:
-        """The options that shape this candidate's own file (fusions are the ONNX writer's only)."""
+        """The options that shape this candidate's own file (fusions are the ONNX writer's only, freezing
+        the aoti writer's)."""
         return {k: v for k, v in self.options if k != "onnx_fusions" or self.format == "onnx"}
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +91,9 @@ def variants(fmt: str, precision: str) -> list[tuple[tuple[str, Any], ...]]:
         )
     if fmt == "onnx":
         return [(("onnx_fusions", True),), (("onnx_fusions", False),)]
+    if fmt == "aoti" and precision == "fp32":
+        # Inductor's freezing for float32 is faster on some CPUs, slower on others (tk.export.aoti.inductor_configs_for)
+        return [(("onnx_fusions", True),), (("aoti_freeze", True),)]
     return [(("onnx_fusions", True),)]  # the fused group: the other formats share its capture
 
 
@@ -138,6 +144,8 @@ def skip_reason(
         return "not among --precisions"
     if not engine_known:
         return f"no engine runs the {candidate.format} format"
+    if dict(candidate.options).get("aoti_freeze") and device != "cpu":
+        return "freezing is a CPU package's setting"
     from tk.export import format_unavailable_reason
     from tk.runtime import unavailable_reason
 
