@@ -77,3 +77,28 @@ def test_nan_and_inf_must_sit_where_the_reference_has_them():
     assert not compare_output("y", ref, flipped, rtol=1e-4, atol=1e-5).passed
     finite = np.array([0.0, 1.0, 5.0, 2.0])
     assert not compare_output("y", ref, finite, rtol=1e-4, atol=1e-5).passed
+
+
+def test_padding_positions_are_left_out_of_token_level_outputs_only():
+    from tk.parity import padding_positions
+    from tk.spec import TensorSpec
+
+    inputs = [
+        TensorSpec("input_ids", "int64", ("batch", "seq"), kind="ids"),
+        TensorSpec("attention_mask", "int64", ("batch", "seq"), kind="mask"),
+    ]
+    outputs = [TensorSpec("hidden", "float32", ("batch", "seq", 4)), TensorSpec("pooled", "float32", ("batch", 4))]
+    mask = np.array([[1, 1, 1], [1, 0, 0]])
+    ref = {"hidden": np.ones((2, 3, 4), np.float32), "pooled": np.ones((2, 4), np.float32)}
+    cand = {"hidden": ref["hidden"].copy(), "pooled": ref["pooled"] + 1e-3}
+    cand["hidden"][1, 1:] += 5.0  # garbage where the mask is 0: what no consumer reads
+    valid = padding_positions(inputs, outputs, {"input_ids": np.zeros((2, 3)), "attention_mask": mask}, ref)
+    assert set(valid) == {"hidden"} and int(valid["hidden"].sum()) == 4 * 4
+    hidden, pooled = compare(ref, cand, rtol=0.0, atol=1e-5, valid=valid)
+    assert hidden.passed and hidden.max_abs == 0.0 and hidden.padding_skipped == 8
+    assert not pooled.passed and pooled.max_abs == pytest.approx(1e-3, rel=1e-3)  # other shapes: compared whole
+    cand["hidden"][1, 0, 0] += 1e-2  # a token's error is still caught
+    (hidden, _) = compare(ref, cand, rtol=0.0, atol=1e-5, valid=valid)
+    assert not hidden.passed and hidden.max_abs == pytest.approx(1e-2, rel=1e-3)
+    full = {"input_ids": np.zeros((2, 3)), "attention_mask": np.ones((2, 3))}
+    assert padding_positions(inputs, outputs, full, ref) == {}  # no padding: nothing left out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from tk.cli import cli
@@ -85,6 +86,22 @@ def test_train_writes_a_checkpoint_and_sidecar(tmp_path):
     meta = json.loads((tmp_path / "lin.safetensors.json").read_text())
     assert meta["name"] == "linear" and meta["train"]["final_loss"] < 1e-3
     assert meta["versions"]["torch"]
+
+
+def test_the_same_seed_trains_the_same_weights_and_compare_saves_nothing(tmp_path):
+    from safetensors.torch import load_file
+
+    paths = [tmp_path / f"mlp-{i}.safetensors" for i in range(3)]
+    for path, seed in zip(paths, ("0", "0", "1"), strict=True):
+        result = invoke("train", "mlp", "--size", "tiny", "--steps", "5", "--seed", seed, "--out", str(path))
+        assert result.exit_code == 0, result.output
+    first, again, other = (load_file(p) for p in paths)
+    assert all(torch.equal(first[k], again[k]) for k in first)  # --seed seeds the initial weights too
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+    compare = invoke("train", "mlp", "--size", "tiny", "--compare", "--out", str(tmp_path / "c.safetensors"))
+    assert_one_line_error(
+        compare, 2, "--out: --compare trains two copies to compare their speed and saves no checkpoint"
+    )
 
 
 def test_train_user_model_has_no_task():

@@ -127,8 +127,8 @@ def test_another_models_onnx_file_fails_the_check(exported, tmp_path):
     e = exported("mlp", ONNX)
     root = tmp_path / "swapped"
     shutil.copytree(e.root, root)
-    torch.manual_seed(1)  # the same architecture with other weights
-    other = export(build_model("mlp", size="tiny"), tmp_path / "other", ExportOptions(formats=ONNX, check=False))
+    other_weights = build_model("mlp", size="tiny", seed=1)  # the same architecture with other weights
+    other = export(other_weights, tmp_path / "other", ExportOptions(formats=ONNX, check=False))
     shutil.copy(other.out / "model.onnx", root / "model.onnx")
     with pytest.raises(IntegrityError, match=r"sha256|bytes"):
         verify_artifact(root)  # the swap is caught by the hashes first

@@ -102,3 +102,14 @@ def test_build_model_refuses_arguments_that_do_not_apply(name, kwargs, message):
     """The library, not only the command line, refuses them (and before importing any user code)."""
     with pytest.raises(UsageError, match=message):
         build_model(name, **kwargs)
+
+
+def test_a_model_is_built_from_its_seed_and_leaves_the_callers_generator_alone():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a, b = build_model("transformer", size="tiny"), build_model("transformer", size="tiny")
+    c = build_model("transformer", size="tiny", seed=1)
+    assert torch.equal(torch.get_rng_state(), before)
+    sa, sb, sc = (m.module.state_dict() for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)  # the same weights in every process: exports reproduce
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)

@@ -46,10 +46,10 @@ def task_option(fn: Any) -> Any:
     )(fn)
 
 
-def build(name: str, size: str | None, inputs: tuple[str, ...], task: str | None = None) -> Any:
+def build(name: str, size: str | None, inputs: tuple[str, ...], task: str | None = None, seed: int = 0) -> Any:
     from tk.models import build_model
 
-    return build_model(name, size=size, input_descriptions=inputs, task=task)
+    return build_model(name, size=size, input_descriptions=inputs, task=task, seed=seed)
 
 
 def size_text(n: int) -> str:
@@ -90,6 +90,12 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
         click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
         for name, (rtol, atol) in tol.get("tolerances", {}).items():
             click.echo(f"tolerance of {name}: rtol {rtol:g}, atol {atol:g}")
+    skipped = {
+        o["name"]: o["padding_skipped"] for r in reports.values() for o in r["outputs"] if o.get("padding_skipped")
+    }
+    if skipped:
+        counts = ", ".join(f"{n} of {name}" for name, n in skipped.items())
+        click.echo(f"not compared: the values at padding positions (attention mask 0): {counts}")
 
 
 def engine_choice(

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from tk.cli.common import build, console, model_options, path_option
+from tk.errors import UsageError
 from tk.registries import DEVICES
 
 
@@ -88,9 +89,13 @@ def train_cmd(
     options = CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
     kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
     if compare:
+        if out is not None:
+            raise UsageError(
+                "--out: --compare trains two copies to compare their speed and saves no checkpoint; drop one"
+            )
         _train_compare(model, size, inputs, options, kwargs, json_path)
         return
-    spec = build(model, size, inputs)
+    spec = build(model, size, inputs, seed=seed)
     result = _train_with_progress(spec, kwargs, options if use_compile else None)
     from tk.fileio import atomic_write_json
     from tk.models.checkpoint import save_checkpoint
@@ -201,7 +206,9 @@ def _train_compare(
         return bars[-1].__enter__()
 
     try:
-        comparison = compare_training(lambda: build(model, size, inputs), options, on_start=on_start, **kwargs)
+        comparison = compare_training(
+            lambda: build(model, size, inputs, seed=kwargs["seed"]), options, on_start=on_start, **kwargs
+        )
     finally:
         if bars:
             bars[-1].__exit__()

@@ -28,6 +28,9 @@ def entries() -> dict[str, ModelEntry]:
     return ENTRIES
 
 
+DEFAULT_SEED = 0
+
+
 def build_model(
     name: str,
     *,
@@ -35,10 +38,25 @@ def build_model(
     config: dict[str, Any] | None = None,
     input_descriptions: tuple[str, ...] = (),
     task: str | None = None,
+    seed: int = DEFAULT_SEED,
 ) -> ModelSpec:
     """A built-in model by registry name (``size``), a Hugging Face directory ``hf:DIR`` (``task``,
     or ``config["task"]``), or a user model given as ``package.module:callable``
-    (``input_descriptions``); an argument that does not apply to the kind of model is refused."""
+    (``input_descriptions``); an argument that does not apply to the kind of model is refused.
+
+    The model is built with torch's generator seeded with ``seed`` (the caller's generator state is
+    kept): the same name and seed give the same initial weights in every process, so an untrained
+    model exported twice is the same model (``tk train --seed`` seeds weights and data)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _build(name, size, config, input_descriptions, task)
+
+
+def _build(
+    name: str, size: str | None, config: dict[str, Any] | None, input_descriptions: tuple[str, ...], task: str | None
+) -> ModelSpec:
     from tk.models.hf import is_hf_name
 
     if task and not is_hf_name(name):

@@ -17,7 +17,14 @@ from typing import Any
 from tk.errors import ParityError, UsageError
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
-from tk.parity import ParityReport, ReferenceRuns, check_engines, reference_runs, report_from_outputs
+from tk.parity import (
+    ParityReport,
+    ReferenceRuns,
+    check_engines,
+    padding_positions,
+    reference_runs,
+    report_from_outputs,
+)
 from tk.registries import ENGINES
 from tk.runtime import EngineChoice, available_engines, open_engine, trusted_engines, unavailable_reason
 from tk.runtime.batching import BatchRunner
@@ -222,7 +229,8 @@ class _Reference:
                 tolerances=judge.per_output,
                 **tolerances,
             )
-        outputs = BatchRunner(candidate, batch_size).run(self.runs.feeds[0])
+        feeds = self.runs.feeds[0]
+        outputs = BatchRunner(candidate, batch_size).run(feeds)
         return report_from_outputs(
             candidate.name,
             self.runs.outputs[0],
@@ -231,6 +239,7 @@ class _Reference:
             shapes=self.runs.shapes,
             reference_name=self.reference.name,
             tolerances=judge.per_output,
+            valid=padding_positions(candidate.inputs, candidate.outputs, feeds, outputs),
             **tolerances,
         )
 

@@ -34,7 +34,7 @@ from tk.workflows.optimize.candidates import Candidate, group_key
 
 log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
-CACHE_VERSION = 2  # 2: keyed by the model's weights and code (model_digest)
+CACHE_VERSION = 3  # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's
 
 
 @dataclasses.dataclass

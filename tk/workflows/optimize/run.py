@@ -23,7 +23,6 @@ from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
 from tk.manifest import Manifest
 from tk.models import ModelSpec
-from tk.models import entries as model_entries
 from tk.spec import Dim
 from tk.workflows.optimize.artifacts import CACHE, model_digest, refuse_foreign_out, write_group, write_winner
 from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
@@ -237,9 +236,9 @@ class _Run:
         self.cache = options.cache_dir or out / CACHE
         self.reference = Reference(data, sizes.get("batch", 1), options.device)
         self.checkpoint_sha = sha256_file(options.checkpoint) if options.checkpoint else None
-        # a built-in model is pinned by its name, size and checkpoint (untrained, its weights are random at each
-        # build); hf:DIR's weights and a user model's code and weights are pinned by nothing but their digest
-        self.model_sha = None if spec.name in model_entries() else model_digest(spec.module)
+        # the model as built is pinned by its digest: hf:DIR's weights and a user model's code and weights by
+        # nothing else, and a built-in model's initial weights follow its build seed (tk.models.build_model)
+        self.model_sha = model_digest(spec.module)
         self.started = time.monotonic()
         self.cache_hits = self.exports = 0
         self.base = ExportOptions()
