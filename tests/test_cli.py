@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,20 @@ def test_infer_ray_refuses_a_flag_its_engine_does_not_take_before_ray_starts(exp
         "--mode applies to the compile engine, not torch",
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "preset", "expected"),
+    [(["models"], None, "-all"), (["models"], "+dynamo", "+dynamo"), (["--debug", "models"], None, None)],
+)
+def test_torch_logs_are_quiet_unless_debug_or_the_user_set_them(args, preset, expected):
+    code = (
+        "import os, sys\n"
+        "from tk.cli import main\n"
+        f"sys.argv = ['tk', *{args!r}]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('TORCH_LOGS=' + str(os.environ.get('TORCH_LOGS')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"} | ({"TORCH_LOGS": preset} if preset else {})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == f"TORCH_LOGS={expected}", done.stdout + done.stderr

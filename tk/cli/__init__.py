@@ -74,6 +74,10 @@ def cli(ctx: click.Context, debug: bool, max_memory: str | None) -> None:
         from tk.limits import ENV, parse_size
 
         os.environ[ENV] = str(parse_size(max_memory))  # the command line is the process: its budget
+    if not debug:
+        # torch's own logs (its W-prefixed lines: deprecations at import, symbolic-shape notes) are set up
+        # from TORCH_LOGS when torch is first imported, after this; the user's own TORCH_LOGS wins
+        os.environ.setdefault("TORCH_LOGS", "-all")
     _setup_logging(debug)
     if debug:
         warnings.simplefilter("default")

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
 import re
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from tk.errors import CaptureError, first_line
 from tk.spec import Dim, Signature
+
+T = TypeVar("T")
 
 _SPECIALIZED = re.compile(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)")
 
@@ -76,10 +82,29 @@ def exported_program_from_module(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            program = _without_partial_graph(
+                lambda: torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+            )
     except Exception as exc:  # torch.export raises many types; all are capture failures
         raise CaptureError(capture_error_message(exc)) from exc
     return program
+
+
+def _without_partial_graph(call: Callable[[], T]) -> T:
+    """``call()`` (a capture), without the partial graph torch.export prints to stderr (once per wrapper) before raising a
+    failed capture's error (``print(e.partial_fx_graph)``, whatever the logging settings): the error and
+    the capture report say what failed. Anything else printed to stderr is passed on."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            return call()
+    except Exception as exc:
+        graph = getattr(exc, "partial_fx_graph", None)
+        if graph is not None:
+            printed = io.StringIO(printed.getvalue().replace(f"{graph}\n", ""))  # printed once per wrapper
+        raise
+    finally:
+        sys.stderr.write(printed.getvalue())
 
 
 def _takes_var_positional(module: nn.Module) -> bool:
@@ -131,8 +156,10 @@ def write_capture_report(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            draft = torch.export.draft_export(
-                module, example_inputs, dynamic_shapes=_export_args(module, signature, dims), strict=False
+            draft = _without_partial_graph(
+                lambda: torch.export.draft_export(
+                    module, example_inputs, dynamic_shapes=_export_args(module, signature, dims), strict=False
+                )
             )
         failures = list(draft._report.failures)  # draft_export's report: its documented way to read failures
         from torch._logging.structured import INTERN_TABLE
