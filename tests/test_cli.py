@@ -270,3 +270,22 @@ def test_torch_logs_are_quiet_unless_debug_or_the_user_set_them(args, preset, ex
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"} | ({"TORCH_LOGS": preset} if preset else {})
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == f"TORCH_LOGS={expected}", done.stdout + done.stderr
+
+
+def test_a_reader_that_goes_away_ends_tk_quietly(tmp_path):
+    out = tmp_path / "mlp"
+    assert invoke("export", "mlp", "--size", "tiny", "--format", "torch", "--out", str(out)).exit_code == 0
+    command = [sys.executable, "-m", "tk", "inspect", str(out), "--json"]
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # `tk inspect A | head -0`: gone before tk writes (it takes a second to start)
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    assert code == 141 and "error" not in err and "Traceback" not in err, (code, err)
+
+
+def test_check_against_eager_alone_says_eager_is_the_reference(tmp_path):
+    out = tmp_path / "mlp"
+    assert invoke("export", "mlp", "--size", "tiny", "--format", "torch", "--out", str(out)).exit_code == 0
+    result = invoke("check", str(out), "--engine", "eager")
+    assert_one_line_error(result, 2, "eager is the reference each engine is compared with")

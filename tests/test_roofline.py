@@ -90,7 +90,8 @@ def test_bf16_peak_needs_its_cpu_flags():
             ShapePeak("bf16", [LinearShape(4, 4, 4)])
 
 
-def test_peaks_sampled_between_the_timed_calls_fill_the_shares():
+def test_peaks_sampled_between_the_timed_calls_fill_the_shares(monkeypatch):
+    monkeypatch.setattr("tk.workflows.roofline.MIN_PEAK_GFLOP", 0.0)  # Tiny's products are too small to have a rate
     model = Tiny()
     roofline = Roofline(model, (torch.randn(1, 8, 16),), ["fp32", "nope", "fp32"])
     assert roofline.skipped == {"nope": "no matrix-product peak for precision 'nope'"}
@@ -135,7 +136,19 @@ def test_reduced_precision_needs_its_cpu_flags():
 
 
 @pytest.mark.slow
-def test_bench_roofline_reports_each_engines_share_of_the_measured_peak(exported, tmp_path):
+def test_products_too_small_to_have_a_rate_give_no_share():
+    model = Tiny()
+    roofline = Roofline(model, (torch.randn(1, 8, 16),), ["fp32"])
+    peaks = roofline.between(2)
+    interleave({"eager": timed(lambda: model(torch.randn(2, 8, 16)))}, iters=3, between=peaks)
+    row = SimpleNamespace(engine="eager", batch_size=2, p50_ms=1e-3, gflops=None, peak_share=None)
+    settings = roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "fp32")
+    assert row.gflops is not None and row.peak_share is None  # not a share of a "peak" the call overhead set
+    assert settings["no_share"].startswith("batch 2: the model's linear products are under 0.05 GFLOP a call")
+
+
+def test_bench_roofline_reports_each_engines_share_of_the_measured_peak(exported, tmp_path, monkeypatch):
+    monkeypatch.setattr("tk.workflows.roofline.MIN_PEAK_GFLOP", 0.0)  # the tiny model's products: no rate, no share
     root = exported("transformer", ("onnx",)).root
     out = tmp_path / "bench.json"
     args = ["bench", str(root), "--engine", "onnx", "--batch-sizes", "2", "--iters", "3", "--roofline"]

@@ -95,7 +95,9 @@ def test_passing_candidates_are_timed_against_eager(runs: dict[str, Any]) -> Non
     assert len(timed) == 2
     assert all(r.p50_ms is not None and r.p50_ms > 0 and r.speedup is not None and r.speedup > 0 for r in timed)
     assert runs["first"].record["timing"]["eager_p50_ms"] > 0
-    assert all(r.peak_share is not None and r.peak_share > 0 for r in timed)  # fp32 has a measured peak
+    # the tiny model's products are too small to have a rate: no share of "peak" (tests/test_roofline.py fills one)
+    assert all(r.peak_share is None for r in timed)
+    assert "too small to have a rate" in runs["first"].record["timing"]["roofline"]["no_share"]
 
 
 def test_json_and_png_are_written_and_listed(runs: dict[str, Any]) -> None:

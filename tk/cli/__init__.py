@@ -48,6 +48,9 @@ class TkGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)
+        except BrokenPipeError:  # the reader went away (`tk inspect A | head -1`): stop quietly, as a shell tool does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+            ctx.exit(141)  # 128 + SIGPIPE, what the shell reports for a tool killed by the closed pipe
         except OSError as exc:  # a path the user gave that the OS refuses (too long, no permission, …)
             if ctx.obj and ctx.obj.get("debug"):
                 raise

@@ -47,7 +47,7 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "formats",
     multiple=True,
     type=click.Choice([*FORMATS, "all"]),
-    help="torch, onnx, aoti, trt or all (repeatable; default onnx).",
+    help=f"{', '.join(FORMATS)} or all (repeatable; default onnx).",
 )
 @click.option(
     "--checkpoint", type=click.Path(path_type=Path), default=None, help="Weights from `tk train` (safetensors)."

@@ -46,9 +46,7 @@ class TorchEngine(Engine):
 
     def _load(self) -> None:
         if getattr(self.options, "cuda_graph", False) and self.device != "cuda":
-            raise UsageError(
-                f"engine {self.name!r}: CUDA graphs need --device cuda (this engine runs on {self.device})"
-            )
+            raise UsageError(f"--cuda-graph: CUDA graphs need --device cuda; this run is on {self.device}")
         self._load_model()
         self._torch_device = torch.device(self.device)
         self._order = [s.name for s in self.inputs]

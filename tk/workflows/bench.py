@@ -252,8 +252,14 @@ def render_table(report: BenchReport) -> Table:
     if roofline:
         notes.append(roofline_note(roofline))
     cores = report.settings.get("cores") or machine.get("cores")
-    if any(r.busy for r in report.rows):
-        notes.append(f"busy machine: load average above {cores} cores while timing the rows marked busy; expect noise")
+    busy = [r for r in report.rows if r.busy]
+    if busy:
+        others = max((r.others_cores for r in busy if r.others_cores is not None), default=None)
+        by_others = f"; other processes used up to {others:.2f} of a core" if others is not None else ""
+        notes.append(
+            f"busy machine: other work competed for the {cores} cores while the rows marked busy were timed "
+            f"(load average before→after in the load column{by_others}); expect noise"
+        )
     else:
         load = machine.get("load_average")
         if load and cores and load[0] > cores:
@@ -272,9 +278,12 @@ def roofline_note(roofline: dict[str, Any]) -> str:
             g = peak["gflops"]
             rates.append(f"{precision} @{batch} {g['median']:,.0f} ({g['min']:,.0f}-{g['max']:,.0f})")
     skipped = "; ".join(f"{p}: {why}" for p, why in roofline.get("skipped", {}).items())
+    no_share = f"; no share of peak at {roofline['no_share']}" if roofline.get("no_share") else ""
     return (
         f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; matmul rate at the model's "
-        f"linear shapes, median (min-max) GFLOP/s: {', '.join(rates)}" + (f"; skipped {skipped}" if skipped else "")
+        f"linear shapes, median (min-max) GFLOP/s: {', '.join(rates)}"
+        + (f"; skipped {skipped}" if skipped else "")
+        + no_share
     )
 
 

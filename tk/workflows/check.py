@@ -133,7 +133,11 @@ def engines_to_check(
     if not (keep_eager or "eager" in baselines):
         names = [n for n in names if n != "eager"]
     if not names:
-        raise UsageError(f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}")
+        eager = " (eager is the reference each engine is compared with; name another engine, or --reference ENGINE)"
+        raise UsageError(
+            f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}"
+            + (eager if text.strip() == "eager" else "")
+        )
     return names
 
 

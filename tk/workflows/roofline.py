@@ -37,6 +37,10 @@ from tk.formats.products import PRECISION_DTYPES, packed_linear
 from tk.workflows.hardware import cpu_precision_reason
 from tk.workflows.timing import Spread
 
+# Below this many FLOPs a call, a product's time is its call overhead, not a rate: the tiny Transformer's
+# linears (32 wide) "ran" at 0-52 GFLOP/s and its packages at 44x that "peak"
+MIN_PEAK_GFLOP = 0.05
+
 
 @dataclass(frozen=True)
 class LinearShape:
@@ -182,14 +186,26 @@ class Roofline:
 
     def fill(self, report: Any, precision_of: Callable[[str], str]) -> dict[str, Any]:
         """Fill each row's ``gflops`` and ``peak_share`` (``precision_of(row.engine)``'s median at
-        its batch size); the roofline settings for the JSON."""
+        its batch size); the roofline settings for the JSON. No share where the products at a batch
+        size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead."""
+        small: set[int] = set()
         for row in report.rows:
             rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
+            peak = self.peaks.get((precision_of(row.engine), row.batch_size))
+            if peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
+                small.add(row.batch_size)
+                continue
             median = self.median(precision_of(row.engine), row.batch_size)
             if median is not None:
                 row.peak_share = float(f"{rate / median:.4g}")
-        return {"flops_per_sample": self.flops} | self.to_json()
+        settings = {"flops_per_sample": self.flops} | self.to_json()
+        if small:
+            settings["no_share"] = (
+                f"batch {', '.join(map(str, sorted(small)))}: the model's linear products are under "
+                f"{MIN_PEAK_GFLOP:g} GFLOP a call, too small to have a rate (their time is the calls' overhead)"
+            )
+        return settings
 
     def to_json(self) -> dict[str, Any]:
         peaks: dict[str, dict[str, Any]] = {}
