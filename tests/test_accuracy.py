@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,7 +62,10 @@ def test_pooled_cosine_ignores_padding_and_top1_counts_agreement() -> None:
     values, problems = measure_outputs({"h": ref}, {"h": cand}, mask=mask)
     assert problems == []
     assert values["cosine"] == pytest.approx(1.0, abs=1e-12)
-    assert values["sqnr"] < 0  # the elementwise SQNR sees the garbage
+    assert values["sqnr"] == math.inf and values["max_abs"] == 0.0  # measured at the real tokens only, too
+    cand[1, 3, 0] += 0.5  # a real token's error counts
+    values, _ = measure_outputs({"h": ref}, {"h": cand}, mask=mask)
+    assert values["max_abs"] == pytest.approx(0.5, rel=1e-6) and values["sqnr"] < math.inf
     logits = np.array([[2.0, 1.0], [0.0, 1.0], [3.0, 0.0], [0.0, 5.0]], dtype=np.float32)
     flipped = logits.copy()
     flipped[1] = [1.0, 0.0]

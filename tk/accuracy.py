@@ -3,6 +3,7 @@
 A spec is one or more comma-separated criteria, all of which must hold:
 
 - ``sqnr>=DB``: signal-to-quantization-noise ratio of every output against the float32 model, in dB
+  (outputs shaped batch x seq x ... of a model with an attention mask: at its real tokens; so ``max_abs``)
 - ``cosine>=X``: the worst cosine similarity of one sample's output with the float model's; for
   outputs shaped batch x seq x hidden of a model with an attention mask, of the mask-pooled
   (mean over real tokens) vectors, which is what an embedding model's users compare
@@ -154,8 +155,13 @@ def measure_outputs(
     mask: np.ndarray | None = None,
     labels: np.ndarray | None = None,
 ) -> tuple[dict[str, float | None], list[str]]:
-    """Worst sqnr, cosine, top1 and max_abs over the outputs of one run, and the problems (NaN, shapes)."""
-    results = compare(reference, candidate, rtol=0.0, atol=math.inf)  # no tolerance: only names, shapes, NaN fail
+    """Worst sqnr, cosine, top1 and max_abs over the outputs of one run, and the problems (NaN, shapes).
+
+    With an attention ``mask``, outputs shaped batch x seq x ... are measured at the real tokens only
+    (the padding positions' vectors are read by no one; ``tk.parity.padding_positions``)."""
+    valid = _token_positions(reference, mask)
+    # no tolerance: only names, shapes, NaN fail
+    results = compare(reference, candidate, rtol=0.0, atol=math.inf, valid=valid)
     problems = [f"{r.name}: {r.problem}" for r in results if not r.passed]
     sqnr = min((r.sqnr_db for r in results), default=math.inf)
     max_abs = max((r.max_abs for r in results), default=0.0)
@@ -174,6 +180,18 @@ def measure_outputs(
         "max_abs": max_abs,
     }
     return values, problems
+
+
+def _token_positions(reference: Mapping[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """For each batch x seq x ... output, where ``mask`` (batch x seq) is 1; none without padding."""
+    if mask is None or np.asarray(mask).ndim != 2 or np.asarray(mask).all():
+        return {}
+    keep = np.asarray(mask) != 0
+    return {
+        name: np.broadcast_to(keep.reshape(keep.shape + (1,) * (ref.ndim - 2)), ref.shape)
+        for name, ref in reference.items()
+        if ref.ndim >= 3 and ref.shape[:2] == keep.shape
+    }
 
 
 def worst_of(runs: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:
