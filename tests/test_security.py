@@ -117,6 +117,77 @@ def test_a_crafted_program_runs_no_code(artifact, tmp_path, where):
     assert not marker.exists(), "the payload ran"
 
 
+def test_a_program_rewritten_to_read_a_file_is_refused_before_it_runs(tmp_path):
+    import copy
+
+    from tk.errors import IntegrityError
+    from tk.formats.torch_program import load_exported_program
+
+    class Zeros(torch.nn.Module):
+        def forward(self, x):
+            return x * 0 + torch.zeros(4)
+
+    program = torch.export.export(Zeros(), (torch.randn(2, 4),))
+    bare = copy.copy(program)
+    bare.example_inputs = None  # as tk saves programs: no pickled sample inputs
+    saved = io.BytesIO()
+    torch.export.save(bare, saved)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"0123456789abcdef")
+
+    def edit(name: str, content: bytes) -> bytes:
+        if not name.endswith("models/model.json"):
+            return content
+        model = json.loads(content)
+        for node in model["graph_module"]["graph"]["nodes"]:
+            if node["target"] == "torch.ops.aten.zeros.default":  # now: map a file outside the artifact
+                node["target"] = "torch.ops.aten.from_file.default"
+                node["inputs"] = [
+                    {"name": "filename", "arg": {"as_string": str(secret)}, "kind": 1},
+                    {"name": "shared", "arg": {"as_bool": False}, "kind": 1},
+                    {"name": "size", "arg": {"as_int": 4}, "kind": 1},
+                ] + [i for i in node["inputs"] if i["name"] != "size"]
+        return json.dumps(model).encode()
+
+    crafted = _rewrite_archive(saved.getvalue(), edit)
+    with pytest.raises(IntegrityError, match=r"the program calls aten::from_file, which tk does not run"):
+        load_exported_program(crafted)
+    load_exported_program(saved.getvalue())  # the program as exported loads
+
+
+@pytest.mark.parametrize("where", ["constant", "if branch"])
+def test_an_onnx_graph_reading_a_file_through_a_node_attribute_is_refused(artifact, tmp_path, monkeypatch, where):
+    import onnx
+    from onnx import helper
+
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "key.bin").write_bytes(bytes(range(256)) * 64)
+    monkeypatch.chdir(tmp_path)  # a graph loaded from bytes resolves external data against the working directory
+    model = onnx.load(artifact / "model.onnx")
+    init = model.graph.initializer[0]
+    value = onnx.TensorProto(name="c", dims=list(init.dims), data_type=init.data_type)
+    value.data_location = onnx.TensorProto.EXTERNAL
+    for key, text in (("location", "secrets/key.bin"), ("offset", "0"), ("length", str(4 * int(np.prod(init.dims))))):
+        entry = value.external_data.add()
+        entry.key, entry.value = key, text
+    del model.graph.initializer[0]
+    if where == "constant":
+        model.graph.node.insert(0, helper.make_node("Constant", [], [init.name], value=value))
+    else:
+        model.graph.initializer.append(helper.make_tensor("cond", onnx.TensorProto.BOOL, [], [True]))
+        out = helper.make_tensor_value_info("sub_out", init.data_type, list(init.dims))
+        branch = helper.make_graph([helper.make_node("Constant", [], ["sub_out"], value=value)], "b", [], [out])
+        model.graph.node.insert(0, helper.make_node("If", ["cond"], [init.name], then_branch=branch, else_branch=branch))
+    rehash(artifact, {"model.onnx": model.SerializeToString()})
+    code, stderr = run_cli("infer", str(artifact), "--engine", "onnx", "--random", "2", "--out", str(tmp_path / "o.npz"))
+    assert_one_line(code, stderr, "the graph reads external data from ['secrets/key.bin'], which the manifest does not")
+    assert not (tmp_path / "o.npz").exists()
+    code, stderr = run_cli("deploy", "triton", str(artifact), "--out", str(tmp_path / "repo"))  # nor copied for Triton
+    assert_one_line(code, stderr, "the graph reads external data from ['secrets/key.bin'], which the manifest does not")
+    assert not (tmp_path / "repo").exists()
+
+
 def test_programs_tk_writes_carry_no_pickled_entry(base_artifact):
     from tk.formats.torch_program import pickled_entries
 

@@ -97,4 +97,55 @@ def load_exported_program(data: bytes, source: str = FILE) -> torch.export.Expor
             f"{source}: the archive holds entries that torch.export.load would unpickle ({', '.join(refused[:3])}); "
             "tk never unpickles an artifact: re-export it with tk"
         )
-    return torch.export.load(io.BytesIO(data))
+    program = torch.export.load(io.BytesIO(data))
+    refuse_unsafe_operators(program, source)
+    return program
+
+
+# Operators a loaded program may call: the core ATen and prims sets, the quantize/dequantize ops of PT2E,
+# and control flow (whose bodies are checked as graphs of their own). Nothing else: an operator from
+# another namespace runs whatever code registered it.
+SAFE_NAMESPACES = ("aten", "prims", "quantized_decomposed", "higher_order")
+# ATen operators that reach outside the process's tensors: from_file maps any file into a tensor (a
+# program rewritten to call it read /etc/passwd into its output), _print writes to stdout
+UNSAFE_ATEN = ("from_file", "_print")
+# Python-level targets torch.export writes for symbolic sizes and tuple outputs
+SAFE_FUNCTION_MODULES = ("_operator", "operator", "math")
+
+
+def refuse_unsafe_operators(program: torch.export.ExportedProgram, source: str = FILE) -> None:
+    """Refuse (``IntegrityError``, one line) a program that calls an operator outside ``SAFE_NAMESPACES``,
+    one of ``UNSAFE_ATEN``, or any Python function but ``SAFE_FUNCTION_MODULES``' and torch's ``sym_*``.
+    The program's graph is data until it runs: this reads every node of it and its subgraphs first."""
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            why = _unsafe(node)
+            if why:
+                raise IntegrityError(
+                    f"{source}: the program calls {why}, which tk does not run from an artifact; "
+                    "expected only ATen, prims and quantize operators: re-export it with tk"
+                )
+
+
+def _unsafe(node: torch.fx.Node) -> str | None:
+    """Why ``node`` may not run, or None."""
+    target = node.target
+    if node.op != "call_function":
+        return f"a {node.op} node ({target})"
+    if isinstance(target, torch._ops.OpOverload):
+        namespace, name = target.namespace, target._schema.name.split("::")[-1]
+        if namespace not in SAFE_NAMESPACES or (namespace == "aten" and name in UNSAFE_ATEN):
+            return f"{namespace}::{name}"
+        return None
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return None if target.namespace in SAFE_NAMESPACES else f"{target.namespace}::{target.name()}"
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__name__", repr(target))
+    if module in SAFE_FUNCTION_MODULES or (module == "torch" and name.startswith("sym_")):
+        return None
+    return f"the Python function {module}.{name}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,33 +171,7 @@ class OnnxRuntimeEngine(Engine):
         return out
 
     def _verified_files(self) -> dict[str, bytes]:
-        """The ONNX file and its external data (if any), by name, read once and checked against the manifest.
-
-        The graph may name only external data files the manifest lists, beside the model file.
-        """
-        model = self.manifest.file("onnx")
-        if "/" in model.path:
-            raise IntegrityError(
-                f"{self.root}: expected the ONNX file at the artifact's top level, found {model.path!r}"
-            )
-        files = {model.path: read_verified(self.root, model)}
-        data_files = {e.path: e for e in self.manifest.files if e.role == "onnx-data"}
-        external = self.manifest.formats.get("onnx", {}).get("external_data")
-        if external and (not isinstance(external, str) or external not in data_files):
-            raise IntegrityError(
-                f"{self.root}: the ONNX model keeps its weights in {external}, and the manifest lists no such "
-                "onnx-data file; the artifact is incomplete, re-export it"
-            )
-        named = _external_locations(files[model.path])
-        unknown = sorted(named - set(data_files))
-        if unknown:
-            raise IntegrityError(
-                f"{self.root / model.path}: the graph reads external data from {unknown[:3]}, which the manifest does "
-                "not list; refusing to load it"
-            )
-        for name, entry in data_files.items():
-            files[name] = read_verified(self.root, entry)
-        return files
+        return verified_onnx_files(self.root, self.manifest)
 
     def _providers(self, ort: Any) -> list[Any]:
         available = ort.get_available_providers()
@@ -314,8 +289,37 @@ def _numpy_dtype(dtype: torch.dtype) -> Any:
     return _NUMPY_DTYPES[dtype]
 
 
+def verified_onnx_files(root: Path, manifest: Any) -> dict[str, bytes]:
+    """An artifact's ONNX file and its external data (if any), by name, read once and checked against
+    the manifest (``tk.manifest.Manifest``). The graph may name only external data files the manifest
+    lists, beside the model file: any other is refused before onnxruntime (or Triton) reads it."""
+    model = manifest.file("onnx")
+    if "/" in model.path:
+        raise IntegrityError(f"{root}: expected the ONNX file at the artifact's top level, found {model.path!r}")
+    files = {model.path: read_verified(root, model)}
+    data_files = {e.path: e for e in manifest.files if e.role == "onnx-data"}
+    external = manifest.formats.get("onnx", {}).get("external_data")
+    if external and (not isinstance(external, str) or external not in data_files):
+        raise IntegrityError(
+            f"{root}: the ONNX model keeps its weights in {external}, and the manifest lists no such "
+            "onnx-data file; the artifact is incomplete, re-export it"
+        )
+    named = _external_locations(files[model.path])
+    unknown = sorted(named - set(data_files))
+    if unknown:
+        raise IntegrityError(
+            f"{root / model.path}: the graph reads external data from {unknown[:3]}, which the manifest does "
+            "not list; refusing to load it"
+        )
+    for name, entry in data_files.items():
+        files[name] = read_verified(root, entry)
+    return files
+
+
 def _external_locations(model_bytes: bytes) -> set[str]:
-    """The external data files an ONNX model's initializers name (read without loading them)."""
+    """The external data files an ONNX model's tensors name (read without loading them): initializers,
+    and the tensors inside nodes' attributes (a ``Constant``'s value, a subgraph's initializers: a crafted
+    graph read a file from the working directory through a ``Constant`` whose value was external data)."""
     import onnx
 
     try:
@@ -325,11 +329,35 @@ def _external_locations(model_bytes: bytes) -> set[str]:
             f"damaged ONNX file ({type(exc).__name__}: {first_line(exc)}); re-export the artifact"
         ) from exc
     locations = set()
-    for tensor in model.graph.initializer:
+    for tensor in _tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             info = {item.key: item.value for item in tensor.external_data}
             locations.add(info.get("location", ""))
     return locations
+
+
+def _tensors(model: Any) -> Iterator[Any]:
+    """Every ``TensorProto`` of ``model``: its graphs' initializers (sparse ones too) and every tensor held
+    by a node attribute, in the main graph, in subgraphs (``If``, ``Loop``, ``Scan``) and in functions."""
+    graphs, node_lists = [model.graph], [f.node for f in model.functions]
+    while graphs or node_lists:
+        if graphs:
+            graph = graphs.pop()
+            yield from graph.initializer
+            for sparse in graph.sparse_initializer:
+                yield from (sparse.values, sparse.indices)
+            node_lists.append(graph.node)
+            continue
+        for node in node_lists.pop():
+            for attr in node.attribute:
+                yield from ([attr.t] if attr.HasField("t") else [])
+                yield from attr.tensors
+                if attr.HasField("sparse_tensor"):
+                    yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+                for sparse in attr.sparse_tensors:
+                    yield from (sparse.values, sparse.indices)
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
 
 
 _PROBED_DTYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16"}

@@ -206,15 +206,22 @@ def deploy_triton(
     )
     model_dir = Path(out) / name
     _require_empty(Path(out), force)
+    if fmt == "onnx":  # the graph may name no external data beyond the artifact's own (tk.runtime.onnxrt)
+        from tk.runtime.onnxrt import verified_onnx_files
+
+        model_file = manifest.file("onnx").path
+        files = {
+            PLATFORMS[fmt][1] if n == model_file else Path(n).name: data
+            for n, data in verified_onnx_files(root, manifest).items()
+        }
+    else:
+        files = {PLATFORMS[fmt][1]: read_verified(root, manifest.file("trt"))}  # the bytes that were hashed, read once
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    roles = ["trt"] if fmt == "trt" else ["onnx", "onnx-data"]
-    for entry in manifest.files:
-        if entry.role not in roles:
-            continue
-        target = version_dir / (PLATFORMS[fmt][1] if entry.role == fmt else Path(entry.path).name)
-        atomic_write_bytes(target, read_verified(root, entry))  # the bytes that were hashed, read once
+    for file_name, data in files.items():
+        target = version_dir / file_name
+        atomic_write_bytes(target, data)
         written.append(target)
     warmup_dir = model_dir / "warmup"
     warmup_dir.mkdir(exist_ok=True)
