@@ -178,9 +178,13 @@ def test_an_onnx_graph_reading_a_file_through_a_node_attribute_is_refused(artifa
         model.graph.initializer.append(helper.make_tensor("cond", onnx.TensorProto.BOOL, [], [True]))
         out = helper.make_tensor_value_info("sub_out", init.data_type, list(init.dims))
         branch = helper.make_graph([helper.make_node("Constant", [], ["sub_out"], value=value)], "b", [], [out])
-        model.graph.node.insert(0, helper.make_node("If", ["cond"], [init.name], then_branch=branch, else_branch=branch))
+        model.graph.node.insert(
+            0, helper.make_node("If", ["cond"], [init.name], then_branch=branch, else_branch=branch)
+        )
     rehash(artifact, {"model.onnx": model.SerializeToString()})
-    code, stderr = run_cli("infer", str(artifact), "--engine", "onnx", "--random", "2", "--out", str(tmp_path / "o.npz"))
+    code, stderr = run_cli(
+        "infer", str(artifact), "--engine", "onnx", "--random", "2", "--out", str(tmp_path / "o.npz")
+    )
     assert_one_line(code, stderr, "the graph reads external data from ['secrets/key.bin'], which the manifest does not")
     assert not (tmp_path / "o.npz").exists()
     code, stderr = run_cli("deploy", "triton", str(artifact), "--out", str(tmp_path / "repo"))  # nor copied for Triton
