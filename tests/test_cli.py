@@ -289,3 +289,25 @@ def test_check_against_eager_alone_says_eager_is_the_reference(tmp_path):
     assert invoke("export", "mlp", "--size", "tiny", "--format", "torch", "--out", str(out)).exit_code == 0
     result = invoke("check", str(out), "--engine", "eager")
     assert_one_line_error(result, 2, "eager is the reference each engine is compared with")
+
+
+def test_outputs_inside_the_artifact_read_or_written_are_refused(tmp_path):
+    art = tmp_path / "mlp"
+    assert invoke("export", "mlp", "--size", "tiny", "--format", "onnx", "--out", str(art)).exit_code == 0
+    before = {p.name: p.read_bytes() for p in art.iterdir()}
+    for args, flag in [
+        (["check", str(art), "--engine", "onnx", "--json", str(art / "manifest.json")], "--json"),
+        (["check", str(art), "--engine", "onnx", "--save-golden", str(art / "weights.safetensors")], "--save-golden"),
+        (["check", str(art), "--engine", "onnx", "--junit", str(art / "model.sig")], "--junit"),
+        (["bench", str(art), "--engine", "onnx", "--plot", str(art / "model.onnx")], "--plot"),
+        (["bench", str(art), "--engine", "onnx", "--save-baseline", str(art / "b.json")], "--save-baseline"),
+        (["infer", str(art), "--random", "2", "--out", str(art / "o.npz")], "--out"),
+        (
+            ["export", "mlp", "--size", "tiny", "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b" / "m.json")],
+            "--json",
+        ),
+    ]:
+        assert_one_line_error(invoke(*args), 2, f"{flag}: expected a path outside the artifact")
+    train = invoke("train", "mlp", "--size", "tiny", "--steps", "2", "--out", str(art / "weights.safetensors"))
+    assert_one_line_error(train, 2, "--out: expected a path outside a tk artifact")
+    assert {p.name: p.read_bytes() for p in art.iterdir()} == before  # nothing of the artifact was touched

@@ -13,6 +13,7 @@ from tk.cli.common import (
     path_option,
     print_check_reports,
     public_key_option,
+    refuse_writes_into,
     size_text,
     task_option,
     trust_policy,
@@ -202,6 +203,7 @@ def export_cmd(
     )
     default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)
+    refuse_writes_into(out, json=json_path)  # the artifact is written whole and swapped into place
     try:
         result = export(spec, out, options)
     except ParityError:

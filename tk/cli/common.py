@@ -37,6 +37,22 @@ def path_option(*decls: str, help: str) -> Any:
     return click.option(*decls, type=click.Path(path_type=Path), default=None, help=help)
 
 
+def refuse_writes_into(artifact: Path, **outputs: Path | None) -> None:
+    """Refuse (one line) an output path inside the artifact a command reads: ``--json ART/manifest.json``
+    or ``--save-golden ART/weights.safetensors`` replaced the artifact's own files and broke it. Keyword
+    names are the flags (``save_golden`` for ``--save-golden``)."""
+    from tk.errors import UsageError
+
+    root = artifact.resolve()
+    for name, path in outputs.items():
+        if path is None:
+            continue
+        where = path.resolve()
+        if where == root or root in where.parents:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: expected a path outside the artifact {artifact}, got {path}")
+
+
 def task_option(fn: Any) -> Any:
     return click.option(
         "--task",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import console, engine_choice, path_option, print_check_reports
+from tk.cli.common import console, engine_choice, path_option, print_check_reports, refuse_writes_into
 from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
@@ -56,6 +56,7 @@ def infer_cmd(
 
     from tk.workflows.infer import infer_artifact
 
+    refuse_writes_into(artifact, out=out)
     if use_ray:
         _infer_ray(artifact, choice, inputs_path, out, batch_size, address, actors)
         return
@@ -200,6 +201,9 @@ def check_cmd(
     gates: CheckGates,
 ) -> None:
     """Compare an artifact's engines with the PyTorch model (or --reference, --golden), output by output; exit 1 on a failure."""
+    refuse_writes_into(
+        artifact, json=json_path, save_golden=save_golden_path, save_baseline=gates.save_baseline, junit=gates.junit
+    )
     from tk.fileio import atomic_write_json
     from tk.workflows.check import check_artifact
     from tk.workflows.golden import parse_tolerances
@@ -298,6 +302,7 @@ def bench_cmd(
     gates: BenchGates,
 ) -> None:
     """Measure every engine side by side (interleaved) at several batch sizes."""
+    refuse_writes_into(artifact, json=json_path, plot=plot_path, save_baseline=gates.save_baseline, junit=gates.junit)
     from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
     from tk.workflows.bench import render_table, save_json, save_plot
 

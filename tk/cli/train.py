@@ -96,18 +96,26 @@ def train_cmd(
         _train_compare(model, size, inputs, options, kwargs, json_path)
         return
     spec = build(model, size, inputs, seed=seed)
+    out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
+    _refuse_artifact_parent(out)
     result = _train_with_progress(spec, kwargs, options if use_compile else None)
     from tk.fileio import atomic_write_json
     from tk.models.checkpoint import save_checkpoint
     from tk.versions import library_versions
 
-    out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
     meta = {**spec.reference(), "train": result.summary(), "versions": library_versions()}
     save_checkpoint(spec.module, out, meta)
     _print_train([result])
     click.echo(f"checkpoint: {out} (+ {out.name}.json)")
     if json_path:
         atomic_write_json(json_path, meta)
+
+
+def _refuse_artifact_parent(out: Path) -> None:
+    """A checkpoint is never written into a tk artifact (its files are hashed: the artifact would break)."""
+    for parent in out.resolve().parents:
+        if (parent / "manifest.json").is_file():
+            raise UsageError(f"--out: expected a path outside a tk artifact, got {out} (inside {parent})")
 
 
 class _ProgressBar:
