@@ -321,3 +321,24 @@ def test_an_ignored_cache_directory_may_change_without_breaking_the_signature(co
     assert done.returncode == 0, done.stdout + done.stderr
     (copy / "extra.bin").write_bytes(b"x")  # anything else still breaks it
     assert not check_signature(copy, read_manifest(copy)).trusted
+
+
+def test_a_public_key_that_cannot_be_used_is_an_error_even_without_native_code(tmp_path):
+    art = tmp_path / "mlp"
+    assert (
+        CliRunner().invoke(cli, ["export", "mlp", "--size", "tiny", "--format", "onnx", "--out", str(art)]).exit_code
+        == 0
+    )
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a key")
+    good = tmp_path / "good.pem"
+    key = ec.generate_private_key(ec.SECP384R1()).public_key()
+    good.write_bytes(key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    for path, says in (
+        (tmp_path / "missing.pem", "cannot read this public key"),
+        (garbage, "expected a PEM public key"),
+    ):
+        result = CliRunner().invoke(cli, ["inspect", str(art), "--public-key", str(path)])
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert CliRunner().invoke(cli, ["inspect", str(art), "--public-key", str(good)]).exit_code == 0

@@ -170,6 +170,15 @@ def _load_private_key(path: Path) -> Any:
     return key
 
 
+def check_public_key_file(path: Path) -> None:
+    """Refuse (``UsageError``, one line) a ``--public-key`` file that cannot be read or is not an EC public key."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read this public key: {exc.strerror or exc}") from exc
+    _load_public_key(data, str(path))
+
+
 def _load_public_key(data: bytes, what: str) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec

@@ -191,6 +191,20 @@ def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def _remember_keys(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """``--public-key`` files, each read as a PEM public key now: a named key that cannot be used is an
+    error whether or not the command meets native code (docs/security.md), never skipped."""
+    from tk.errors import TkError
+    from tk.signing import check_public_key_file
+
+    for path in value or ():
+        try:
+            check_public_key_file(Path(path))
+        except TkError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return _remember(ctx, param, value)
+
+
 def public_key_option(fn: Any) -> Any:
     """``--public-key FILE`` (repeatable); read it with ``trust_policy()``."""
     return click.option(
@@ -198,7 +212,7 @@ def public_key_option(fn: Any) -> Any:
         "public_keys",
         multiple=True,
         type=click.Path(path_type=Path, dir_okay=False),
-        callback=_remember,
+        callback=_remember_keys,
         expose_value=False,
         help="Trust artifacts signed by this PEM public key (repeatable), besides your own key, $TK_TRUSTED_KEYS "
         "and the trusted-keys directory (docs/security.md).",
