@@ -584,3 +584,13 @@ def test_engine_all_skips_an_untrusted_aoti_and_checks_the_others(crafted_aoti):
     checked = set(passed[0].removeprefix("parity passed for ").split(", ")) if len(passed) == 1 else set()
     assert {"onnx", "torch"} <= checked and "aoti" not in checked, result.stdout
     assert not marker.exists()
+
+
+def test_json_nested_past_pythons_recursion_limit_is_one_line(artifact, tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.json").write_text(deep)
+    code, stderr = run_cli("check", str(artifact), "--engine", "onnx", "--baseline", str(tmp_path / "deep.json"))
+    assert_one_line(code, stderr, "not a readable JSON file")
+    (artifact / "manifest.json").write_text(deep)
+    code, stderr = run_cli("inspect", str(artifact))
+    assert_one_line(code, stderr, "expected JSON, found damaged text")

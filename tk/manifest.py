@@ -146,7 +146,7 @@ def read_manifest(root: str | Path) -> Manifest:
     raw = read_inside(root, MANIFEST)
     try:
         data = json.loads(raw.decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise IntegrityError(f"{path}: expected JSON, found damaged text ({exc})") from exc
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         found = data.get("format_version") if isinstance(data, dict) else type(data).__name__

@@ -293,7 +293,7 @@ def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | 
         payload = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True))
         resources = payload["predicate"]["resources"]
         serialization = payload["predicate"]["serialization"]
-    except (ValueError, KeyError, TypeError, binascii.Error) as exc:
+    except (ValueError, KeyError, TypeError, binascii.Error, RecursionError) as exc:
         return SignatureCheck(True, False, None, None, f"its {SIGNATURE} is not a model_signing bundle ({exc})")
     hint = hint if isinstance(hint, str) else None
     if hint not in keys:

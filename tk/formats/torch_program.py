@@ -66,7 +66,7 @@ def pickled_entries(data: bytes) -> list[str]:
 def _pickled_payloads(config_bytes: bytes, name: str) -> list[str]:
     try:
         config = json.loads(config_bytes).get("config", {})
-    except (ValueError, AttributeError) as exc:
+    except (ValueError, AttributeError, RecursionError) as exc:
         raise IntegrityError(f"damaged payload config {name} ({first_line(exc)})") from exc
     if not isinstance(config, dict):
         raise IntegrityError(f"damaged payload config {name}: expected an object")

@@ -115,5 +115,5 @@ def read_sidecar(path: str | Path) -> dict[str, Any] | None:
         return None
     try:
         return json.loads(side.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise IntegrityError(f"checkpoint sidecar {side}: expected JSON, found damaged text ({exc})") from exc

@@ -101,7 +101,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
         raise UsageError(f"hf:{directory}: expected a directory written by save_pretrained, found no config.json")
     try:
         config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise UsageError(f"hf:{directory}: config.json is not valid JSON ({first_line(exc)})") from exc
     if not isinstance(config, dict):
         raise UsageError(f"hf:{directory}: config.json: expected a JSON object, found {type(config).__name__}")

@@ -97,7 +97,7 @@ def _read_texts(path: Path) -> tuple[list[str], np.ndarray | None]:
 def _jsonl_record(path: Path, number: int, line: str) -> tuple[str, int | None]:
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise UsageError(f"{path}:{number}: expected a JSON object per line, found invalid JSON ({exc.msg})") from exc
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise UsageError(f'{path}:{number}: expected an object with a "text" string, found {line[:60]!r}')

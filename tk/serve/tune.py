@@ -69,7 +69,7 @@ def read_settings(path: str | Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except OSError as exc:
         raise UsageError(f"--config {path}: expected a readable JSON file, got {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise UsageError(f"--config {path}: expected JSON, got an error at line {exc.lineno}: {exc.msg}") from None
     except ValueError as exc:  # not UTF-8 text (a model file, say), or an integer past Python's digit limit
         raise UsageError(f"--config {path}: expected a UTF-8 JSON file of settings, got {first_line(exc)}") from None

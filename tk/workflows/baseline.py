@@ -223,7 +223,7 @@ def _read(path: str | Path, kind: str) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"baseline {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UsageError(f"baseline {path}: not a readable JSON file ({first_line(exc)})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UsageError(f'baseline {path}: not a tk baseline (no "format": "{FORMAT}")')

@@ -82,7 +82,7 @@ def load_golden(path: str | Path, signature: Signature) -> Golden:
         raise UsageError(f"--golden {path}: expected a golden file written by `tk check --save-golden`, found no meta")
     try:
         meta = json.loads(arrays.pop("meta").tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise UsageError(f"--golden {path}: its meta is not JSON ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         meta = meta if isinstance(meta, dict) else {}
