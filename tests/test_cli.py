@@ -311,3 +311,15 @@ def test_outputs_inside_the_artifact_read_or_written_are_refused(tmp_path):
     train = invoke("train", "mlp", "--size", "tiny", "--steps", "2", "--out", str(art / "weights.safetensors"))
     assert_one_line_error(train, 2, "--out: expected a path outside a tk artifact")
     assert {p.name: p.read_bytes() for p in art.iterdir()} == before  # nothing of the artifact was touched
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range"),
+        (["--threads", "100000"], "Invalid value for '--threads': 100000 is not in the range"),
+    ],
+)
+def test_seeds_and_thread_counts_out_of_range_are_one_line(tmp_path, args, says):
+    result = invoke("infer", str(tmp_path / "none"), "--random", "2", "--out", str(tmp_path / "o.npz"), *args)
+    assert_one_line_error(result, 2, says)

@@ -32,6 +32,10 @@ def model_options(fn: Any) -> Any:
     return fn
 
 
+SEED = click.IntRange(0, 2**32 - 1)  # what numpy's and torch's generators take from every caller
+MAX_THREADS = 1024  # 100000 threads crashed onnxruntime and torch (segfault) or hung
+
+
 def path_option(*decls: str, help: str) -> Any:
     """An optional file or directory option (``--json``, ``--golden``...): a ``Path``, default ``None``."""
     return click.option(*decls, type=click.Path(path_type=Path), default=None, help=help)
@@ -163,7 +167,10 @@ ENGINE_OPTIONS = (
         help="onnxruntime execution provider, e.g. CPUExecutionProvider (default: the best available).",
     ),
     click.option(
-        "--threads", type=int, default=None, help="Threads for onnxruntime, OpenVINO and torch (default: all cores)."
+        "--threads",
+        type=click.IntRange(1, MAX_THREADS),
+        default=None,
+        help="Threads for onnxruntime, OpenVINO and torch (default: all cores).",
     ),
     click.option(
         "--mode",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tk.cli.common import console, path_option, public_key_option, trust_options, trust_policy
+from tk.cli.common import SEED, console, path_option, public_key_option, trust_options, trust_policy
 
 # both commands rebuild the float32 model (their reference) from the manifest
 TRUST_MODEL_CODE = click.option(
@@ -37,7 +37,7 @@ def _abs(value: float, nonfinite: int) -> str:
 @click.option("--engine", type=click.Choice(["torch", "aoti", "onnx"]), default="onnx", show_default=True)
 @path_option("--inputs", "inputs_path", help="Inputs file (.npz/.npy; .txt/.jsonl texts for hf:DIR).")
 @click.option("--samples", type=int, default=None, help="N random samples (default: one batch at the opt sizes).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the artifact's precision).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows of the table of largest error growth.")
@@ -111,7 +111,7 @@ def locate_cmd(
 
 @debug_group.command("precision")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @path_option("--json", "json_path", help="Write the search as JSON.")
 @TRUST_MODEL_CODE
 @public_key_option

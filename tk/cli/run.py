@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import console, engine_choice, path_option, print_check_reports, refuse_writes_into
+from tk.cli.common import SEED, console, engine_choice, path_option, print_check_reports, refuse_writes_into
 from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 @click.option(
     "--batch-size", type=int, default=None, help="Samples per engine call (default: the batch dimension's opt size)."
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of --random.")
 @click.option("--ray", "use_ray", is_flag=True, help="Run a directory of shards on Ray Data; --out is a directory.")
 @click.option("--address", default=None, help="With --ray: join this Ray cluster (default: a local Ray instance).")
 @click.option("--actors", type=int, default=2, show_default=True, help="With --ray: actors, each with one engine.")
@@ -162,7 +162,7 @@ def _infer_ray(
 @click.option("--batch-size", type=int, default=None, help="Samples per call with --inputs/--samples.")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance (default: the artifact's precision).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default: the artifact's precision).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @path_option("--json", "json_path", help="Write the reports as JSON.")
 @click.option(
     "--reference",

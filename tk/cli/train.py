@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import build, console, model_options, path_option
+from tk.cli.common import SEED, build, console, model_options, path_option
 from tk.errors import UsageError
 from tk.registries import DEVICES
 
@@ -51,7 +51,7 @@ def models_cmd(as_json: bool) -> None:
 @click.option("--steps", type=int, default=None, help="Optimizer steps (default: the task's, e.g. 300).")
 @click.option("--batch-size", type=int, default=None, help="Samples per step (default: the task's).")
 @click.option("--lr", type=float, default=None, help="Learning rate (default: the task's).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and data.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for weights and data.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--compile", "use_compile", is_flag=True, help="Train under torch.compile.")
 @click.option(
