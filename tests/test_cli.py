@@ -323,3 +323,16 @@ def test_outputs_inside_the_artifact_read_or_written_are_refused(tmp_path):
 def test_seeds_and_thread_counts_out_of_range_are_one_line(tmp_path, args, says):
     result = invoke("infer", str(tmp_path / "none"), "--random", "2", "--out", str(tmp_path / "o.npz"), *args)
     assert_one_line_error(result, 2, says)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--compile", "--backend", "nosuch"], "--backend: expected a torch.compile backend such as inductor"),
+        (["--batch-size", "99999999999"], "--batch-size 99999999999: a training batch needs more memory"),
+    ],
+)
+def test_training_settings_the_machine_cannot_run_are_one_line(tmp_path, args, says):
+    result = invoke("train", "mlp", "--size", "tiny", "--steps", "2", "--out", str(tmp_path / "m.safetensors"), *args)
+    assert_one_line_error(result, 2, says)
+    assert not (tmp_path / "m.safetensors").exists()

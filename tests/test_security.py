@@ -594,3 +594,9 @@ def test_json_nested_past_pythons_recursion_limit_is_one_line(artifact, tmp_path
     (artifact / "manifest.json").write_text(deep)
     code, stderr = run_cli("inspect", str(artifact))
     assert_one_line(code, stderr, "expected JSON, found damaged text")
+
+
+def test_a_golden_file_that_is_not_an_npz_is_one_line(artifact, tmp_path):
+    (tmp_path / "garbage.npz").write_bytes(os.urandom(4096))
+    code, stderr = run_cli("check", str(artifact), "--engine", "onnx", "--golden", str(tmp_path / "garbage.npz"))
+    assert_one_line(code, stderr, "expected an .npz archive of arrays, found something else")

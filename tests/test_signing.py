@@ -342,3 +342,23 @@ def test_a_public_key_that_cannot_be_used_is_an_error_even_without_native_code(t
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert result.exit_code == 2 and len(lines) == 1 and says in lines[0], result.stderr
     assert CliRunner().invoke(cli, ["inspect", str(art), "--public-key", str(good)]).exit_code == 0
+
+
+def test_a_key_on_a_curve_model_signing_does_not_take_is_one_line(tmp_path):
+    art = tmp_path / "mlp"
+    assert (
+        CliRunner().invoke(cli, ["export", "mlp", "--size", "tiny", "--format", "onnx", "--out", str(art)]).exit_code
+        == 0
+    )
+    key = tmp_path / "k1.pem"
+    private = ec.generate_private_key(ec.SECP256K1())
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    result = CliRunner().invoke(cli, ["sign", str(art), "--private-key", str(key)])
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "Unsupported key for curve 'secp256k1'" in lines[0], (
+        result.stderr
+    )

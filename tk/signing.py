@@ -251,8 +251,9 @@ def sign_artifact(root: str | Path, private_key: str | Path | None = None, *, ig
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE, *ignore], ignore_git_paths=False)
-    config = model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path).set_hashing_config(hashing)
     try:
+        config = model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path)
+        config = config.set_hashing_config(hashing)
         with private_copy({}) as scratch:  # signed outside the directory, so no temporary file is hashed
             config.sign(root, scratch / SIGNATURE)
             bundle = (scratch / SIGNATURE).read_bytes()

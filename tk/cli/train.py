@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from tk.cli.common import SEED, build, console, model_options, path_option
-from tk.errors import UsageError
+from tk.errors import UsageError, first_line
 from tk.registries import DEVICES
 
 
@@ -87,6 +87,15 @@ def train_cmd(
     from tk.models.train import CompileOptions
 
     options = CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+    if use_compile or compare:
+        import torch
+
+        known = torch.compiler.list_backends(exclude_tags=())
+        if backend not in known:
+            raise UsageError(
+                "--backend: expected a torch.compile backend such as inductor, eager or aot_eager "
+                f"(torch.compiler.list_backends()), got {backend!r}"
+            )
     kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
     if compare:
         if out is not None:
@@ -157,6 +166,13 @@ def _train_with_progress(spec: Any, kwargs: dict[str, Any], options: Any) -> Any
     on_step = bar.__enter__()
     try:
         return train(spec, compile_options=options, on_step=on_step, **kwargs)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator says so in a RuntimeError
+        if isinstance(exc, MemoryError) or "allocate" in str(exc):
+            size = kwargs.get("batch_size") or "the task's default"
+            raise UsageError(
+                f"--batch-size {size}: a training batch needs more memory than this machine gives ({first_line(exc)})"
+            ) from exc
+        raise
     finally:
         bar.__exit__(None, None, None)
 
