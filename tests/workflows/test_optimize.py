@@ -162,11 +162,18 @@ def test_the_command_prints_the_table_from_the_cache(runs: dict[str, Any]) -> No
     assert "cache: 2 candidate artifacts reused, 0 exported" in result.output
 
 
-def test_a_bad_spec_is_one_line_before_any_work() -> None:
+def test_a_bad_spec_is_one_line_before_any_work(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"other.weight": torch.zeros(2, 2)}, str(tmp_path / "other.safetensors"))
+    (tmp_path / "file").write_text("x")
     cases = {
         ("--accuracy", "sqnr>35"): "error: --accuracy:",
         ("--time-budget", "nan"): "error: --time-budget: expected a finite number of minutes above 0, got nan",
         ("--seconds", "0"): "error: --seconds: expected a finite number of seconds above 0, got 0.0",
+        ("--checkpoint", str(tmp_path / "other.safetensors")): "error: checkpoint ",  # of another model
+        ("--batch", "99999999999"): "error: inputs at sizes",  # past the memory budget
+        ("--cache-dir", str(tmp_path / "file")): "error: --cache-dir: expected a directory, found a file",
     }
     for flags, start in cases.items():
         result = CliRunner().invoke(cli, ["optimize", "transformer", *flags, "--out", "x"], obj={})

@@ -85,15 +85,12 @@ def state_dict_from_safetensors(data: bytes, source: str) -> dict[str, torch.Ten
         raise IntegrityError(f"{source}: damaged safetensors data ({first_line(exc)})") from exc
 
 
-def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | None = None) -> None:
-    """Load a checkpoint (a path, or the verified bytes of a safetensors file) into ``module``; every key must match."""
-    if isinstance(path, bytes):
-        state = state_dict_from_safetensors(path, source or "weights")
-        path = source or "weights"
-    else:
-        state = load_state_dict(path)
-    missing, unexpected = [], []
-    own = original_module(module).state_dict()
+def require_checkpoint_fits(module: nn.Module, path: str | Path) -> None:
+    """Refuse (one line) a checkpoint whose names or shapes are not ``module``'s, loading nothing into it."""
+    _require_fit(original_module(module).state_dict(), load_state_dict(path), path)
+
+
+def _require_fit(own: dict[str, Any], state: dict[str, Any], path: str | Path) -> None:
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
@@ -106,6 +103,17 @@ def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | N
             raise UsageError(
                 f"checkpoint {path}: {key} has shape {tuple(value.shape)}, the model expects {tuple(own[key].shape)}"
             )
+
+
+def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | None = None) -> None:
+    """Load a checkpoint (a path, or the verified bytes of a safetensors file) into ``module``; every key must match."""
+    if isinstance(path, bytes):
+        state = state_dict_from_safetensors(path, source or "weights")
+        path = source or "weights"
+    else:
+        state = load_state_dict(path)
+    own = original_module(module).state_dict()
+    _require_fit(own, state, path)
     original_module(module).load_state_dict(state)
 
 

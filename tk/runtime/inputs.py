@@ -323,7 +323,9 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
     except (zipfile.BadZipFile, EOFError, OSError) as exc:
         raise UsageError(f"{path}: truncated or damaged .npz file ({exc})") from exc
     except (ValueError, TypeError, AttributeError) as exc:  # not a zip: numpy read it as .npy or as a pickle it refused
-        raise UsageError(f"{path}: expected an .npz archive of arrays, found something else ({first_line(exc)})") from exc
+        raise UsageError(
+            f"{path}: expected an .npz archive of arrays, found something else ({first_line(exc)})"
+        ) from exc
     return arrays
 
 

@@ -21,9 +21,11 @@ from tk.accuracy import METRICS, AccuracySpec, parse_accuracy
 from tk.errors import BackendUnavailableError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
+from tk.limits import require_within_budget
 from tk.manifest import Manifest
 from tk.models import ModelSpec
-from tk.spec import Dim
+from tk.models.checkpoint import require_checkpoint_fits
+from tk.spec import Dim, feeds_nbytes
 from tk.workflows.optimize.artifacts import CACHE, model_digest, refuse_foreign_out, write_group, write_winner
 from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
 from tk.workflows.optimize.data import OptimizeData, optimize_data
@@ -90,8 +92,15 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     if options.keep not in KEEP:
         raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
     refuse_foreign_out(out, options.cache_dir)
+    if options.cache_dir is not None and options.cache_dir.exists() and not options.cache_dir.is_dir():
+        raise UsageError(f"--cache-dir: expected a directory, found a file at {options.cache_dir}")
+    if options.checkpoint is not None:  # before any candidate: every export would fail on it alike
+        require_checkpoint_fits(spec.module, options.checkpoint)
     dims = resolve_dims(spec, ranges_for_sizes(spec.signature.dims, options.dims, options.sizes), True)
     sizes = timing_sizes(dims, options.sizes)
+    for name, dim in dims.items():  # what each export's check runs: every dimension at its max
+        at_max = {**{n: d.opt for n, d in dims.items()}, name: dim.max}
+        require_within_budget(feeds_nbytes(spec.signature.inputs, at_max), f"inputs at sizes {at_max}")
     data = optimize_data(spec, dims, sizes, options.data)
     found = enumerate_candidates(
         options.device, formats=options.formats, precisions=options.precisions, names=options.candidates
