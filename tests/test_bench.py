@@ -196,3 +196,17 @@ def test_wait_quiet_is_refused_below_zero():
 
     with pytest.raises(UsageError, match="--wait-quiet: expected 0 or more seconds"):
         LoadGuard(-1)
+
+
+def test_a_bench_that_can_time_nothing_ends_with_exit_2(exported):
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+
+    root = exported("mlp", ("torch",)).root
+    result = CliRunner().invoke(
+        cli, ["bench", str(root), "--engine", "torch", "--batch-sizes", "100000", "--iters", "2"]
+    )
+    assert result.exit_code == 2, result.output
+    last = [ln for ln in result.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("error: nothing could be timed: eager at batch 100000: input"), result.stderr

@@ -152,6 +152,9 @@ def measure(
             busy = " (busy machine)" if row.busy else ""
             say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls{busy}")
         rows.extend(batch_rows)
+    if not rows and skipped:  # every engine refused every size: a run that measured nothing is the user's error
+        first = skipped[0]
+        raise UsageError(f"nothing could be timed: {first['engine']} at batch {first['batch_size']}: {first['reason']}")
     settings = {
         "batch_sizes": list(batch_sizes),
         "seconds": seconds,
