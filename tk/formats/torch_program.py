@@ -37,12 +37,12 @@ def save_exported_program(program: torch.export.ExportedProgram, path: Path) -> 
     torch.export.save(bare, str(path))
 
 
-def pickled_entries(data: bytes) -> list[str]:
+def pickled_entries(data: bytes, source: str = FILE) -> list[str]:
     """The entries of a ``.pt2`` archive that ``torch.export.load`` would unpickle (empty when none)."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
     except zipfile.BadZipFile as exc:
-        raise IntegrityError(f"not a torch.export archive ({first_line(exc)})") from exc
+        raise IntegrityError(f"{source}: not a torch.export archive ({first_line(exc)})") from exc
     with archive:
         infos = archive.infolist()
         require_within_budget(sum(i.file_size for i in infos), "the program archive's unpacked contents")
@@ -91,7 +91,7 @@ def _loads_without_code(payload: bytes) -> bool:
 
 def load_exported_program(data: bytes, source: str = FILE) -> torch.export.ExportedProgram:
     """The program in ``data`` (the verified bytes of a ``.pt2``), refusing any archive that carries pickles."""
-    refused = pickled_entries(data)
+    refused = pickled_entries(data, source)
     if refused:
         raise IntegrityError(
             f"{source}: the archive holds entries that torch.export.load would unpickle ({', '.join(refused[:3])}); "

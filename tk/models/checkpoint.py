@@ -46,7 +46,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Weights from safetensors, or from a torch file with ``weights_only=True``; never a pickle with code."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"checkpoint: expected a file, found nothing at {path}")
+        found = "a directory" if path.is_dir() else "nothing"
+        raise UsageError(f"checkpoint: expected a file, found {found} at {path}")
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) == 8 and _looks_like_safetensors(path, head):
