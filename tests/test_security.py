@@ -600,3 +600,14 @@ def test_a_golden_file_that_is_not_an_npz_is_one_line(artifact, tmp_path):
     (tmp_path / "garbage.npz").write_bytes(os.urandom(4096))
     code, stderr = run_cli("check", str(artifact), "--engine", "onnx", "--golden", str(tmp_path / "garbage.npz"))
     assert_one_line(code, stderr, "expected an .npz archive of arrays, found something else")
+
+
+
+def test_locate_on_inputs_that_make_the_model_nan_says_so(exported, tmp_path):
+    root = exported("mlp", ("onnx",)).root
+    spec = read_manifest(root).signature.inputs[0]
+    x = random_feeds([spec], {"batch": 2}, seed=0)[spec.name]
+    x[0, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", **{spec.name: x})
+    code, stderr = run_cli("debug", "locate", str(root), "--engine", "onnx", "--inputs", str(tmp_path / "nan.npz"))
+    assert_one_line(code, stderr, "the PyTorch model itself produces")

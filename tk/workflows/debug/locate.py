@@ -329,6 +329,12 @@ def locate(
     args = _args(manifest, feeds)
     with recording(model) as records, torch.inference_mode():
         final = _arrays(model(*args))  # the float32 model runs once: its outputs are the engine's reference too
+    nan = sum(int(np.isnan(np.asarray(a, dtype=np.float64)).sum()) for a in final)
+    if nan:  # every comparison below would match NaN with NaN and call it a pass
+        raise UsageError(
+            f"the PyTorch model itself produces {nan} NaN values on these inputs, so no divergence can be located; "
+            "check the inputs (NaN or Inf in them?) or the checkpoint"
+        )
     notes: list[str] = []
     values, via = _graph_values(root, manifest, engine, model, args, feeds, records, notes)
     rows, unmatched = _module_rows(records, values, rtol, atol, min_sqnr)
