@@ -100,5 +100,8 @@ def test_padding_positions_are_left_out_of_token_level_outputs_only():
     cand["hidden"][1, 0, 0] += 1e-2  # a token's error is still caught
     (hidden, _) = compare(ref, cand, rtol=0.0, atol=1e-5, valid=valid)
     assert not hidden.passed and hidden.max_abs == pytest.approx(1e-2, rel=1e-3)
+    cand["hidden"][1, 2, 0] = np.nan  # a NaN at a padding position still fails: a masked mean of it is NaN
+    (hidden, _) = compare(ref, cand, rtol=0.0, atol=1.0, valid=valid)
+    assert not hidden.passed and hidden.nan == 1 and "NaN" in (hidden.problem or "")
     full = {"input_ids": np.zeros((2, 3)), "attention_mask": np.ones((2, 3))}
     assert padding_positions(inputs, outputs, full, ref) == {}  # no padding: nothing left out

@@ -237,7 +237,9 @@ def test_serve_refuses_a_flag_its_engine_does_not_take_before_starting(exported)
 def test_threads_below_one_is_refused_by_every_engine_command(exported, tmp_path):
     root = exported("linear", ("torch", "onnx")).root
     for args in (["infer", str(root), "--random", "1", "--out", str(tmp_path / "o.npz")], ["check", str(root)]):
-        assert_one_line_error(invoke(*args, "--threads", "0"), 2, "--threads: expected 1 or more, got 0")
+        assert_one_line_error(
+            invoke(*args, "--threads", "0"), 2, "Invalid value for '--threads': 0 is not in the range 1<=x<=1024"
+        )
 
 
 def test_infer_ray_refuses_a_flag_its_engine_does_not_take_before_ray_starts(exported, tmp_path):
@@ -311,6 +313,11 @@ def test_outputs_inside_the_artifact_read_or_written_are_refused(tmp_path):
     train = invoke("train", "mlp", "--size", "tiny", "--steps", "2", "--out", str(art / "weights.safetensors"))
     assert_one_line_error(train, 2, "--out: expected a path outside a tk artifact")
     assert {p.name: p.read_bytes() for p in art.iterdir()} == before  # nothing of the artifact was touched
+    webapp = tmp_path / "webapp"  # another tool's manifest.json is no artifact
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "a web app"}')
+    ok = invoke("train", "mlp", "--size", "tiny", "--steps", "2", "--out", str(webapp / "m.safetensors"))
+    assert ok.exit_code == 0, ok.output
 
 
 @pytest.mark.parametrize(

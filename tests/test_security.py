@@ -602,7 +602,6 @@ def test_a_golden_file_that_is_not_an_npz_is_one_line(artifact, tmp_path):
     assert_one_line(code, stderr, "expected an .npz archive of arrays, found something else")
 
 
-
 def test_locate_on_inputs_that_make_the_model_nan_says_so(exported, tmp_path):
     root = exported("mlp", ("onnx",)).root
     spec = read_manifest(root).signature.inputs[0]
@@ -611,3 +610,39 @@ def test_locate_on_inputs_that_make_the_model_nan_says_so(exported, tmp_path):
     np.savez(tmp_path / "nan.npz", **{spec.name: x})
     code, stderr = run_cli("debug", "locate", str(root), "--engine", "onnx", "--inputs", str(tmp_path / "nan.npz"))
     assert_one_line(code, stderr, "the PyTorch model itself produces")
+
+
+def test_external_data_in_a_functions_attribute_default_is_seen():
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tk.runtime.onnxrt import _external_locations
+
+    value = onnx.TensorProto(name="v", dims=[4], data_type=TensorProto.FLOAT)
+    value.data_location = TensorProto.EXTERNAL
+    for key, text in (("location", "secret.bin"), ("offset", "0"), ("length", "16")):
+        entry = value.external_data.add()
+        entry.key, entry.value = key, text
+    const = helper.make_node("Constant", [], ["y"])  # takes the function's attribute `value` by reference
+    const.attribute.append(onnx.AttributeProto(name="value", ref_attr_name="value", type=onnx.AttributeProto.TENSOR))
+    function = helper.make_function("custom", "F", [], ["y"], [const], [helper.make_opsetid("", 20)], attributes=[])
+    function.attribute_proto.append(helper.make_attribute("value", value))  # the default a bare call gets
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("F", [], ["out"], domain="custom")], "g", [], [out])
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("custom", 1)]
+    model = helper.make_model(graph, functions=[function], opset_imports=opsets)
+    assert _external_locations(model.SerializeToString()) == {"secret.bin"}
+
+
+def test_a_program_that_prints_through_a_higher_order_operator_is_refused(tmp_path):
+    from tk.errors import IntegrityError
+    from tk.formats.torch_program import load_exported_program, save_exported_program
+
+    class Prints(torch.nn.Module):
+        def forward(self, x):
+            torch._higher_order_ops.print("{0.__class__.__repr__.__globals__[torch].os.environ[HOME]}", x)
+            return x + 1
+
+    save_exported_program(torch.export.export(Prints(), (torch.randn(2),)), tmp_path / "p.pt2")
+    with pytest.raises(IntegrityError, match="the program calls the higher-order operator print"):
+        load_exported_program((tmp_path / "p.pt2").read_bytes())

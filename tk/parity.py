@@ -130,15 +130,14 @@ def compare_output(
     valid: np.ndarray | None = None,
 ) -> OutputParity:
     """Shapes first, then values; every number is computed in float64. ``valid`` (a boolean array
-    of the outputs' shape, from ``padding_positions``): only those values are compared."""
+    of the outputs' shape, from ``padding_positions``): only those values are measured against the
+    tolerances, SQNR and cosine; NaN and Inf are judged everywhere (a NaN at a padding position makes a
+    masked sum of the vectors NaN: ``NaN * 0`` is NaN)."""
     result = OutputParity(name, tuple(candidate.shape))
     if reference.shape != candidate.shape:
         result.passed = False
         result.problem = f"shape {tuple(candidate.shape)}, reference has {tuple(reference.shape)}"
         return result
-    if valid is not None and valid.shape == reference.shape:
-        result.padding_skipped = int(valid.size - np.count_nonzero(valid))
-        reference, candidate = reference[valid], candidate[valid]
     if is_class_scores(reference):
         result.top1_agree = int((np.argmax(reference, axis=1) == np.argmax(candidate, axis=1)).sum())
         result.top1_total = int(reference.shape[0])
@@ -157,6 +156,9 @@ def compare_output(
                 "(not at the same positions or signs)"
             )
             return result
+    if valid is not None and valid.shape == ref.shape:
+        result.padding_skipped = int(valid.size - np.count_nonzero(valid))
+        ref, cand = ref[valid], cand[valid]
     finite = np.isfinite(ref) & np.isfinite(cand)
     ref, cand = ref[finite], cand[finite]
     if ref.size == 0:

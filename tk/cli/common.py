@@ -45,8 +45,6 @@ def refuse_writes_into(artifact: Path, **outputs: Path | None) -> None:
     """Refuse (one line) an output path inside the artifact a command reads: ``--json ART/manifest.json``
     or ``--save-golden ART/weights.safetensors`` replaced the artifact's own files and broke it. Keyword
     names are the flags (``save_golden`` for ``--save-golden``)."""
-    from tk.errors import UsageError
-
     root = artifact.resolve()
     for name, path in outputs.items():
         if path is None:
@@ -132,9 +130,6 @@ def engine_choice(
             from tk.runtime.choice import EngineChoice  # torch: only once a command runs
 
             values = {key: kwargs.pop(key) for key in ENGINE_FLAGS}
-            threads = values["threads"]
-            if threads is not None and threads < 1:
-                raise UsageError(f"--threads: expected 1 or more, got {threads}")
             choice = EngineChoice(
                 name=kwargs.pop("engine"),
                 device=kwargs.pop("device"),

@@ -121,10 +121,21 @@ def train_cmd(
 
 
 def _refuse_artifact_parent(out: Path) -> None:
-    """A checkpoint is never written into a tk artifact (its files are hashed: the artifact would break)."""
+    """A checkpoint is never written into a tk artifact (its files are hashed: the artifact would break).
+    An artifact is a directory whose ``manifest.json`` is tk's (other tools name files so too)."""
     for parent in out.resolve().parents:
-        if (parent / "manifest.json").is_file():
+        if _is_tk_manifest(parent / "manifest.json"):
             raise UsageError(f"--out: expected a path outside a tk artifact, got {out} (inside {parent})")
+
+
+def _is_tk_manifest(path: Path) -> bool:
+    try:
+        if not path.is_file() or path.stat().st_size > 64 * 2**20:
+            return False
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "format_version" in data and "checksum" in data and "files" in data
 
 
 class _ProgressBar:

@@ -16,6 +16,7 @@ import io
 import json
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,21 +103,26 @@ def load_exported_program(data: bytes, source: str = FILE) -> torch.export.Expor
     return program
 
 
-# Operators a loaded program may call: the core ATen and prims sets, the quantize/dequantize ops of PT2E,
-# and control flow (whose bodies are checked as graphs of their own). Nothing else: an operator from
-# another namespace runs whatever code registered it.
-SAFE_NAMESPACES = ("aten", "prims", "quantized_decomposed", "higher_order")
+# Operators a loaded program may call: the core ATen and prims sets and the quantize/dequantize ops of
+# PT2E; control flow by name (its bodies are graphs checked like the main one). Nothing else: an operator
+# from another namespace runs whatever code registered it, and other higher-order operators take code
+# or formats of their own (``print`` formats its string over its arguments' attributes: a program
+# calling it printed os.environ).
+SAFE_NAMESPACES = ("aten", "prims", "quantized_decomposed")
+SAFE_HIGHER_ORDER = ("cond", "while_loop", "map_impl", "scan", "wrap_with_set_grad_enabled", "wrap_with_autocast")
 # ATen operators that reach outside the process's tensors: from_file maps any file into a tensor (a
 # program rewritten to call it read /etc/passwd into its output), _print writes to stdout
 UNSAFE_ATEN = ("from_file", "_print")
-# Python-level targets torch.export writes for symbolic sizes and tuple outputs
+# Python-level targets torch.export writes for symbolic sizes, tuple outputs and grad regions
 SAFE_FUNCTION_MODULES = ("_operator", "operator", "math")
+SAFE_FUNCTIONS = (round, torch._C._set_grad_enabled, torch.autograd.grad_mode.set_grad_enabled)
 
 
 def refuse_unsafe_operators(program: torch.export.ExportedProgram, source: str = FILE) -> None:
-    """Refuse (``IntegrityError``, one line) a program that calls an operator outside ``SAFE_NAMESPACES``,
-    one of ``UNSAFE_ATEN``, or any Python function but ``SAFE_FUNCTION_MODULES``' and torch's ``sym_*``.
-    The program's graph is data until it runs: this reads every node of it and its subgraphs first."""
+    """Refuse (``IntegrityError``, one line) a program that calls, or hands to another operator, an
+    operator outside ``SAFE_NAMESPACES`` and ``SAFE_HIGHER_ORDER``, one of ``UNSAFE_ATEN``, or a Python
+    function other than ``SAFE_FUNCTIONS``, ``SAFE_FUNCTION_MODULES``' and torch's ``sym_*``. The
+    program's graph is data until it runs: this reads every node of it and of its subgraphs first."""
     for module in program.graph_module.modules():
         graph = getattr(module, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
@@ -124,7 +130,10 @@ def refuse_unsafe_operators(program: torch.export.ExportedProgram, source: str =
         for node in graph.nodes:
             if node.op in ("placeholder", "output", "get_attr"):
                 continue
-            why = _unsafe(node)
+            why = _unsafe(node.target) if node.op == "call_function" else f"a {node.op} node ({node.target})"
+            for value in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+                if why is None and callable(value) and not isinstance(value, (torch.fx.Node, torch.Tensor)):
+                    why = _unsafe(value)  # an operator handed to another (with_effects, auto_functionalized)
             if why:
                 raise IntegrityError(
                     f"{source}: the program calls {why}, which tk does not run from an artifact; "
@@ -132,18 +141,17 @@ def refuse_unsafe_operators(program: torch.export.ExportedProgram, source: str =
                 )
 
 
-def _unsafe(node: torch.fx.Node) -> str | None:
-    """Why ``node`` may not run, or None."""
-    target = node.target
-    if node.op != "call_function":
-        return f"a {node.op} node ({target})"
+def _unsafe(target: Any) -> str | None:
+    """Why ``target`` may not run, or None."""
     if isinstance(target, torch._ops.OpOverload):
         namespace, name = target.namespace, target._schema.name.split("::")[-1]
         if namespace not in SAFE_NAMESPACES or (namespace == "aten" and name in UNSAFE_ATEN):
             return f"{namespace}::{name}"
         return None
     if isinstance(target, torch._ops.HigherOrderOperator):
-        return None if target.namespace in SAFE_NAMESPACES else f"{target.namespace}::{target.name()}"
+        return None if target.name() in SAFE_HIGHER_ORDER else f"the higher-order operator {target.name()}"
+    if any(target is safe for safe in SAFE_FUNCTIONS):
+        return None
     module = getattr(target, "__module__", None)
     name = getattr(target, "__name__", repr(target))
     if module in SAFE_FUNCTION_MODULES or (module == "torch" and name.startswith("sym_")):

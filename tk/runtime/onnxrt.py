@@ -338,26 +338,33 @@ def _external_locations(model_bytes: bytes) -> set[str]:
 
 def _tensors(model: Any) -> Iterator[Any]:
     """Every ``TensorProto`` of ``model``: its graphs' initializers (sparse ones too) and every tensor held
-    by a node attribute, in the main graph, in subgraphs (``If``, ``Loop``, ``Scan``) and in functions."""
-    graphs, node_lists = [model.graph], [f.node for f in model.functions]
-    while graphs or node_lists:
+    by an attribute: of a node, in the main graph, in subgraphs (``If``, ``Loop``, ``Scan``), in functions,
+    and a function's attribute defaults (which a ``Constant`` inside it can take by reference); the
+    training graphs too."""
+    graphs = [model.graph]
+    for info in model.training_info:
+        graphs += [info.initialization, info.algorithm]
+    attributes = [a for f in model.functions for a in f.attribute_proto]
+    node_lists = [f.node for f in model.functions]
+    while graphs or node_lists or attributes:
         if graphs:
             graph = graphs.pop()
             yield from graph.initializer
             for sparse in graph.sparse_initializer:
                 yield from (sparse.values, sparse.indices)
             node_lists.append(graph.node)
-            continue
-        for node in node_lists.pop():
-            for attr in node.attribute:
-                yield from ([attr.t] if attr.HasField("t") else [])
-                yield from attr.tensors
-                if attr.HasField("sparse_tensor"):
-                    yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
-                for sparse in attr.sparse_tensors:
-                    yield from (sparse.values, sparse.indices)
-                graphs.extend([attr.g] if attr.HasField("g") else [])
-                graphs.extend(attr.graphs)
+        elif node_lists:
+            attributes.extend(a for node in node_lists.pop() for a in node.attribute)
+        else:
+            attr = attributes.pop()
+            yield from ([attr.t] if attr.HasField("t") else [])
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+            for sparse in attr.sparse_tensors:
+                yield from (sparse.values, sparse.indices)
+            graphs.extend([attr.g] if attr.HasField("g") else [])
+            graphs.extend(attr.graphs)
 
 
 _PROBED_DTYPES = {"bf16": "BFLOAT16", "fp16": "FLOAT16"}
