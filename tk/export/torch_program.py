@@ -91,9 +91,9 @@ def exported_program_from_module(
 
 
 def _without_partial_graph(call: Callable[[], T]) -> T:
-    """``call()`` (a capture), without the partial graph torch.export prints to stderr (once per wrapper) before raising a
-    failed capture's error (``print(e.partial_fx_graph)``, whatever the logging settings): the error and
-    the capture report say what failed. Anything else printed to stderr is passed on."""
+    """``call()`` (a capture), without the partial graph torch.export prints to stderr (once per wrapper)
+    before it raises a failed capture's error (``print(e.partial_fx_graph)``, whatever the logging
+    settings): the error and the capture report say what failed. Anything else printed is passed on."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
