@@ -10,7 +10,7 @@ from rich.console import Console
 
 from tk.runtime import load
 from tk.serve.load import LoadResult
-from tk.serve.load_report import render, serving_goals
+from tk.serve.load_report import goals_line, render, serving_goals
 from tk.serve.load_test import (
     engine_batch_bound,
     engine_split_bound,
@@ -94,6 +94,17 @@ def test_goals_and_table_read_the_rows():
     assert goals["single_throughput_ratio"] == 3.0 and goals["single_p99_on_over_p50_off"] == 3.0
     assert goals["served_over_engine_best"] == 0.75  # 300 served / 400 by the engine alone at its largest batch
     assert goals["overhead_ms"] == 0.5 and goals["engine_batching_bound"] == 4.0
+    assert "perf_analyzer_overhead_ms" not in goals  # no perf_analyzer rows: the Python client's overhead only
+    pa = {"client": "perf_analyzer", "concurrency": 1, "scenario": "single c=1", "samples_per_s": 90.0, **common}
+    with_pa = serving_goals(
+        [*rows, pa | {"batching": True, "overhead_avg_ms": 0.3}, pa | {"batching": False, "overhead_avg_ms": 0.4}],
+        {"gain": 4.0, "max_batch_samples_per_s": 400.0},
+    )
+    assert with_pa["perf_analyzer_overhead_ms"] == 0.4  # the larger of batching on and off
+    assert with_pa["perf_analyzer_overhead_by_batching"] == {"on": 0.3, "off": 0.4}
+    assert "0.40 ms through perf_analyzer" in goals_line(with_pa, 8) and "batching on 0.30, off 0.40" in goals_line(
+        with_pa, 8
+    )
     split = serving_goals(rows, {"gain": 4.0, "max_batch_samples_per_s": 400.0, "best_samples_per_s": 600.0})
     assert split["served_over_engine_best"] == 0.5  # against 1-thread engines side by side, where they do better
     console = Console(record=True, width=200)

@@ -236,7 +236,18 @@ def test_load_test_measures_single_requests_with_perf_analyzer(server):
         ("single", 4, "perf_analyzer"),
     ]
     assert all(r["samples_per_s"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
-    assert model_stats(config)["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
+    after = model_stats(config)
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
+    # the overhead is the client's average latency less the server's engine call, both of the same window
+    for r in rows:
+        assert r["avg_ms"] >= r["server_compute_ms"] >= r["server_infer_ms"] > 0
+        assert r["overhead_avg_ms"] == pytest.approx(r["avg_ms"] - r["server_infer_ms"], abs=1e-9)
+    # perf_analyzer's "Server Compute Infer" is the engine time tk's statistics count: over every window
+    # (stabilizing ones included) the average engine call is the same order as the c=1 row's
+    ran = {k: after["inference_stats"]["compute_infer"][k] - before["inference_stats"]["compute_infer"][k]
+           for k in ("count", "ns")}  # fmt: skip
+    engine_ms = ran["ns"] / ran["count"] / 1e6
+    assert 0.25 * engine_ms <= rows[0]["server_infer_ms"] <= 4 * engine_ms, (engine_ms, rows[0])
 
 
 def test_the_load_generator_keeps_each_reply_by_its_id(server):

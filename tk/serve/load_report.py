@@ -12,6 +12,12 @@ def serving_goals(rows: list[dict[str, Any]], bound: dict[str, Any]) -> dict[str
     on = next(r for r in rows if r["scenario"] == "single" and r["batching"])
     off = next(r for r in rows if r["scenario"] == "single" and not r["batching"])
     one_row = next(r for r in rows if r["scenario"] == "one client")
+    # Triton's own client at concurrency 1, where it ran: its average latency less the server's engine
+    # call, over the same requests. The Python client's row also counts tritonclient's own work per
+    # request (building the request, gevent's HTTP, decoding the reply), which is the client's, not
+    # the server's; both are reported, and the goal is judged on the larger of perf_analyzer's two.
+    pa_one = [r for r in rows if r.get("client") == "perf_analyzer" and r.get("concurrency") == 1]
+    pa_overhead = {("on" if r["batching"] else "off"): r["overhead_avg_ms"] for r in pa_one if "overhead_avg_ms" in r}
     return {
         "single_throughput_ratio": on["samples_per_s"] / off["samples_per_s"],
         "engine_batching_bound": bound["gain"],
@@ -24,6 +30,14 @@ def serving_goals(rows: list[dict[str, Any]], bound: dict[str, Any]) -> dict[str
         "engine_batch1_p50_ms": one_row["engine_p50_ms"],
         "overhead_ms": one_row["overhead_p50_ms"],
         "health_p50_ms": one_row["health_p50_ms"],
+        **(
+            {
+                "perf_analyzer_overhead_ms": max(pa_overhead.values()),
+                "perf_analyzer_overhead_by_batching": pa_overhead,
+            }
+            if pa_overhead
+            else {}
+        ),
     }
 
 
@@ -34,8 +48,16 @@ def goals_line(goals: dict[str, float], max_batch: int) -> str:
         f"served with batching / the engine alone at its best: {goals['served_over_engine_best']:.2f} (goal >= 0.9); "
         f"p99 on / p50 off: {goals['single_p99_on_over_p50_off']:.2f} (goal < 4); "
         f"one client p50 {goals['one_client_p50_ms']:.2f} ms vs engine batch-1 p50 {goals['engine_batch1_p50_ms']:.2f} ms, "
-        f"interleaved: overhead p50 {goals['overhead_ms']:.2f} ms (goal <= 2 ms); "
-        f"GET /v2/health/live p50 {goals['health_p50_ms']:.2f} ms"
+        f"interleaved: overhead p50 {goals['overhead_ms']:.2f} ms through tritonclient's Python client"
+        + (
+            f", {goals['perf_analyzer_overhead_ms']:.2f} ms through perf_analyzer at concurrency 1 (its average "
+            f"latency less the server's engine call; batching "
+            + ", ".join(f"{k} {v:.2f}" for k, v in goals["perf_analyzer_overhead_by_batching"].items())
+            + ")"
+            if "perf_analyzer_overhead_ms" in goals
+            else ""
+        )
+        + f" (goal <= 2 ms); GET /v2/health/live p50 {goals['health_p50_ms']:.2f} ms"
     )
 
 

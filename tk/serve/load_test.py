@@ -277,6 +277,9 @@ def perf_analyzer_rows(
             "p99_ms": row.p99_ms,
             "server_queue_ms": row.server_queue_ms,
             "server_compute_ms": row.server_compute_ms,
+            "server_infer_ms": row.server_infer_ms,
+            "avg_ms": row.avg_ms,
+            "overhead_avg_ms": row.overhead_ms,
         }
         for row in measured
     ]

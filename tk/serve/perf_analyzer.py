@@ -80,6 +80,14 @@ def find_perf_analyzer() -> PerfAnalyzer:
     raise UsageError(f"perf_analyzer: expected a binary that runs here, found {found}; install: {INSTALL_HINT}")
 
 
+# the CSV's latency phases (microseconds, averages over the window): together the client's average latency
+# ("Network+Server Send/Recv" is what is left of it once the others are taken out)
+PHASE_COLUMNS = (
+    "Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input", "Server Compute Infer",
+    "Server Compute Output", "Client Recv",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PerfRow:
     concurrency: int
@@ -88,7 +96,15 @@ class PerfRow:
     p99_ms: float
     client_send_recv_ms: float
     server_queue_ms: float
-    server_compute_ms: float
+    server_compute_ms: float  # the server's input, infer and output phases (its statistics, averaged)
+    server_infer_ms: float  # the engine call alone
+    avg_ms: float  # the client's average latency: the sum of the CSV's phases, which perf_analyzer splits it into
+
+    @property
+    def overhead_ms(self) -> float:
+        """What serving added to the engine call, averaged over the same requests: everything the
+        client waited for but the server's ``compute_infer`` (the engine call itself)."""
+        return self.avg_ms - self.server_infer_ms
 
 
 def run_perf_analyzer(
@@ -172,20 +188,21 @@ def read_csv(path: Path) -> list[PerfRow]:
     rows = []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
+            us = {name: float(row[name]) for name in PHASE_COLUMNS}
             rows.append(
                 PerfRow(
                     concurrency=int(row["Concurrency"]),
                     inferences_per_s=float(row["Inferences/Second"]),
                     p50_ms=float(row["p50 latency"]) / 1e3,
                     p99_ms=float(row["p99 latency"]) / 1e3,
-                    client_send_recv_ms=(float(row["Client Send"]) + float(row["Client Recv"])) / 1e3,
-                    server_queue_ms=float(row["Server Queue"]) / 1e3,
+                    client_send_recv_ms=(us["Client Send"] + us["Client Recv"]) / 1e3,
+                    server_queue_ms=us["Server Queue"] / 1e3,
                     server_compute_ms=(
-                        float(row["Server Compute Input"])
-                        + float(row["Server Compute Infer"])
-                        + float(row["Server Compute Output"])
+                        us["Server Compute Input"] + us["Server Compute Infer"] + us["Server Compute Output"]
                     )
                     / 1e3,
+                    server_infer_ms=us["Server Compute Infer"] / 1e3,
+                    avg_ms=sum(us.values()) / 1e3,
                 )
             )
     return rows
