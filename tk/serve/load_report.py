@@ -15,7 +15,7 @@ def serving_goals(rows: list[dict[str, Any]], bound: dict[str, Any]) -> dict[str
     # Triton's own client at concurrency 1, where it ran: its average latency less the server's engine
     # call, over the same requests. The Python client's row also counts tritonclient's own work per
     # request (building the request, gevent's HTTP, decoding the reply), which is the client's, not
-    # the server's; both are reported, and the goal is judged on the larger of perf_analyzer's two.
+    # the server's; both are reported, and perf_analyzer's goal figure is the larger of batching on and off.
     pa_one = [r for r in rows if r.get("client") == "perf_analyzer" and r.get("concurrency") == 1]
     pa_overhead = {("on" if r["batching"] else "off"): r["overhead_avg_ms"] for r in pa_one if "overhead_avg_ms" in r}
     return {
