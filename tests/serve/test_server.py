@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPException
 
 import numpy as np
 import pytest
@@ -178,7 +179,9 @@ def _flood(config, feeds, clients: int, per_client: int) -> list[object]:
             started = time.perf_counter()
             try:
                 status, _ = post(config, "/v2/models/transformer/infer", body)
-            except OSError as exc:  # connection refused or reset while a replica restarts
+            # refused or reset while a replica restarts, or a reply cut after its headers when the
+            # replica serving it is killed mid-write (http.client.IncompleteRead is no OSError)
+            except (OSError, HTTPException) as exc:
                 status = type(exc).__name__
             with lock:
                 outcomes.append((status, time.perf_counter() - started))
