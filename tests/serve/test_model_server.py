@@ -255,3 +255,47 @@ def test_free_ports_are_outside_rays_worker_ports_and_the_kernels_ephemeral_rang
     for port in ports:  # free now
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
+
+
+def test_readiness_polling_survives_a_garbled_reply_and_reads_the_next():
+    """``ready_within`` (tk serve's start, ``--tune``) asks again after a reply that is no HTTP at all
+    (``BadStatusLine``: an ``HTTPException``, not an ``OSError``) instead of ending in a traceback."""
+    import socket
+    import threading
+
+    from tk.serve.app import ready_within
+
+    replies = [b"garbage\r\n\r\n", b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"]
+    replies.append(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"ready": true}')
+    served: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        for reply in replies:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(reply)
+                served.append(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        assert ready_within(f"http://127.0.0.1:{port}", timeout_s=20.0)
+    finally:
+        listener.close()
+    thread.join(timeout=5)
+    assert served == replies  # asked three times: garbled, 503, then ready
+
+
+def test_readiness_polling_that_never_gets_a_reply_says_false():
+    import socket
+
+    from tk.serve.app import ready_within
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+    started = time.monotonic()
+    assert ready_within(f"http://127.0.0.1:{port}", timeout_s=0.5) is False  # nothing listens: refused each time
+    assert time.monotonic() - started < 10

@@ -596,7 +596,7 @@ def _wait_until_ready(running: RunningServer, timeout_s: float = 30.0) -> None:
 
 def ready_within(url: str, timeout_s: float) -> bool:
     """Whether ``URL/v2/health/ready`` answers 200 within ``timeout_s`` seconds (asked at least once)."""
-    import urllib.error
+    import http.client
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -605,7 +605,7 @@ def ready_within(url: str, timeout_s: float) -> bool:
             with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as reply:
                 if reply.status == 200:
                     return True
-        except (urllib.error.URLError, OSError):
+        except (OSError, http.client.HTTPException):  # refused, reset, 503 (URLError), or cut mid-reply
             pass
         if time.monotonic() > deadline:
             return False
