@@ -605,7 +605,7 @@ def ready_within(url: str, timeout_s: float) -> bool:
             with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as reply:
                 if reply.status == 200:
                     return True
-        except (OSError, http.client.HTTPException):  # refused, reset, 503 (URLError), or cut mid-reply
+        except (OSError, http.client.HTTPException):  # refused, reset, 503 (URLError), or no HTTP (BadStatusLine)
             pass
         if time.monotonic() > deadline:
             return False
