@@ -80,13 +80,17 @@ step bench-base-bf16 90 $TK bench "$WORK/base-bf16" --engine compile,torch --no-
 # forward and backward passes).
 step train 60 $TK train transformer --size "$SIZE" --steps 60 --device "$DEVICE" --compare --mode reduce-overhead \
   --json "$WORK/train.json"
+# compile for static shapes (one graph per batch size) in reduce-overhead mode: with dynamic shapes it
+# ran 1.44 ms at batch 1 on the H200 where eager replayed from a CUDA graph ran 0.35
+step bench-small-static 100 $TK bench "$SMALL" --engine compile --static --no-baselines --device "$DEVICE" --io device \
+  --mode reduce-overhead --batch-sizes "$BATCHES" --iters "$ITERS" --warmup 5 --json "$WORK/bench_small_static.json"
 # AOTInductor last, each stage its own step: on the H200 (torch 2.11) the package compiled but its
-# check crashed once (SIGSEGV) and its load did not return within 40 s once; faulthandler prints
-# where the next run stops.
+# check crashed once (SIGSEGV) and its load did not return within 40 s once (a silent recompile?
+# hence 150 s); faulthandler prints where the next run stops.
 AOTI="$WORK/transformer-$SIZE-aoti"
 step export-aoti 150 $TK export transformer --size "$SIZE" --format aoti --device "$DEVICE" \
   --batch "$BATCH_RANGE" --out "$AOTI" --no-check
-step check-aoti 60 $PY -X faulthandler -m tk check "$AOTI" --engine aoti --device "$DEVICE"
+step check-aoti 150 $PY -X faulthandler -m tk check "$AOTI" --engine aoti --device "$DEVICE"
 step bench-aoti 60 $PY -X faulthandler -m tk bench "$AOTI" --engine aoti --no-baselines --device "$DEVICE" --io device \
   $GRAPH_FLAG --batch-sizes "$BATCHES" --iters "$ITERS" --warmup 5 --json "$WORK/bench_aoti.json"
 

@@ -227,6 +227,22 @@ def test_bench_applies_a_flag_to_the_engines_and_baselines_it_times(exported, tm
     assert settings["provider"] == "cpu" and settings["spinning"] is True  # one engine: onnxruntime's default
 
 
+def test_bench_compiles_for_static_shapes_when_asked(exported, tmp_path):
+    root = exported("linear", ("torch",)).root
+    common = ["--iters", "1", "--warmup", "0", "--batch-sizes", "1,3"]
+    refused = invoke("bench", str(root), "--engine", "torch", "--static", "--no-baselines", *common)
+    assert_one_line_error(refused, 2, "--dynamic/--static applies to the compile engine, not torch")
+    runs = {}
+    for flag in ("--static", "--dynamic"):
+        out = tmp_path / f"bench{flag}.json"
+        timed = invoke("bench", str(root), "--engine", "compile", flag, "--no-baselines", *common, "--json", str(out))
+        assert timed.exit_code == 0, timed.output
+        runs[flag] = json.loads(out.read_text())
+    assert runs["--static"]["settings"]["engines"]["compile"]["dynamic"] is False
+    assert runs["--dynamic"]["settings"]["engines"]["compile"]["dynamic"] is True
+    assert {row["batch_size"] for row in runs["--static"]["results"]["rows"]} == {1, 3}
+
+
 def test_serve_refuses_a_flag_its_engine_does_not_take_before_starting(exported):
     pytest.importorskip("ray")
     root = exported("linear", ("torch", "onnx")).root

@@ -134,7 +134,7 @@ def engine_choice(
                 name=kwargs.pop("engine"),
                 device=kwargs.pop("device"),
                 allow_failed=kwargs.pop("allow_failed"),
-                options={key: None if value is False else value for key, value in values.items()},  # unset flags
+                options={key: None if value is False and key in SWITCHES else value for key, value in values.items()},
                 trust=trust_policy(),
             )
             return fn(*args, choice=choice, **kwargs)
@@ -153,7 +153,8 @@ def engine_choice(
     return decorate
 
 
-ENGINE_FLAGS = ("provider", "threads", "mode", "cuda_graph", "trust_model_code")  # engine options, by their name
+ENGINE_FLAGS = ("provider", "threads", "mode", "dynamic", "cuda_graph", "trust_model_code")  # engine options, by name
+SWITCHES = ("cuda_graph", "trust_model_code")  # flags that are on or not given: off means "not given"
 ENGINE_OPTIONS = (
     click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True),
     click.option(
@@ -172,6 +173,13 @@ ENGINE_OPTIONS = (
         type=click.Choice(["default", "reduce-overhead", "max-autotune"]),
         default=None,
         help="torch.compile mode of the compile engine (default: default).",
+    ),
+    click.option(
+        "--dynamic/--static",
+        "dynamic",
+        default=None,
+        help="compile engine: one graph for every input shape (--dynamic, the default), or one graph per shape "
+        "(--static: recompiles for each new shape, each specialized to it).",
     ),
     click.option(
         "--cuda-graph",

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from tk.runtime.base import Engine
 
 
+FLAG_NAMES = {"dynamic": "--dynamic/--static"}  # options whose flag is not --NAME
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     """How to open an artifact's engines. ``None`` option values mean "not given" and are dropped."""
@@ -67,9 +70,8 @@ class EngineChoice:
             if key not in chosen and takers.get(key):
                 holders = takers[key]
                 plural = "s" if len(holders) > 1 else ""
-                raise UsageError(
-                    f"--{key.replace('_', '-')} applies to the {_join(holders)} engine{plural}, not {', '.join(engines)}"
-                )
+                flag = FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
+                raise UsageError(f"{flag} applies to the {_join(holders)} engine{plural}, not {', '.join(engines)}")
 
 
 def open_engine(
