@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on one GPU, with torch, onnx, onnxruntime (CPU) and tk's own requirements installed
-# there and no network (model-signing and its dependencies travel as wheels: docs/gpu.md). Each
+# there and no network (model-signing and its dependencies travel as wheels: scripts/gpu_wheels.sh). Each
 # step has its own time limit; a step that fails or runs out is reported in the summary and the
 # next one runs. On one H200 the steps before the AOTInductor ones took about 4 minutes and those
 # about 2 more (2026-12-04); SKIP leaves steps out. Ends with one summary table (stdout and
