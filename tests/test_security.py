@@ -382,6 +382,8 @@ def test_onnxruntime_run_errors_end_in_one_line(artifact):
         (lambda m: m["check"].__setitem__("onnx", {}), "check.onnx: expected a parity report"),
         (lambda m: m["signature"]["dims"]["seq"].__setitem__("max", 10**12), "over tk's memory budget"),
         (lambda m: m["model"]["config"].__setitem__("hidden", 10**7), "over tk's memory budget"),
+        # sized from builds at 1 and 2 layers: building a million on the meta device took over 5 minutes
+        (lambda m: m["model"]["config"].__setitem__("layers", 10**6), "over tk's memory budget"),
     ],
 )
 def test_malformed_manifests_with_valid_checksums_end_in_one_line(artifact, edit, fragment):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 
 from tk.errors import ResourceError, UsageError
 
@@ -60,3 +61,18 @@ def _human(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return str(nbytes)
+
+
+def extrapolated_bytes(measure: Callable[[int | None], int], layers: object) -> int:
+    """The bytes of a model of ``layers`` identical layers, from ``measure(1)`` and ``measure(2)`` (a
+    build at that many layers; ``measure(None)``: the config as it is), so that a config asking for a
+    million layers costs two small builds rather than a million. Where the count is small, not an
+    int, or the other fields must agree with it (a build at 1 or 2 layers fails), the whole config
+    is measured."""
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > 2:
+        try:
+            one, two = measure(1), measure(2)
+        except Exception:  # the config's other fields depend on the layer count
+            return measure(None)
+        return one + max(0, two - one) * (layers - 1)
+    return measure(None)

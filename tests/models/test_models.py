@@ -113,3 +113,19 @@ def test_a_model_is_built_from_its_seed_and_leaves_the_callers_generator_alone()
     sa, sb, sc = (m.module.state_dict() for m in (a, b, c))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # the same weights in every process: exports reproduce
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("transformer", {"vocab_size": 50, "max_seq_len": 16, "hidden": 8, "layers": 5, "heads": 2, "ffn": 16}),
+        ("mlp", {"in_features": 3, "hidden": 7, "layers": 6, "num_classes": 2}),
+        ("mlp", {"in_features": 3, "hidden": 7, "layers": 2, "num_classes": 2}),  # measured whole
+    ],
+)
+def test_a_manifests_model_is_sized_exactly_from_builds_at_one_and_two_layers(name, config):
+    from tk.runtime.eager import _builtin_bytes
+
+    module = build_model(name, config=config).module
+    built = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    assert _builtin_bytes("ART", {"name": name, "config": config}) == built

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError, first_line
-from tk.limits import require_within_budget
+from tk.limits import extrapolated_bytes, require_within_budget
 from tk.models.base import ModelSpec
 from tk.spec import Dim, Signature, TensorSpec
 
@@ -147,14 +147,7 @@ def estimated_bytes(directory: Path, task: str) -> int:
                 model = auto_cls.from_config(cfg, dtype=torch.float32)
             return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
-        layers = getattr(config, "num_hidden_layers", None)
-        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 2:
-            try:
-                one, two = meta_bytes(1), meta_bytes(2)
-            except Exception:  # a config whose other fields must agree with the layer count: build it whole
-                return meta_bytes(None)
-            return one + max(0, two - one) * (layers - 1)
-        return meta_bytes(None)
+        return extrapolated_bytes(meta_bytes, getattr(config, "num_hidden_layers", None))
     except Exception as exc:  # transformers raises many types for a config it cannot build
         raise UsageError(
             f"hf:{directory}: transformers cannot build the model its config.json describes as {task} "

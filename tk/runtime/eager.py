@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, IntegrityError, first_line
-from tk.limits import require_within_budget
+from tk.limits import extrapolated_bytes, require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
 from tk.runtime.torch_engine import TorchEngine
@@ -50,19 +50,32 @@ def module_from_manifest(
         )
 
     if ":" not in model["name"]:  # a built-in model's size comes from the manifest's config: measure it first
-        try:
-            with torch.device("meta"):
-                probe = build().module
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise IntegrityError(
-                f"{root}: the manifest's model config cannot build {model['name']!r} ({first_line(exc)})"
-            ) from exc
-        tensors = [*probe.parameters(), *probe.buffers()]
-        require_within_budget(sum(t.numel() * t.element_size() for t in tensors), f"the model {root} describes")
+        require_within_budget(_builtin_bytes(root, model), f"the model {root} describes")
     spec = build()
     entry = manifest.file("weights")
     load_weights(spec.module, read_verified(root, entry), source=str(Path(root) / entry.path))
     return spec.module.eval()
+
+
+def _builtin_bytes(root: str | Path, model: dict[str, Any]) -> int:
+    """The bytes of the built-in model the manifest's config describes, built on the meta device
+    (nothing allocated); a config of many layers is measured at 1 and 2 and extrapolated."""
+    from tk.models import build_model
+
+    config = dict(model.get("config") or {})
+
+    def meta_bytes(layers: int | None) -> int:
+        cfg = config if layers is None else {**config, "layers": layers}
+        with torch.device("meta"):
+            probe = build_model(model["name"], size=model.get("size"), config=cfg or None).module
+        return sum(t.numel() * t.element_size() for t in [*probe.parameters(), *probe.buffers()])
+
+    try:
+        return extrapolated_bytes(meta_bytes, config.get("layers"))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise IntegrityError(
+            f"{root}: the manifest's model config cannot build {model['name']!r} ({first_line(exc)})"
+        ) from exc
 
 
 @dataclass(frozen=True)
