@@ -2,10 +2,10 @@
 # GPU checks on one GPU, with torch, onnx, onnxruntime (CPU) and tk's own requirements installed
 # there and no network (model-signing and its dependencies travel as wheels: scripts/gpu_wheels.sh). Each
 # step has its own time limit; a step that fails or runs out is reported in the summary and the
-# next one runs. On one H200 the steps before the AOTInductor ones took about 4 minutes and those
-# about 2 more (2026-12-04); SKIP leaves steps out. Ends with one summary table (stdout and
-# summary.txt) and one JSON file (gpu_check.json) in $OUT (default gpu_check/). From the
-# repository root:
+# next one runs. On one H200 (2026-12-04) the parity tests ran past 100 s, the exports, benchmarks
+# and training took about 4 minutes and the AOTInductor export 1.5 more; SKIP leaves steps out.
+# Ends with one summary table (stdout and summary.txt) and one JSON file (gpu_check.json) in $OUT
+# (default gpu_check/). From the repository root:
 #   PYTHONPATH=. bash scripts/gpu_check.sh
 # DEVICE=cpu SIZE=tiny BASE=tiny BATCHES=1,8 BATCH_RANGE=1:8:8 BASE_SEQ=1:16:16 ITERS=5 runs the same
 # steps on the CPU in a few minutes (to test this script).
