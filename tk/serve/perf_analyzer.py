@@ -184,7 +184,8 @@ def _step(levels: Sequence[int]) -> int:
 
 
 def read_csv(path: Path) -> list[PerfRow]:
-    """perf_analyzer's ``-f`` CSV (latencies in microseconds) as rows."""
+    """perf_analyzer's ``-f`` CSV (latencies in microseconds) as rows, by concurrency: perf_analyzer
+    writes them by throughput, so concurrency 4 came first in a CI run where it served less than 1."""
     rows = []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -205,4 +206,4 @@ def read_csv(path: Path) -> list[PerfRow]:
                     avg_ms=sum(us.values()) / 1e3,
                 )
             )
-    return rows
+    return sorted(rows, key=lambda r: r.concurrency)
