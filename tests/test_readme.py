@@ -175,7 +175,7 @@ def run_page(page: Path, workdir: Path) -> str:
 
 RUN_PAGES = [p for p in PAGES if any(b.runs for b in blocks(p))]
 # seconds each page's run may take (tests/conftest.py: fits), from a 2-core EPYC with other work beside it
-# (README.md 102 s, docs/parity.md 51 s, the others 25-34 s; README.md 53 s alone on the Xeon model 207, where
+# (README.md 102 s, docs/parity.md 51 s, the others 25-34 s; README.md 53 s in a full local run on the Xeon model 207, where
 # CI's guard skipped it at 120 with 113 s left); a page not listed here: 60
 PAGE_SECONDS = {"README.md": 105, "docs/parity.md": 60, "docs/optimize.md": 45, "docs/ci.md": 40,
                 "docs/openvino.md": 40, "docs/serving.md": 35}  # fmt: skip

@@ -12,6 +12,7 @@ import math
 import os
 import re
 from collections.abc import Callable
+from typing import Any
 
 from tk.errors import ResourceError, UsageError
 
@@ -61,6 +62,11 @@ def _human(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return str(nbytes)
+
+
+def module_bytes(module: Any) -> int:
+    """Bytes of a torch module's parameters and buffers (on the meta device too: nothing is read)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def extrapolated_bytes(measure: Callable[[int | None], int], layers: object) -> int:

@@ -19,7 +19,6 @@ import contextlib
 import copy
 import importlib.util
 import inspect
-import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError, first_line
-from tk.limits import extrapolated_bytes, require_within_budget
+from tk.limits import extrapolated_bytes, module_bytes, require_within_budget
 from tk.models.base import ModelSpec
 from tk.spec import Dim, Signature, TensorSpec
 
@@ -144,8 +143,7 @@ def estimated_bytes(directory: Path, task: str) -> int:
                 cfg = copy.deepcopy(config)
                 cfg.num_hidden_layers = layers
             with torch.device("meta"):
-                model = auto_cls.from_config(cfg, dtype=torch.float32)
-            return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+                return module_bytes(auto_cls.from_config(cfg, dtype=torch.float32))
 
         return extrapolated_bytes(meta_bytes, getattr(config, "num_hidden_layers", None))
     except Exception as exc:  # transformers raises many types for a config it cannot build

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, IntegrityError, first_line
-from tk.limits import extrapolated_bytes, require_within_budget
+from tk.limits import extrapolated_bytes, module_bytes, require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
 from tk.runtime.torch_engine import TorchEngine
@@ -67,8 +67,7 @@ def _builtin_bytes(root: str | Path, model: dict[str, Any]) -> int:
     def meta_bytes(layers: int | None) -> int:
         cfg = config if layers is None else {**config, "layers": layers}
         with torch.device("meta"):
-            probe = build_model(model["name"], size=model.get("size"), config=cfg or None).module
-        return sum(t.numel() * t.element_size() for t in [*probe.parameters(), *probe.buffers()])
+            return module_bytes(build_model(model["name"], size=model.get("size"), config=cfg or None).module)
 
     try:
         return extrapolated_bytes(meta_bytes, config.get("layers"))
