@@ -226,6 +226,53 @@ def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():
     assert 0 < error < 2e-2, error  # bfloat16 really ran, within its rounding
 
 
+def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
+    """Left-out modules run in bf16 where its products outrun float32's; where every module in bf16 is
+    itself under the search's target, no exclusion could reach it, and the search starts again with
+    them in float32 (the manifest says why). Where bf16 reaches the target, they stay in bf16."""
+    from tk.export.calibration import MARGIN_DB
+
+    spec, dims, example, program = _tiny_transformer_program(trained=True)
+    calibration, held_out = _batches(spec, 2, 100), _batches(spec, 2, 300, seq=24)
+    _, plain = int8_program(program, spec.signature, dims, example, calibration, judge=held_out)
+    with torch.no_grad():
+        names = [s.name for s in spec.signature.inputs]
+        batches = [tuple(torch.from_numpy(b[n]) for n in names) for b in [*calibration, *held_out]]
+        as_bf16 = program.module()
+        run_linears_in_bf16(as_bf16, quantizable_modules(as_bf16))
+        reference = [[program.module()(*b).numpy()] for b in batches]
+        bf16_sqnr = worst_sqnr_db(reference, [[as_bf16(*b).numpy()] for b in batches])
+    assert plain.sqnr_db < bf16_sqnr < 90  # int8 costs more than bf16; bf16 is not exact
+
+    reachable = plain.sqnr_db + 2  # a floor bf16 reaches with the margin: the left-out modules stay bf16
+    assert reachable + MARGIN_DB < bf16_sqnr
+    _, kept = int8_program(
+        program, spec.signature, dims, example, calibration, min_sqnr_db=reachable, judge=held_out, excluded_in_bf16=True
+    )
+    assert kept.automatic and kept.excluded_dtype == "bf16" and kept.float_part is None
+    assert kept.sqnr_db >= reachable + MARGIN_DB
+
+    beyond = bf16_sqnr + 5  # every module in bf16 is under it: the search runs again with them in float32
+    quantized, strict = int8_program(
+        program, spec.signature, dims, example, calibration, min_sqnr_db=beyond, judge=held_out, excluded_in_bf16=True
+    )
+    assert strict.excluded_dtype == "fp32" and strict.automatic
+    assert strict.float_part.startswith("float32 where bf16 outruns it: every module in bf16: ")
+    assert strict.to_json()["float_part"] == strict.float_part
+    assert strict.to_json()["automatic_exclusions_run_in"] == "fp32"
+    from tk.cli.artifact import _quantization_text
+
+    shown = _quantization_text(strict.to_json())
+    assert f"left out (fp32): {', '.join(strict.automatic)}; float32 where bf16 outruns it: every module" in shown
+    assert strict.sqnr_db >= beyond + MARGIN_DB
+    graph = quantized.module()
+    bf16_casts = [n for n in graph.graph.nodes if n.kwargs.get("dtype") == torch.bfloat16]
+    assert bf16_casts == []  # nothing of the program runs in bf16
+    with torch.no_grad():
+        got = [[graph(*b).numpy()] for b in batches]
+    assert worst_sqnr_db(reference, got) >= beyond + MARGIN_DB - 0.5
+
+
 def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
     assert int8_unavailable("cuda") == (
         "--precision int8 --format aoti is for the CPU (torchao's x86 Inductor quantizer); on a GPU use trt"

@@ -233,6 +233,7 @@ def _quantization_text(quant: object) -> str:
         f"; left out ({quant.get('automatic_exclusions_run_in', 'fp32')}): {', '.join(automatic)}" if automatic else ""
     )
     left += f"; kept fp32: {', '.join(kept)}" if kept else ""
+    left += f"; {quant['float_part']}" if isinstance(quant.get("float_part"), str) else ""
     int8 = quant.get("int8_modules", total - len(excluded))
     weights = f"; weights {quant['weights']}" if quant.get("weights", "int8") != "int8" else ""
     alpha = (quant.get("smoothing") or {}).get("alpha")

@@ -97,6 +97,8 @@ class AotiWriter(Writer):
         program, quantization, passes = ctx.program, None, []
         if ctx.options.precision == "int8":
             program, quantization, passes = _int8_program(ctx, options)
+            float_part = quantization["automatic_exclusions_run_in"]
+            configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=float_part == "bf16")
         passes += aoti_package_from_exported_program(
             program,
             ctx.add_file(FILE, "aoti"),
@@ -141,10 +143,8 @@ def _int8_program(
     from tk.export.calibration import calibration_feeds, int8_floor_db, int8_gate, judge_feeds, require_int8_layers
 
     assert ctx.program is not None
-    source, passes = ctx.program, []
-    if ctx.options.device == "cpu" and excluded_run_in_bf16():
-        source = attention_as_matmuls(source, torch.bfloat16)
-        passes = [ATTENTION_IN_BF16] if source is not ctx.program else []
+    in_bf16 = ctx.options.device == "cpu" and excluded_run_in_bf16()
+    source = attention_as_matmuls(ctx.program, torch.bfloat16) if in_bf16 else ctx.program
     program, result = int8_program(
         source,
         ctx.spec.signature,
@@ -155,10 +155,13 @@ def _int8_program(
         keep_fp32=ctx.options.keep_fp32,
         min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
+        excluded_in_bf16=in_bf16,
+        float32_program=ctx.program,  # where bf16 cannot keep the target: the float part in float32
         gate=_package_gate(int8_gate(ctx, "aoti")) if ctx.options.device == "cpu" else None,
         share_gate=int8_gate(ctx, "aoti") if ctx.options.device == "cpu" else None,
     )
     require_int8_layers(result.int8_modules, result.quantizable, "aoti")
+    passes = [ATTENTION_IN_BF16] if source is not ctx.program and result.excluded_dtype == "bf16" else []
     return program, result.to_json(), passes
 
 
@@ -183,7 +186,9 @@ def _package_gate(ask: Callable[[Any], None] | None) -> Callable[[Callable[[], A
     return gate
 
 
-def inductor_configs_for(precision: str, device: str, *, freeze: bool | None = None) -> dict[str, Any]:
+def inductor_configs_for(
+    precision: str, device: str, *, freeze: bool | None = None, float_part_in_bf16: bool | None = None
+) -> dict[str, Any]:
     """Inductor settings an ``aoti`` package is compiled with: freezing for bf16, fp16 and int8 on the CPU,
     and for float32 where ``freeze`` asks for it (``--freeze``; ``False`` turns it off for bf16/fp16).
 
@@ -205,14 +210,16 @@ def inductor_configs_for(precision: str, device: str, *, freeze: bool | None = N
     layers int8 302 ms against 217 ms with the float32 linears left as the float32 package runs them
     (benchmarks/history.md; on the AVX-512 Xeon without AMX packed and plain float32 linears ran
     within 7% of each other). ``cpp.weight_prepack`` gates only Inductor's float packing; the int8
-    linears are packed by torchao's own freezing pass either way.
+    linears are packed by torchao's own freezing pass either way. ``float_part_in_bf16``: what the
+    int8 search settled (default: ``excluded_run_in_bf16()``, where it starts).
     """
     from tk.export.aoti_int8 import excluded_run_in_bf16
 
     if device != "cpu":
         return {}
     if precision == "int8":
-        return {"freezing": True, "cpp.weight_prepack": False} if not excluded_run_in_bf16() else {"freezing": True}
+        in_bf16 = excluded_run_in_bf16() if float_part_in_bf16 is None else float_part_in_bf16
+        return {"freezing": True} if in_bf16 else {"freezing": True, "cpp.weight_prepack": False}
     if precision in ("bf16", "fp16"):
         return {} if freeze is False else {"freezing": True}
     return {"freezing": True, "cpp.enable_concat_linear": True} if freeze else {}

@@ -21,14 +21,17 @@ costliest are excluded, a few more per round. A layer's cost is the program's SQ
 batches with that layer alone in int8 (``one_at_a_time_sqnr_db``, as the onnx and openvino searches
 rank theirs), a failing round stops at its first batch under the target, and the rounds
 are judged on a screen (the calibration batches and every 4th held-out one; the set they keep is
-then judged on every batch, and a batch under the target there joins the screen for another search). On a batch
-where the program with every module in bfloat16 is itself under the target (a barely trained
-model), int8 is held to bfloat16's SQNR minus the margin there: no exclusion could do better. Where
+then judged on every batch, and a batch under the target there joins the screen for another search). Where
 the CPU's bfloat16 products outrun its float32 ones (``tk.formats.products.bf16_outruns_fp32``: measured,
 since an AVX512-BF16 flag alone does not make them faster) the excluded modules run in bfloat16 (casts
 around the linear; the weight cast is folded by freezing), which costs the signal little (bfloat16
 keeps 8 bits of mantissa whatever the range, where per-tensor int8 loses its bits to an outlier) and
-runs faster than float32 at the same SQNR; elsewhere they run in float32.
+runs faster than float32 at the same SQNR; elsewhere they run in float32. Speed alone does not
+decide it: on a batch where the program with every module in bfloat16 is itself under the target (a
+model whose outputs bfloat16 already moves that much, such as a classifier whose synthetic inputs sit
+near its decision boundary), no exclusion could reach the target, so the search starts again with the
+float part in float32 (``float32_program``: the program without the bfloat16 attention) and the
+manifest says why (``float_part``).
 ``--keep-fp32 MODULE`` keeps a module in float32. The package's numbers come from oneDNN's kernels,
 not from the program the judge runs; the export check measures the package itself.
 """
@@ -36,6 +39,7 @@ not from the program the judge runs; the export check measures the package itsel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import math
@@ -93,6 +97,7 @@ class AotiInt8Result:
     # alpha ("none": as captured) -> all-int8 SQNR (on the calibration batches where it is under the target)
     smoothing: dict[str, float] = field(default_factory=dict)
     smoothing_alpha: float | None = None  # the one kept
+    float_part: str | None = None  # why the float part runs in float32 where bf16 outruns it (None: it does not)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,6 +111,7 @@ class AotiInt8Result:
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
+            **({"float_part": self.float_part} if self.float_part else {}),
             "activations": ACTIVATIONS_7BIT if saturating_int8_products() else "uint8",
             "smoothing": {
                 "alpha": self.smoothing_alpha,
@@ -406,6 +412,14 @@ def _outputs(module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> li
     return [o.detach().float().numpy() for o in outs if isinstance(o, torch.Tensor)]
 
 
+class _Bf16BelowTarget(Exception):
+    """The program with every module in bfloat16 is under the search's target on a judged batch."""
+
+    def __init__(self, sqnr_db: float, shape: tuple[int, ...], target_db: float) -> None:
+        super().__init__(f"every module in bf16: {sqnr_db:.1f} dB at {'x'.join(map(str, shape))}")
+        self.sqnr_db, self.shape, self.target_db = sqnr_db, shape, target_db
+
+
 def int8_program(
     program: torch.export.ExportedProgram,
     signature: Signature,
@@ -418,6 +432,7 @@ def int8_program(
     min_sqnr_db: float | None = None,
     judge: Sequence[dict[str, np.ndarray]] = (),
     excluded_in_bf16: bool | None = None,
+    float32_program: torch.export.ExportedProgram | None = None,
     gate: Callable[[Any], None] | None = None,
     share_gate: Callable[[Int8Share], None] | None = None,
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
@@ -427,7 +442,9 @@ def int8_program(
     on the calibration batches) until the SQNR on the calibration and
     ``judge`` batches reaches ``min_sqnr_db + MARGIN_DB``; ``keep_fp32`` modules are never quantized and stay float32. The
     automatically excluded linears run in bfloat16 where ``excluded_in_bf16`` (default:
-    ``excluded_run_in_bf16()``), in float32 elsewhere. ``gate`` is asked before the search, with a
+    ``excluded_run_in_bf16()``), in float32 elsewhere; where every module in bfloat16 is itself under that
+    target on a judged batch, the search starts again from ``float32_program`` (default ``program``: the
+    caller's program without its bfloat16 passes) with them in float32. ``gate`` is asked before the search, with a
     function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
     ``share_gate`` during it (after each round under the target, with the most it can still keep) and
     after it, with the ``Int8Share`` it kept; either may end the export.
@@ -438,6 +455,34 @@ def int8_program(
         )
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
+    in_bf16 = excluded_run_in_bf16() if excluded_in_bf16 is None else excluded_in_bf16
+    settings = (signature, dims, example_inputs, calibration, method, keep_fp32, min_sqnr_db, judge, gate, share_gate)
+    try:
+        return _int8_program_once(program, in_bf16, *settings)
+    except _Bf16BelowTarget as short:
+        reason = f"{short}, under the target {short.target_db:.1f} dB"
+        log.info("export int8   left-out modules and attention in float32: %s", reason)
+        quantized, result = _int8_program_once(
+            program if float32_program is None else float32_program, False, *settings
+        )
+        result.float_part = f"float32 where bf16 outruns it: {reason}"
+        return quantized, result
+
+
+def _int8_program_once(
+    program: torch.export.ExportedProgram,
+    in_bf16: bool,
+    signature: Signature,
+    dims: dict[str, Dim],
+    example_inputs: tuple[torch.Tensor, ...],
+    calibration: Sequence[dict[str, np.ndarray]],
+    method: str,
+    keep_fp32: Sequence[str],
+    min_sqnr_db: float | None,
+    judge: Sequence[dict[str, np.ndarray]],
+    gate: Callable[[Any], None] | None,
+    share_gate: Callable[[Int8Share], None] | None,
+) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     names = [s.name for s in signature.inputs]
 
     def as_args(feeds: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
@@ -448,7 +493,6 @@ def int8_program(
             warnings.simplefilter("ignore")
             kept = list(keep_fp32)  # any module path: the quantizer leaves out every linear inside it
             batches = [as_args(f) for f in calibration]
-            in_bf16 = excluded_run_in_bf16() if excluded_in_bf16 is None else excluded_in_bf16
             quantizer = _Quantizer(program, batches, method, kept, in_bf16)
             candidates = quantizable_modules(quantizer.float_module)
             under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
@@ -461,6 +505,11 @@ def int8_program(
                 method=method,
                 excluded_dtype="bf16" if in_bf16 else "fp32",
             )
+            if in_bf16 and min_sqnr_db is not None:
+                # before any int8 try: on a model bf16 already moves past the target, each would be wasted
+                # (the small Transformer's smoothing tries, gate and costs: ~70 s of its export)
+                every_bf16 = quantizer.quantize(exclude=ranked)
+                _require_bf16_reaches(every_bf16, judged.subset(range(len(batches))), min_sqnr_db + MARGIN_DB)
             quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 if gate is not None:
@@ -482,10 +531,19 @@ def int8_program(
             from tk.export.torch_program import exported_program_from_module
 
             return exported_program_from_module(quantized, example_inputs, signature, dims), result
-    except (UsageError, ConversionError, CannotWinError):
+    except (UsageError, ConversionError, CannotWinError, _Bf16BelowTarget):
         raise
     except Exception as exc:  # torchao and torch.export raise many types; each is a conversion failure
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
+
+
+def _require_bf16_reaches(every_bf16: torch.fx.GraphModule, judge: _Judge, target: float) -> None:
+    """Raise ``_Bf16BelowTarget`` where ``every_bf16`` (the program with every module in bfloat16) is under
+    ``target`` on a batch of ``judge``."""
+    for index in judge.indices:
+        sqnr = judge.sqnr_on(every_bf16, index)
+        if sqnr < target:
+            raise _Bf16BelowTarget(sqnr, tuple(judge.all_batches[index][0].shape), target)
 
 
 def int8_share(
@@ -598,28 +656,24 @@ def _exclude_costliest(
 
     Where excluded modules run in bfloat16, a batch under the target is judged with every module in
     bfloat16 too: where that stays under the target (a model whose outputs bfloat16 already moves that
-    much), int8 is held to it minus the margin there, instead of a target no exclusion can reach. Only
-    the batches some round is under are judged so (the verdicts are those of judging every batch first,
-    which took ~15 s of the small Transformer's export)."""
+    much), no exclusion can reach it, and ``_Bf16BelowTarget`` ends this search (``int8_program`` runs
+    it again with the float part in float32). Only the batches some round is under are judged so
+    (judging every batch first took ~15 s of the small Transformer's export)."""
     target = min_sqnr_db + MARGIN_DB
     targets = [target] * len(judged.batches)
-    held: dict[int, float] = {}  # batch index -> its target with every module in bfloat16
-    all_bf16: list[torch.fx.GraphModule] = []
 
-    def held_to(index: int) -> float:
-        if index not in held:
-            if not all_bf16:
-                all_bf16.append(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
-            ceiling = judged.sqnr_on(all_bf16[0], index)
-            held[index] = ceiling - MARGIN_DB
-            if ceiling < target:
-                log.info(
-                    "export int8   every module in bf16: %.1f dB at %s, under %.1f dB: int8 is held to %.1f dB there",
-                    ceiling, "x".join(map(str, judged.all_batches[index][0].shape)), target, ceiling - MARGIN_DB,
-                )  # fmt: skip
-        return held[index]
+    every_bf16: list[torch.fx.GraphModule] = []
 
-    lowered = held_to if quantizer.excluded_in_bf16 and result.layer_sqnr_db else None
+    def bf16_reaches(index: int) -> float:
+        """The target itself, once every module in bfloat16 is seen to reach it on this batch."""
+        if not every_bf16:
+            every_bf16.append(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
+        _require_bf16_reaches(
+            every_bf16[0], _Judge(judged.float_module, judged.all_batches, [index], judged.references), target
+        )
+        return target
+
+    lowered = functools.cache(bf16_reaches) if quantizer.excluded_in_bf16 and result.layer_sqnr_db else None
     rounds: list[torch.fx.GraphModule] = []
     # the passing rounds, by their set: the bisection ends by asking again for the one it keeps
     passed: dict[frozenset[str], tuple[torch.fx.GraphModule, float, float, tuple[int, ...]]] = {}
