@@ -95,6 +95,53 @@ def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tm
     assert len(strict.layer_sqnr_db) == plain.quantizable
 
 
+def test_node_macs_count_each_products_output_times_its_reduced_dimension(fp32_onnx):
+    from tk.export.static_int8 import node_macs
+
+    spec = build_model("transformer", size="tiny")
+    hidden, ffn = spec.module.blocks[0].ffn.up.in_features, spec.module.blocks[0].ffn.up.out_features
+    feeds = random_feeds(spec.signature.inputs, {"batch": 3, "seq": 11}, seed=2)
+    nodes = weight_matmul_nodes(fp32_onnx)
+    graph = onnx.load(str(fp32_onnx)).graph
+    weights = {i.name: tuple(i.dims) for i in graph.initializer}
+    shape = {n.name: weights[n.input[1]] for n in graph.node if n.name in nodes}
+    op = {n.name: n.op_type for n in graph.node}
+    macs = node_macs(fp32_onnx, nodes, feeds)
+    assert set(macs) == set(nodes)
+    rows = 3 * 11  # every token of every sample
+    expected = {
+        (hidden, 3 * hidden): rows * hidden * 3 * hidden,  # qkv: rows x K x N
+        (hidden, hidden): rows * hidden * hidden,
+        (hidden, ffn): rows * hidden * ffn,
+        (ffn, hidden): rows * ffn * hidden,
+        (2, hidden): 3 * hidden * 2,  # the head's Gemm (weight transposed): the first token of each sample
+    }
+    assert {shape[n] for n in nodes} == set(expected)
+    assert all(macs[n] == expected[shape[n]] for n in nodes), macs
+    assert op[next(n for n in nodes if shape[n] == (2, hidden))] == "Gemm"
+
+
+def test_the_share_gate_ends_the_search_with_the_most_it_can_still_keep(fp32_onnx, tmp_path):
+    from tk.errors import CannotWinError
+    from tk.export.context import Int8Share
+
+    batches = _calibration()
+    plain = static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "plain.onnx", batches)
+    asked: list[Int8Share] = []
+
+    def share_gate(share: Int8Share) -> None:
+        asked.append(share)
+        raise CannotWinError("onnx int8: cannot win here")
+
+    with pytest.raises(CannotWinError):
+        static_int8_onnx_from_onnx(
+            fp32_onnx, tmp_path / "strict.onnx", batches, min_sqnr_db=plain.sqnr_db + 20, share_gate=share_gate
+        )
+    (share,) = asked  # after the first round under the target: it ended the search
+    assert share.bound and share.layers == plain.quantizable and share.int8_layers == plain.quantizable - 2
+    assert 0 < share.share < 1
+
+
 def test_products_write_float32_so_onnxruntime_runs_matmul_integer_to_float(fp32_onnx, tmp_path):
     import onnxruntime as ort
 

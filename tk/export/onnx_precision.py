@@ -84,6 +84,7 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
             min_sqnr_db=int8_floor_db(ctx),
             judge=judge_feeds(ctx),
             gate=int8_gate(ctx, "onnx"),
+            share_gate=int8_gate(ctx, "onnx"),
         )
         require_int8_layers(result.int8_nodes, result.quantizable, "onnx")
         os.replace(quantized, path)

@@ -37,6 +37,7 @@ import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.calibration import MARGIN_DB, exclude_costliest
+from tk.export.context import Int8Share
 from tk.export.qdq_variants import QdqVariants
 from tk.export.quantize import quant_type, weight_record, weight_type
 from tk.parity import worst_sqnr_db
@@ -118,6 +119,37 @@ def weight_matmul_nodes(path: Path) -> list[str]:
     ]
 
 
+def node_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Multiply-adds of each weight MatMul/Gemm node of ``names`` in ``source`` on ``feeds``: its output's
+    elements (read by running the graph with those outputs exposed) times the weight's reduced dimension."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(source))
+    weights = {i.name: list(i.dims) for i in model.graph.initializer}
+    wanted = set(names)
+    reduced: dict[str, int] = {}  # the node's output name -> K
+    by_output: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.name not in wanted or len(node.input) < 2 or node.input[1] not in weights:
+            continue
+        dims = weights[node.input[1]]
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0) if node.op_type == "Gemm" else 0
+        reduced[node.output[0]] = int(dims[-1] if trans_b else dims[-2]) if len(dims) >= 2 else 0
+        by_output[node.output[0]] = node.name
+    outputs = {o.name for o in model.graph.output}
+    for name in reduced:
+        if name not in outputs:
+            model.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    ordered = list(reduced)
+    values = session.run(ordered, feeds)
+    macs = {by_output[name]: int(np.asarray(v).size) * reduced[name] for name, v in zip(ordered, values, strict=True)}
+    return {name: macs.get(name, 0) for name in names}
+
+
 def _quantize(
     source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str], weights: str
 ) -> None:
@@ -194,6 +226,7 @@ def static_int8_onnx_from_onnx(
     judge: Sequence[dict[str, np.ndarray]] = (),
     weights: str | None = None,
     gate: Callable[[bytes], None] | None = None,
+    share_gate: Callable[[Int8Share], None] | None = None,
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
@@ -203,7 +236,9 @@ def static_int8_onnx_from_onnx(
     plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
     ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
     ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before it is judged (with a
-    floor), and may end the export.
+    floor), and may end the export; ``share_gate`` is asked after each exclusion round under the target
+    with the most the search can still keep in int8 (``Int8Share``, by ``node_macs`` on the first
+    calibration batch), and may end it too.
     """
     judge_batches = list(judge)
     if not calibration:
@@ -256,7 +291,25 @@ def static_int8_onnx_from_onnx(
                 trial.replace(target)
                 return judged[key]
 
-            result.automatic, last = exclude_costliest(result.layer_sqnr_db, judge_without, target_db, MAX_ROUNDS)
+            macs: dict[str, int] = {}  # counted at the first question
+
+            def at_least(excluded: list[str]) -> None:
+                assert share_gate is not None
+                if not macs:
+                    macs.update(node_macs(source, keep, calibration[0]))
+                left_out = set(excluded)
+                total = sum(macs.values())
+                kept = sum(v for n, v in macs.items() if n not in left_out)
+                share = kept / total if total else 0.0
+                share_gate(Int8Share(len([n for n in keep if n not in left_out]), len(keep), share, bound=True))
+
+            result.automatic, last = exclude_costliest(
+                result.layer_sqnr_db,
+                judge_without,
+                target_db,
+                MAX_ROUNDS,
+                at_least=at_least if share_gate is not None else None,
+            )
             if last is not None:
                 result.sqnr_db = last
             result.excluded = exclude + result.automatic
