@@ -247,7 +247,14 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
     reachable = plain.sqnr_db + 2  # a floor bf16 reaches with the margin: the left-out modules stay bf16
     assert reachable + MARGIN_DB < bf16_sqnr
     _, kept = int8_program(
-        program, spec.signature, dims, example, calibration, min_sqnr_db=reachable, judge=held_out, excluded_in_bf16=True
+        program,
+        spec.signature,
+        dims,
+        example,
+        calibration,
+        min_sqnr_db=reachable,
+        judge=held_out,
+        excluded_in_bf16=True,
     )
     assert kept.automatic and kept.excluded_dtype == "bf16" and kept.float_part is None
     assert kept.sqnr_db >= reachable + MARGIN_DB
@@ -271,6 +278,32 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
     with torch.no_grad():
         got = [[graph(*b).numpy()] for b in batches]
     assert worst_sqnr_db(reference, got) >= beyond + MARGIN_DB - 0.5
+
+
+def test_the_share_gate_is_asked_before_the_costs_with_the_lightest_module_out():
+    """All-int8 under the target: the search will leave one module out at least, so the speed gate is
+    asked first with the lightest out (the most it can keep), before a quantize and judge per module."""
+    from tk.errors import CannotWinError
+    from tk.export.context import Int8Share
+
+    spec, dims, example, program = _tiny_transformer_program(trained=True)
+    calibration = _batches(spec, 2, 100)
+    _, plain = int8_program(program, spec.signature, dims, example, calibration)
+    asked: list[Int8Share] = []
+
+    def share_gate(share: Int8Share) -> None:
+        asked.append(share)
+        raise CannotWinError("aoti int8: cannot win here")
+
+    with pytest.raises(CannotWinError):
+        int8_program(
+            program, spec.signature, dims, example, calibration, min_sqnr_db=plain.sqnr_db + 3,
+            excluded_in_bf16=False, share_gate=share_gate,
+        )  # fmt: skip
+    (first,) = asked
+    assert first.bound and (first.int8_layers, first.layers) == (8, 9)
+    macs = layer_macs(program.module(), tuple(torch.from_numpy(calibration[0][s.name]) for s in spec.signature.inputs))
+    assert first.share == pytest.approx(1 - min(macs.values()) / sum(macs.values()))
 
 
 def test_int8_aoti_refusals_name_what_was_expected(tmp_path):

@@ -127,19 +127,29 @@ def test_the_share_gate_ends_the_search_with_the_most_it_can_still_keep(fp32_onn
 
     batches = _calibration()
     plain = static_int8_onnx_from_onnx(fp32_onnx, tmp_path / "plain.onnx", batches)
-    asked: list[Int8Share] = []
+    layers = plain.quantizable
 
-    def share_gate(share: Int8Share) -> None:
-        asked.append(share)
-        raise CannotWinError("onnx int8: cannot win here")
+    def search(stop_at: int) -> list[Int8Share]:
+        asked: list[Int8Share] = []
 
-    with pytest.raises(CannotWinError):
-        static_int8_onnx_from_onnx(
-            fp32_onnx, tmp_path / "strict.onnx", batches, min_sqnr_db=plain.sqnr_db + 20, share_gate=share_gate
-        )
-    (share,) = asked  # after the first round under the target: it ended the search
-    assert share.bound and share.layers == plain.quantizable and share.int8_layers == plain.quantizable - 2
-    assert 0 < share.share < 1
+        def share_gate(share: Int8Share) -> None:
+            asked.append(share)
+            if share.int8_layers <= stop_at:
+                raise CannotWinError("onnx int8: cannot win here")
+
+        with pytest.raises(CannotWinError):
+            static_int8_onnx_from_onnx(
+                fp32_onnx, tmp_path / "strict.onnx", batches, min_sqnr_db=plain.sqnr_db + 20, share_gate=share_gate
+            )
+        return asked
+
+    # before the ranking: one layer out at least, at best the lightest (the head: 2 of its outputs per sample)
+    (first,) = search(stop_at=layers - 1)
+    assert first.bound and (first.int8_layers, first.layers) == (layers - 1, layers) and 0.99 < first.share < 1
+    # after the first round under the target: its layer and the next in the ranking
+    before, after_round = search(stop_at=layers - 2)
+    assert before == first and after_round.bound and after_round.int8_layers == layers - 2
+    assert 0 < after_round.share < first.share
 
 
 def test_products_write_float32_so_onnxruntime_runs_matmul_integer_to_float(fp32_onnx, tmp_path):

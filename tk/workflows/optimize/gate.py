@@ -15,7 +15,8 @@ fp32's time while Inductor packed its float32 linears, history.md). So when the 
 than the fastest passed candidate by more than ``MARGIN``, the search cannot give the winner, and the
 candidate is skipped with the numbers as its reason. On a busy machine (the guard's mark) the gate does not judge: the search runs.
 
-The onnx, aoti and openvino writers ask again during their search, after each round that stays under the
+The onnx, aoti and openvino writers ask again during their search (onnx and aoti also before ranking
+their layers, with the lightest left out: the search leaves out one at least), after each round that stays under the
 target, with the most the search can still keep in int8 (its result leaves out a longer prefix of the
 same ranking), and the aoti writer once more after it, before compiling the package (a minute for
 MiniLM), with the share it kept (``Int8Share``: of the all-int8 model's multiply-adds). Each layer's
