@@ -236,8 +236,9 @@ def static_int8_onnx_from_onnx(
     plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
     ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
     ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before it is judged (with a
-    floor), and may end the export; ``share_gate`` is asked after each exclusion round under the target
-    with the most the search can still keep in int8 (``Int8Share``, by ``node_macs`` on the first
+    floor), and may end the export; ``share_gate`` is asked before the layers are ranked (one left out,
+    at best the lightest) and after each exclusion round under the target, with the most the search can
+    still keep in int8 (``Int8Share``, by ``node_macs`` on the first
     calibration batch), and may end it too.
     """
     judge_batches = list(judge)
@@ -271,20 +272,29 @@ def static_int8_onnx_from_onnx(
 
             macs: dict[str, int] = {}  # counted at the first question
 
+            def counted() -> bool:
+                """Whether each layer's multiply-adds are known (counted at the first question)."""
+                if not macs:
+                    try:
+                        macs.update(node_macs(source, keep, calibration[0]))
+                    except Exception as exc:  # the gate saves time; a graph it cannot count is still searched
+                        log.info("export int8   the speed gate is not asked: %s", first_line(exc))
+                        macs.update(dict.fromkeys(keep, 0))
+                return any(macs.values())
+
             def at_least(excluded: list[str]) -> None:
                 assert share_gate is not None
-                if not macs:
-                    macs.update(node_macs(source, keep, calibration[0]))
+                if not counted():
+                    return
                 left_out = set(excluded)
                 total = sum(macs.values())
                 kept = sum(v for n, v in macs.items() if n not in left_out)
                 share = kept / total if total else 0.0
                 share_gate(Int8Share(len([n for n in keep if n not in left_out]), len(keep), share, bound=True))
 
-            if share_gate is not None and len(keep) > 1:
+            if share_gate is not None and len(keep) > 1 and counted():
                 # the search leaves out one layer at least: at best the lightest, asked before the ranking
                 # (one quantized variant judged per layer: 25-40 s of the small Transformer's export)
-                macs.update(node_macs(source, keep, calibration[0]))
                 at_least([min(keep, key=macs.__getitem__)])
             variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)), keep)
             ranking = _Judge(source, calibration)  # ranks layers; the held-out batches judge each round
