@@ -93,12 +93,13 @@ class AotiWriter(Writer):
     def write(self, ctx: ExportContext) -> None:
         assert ctx.program is not None
         options: AotiOptions = ctx.settings[self.name]
-        configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
         program, quantization, passes = ctx.program, None, []
-        if ctx.options.precision == "int8":
+        if ctx.options.precision == "int8":  # compiled as its search settled its float part
             program, quantization, passes = _int8_program(ctx, options)
-            float_part = quantization["automatic_exclusions_run_in"]
-            configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=float_part == "bf16")
+            in_bf16 = quantization["automatic_exclusions_run_in"] == "bf16"
+            configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=in_bf16)
+        else:
+            configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
         passes += aoti_package_from_exported_program(
             program,
             ctx.add_file(FILE, "aoti"),

@@ -673,9 +673,7 @@ def _exclude_costliest(
         """The target itself, once every module in bfloat16 is seen to reach it on this batch."""
         if not every_bf16:
             every_bf16.append(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
-        _require_bf16_reaches(
-            every_bf16[0], _Judge(judged.float_module, judged.all_batches, [index], judged.references), target
-        )
+        _require_bf16_reaches(every_bf16[0], judged.subset([index]), target)  # judged: every batch, in order
         return target
 
     lowered = functools.cache(bf16_reaches) if quantizer.excluded_in_bf16 and result.layer_sqnr_db else None
