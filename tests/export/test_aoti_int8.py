@@ -428,3 +428,50 @@ def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
         kept.smoothing = plan_smoothing(kept.float_module, calibration, 0.5)  # other values: calibrated anew
         kept.quantize(exclude=modules[:1])
         assert kept.calibrations == 2
+
+
+def test_the_judged_module_computes_exactly_what_the_quantized_program_computes():
+    """The search judges a copy with each quantize/dequantize pair as one call and the weights
+    dequantized once; its outputs must equal the program's own, with left-out linears in bf16 too."""
+    from tk.export.aoti_int8 import _outputs, _Quantizer, fake_quantized, judged_module, quantizable_modules
+
+    spec, _, _, program = _tiny_transformer_program(trained=True)
+    names = [s.name for s in spec.signature.inputs]
+    calibration = [tuple(torch.from_numpy(b[n]) for n in names) for b in _batches(spec, 2, 100)]
+    probes = [
+        tuple(torch.from_numpy(random_feeds(spec.signature.inputs, sizes, seed=7)[n]) for n in names)
+        for sizes in ({"batch": 4, "seq": 16}, {"batch": 1, "seq": 1}, {"batch": 8, "seq": 64})
+    ]
+    decomposed = torch.ops.quantized_decomposed
+    with torch.no_grad():
+        for in_bf16 in (False, True):
+            quantizer = _Quantizer(program, calibration, "histogram", [], in_bf16)
+            modules = quantizable_modules(quantizer.float_module)
+            converted = quantizer.quantize(exclude=modules[:2])
+            judged = judged_module(converted)
+            targets = [n.target for n in judged.graph.nodes if n.op == "call_function"]
+            assert fake_quantized in targets
+            assert not {decomposed.quantize_per_tensor.default, decomposed.dequantize_per_channel.default} & set(
+                targets
+            )
+            assert decomposed.quantize_per_tensor.default in {n.target for n in converted.graph.nodes}  # untouched
+            for probe in probes:
+                want, got = _outputs(converted, probe), _outputs(judged, probe)
+                assert all(w.shape == g.shape and np.array_equal(w, g) for w, g in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "low", "high"), [(torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.uint8, 0, 127)]
+)
+def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
+    from tk.export.aoti_int8 import fake_quantized
+
+    decomposed = torch.ops.quantized_decomposed
+    x = torch.randn(3, 70, 33, generator=torch.Generator().manual_seed(0)) * 4
+    x[0, 0, :4] = torch.tensor([1e6, -1e6, 0.5 * 0.031, 1.5 * 0.031])  # saturated, and halfway cases
+    zero_point = 0 if dtype == torch.int8 else 100
+    want = decomposed.dequantize_per_tensor(
+        decomposed.quantize_per_tensor(x, 0.031, zero_point, low, high, dtype), 0.031, zero_point, low, high, dtype
+    )
+    got = fake_quantized(x, 0.031, zero_point, low, high, dtype)
+    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -167,6 +167,84 @@ def run_linears_in_bf16(graph_module: torch.fx.GraphModule, modules: Sequence[st
     return changed
 
 
+def judged_module(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``converted`` (torchao's int8 program) that computes the same values faster in PyTorch,
+    for the search's judge only (the package is compiled from ``converted`` itself): each activation's
+    quantize/dequantize pair as one call of ``fake_quantized``, and each int8 weight dequantized (and cast,
+    where its linear runs in bfloat16) once here instead of on every call. Written because the judge runs
+    each candidate on up to 44 batches, and the decomposed pairs made the int8 program's call about half
+    again as long as the float32 one's (benchmarks/history.md, "The int8 search's judge")."""
+    from torch.fx import GraphModule, Node
+
+    decomposed = torch.ops.quantized_decomposed
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(converted.graph, {}))  # graph_copy leaves the output node out
+    judged = GraphModule(converted, graph)
+    constants: dict[Node, torch.Tensor] = {}
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            constants[node] = _attribute(judged, str(node.target))
+        elif node.op != "call_function":
+            continue
+        elif node.target in (decomposed.dequantize_per_channel.default, torch.ops.aten._to_copy.default) and all(
+            arg in constants for arg in node.all_input_nodes
+        ):
+            value = node.target(*torch.fx.node.map_arg(node.args, constants.__getitem__), **node.kwargs)
+            name = f"_tk_judged_{len(constants)}"
+            judged.register_buffer(name, value)
+            with graph.inserting_before(node):
+                folded = graph.get_attr(name)
+            node.replace_all_uses_with(folded)
+            graph.erase_node(node)
+            constants[folded] = value
+        elif node.target == decomposed.dequantize_per_tensor.default and not node.kwargs:
+            source = node.args[0]
+            if not isinstance(source, Node) or source.target != decomposed.quantize_per_tensor.default:
+                continue
+            if source.kwargs or tuple(source.args[1:]) != tuple(node.args[1:]):
+                continue
+            if not all(isinstance(a, (int, float)) for a in source.args[1:5]):
+                continue
+            with graph.inserting_before(node):
+                fake = graph.call_function(fake_quantized, tuple(source.args))
+            node.replace_all_uses_with(fake)
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    judged.recompile()
+    return judged
+
+
+_QUANTIZED_DTYPES = {(torch.uint8, 0, 255): torch.quint8, (torch.int8, -128, 127): torch.qint8}
+
+
+def fake_quantized(
+    x: torch.Tensor, scale: float, zero_point: int, low: int, high: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The values of torchao's decomposed ``quantize_per_tensor`` then ``dequantize_per_tensor`` of ``x``
+    (float32): round(x / scale) + zero_point clamped to [low, high], less zero_point, times scale.
+    Over a whole dtype's range, PyTorch's quantized tensors compute it in one vectorized pass (about 9x
+    faster than the pair, and than ``fake_quantize_per_tensor_affine``: benchmarks/history.md); torch
+    deprecates those tensors, so elsewhere, or once they are gone, the same arithmetic in place."""
+    if x.dtype != torch.float32:
+        quantize, dequantize = (
+            torch.ops.quantized_decomposed.quantize_per_tensor,
+            torch.ops.quantized_decomposed.dequantize_per_tensor,
+        )
+        return dequantize(quantize(x, scale, zero_point, low, high, dtype), scale, zero_point, low, high, dtype)
+    quantized_dtype = _QUANTIZED_DTYPES.get((dtype, low, high))
+    if quantized_dtype is not None and hasattr(torch, "quantize_per_tensor"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the deprecation, once per process
+            return torch.quantize_per_tensor(x, scale, zero_point, quantized_dtype).dequantize()
+    return torch.round(x * (1.0 / scale)).add_(zero_point).clamp_(low, high).sub_(zero_point).mul_(scale)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> torch.Tensor:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module  # type: ignore[return-value]
+
+
 def _torchao_x86() -> Any:
     """torchao's x86 Inductor quantizer module, imported without the deprecation warning torchao 0.18
     logs through torch's pytree logger on import (it is about torchao's own code, not the user's)."""
@@ -344,6 +422,7 @@ class _Judge:
     worst_shape: tuple[int, ...] = ()  # the first input's shape in the worst batch of the last call
     worst_sqnr_db: float = math.inf  # the worst batch's SQNR in the last call
     judged_sqnr_db: list[float] = field(default_factory=list)  # each judged batch's SQNR in the last call
+    _judged: tuple[Any, Any] | None = field(default=None, repr=False)  # the last candidate and its judged_module
 
     @classmethod
     def of(cls, float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
@@ -365,7 +444,14 @@ class _Judge:
 
     def sqnr_on(self, candidate: Callable[..., Any], index: int) -> float:
         """``candidate``'s SQNR on ``all_batches[index]``."""
-        return worst_sqnr_db([self.reference(index)], [_outputs(candidate, self.all_batches[index])])
+        return worst_sqnr_db([self.reference(index)], [_outputs(self._fast(candidate), self.all_batches[index])])
+
+    def _fast(self, candidate: Callable[..., Any]) -> Callable[..., Any]:
+        """``candidate`` as ``judged_module`` runs it (made once for the batches a candidate is judged on)."""
+        if self._judged is None or self._judged[0] is not candidate:
+            fast = judged_module(candidate) if isinstance(candidate, torch.fx.GraphModule) else candidate
+            self._judged = (candidate, fast)
+        return self._judged[1]
 
     def sqnr_db(self, candidate: Callable[..., Any]) -> float:
         """The worst SQNR over the batches."""
