@@ -137,9 +137,9 @@ def _optimize(
         return race
 
     monkeypatch.setattr(run, "run_race", fixed_race)
-    options = OptimizeOptions(accuracy="sqnr>=20", sizes={"batch": 4, "seq": 16}, formats=("torch",),
-                              precisions=("fp32", "bf16"), seconds=0.05, peaks=False, cache_dir=tmp_path / "cache",
-                              **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    options = OptimizeOptions(**{"accuracy": "sqnr>=20", "sizes": {"batch": 4, "seq": 16}, "formats": ("torch",),
+                                 "precisions": ("fp32", "bf16"), "seconds": 0.05, "peaks": False,
+                                 "cache_dir": tmp_path / "cache", **kwargs})  # type: ignore[arg-type]  # fmt: skip
     torch.manual_seed(0)
     return optimize(build_model("transformer", size="tiny"), tmp_path / "out", options), asked
 
@@ -306,3 +306,54 @@ def test_where_int8_leads_a_passing_int8_package_skips_the_float32_groups(
             "cannot win here: aoti int8 static kept your accuracy"
         ), rows[name].reason
     assert result.exports == 1 and result.record["precision_race"]["skipped"] == ["fp32"]
+
+
+def test_a_reduced_float_whose_candidates_all_missed_the_accuracy_leaves_the_race(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small Transformer on the AVX512-BF16 EPYC: bf16 2x float32's, int8 2.8x float32's but 1.4x bf16's,
+    and every bf16 candidate under the accuracy. Then int8 leads float32: its group goes first, unprobed."""
+    from tk.accuracy import parse_accuracy
+    from tk.workflows.optimize.run import _Run
+    from tk.workflows.optimize.table import Row
+
+    epyc = _race(int8=560.0)
+    assert not epyc.int8_ahead() and epyc.fastest_float() == "bf16"
+    out = epyc.without("bf16")
+    assert out.fastest_float() == "fp32" and out.int8_ahead() and out.int8_leads() and epyc.out == frozenset()
+    assert out.to_json()["out"] == ["bf16"] and out.rates == epyc.rates
+    static = (("int8_mode", "static"),)
+    tried = [
+        Candidate("torch", "bf16", "torch"), Candidate("aoti", "bf16", "aoti"), Candidate("torch", "fp32", "torch"),
+        Candidate("aoti", "int8", "aoti", static),
+    ]  # fmt: skip
+    spec = build_model("transformer", size="tiny")
+
+    def run_with(bf16_status: str) -> tuple[_Run, list[list[str]]]:
+        state = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path), parse_accuracy(None), None,  # type: ignore[arg-type]
+                     {"batch": 4, "seq": 16}, lambda *_: None)  # fmt: skip
+        state.race = epyc
+        groups = export_groups(tried, reduced_first=True)
+        first = groups.pop(next(iter(groups)))
+        assert [c.name for c in first] == ["torch bf16", "aoti bf16"]
+        rows = [Row(c.name, c.format, c.precision, c.engine, c.export_options, bf16_status) for c in first]
+        left = state._drop_failed_floats(groups, rows)
+        return state, [[c.name for c in members] for members in left.values()]
+
+    failed, order = run_with("failed")
+    assert failed.race is not None and failed.race.out == frozenset({"bf16"})
+    assert order == [["aoti int8 static"], ["torch fp32"]]
+    assert failed.gate is not None and failed.gate.no_probe["aoti"].startswith("int8 products ran 2.80× float32's")
+    kept, order = run_with("passed")
+    assert kept.race is epyc and order == [["torch fp32"], ["aoti int8 static"]]
+    assert kept.gate is not None and "aoti" not in kept.gate.no_probe
+
+
+@pytest.mark.usefixtures("bf16_here")
+def test_an_optimize_run_records_the_precision_that_left_the_race(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result, _ = _optimize(tmp_path, monkeypatch, _race(), accuracy="sqnr>=70")  # bf16 keeps ~40-50 dB here
+    rows = {r.candidate: r for r in result.rows}
+    assert rows["torch bf16"].status == "failed" and rows["torch fp32"].status == "passed"
+    assert result.record["precision_race"]["out"] == ["bf16"] and result.record["precision_race"]["skipped"] == []

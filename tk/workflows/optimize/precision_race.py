@@ -27,10 +27,17 @@ most of the model's FLOPs and a call is large enough for a rate to mean somethin
   products' share of the FLOPs, s the int8 share and r int8's rate over float32's. The law counts the
   non-product work at float32's speed, and from the rates of five runs it gave 2.2-2.6x on the Xeon
   without AMX where the package ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
+
+A reduced float precision whose every candidate missed the user's accuracy leaves the race
+(``PrecisionRace.without``): it cannot win either, so the last two rules are read again against the
+fastest float precision still in it, before the groups left are written. On a model bf16 moves past the
+accuracy (the small Transformer trained to a steep decision boundary, on the AVX512-BF16 EPYC), int8
+then leads float32: the aoti int8 group goes before the float32 ones and its probe is not compiled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +62,12 @@ class PrecisionRace:
     linear_gflop: float = 0.0  # per call at the timing size
     linear_share: float = 0.0  # of the model's FLOPs
     rounds: int = ROUNDS
+    # reduced float precisions out of the race: every candidate of theirs missed the user's accuracy
+    out: frozenset[str] = frozenset()
+
+    def without(self, precision: str) -> PrecisionRace:
+        """This race with ``precision`` out of it (its candidates all missed the accuracy)."""
+        return dataclasses.replace(self, out=self.out | {precision})
 
     def decides(self) -> bool:
         """Whether the rates can decide anything: most of the model's work, and enough of it, is products."""
@@ -77,7 +90,7 @@ class PrecisionRace:
 
     def fastest_float(self) -> str:
         """The float precision with the highest rate, among those that may win."""
-        floats = [p for p in FLOATS if p in self.rates and not self.no_gain(p)]
+        floats = [p for p in FLOATS if p in self.rates and not self.no_gain(p) and p not in self.out]
         return max(floats, key=self.rates.__getitem__, default="fp32")
 
     def int8_ahead(self) -> bool:
@@ -117,6 +130,7 @@ class PrecisionRace:
             "linear_gflop": round(self.linear_gflop, 3),
             "linear_share": round(self.linear_share, 3),
             "rounds": self.rounds,
+            "out": sorted(self.out),
             "rule": {
                 "outruns_by": OUTRUNS_BY, "faster_by": FASTER_BY, "linear_share": LINEAR_SHARE, "min_gflop": MIN_GFLOP,
             },

@@ -282,11 +282,14 @@ class _Run:
         from tk.workflows.optimize.artifacts import group_dir
 
         groups = export_groups(tried, reduced_first=self.race_skips)
+        total = len(groups)
         self._run_race(tried)
         if self.race is not None and self.race_skips and self.race.int8_leads():
             groups = int8_before_fp32(groups)
         passed: list[tuple[Candidate, Path, Manifest]] = []
-        for done, members in enumerate(groups.values()):
+        for done in range(total):
+            groups = self._drop_failed_floats(groups, rows)
+            members = groups.pop(next(iter(groups)))
             names = ", ".join(c.name for c in members)
             if self.over_budget():
                 rows.extend(_row(c, "skipped", "budget: --time-budget spent") for c in members)
@@ -295,7 +298,7 @@ class _Run:
             if cannot_win:
                 rows.extend(_row(c, "skipped", cannot_win) for c in members)
                 continue
-            self.say(f"export {names}", done, len(groups))
+            self.say(f"export {names}", done, total)
             root = group_dir(self.cache, members, self.base, self.checkpoint_sha, self.spec, self.model_sha)
             with self.stage(f"export {names}") as record:
                 written = write_group(self.spec, root, members, self.base)
@@ -310,7 +313,7 @@ class _Run:
                     rows.append(_row(candidate, "failed", written.errors[candidate]))
                     continue
                 where, manifest = written.artifacts[candidate]
-                self.say(f"judge {candidate.name}", done, len(groups))
+                self.say(f"judge {candidate.name}", done, total)
                 with self.stage(f"judge {candidate.name}"):
                     row = self._judge(candidate, where, manifest, cached=written.cache_hits > 0)
                 rows.append(row)
@@ -318,8 +321,31 @@ class _Run:
                     passed.append((candidate, where, manifest))
                     if self.gate is not None:
                         self.gate.add(candidate, where, manifest)
-        self.say("judge", len(groups), len(groups))
+        self.say("judge", total, total)
         return passed
+
+    def _drop_failed_floats(self, groups: dict[Any, list[Candidate]], rows: list[Row]) -> dict[Any, list[Candidate]]:
+        """The groups still to write, after taking out of the race each reduced float precision none of whose
+        candidates kept the accuracy and none is left to write (``PrecisionRace.without``): where int8 then
+        leads, the aoti int8 group moves before the float32 ones and the gate does not compile its probe."""
+        race = self.race
+        if race is None or self.options.device != "cpu":
+            return groups
+        left = {c.precision for members in groups.values() for c in members}
+        tried = {r.precision for r in rows if r.precision in race.rates and r.status != "skipped"}
+        done = {p for p in tried & set(REDUCED_FLOATS) if p not in left and p not in race.out}
+        for precision in sorted(done):
+            if any(r.precision == precision and r.status == "passed" for r in rows):
+                continue
+            race = race.without(precision)
+            log.info("optimize race: every %s candidate missed %s; %s is out of the race", precision,
+                     self.accuracy, precision)  # fmt: skip
+        if race is self.race:
+            return groups
+        self.race = race
+        if self.gate is not None and race.int8_ahead() and "aoti" not in self.gate.no_probe:
+            self.gate.no_probe["aoti"] = int8_probe_reason(race)
+        return int8_before_fp32(groups) if self.race_skips and race.int8_leads() else groups
 
     def _run_race(self, tried: list[Candidate]) -> None:
         """Measure the precisions' product rates once, before the first group (``precision_race``): where
