@@ -301,3 +301,23 @@ def test_static_int8_export_at_a_static_batch_passes(tmp_path):
     manifest = read_manifest(out)
     assert manifest.signature.dims["batch"].min == manifest.signature.dims["batch"].max == 4
     assert manifest.formats["onnx"]["quantization"]["mode"] == "static"
+
+
+def test_the_judge_runs_the_float_graph_only_on_the_batches_it_judges(fp32_onnx, tmp_path):
+    """References are computed when a batch is first judged, in one float32 session its head shares: a
+    graph under the target on its first batch leaves the other batches' references uncomputed."""
+    from tk.export.static_int8 import _Judge
+
+    batches = _calibration(32)
+    assert len(batches) >= 3
+    quantized = tmp_path / "int8.onnx"
+    static_int8_onnx_from_onnx(fp32_onnx, quantized, batches[:2])
+    judge = _Judge(fp32_onnx, batches)
+    first = judge.sqnr_db(quantized, target_db=1000.0)  # int8 is under 1000 dB on its first batch
+    assert 10 < first < 100 and sorted(judge._references) == [0] and len(judge._float) == 1
+    head = judge.head(2)
+    assert head.sqnr_db(fp32_onnx) == float("inf") and sorted(judge._references) == [0, 1]
+    assert head._float is judge._float
+    full = judge.sqnr_db(quantized)
+    assert sorted(judge._references) == list(range(len(batches)))
+    assert full <= first and full == _Judge(fp32_onnx, batches).sqnr_db(quantized)

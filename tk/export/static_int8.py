@@ -184,11 +184,32 @@ def _quantize(
 
 
 class _Judge:
-    """The float32 graph's outputs on the calibration batches, and the SQNR of a candidate against them."""
+    """The float32 graph's outputs on some batches, and the SQNR of a candidate against them.
+
+    A batch's reference is computed when it is first judged, in one session of the float32 graph shared
+    with the judge's ``head``: a graph under the target on its first batch, or a gate that ends the
+    export, never runs the float32 graph on the rest (benchmarks/history.md, "The int8 search's judge":
+    a session per batch, every batch before the first verdict, had been most of the small Transformer's
+    onnx int8 export)."""
 
     def __init__(self, source: Path, batches: Sequence[dict[str, np.ndarray]]) -> None:
+        self.source = source
         self.batches = list(batches)
-        self.reference = [self._run(source, b) for b in self.batches]
+        self._references: dict[int, list[np.ndarray]] = {}
+        self._float: list[Any] = []  # the float32 graph's session, once made; shared with ``head``'s judges
+
+    def head(self, count: int) -> _Judge:
+        """A judge of the first ``count`` batches (the same references and session)."""
+        judge = _Judge(self.source, self.batches[:count])
+        judge._references, judge._float = self._references, self._float
+        return judge
+
+    def reference(self, index: int) -> list[np.ndarray]:
+        if index not in self._references:
+            if not self._float:
+                self._float.append(self._session(self.source))
+            self._references[index] = self._run(self.source, self.batches[index], self._float[0])
+        return self._references[index]
 
     @staticmethod
     def _session(graph: Path | bytes) -> Any:
@@ -208,8 +229,8 @@ class _Judge:
         returned: the graph fails whatever the rest would say)."""
         session = self._session(graph)
         worst = float("inf")
-        for reference, feeds in zip(self.reference, self.batches, strict=True):
-            worst = min(worst, worst_sqnr_db([reference], [self._run(graph, feeds, session)]))
+        for index, feeds in enumerate(self.batches):
+            worst = min(worst, worst_sqnr_db([self.reference(index)], [self._run(graph, feeds, session)]))
             if target_db is not None and worst < target_db:
                 break
         return worst
@@ -297,7 +318,7 @@ def static_int8_onnx_from_onnx(
                 # (one quantized variant judged per layer: 25-40 s of the small Transformer's export)
                 at_least([min(keep, key=macs.__getitem__)])
             variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)), keep)
-            ranking = _Judge(source, calibration)  # ranks layers; the held-out batches judge each round
+            ranking = judge.head(len(calibration))  # ranks layers; the held-out batches judge each round
             for node in keep:
                 result.layer_sqnr_db[node] = ranking.sqnr_db(variants.with_float(n for n in keep if n != node))
             trial = Path(tmp) / "trial.onnx"
