@@ -179,15 +179,18 @@ class SpeedGate:
         )
 
     def _own_float_ms(self, fmt: str, probe: dict[str, Any], best: str) -> tuple[float, str]:
-        """What the layers left out of ``fmt``'s int8 model run at (they run as its float model does): its
-        own fastest float candidate in the probe's rounds; where that was not timed there (left out as
-        over ``SLOWER`` times the fastest), its time over ``best``'s in the last quiet question that timed
-        both, times ``best``'s here; where none ever was (float32 skipped: the precision race), the
-        all-int8 model plus ``products_gap_ms``; else ``best``'s own time (the optimistic side). With
-        where it came from. On the Xeon without AMX, OpenVINO's search for the small Transformer ran on with the
-        fastest standing in (at best 71.8 ms against 78.4) and kept 13 of 23 layers int8 at 91.7 ms."""
+        """What the layers left out of ``fmt``'s int8 model run at (as its float model of the precision
+        ``int8_float_part`` names runs them): that candidate of its own in the probe's rounds; where that
+        was not timed there (left out as over ``SLOWER`` times the fastest), its time over ``best``'s in
+        the last quiet question that timed both, times ``best``'s here; where none ever was (float32
+        skipped: the precision race), the all-int8 model plus ``products_gap_ms``; else ``best``'s own
+        time (the optimistic side). With where it came from. On the Xeon without AMX, OpenVINO's search
+        for the small Transformer ran on with the fastest standing in (at best 71.8 ms against 78.4) and
+        kept 13 of 23 layers int8 at 91.7 ms; on the AVX512-BF16 EPYC, MiniLM's ran 100 s with OpenVINO's
+        bf16 IR standing in for the float32 its left-out layers run in (benchmarks/history.md)."""
         fastest = probe["p50_ms"][best]
-        names = [c.name for c, _, _ in self.passed if c.format == fmt and c.precision != "int8"]
+        part = int8_float_part(fmt)
+        names = [c.name for c, _, _ in self.passed if c.format == fmt and c.precision == part]
         own = [p50 for name in names if (p50 := probe["p50_ms"].get(name)) is not None]
         if own:
             return min(own), "in the same rounds"
@@ -249,6 +252,17 @@ class SpeedGate:
                 else:
                     slow.discard(name)  # timed near the fastest again since
         return [c for c in self.passed if c[0].name not in slow]
+
+
+def int8_float_part(fmt: str) -> str:
+    """The precision the layers ``fmt``'s int8 model leaves out run in: float32 in onnx QDQ graphs and
+    OpenVINO int8 IRs (compiled with ``INFERENCE_PRECISION_HINT`` f32: ``tk.formats.openvino``); in an
+    aoti package, bfloat16 where its products outrun float32's (``excluded_run_in_bf16``)."""
+    if fmt == "aoti":
+        from tk.export.aoti_int8 import excluded_run_in_bf16
+
+        return "bf16" if excluded_run_in_bf16() else "fp32"
+    return "fp32"
 
 
 def _fastest(p50: dict[str, float]) -> str:
