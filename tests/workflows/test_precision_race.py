@@ -344,9 +344,22 @@ def test_a_reduced_float_whose_candidates_all_missed_the_accuracy_leaves_the_rac
     assert failed.race is not None and failed.race.out == frozenset({"bf16"})
     assert order == [["aoti int8 static"], ["torch fp32"]]
     assert failed.gate is not None and failed.gate.no_probe["aoti"].startswith("int8 products ran 2.80× float32's")
-    kept, order = run_with("passed")
-    assert kept.race is epyc and order == [["torch fp32"], ["aoti int8 static"]]
-    assert kept.gate is not None and "aoti" not in kept.gate.no_probe
+    for status in ("passed", "skipped"):  # a bf16 that passed, or was never tried, stays in the race
+        kept, order = run_with(status)
+        assert kept.race is epyc and order == [["torch fp32"], ["aoti int8 static"]]
+        assert kept.gate is not None and "aoti" not in kept.gate.no_probe
+    # a bf16 group still to write keeps bf16 in the race, though the first one failed
+    later = [*tried, Candidate("onnx", "bf16", "onnx", (("onnx_fusions", False),))]
+    state = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path), parse_accuracy(None), None,  # type: ignore[arg-type]
+                 {"batch": 4, "seq": 16}, lambda *_: None)  # fmt: skip
+    state.race = epyc
+    groups = export_groups(later, reduced_first=True)
+    first = groups.pop(next(iter(groups)))
+    rows = [Row(c.name, c.format, c.precision, c.engine, c.export_options, "failed") for c in first]
+    assert [c.name for c in first] == ["torch bf16", "aoti bf16"] and any(
+        m[0].precision == "bf16" for m in groups.values()
+    )
+    assert state._drop_failed_floats(groups, rows) is groups and state.race is epyc
 
 
 @pytest.mark.usefixtures("bf16_here")

@@ -38,6 +38,7 @@ not from the program the judge runs; the export check measures the package itsel
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -179,6 +180,7 @@ def judged_module(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
     decomposed = torch.ops.quantized_decomposed
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(converted.graph, {}))  # graph_copy leaves the output node out
+    graph.set_codegen(copy.deepcopy(converted.graph._codegen))  # and the outputs' pytree structure
     judged = GraphModule(converted, graph)
     constants: dict[Node, torch.Tensor] = {}
     for node in list(graph.nodes):
@@ -233,9 +235,7 @@ def fake_quantized(
         return dequantize(quantize(x, scale, zero_point, low, high, dtype), scale, zero_point, low, high, dtype)
     quantized_dtype = _QUANTIZED_DTYPES.get((dtype, low, high))
     if quantized_dtype is not None and hasattr(torch, "quantize_per_tensor"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # the deprecation, once per process
-            return torch.quantize_per_tensor(x, scale, zero_point, quantized_dtype).dequantize()
+        return torch.quantize_per_tensor(x, scale, zero_point, quantized_dtype).dequantize()
     return torch.round(x * (1.0 / scale)).add_(zero_point).clamp_(low, high).sub_(zero_point).mul_(scale)
 
 
@@ -422,7 +422,8 @@ class _Judge:
     worst_shape: tuple[int, ...] = ()  # the first input's shape in the worst batch of the last call
     worst_sqnr_db: float = math.inf  # the worst batch's SQNR in the last call
     judged_sqnr_db: list[float] = field(default_factory=list)  # each judged batch's SQNR in the last call
-    _judged: tuple[Any, Any] | None = field(default=None, repr=False)  # the last candidate and its judged_module
+    # the last candidate judged and its judged_module, shared with the judge's subsets
+    _judged: list[Any] = field(default_factory=list, repr=False)
 
     @classmethod
     def of(cls, float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
@@ -434,7 +435,8 @@ class _Judge:
 
     def subset(self, indices: Sequence[int]) -> _Judge:
         """A judge of some of the batches (the same references)."""
-        return _Judge(self.float_module, self.all_batches, [self.indices[i] for i in indices], self.references)
+        chosen = [self.indices[i] for i in indices]
+        return _Judge(self.float_module, self.all_batches, chosen, self.references, _judged=self._judged)
 
     def reference(self, index: int) -> list[np.ndarray]:
         """The float32 program's outputs on ``all_batches[index]``."""
@@ -447,10 +449,10 @@ class _Judge:
         return worst_sqnr_db([self.reference(index)], [_outputs(self._fast(candidate), self.all_batches[index])])
 
     def _fast(self, candidate: Callable[..., Any]) -> Callable[..., Any]:
-        """``candidate`` as ``judged_module`` runs it (made once for the batches a candidate is judged on)."""
-        if self._judged is None or self._judged[0] is not candidate:
+        """``candidate`` as ``judged_module`` runs it (made once while a judge and its subsets judge it)."""
+        if not self._judged or self._judged[0] is not candidate:
             fast = judged_module(candidate) if isinstance(candidate, torch.fx.GraphModule) else candidate
-            self._judged = (candidate, fast)
+            self._judged[:] = [candidate, fast]
         return self._judged[1]
 
     def sqnr_db(self, candidate: Callable[..., Any]) -> float:

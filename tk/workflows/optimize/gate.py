@@ -20,8 +20,9 @@ their layers, with the lightest left out: the search leaves out one at least), a
 target, with the most the search can still keep in int8 (its result leaves out a longer prefix of the
 same ranking), and the aoti writer once more after it, before compiling the package (a minute for
 MiniLM), with the share it kept (``Int8Share``: of the all-int8 model's multiply-adds). Each layer's
-int8 gain is taken as its share of what the all-int8 model gained over the format's own fastest float
-candidate in the probe's rounds (where it was left out of them, its time relative to the fastest in an
+int8 gain is taken as its share of what the all-int8 model gained over the format's own float
+candidate in the precision its int8 model runs its left-out layers in (``int8_float_part``: float32 for
+onnx and OpenVINO) in the probe's rounds (where it was left out of them, its time relative to the fastest in an
 earlier question, scaled; where it never ran, the all-int8 model plus what its linears take longer at
 float32's rate than int8's by the precision race; else the fastest passed candidate): at best
 ``all-int8 + (1 - share) x (float - all-int8)``. That leans to the optimistic side (each int8/float
@@ -184,7 +185,8 @@ class SpeedGate:
         was not timed there (left out as over ``SLOWER`` times the fastest), its time over ``best``'s in
         the last quiet question that timed both, times ``best``'s here; where none ever was (float32
         skipped: the precision race), the all-int8 model plus ``products_gap_ms``; else ``best``'s own
-        time (the optimistic side). With where it came from. On the Xeon without AMX, OpenVINO's search
+        time (the optimistic side; also for a bf16 float part without its candidate: the gap is
+        float32's). With where it came from. On the Xeon without AMX, OpenVINO's search
         for the small Transformer ran on with the fastest standing in (at best 71.8 ms against 78.4) and
         kept 13 of 23 layers int8 at 91.7 ms; on the AVX512-BF16 EPYC, MiniLM's ran 100 s with OpenVINO's
         bf16 IR standing in for the float32 its left-out layers run in (benchmarks/history.md)."""
@@ -201,7 +203,7 @@ class SpeedGate:
             earlier = [p50[name] / p50[best] for name in names if name in p50]
             if earlier:
                 return min(earlier) * fastest, f"by its time over {best}'s in an earlier question"
-        if self.products_gap_ms is not None:
+        if self.products_gap_ms is not None and part == "fp32":  # the gap is float32's: no end for a bf16 part
             return probe["p50_ms"][PROBE] + self.products_gap_ms, "(all-int8 plus its products at float32's rate)"
         return fastest, f"{best}'s, standing in"
 

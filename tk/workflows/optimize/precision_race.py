@@ -28,7 +28,8 @@ most of the model's FLOPs and a call is large enough for a rate to mean somethin
   non-product work at float32's speed, and from the rates of five runs it gave 2.2-2.6x on the Xeon
   without AMX where the package ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
 
-A reduced float precision whose every candidate missed the user's accuracy leaves the race
+A reduced float precision none of whose candidates passed (they missed the user's accuracy, or could not
+be written or run) leaves the race
 (``PrecisionRace.without``): it cannot win either, so the last two rules are read again against the
 fastest float precision still in it, before the groups left are written. On a model bf16 moves past the
 accuracy (the small Transformer trained to a steep decision boundary, on the AVX512-BF16 EPYC), int8
@@ -62,11 +63,11 @@ class PrecisionRace:
     linear_gflop: float = 0.0  # per call at the timing size
     linear_share: float = 0.0  # of the model's FLOPs
     rounds: int = ROUNDS
-    # reduced float precisions out of the race: every candidate of theirs missed the user's accuracy
+    # reduced float precisions out of the race: none of their candidates passed (``tk optimize``'s rows)
     out: frozenset[str] = frozenset()
 
     def without(self, precision: str) -> PrecisionRace:
-        """This race with ``precision`` out of it (its candidates all missed the accuracy)."""
+        """This race with ``precision`` out of it (none of its candidates passed)."""
         return dataclasses.replace(self, out=self.out | {precision})
 
     def decides(self) -> bool:

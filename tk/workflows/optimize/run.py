@@ -326,7 +326,7 @@ class _Run:
 
     def _drop_failed_floats(self, groups: dict[Any, list[Candidate]], rows: list[Row]) -> dict[Any, list[Candidate]]:
         """The groups still to write, after taking out of the race each reduced float precision none of whose
-        candidates kept the accuracy and none is left to write (``PrecisionRace.without``): where int8 then
+        candidates passed (missed the accuracy, or could not be written or run) and none is left to write (``PrecisionRace.without``): where int8 then
         leads, the aoti int8 group moves before the float32 ones and the gate does not compile its probe."""
         race = self.race
         if race is None or self.options.device != "cpu":
@@ -338,7 +338,7 @@ class _Run:
             if any(r.precision == precision and r.status == "passed" for r in rows):
                 continue
             race = race.without(precision)
-            log.info("optimize race: every %s candidate missed %s; %s is out of the race", precision,
+            log.info("optimize race: no %s candidate passed %s; %s is out of the race", precision,
                      self.accuracy, precision)  # fmt: skip
         if race is self.race:
             return groups
