@@ -22,8 +22,8 @@ same ranking), and the aoti writer once more after it, before compiling the pack
 MiniLM), with the share it kept (``Int8Share``: of the all-int8 model's multiply-adds). Each layer's
 int8 gain is taken as its share of what the all-int8 model gained over the format's own float
 candidate in the precision its int8 model runs its left-out layers in (``int8_float_part``: float32 for
-onnx and OpenVINO) in the probe's rounds (where it was left out of them, its time relative to the fastest in an
-earlier question, scaled; where it never ran, the all-int8 model plus what its linears take longer at
+onnx and OpenVINO) in the probe's rounds (where it was left out of them, its time relative to the
+fastest in an earlier question, scaled; where it never ran, the all-int8 model plus what its linears take longer at
 float32's rate than int8's by the precision race; else the fastest passed candidate): at best
 ``all-int8 + (1 - share) x (float - all-int8)``. That leans to the optimistic side (each int8/float
 boundary adds a quantize), so when even it is no faster than the fastest passed candidate (within

@@ -29,9 +29,8 @@ most of the model's FLOPs and a call is large enough for a rate to mean somethin
   without AMX where the package ran 2.0x the fastest float32 candidate. int8 that misses the accuracy skips nothing.
 
 A reduced float precision none of whose candidates passed (they missed the user's accuracy, or could not
-be written or run) leaves the race
-(``PrecisionRace.without``): it cannot win either, so the last two rules are read again against the
-fastest float precision still in it, before the groups left are written. On a model bf16 moves past the
+be written or run) leaves the race (``PrecisionRace.without``): it cannot win either, so the last two
+rules are read again against the fastest float precision still in it, before the groups left are written. On a model bf16 moves past the
 accuracy (the small Transformer trained to a steep decision boundary, on the AVX512-BF16 EPYC), int8
 then leads float32: the aoti int8 group goes before the float32 ones and its probe is not compiled.
 """

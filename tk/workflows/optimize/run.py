@@ -325,9 +325,10 @@ class _Run:
         return passed
 
     def _drop_failed_floats(self, groups: dict[Any, list[Candidate]], rows: list[Row]) -> dict[Any, list[Candidate]]:
-        """The groups still to write, after taking out of the race each reduced float precision none of whose
-        candidates passed (missed the accuracy, or could not be written or run) and none is left to write (``PrecisionRace.without``): where int8 then
-        leads, the aoti int8 group moves before the float32 ones and the gate does not compile its probe."""
+        """The groups still to write, after taking out of the race (``PrecisionRace.without``) each reduced
+        float precision none of whose candidates passed (they missed the accuracy, or could not be written
+        or run) and none of whose groups is left to write: where int8 then leads, the aoti int8 group moves
+        before the float32 ones, and the gate does not compile its probe."""
         race = self.race
         if race is None or self.options.device != "cpu":
             return groups
