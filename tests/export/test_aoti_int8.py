@@ -258,12 +258,17 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
     )
     assert kept.automatic and kept.excluded_dtype == "bf16" and kept.float_part is None
     assert kept.sqnr_db >= reachable + MARGIN_DB
+    # where the search's time went: each phase it ran, none it did not
+    assert {"bf16_check", "all_int8", "costs", "search"} <= set(kept.seconds) and "bf16_attempt" not in kept.seconds
+    assert all(0 < s < 600 for s in kept.seconds.values())
 
     beyond = bf16_sqnr + 5  # every module in bf16 is under it: the search runs again with them in float32
     quantized, strict = int8_program(
         program, spec.signature, dims, example, calibration, min_sqnr_db=beyond, judge=held_out, excluded_in_bf16=True
     )
     assert strict.excluded_dtype == "fp32" and strict.automatic
+    assert next(iter(strict.seconds)) == "bf16_attempt" and "bf16_check" not in strict.seconds  # a float32 search
+    assert strict.to_json()["seconds"] == {k: round(v, 2) for k, v in strict.seconds.items()}
     assert strict.float_part.startswith("float32 where bf16 outruns it: every module in bf16: ")
     assert strict.to_json()["float_part"] == strict.float_part
     assert strict.to_json()["automatic_exclusions_run_in"] == "fp32"
@@ -271,6 +276,7 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
 
     shown = _quantization_text(strict.to_json())
     assert f"left out (fp32): {', '.join(strict.automatic)}; float32 where bf16 outruns it: every module" in shown
+    assert f"; search {sum(strict.to_json()['seconds'].values()):.0f} s (bf16_attempt " in shown
     assert strict.sqnr_db >= beyond + MARGIN_DB
     graph = quantized.module()
     bf16_casts = [n for n in graph.graph.nodes if n.kwargs.get("dtype") == torch.bfloat16]

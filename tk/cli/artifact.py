@@ -238,7 +238,14 @@ def _quantization_text(quant: object) -> str:
     weights = f"; weights {quant['weights']}" if quant.get("weights", "int8") != "int8" else ""
     alpha = (quant.get("smoothing") or {}).get("alpha")
     smoothed = f"; smoothed (alpha {alpha:g})" if isinstance(alpha, (int, float)) else ""
-    return f"{how}; {int8} of {total} layers int8{smoothed}{left}; SQNR at export {quant.get('sqnr_db_export')} dB{weights}"
+    seconds = quant.get("seconds")
+    took = ""
+    if isinstance(seconds, dict) and seconds and all(isinstance(v, (int, float)) for v in seconds.values()):
+        took = f"; search {sum(seconds.values()):.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")"
+    return (
+        f"{how}; {int8} of {total} layers int8{smoothed}{left}; SQNR at export {quant.get('sqnr_db_export')} dB"
+        f"{weights}{took}"
+    )
 
 
 # --------------------------------------------------------------------------------------- inspect

@@ -38,6 +38,7 @@ not from the program the judge runs; the export check measures the package itsel
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -45,8 +46,9 @@ import importlib.util
 import logging
 import math
 import platform
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +101,9 @@ class AotiInt8Result:
     smoothing: dict[str, float] = field(default_factory=dict)
     smoothing_alpha: float | None = None  # the one kept
     float_part: str | None = None  # why the float part runs in float32 where bf16 outruns it (None: it does not)
+    # where the search's time went, by phase (``_phase``): the bf16 check, the all-int8 tries, the gate, the
+    # costs, the exclusion rounds, and a search started again in float32 (its first attempt's time)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,7 +123,18 @@ class AotiInt8Result:
                 "alpha": self.smoothing_alpha,
                 "all_int8_sqnr_db": {a: round(v, 2) for a, v in self.smoothing.items()},
             },
+            "seconds": {phase: round(s, 2) for phase, s in self.seconds.items()},
         }
+
+
+@contextlib.contextmanager
+def _phase(result: AotiInt8Result, name: str) -> Iterator[None]:
+    """Add the block's wall time to ``result.seconds[name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        result.seconds[name] = result.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def quantizable_modules(graph_module: torch.fx.GraphModule) -> list[str]:
@@ -545,15 +561,18 @@ def int8_program(
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     in_bf16 = excluded_run_in_bf16() if excluded_in_bf16 is None else excluded_in_bf16
     settings = (signature, dims, example_inputs, calibration, method, keep_fp32, min_sqnr_db, judge, gate, share_gate)
+    started = time.perf_counter()
     try:
         return _int8_program_once(program, in_bf16, *settings)
     except _Bf16BelowTarget as short:
+        first_attempt = time.perf_counter() - started
         reason = f"{short}, under the target {short.target_db:.1f} dB"
         log.info("export int8   left-out modules and attention in float32: %s", reason)
         quantized, result = _int8_program_once(
             program if float32_program is None else float32_program, False, *settings
         )
         result.float_part = f"float32 where bf16 outruns it: {reason}"
+        result.seconds = {"bf16_attempt": first_attempt, **result.seconds}
         return quantized, result
 
 
@@ -596,12 +615,15 @@ def _int8_program_once(
             if in_bf16 and min_sqnr_db is not None:
                 # before any int8 try: on a model bf16 already moves past the target, each would be wasted
                 # (the small Transformer's smoothing tries, gate and costs: ~70 s of its export)
-                every_bf16 = quantizer.quantize(exclude=ranked)
-                _require_bf16_reaches(every_bf16, judged.subset(range(len(batches))), min_sqnr_db + MARGIN_DB)
-            quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
+                with _phase(result, "bf16_check"):
+                    every_bf16 = quantizer.quantize(exclude=ranked)
+                    _require_bf16_reaches(every_bf16, judged.subset(range(len(batches))), min_sqnr_db + MARGIN_DB)
+            with _phase(result, "all_int8"):
+                quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
             if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
                 if gate is not None:
-                    gate(lambda: _recaptured(quantized, example_inputs, signature, dims))
+                    with _phase(result, "gate"):
+                        gate(lambda: _recaptured(quantized, example_inputs, signature, dims))
                 macs: dict[str, int] = {}  # counted at the gate's first question
 
                 def share(excluded: list[str], bound: bool = False) -> Int8Share:
@@ -613,13 +635,17 @@ def _int8_program_once(
                 if at_least is not None and len(ranked) > 1:
                     # the search leaves out one module at least: at best the lightest, asked before the costs
                     # (a quantize and judge per module: ~22 s of the small Transformer's export)
-                    share([])
-                    at_least([min(ranked, key=lambda name: macs.get(name, 0))])
+                    with _phase(result, "gate"):
+                        share([])
+                        at_least([min(ranked, key=lambda name: macs.get(name, 0))])
                 calibrated = judged.subset(range(len(batches)))
-                result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
-                quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result, at_least=at_least)
+                with _phase(result, "costs"):
+                    result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
+                with _phase(result, "search"):
+                    quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result, at_least=at_least)
                 if share_gate is not None:
-                    share_gate(share(result.automatic))
+                    with _phase(result, "gate"):
+                        share_gate(share(result.automatic))
             result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
             from tk.export.torch_program import exported_program_from_module
 
