@@ -484,3 +484,30 @@ def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
     )
     got = fake_quantized(x, 0.031, zero_point, low, high, dtype)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_a_judge_runs_a_candidate_only_on_the_batches_it_has_no_sqnr_for():
+    """The exclusion rounds keep each set's SQNR per batch across screens: asked again once a batch has
+    joined the screen, a set runs on that batch alone, and reads the others from what it knew."""
+    from tk.export.aoti_int8 import _Judge
+
+    batches = [(torch.full((2, 3), float(i)),) for i in range(5)]
+    judge = _Judge.of(lambda x: x, batches)
+    ran: list[float] = []
+
+    def candidate(x: torch.Tensor) -> torch.Tensor:
+        ran.append(float(x[0, 0]))
+        return x + 0.01  # SQNR falls as the batch's values do: batch 0 (zeros) is the worst
+
+    known: dict[int, float] = {}
+    screen = judge.subset([1, 2, 3])
+    first = screen.headroom_db(candidate, [0.0, 0.0, 0.0], known=known)
+    assert ran == [1.0, 2.0, 3.0] and sorted(known) == [1, 2, 3]
+    ran.clear()
+    wider = judge.subset([1, 2, 3, 4])
+    again = wider.headroom_db(candidate, [0.0] * 4, known=known)
+    assert ran == [4.0] and sorted(known) == [1, 2, 3, 4]  # the new batch alone
+    assert again == min(first, known[4]) and wider.judged_sqnr_db == [known[i] for i in (1, 2, 3, 4)]
+    ran.clear()
+    fresh = judge.subset([1, 2, 3, 4]).headroom_db(candidate, [0.0] * 4)
+    assert fresh == again and ran == [1.0, 2.0, 3.0, 4.0]  # the same verdict as judging every batch

@@ -486,15 +486,23 @@ class _Judge:
         *,
         judge_first: int = 0,
         held_to: Callable[[int], float] | None = None,
+        known: dict[int, float] | None = None,
     ) -> float:
         """The least SQNR - target over the batches (``targets``: one per batch; None: no targets,
         and the result is the worst SQNR), stopping at the first batch under its target once the
         first ``judge_first`` batches are judged. ``held_to(index)``: on a batch under its target, a
-        lower target that batch is held to instead (of ``all_batches[index]``), asked only there."""
+        lower target that batch is held to instead (of ``all_batches[index]``), asked only there.
+        ``known``: ``candidate``'s SQNR on batches (by index of ``all_batches``) judged before, used
+        instead of running it there again; the batches judged now are added."""
         headroom, self.worst_sqnr_db = math.inf, math.inf
         self.judged_sqnr_db = []
         for i, index in enumerate(self.indices):
-            sqnr = self.sqnr_on(candidate, index)
+            if known is not None and index in known:
+                sqnr = known[index]
+            else:
+                sqnr = self.sqnr_on(candidate, index)
+                if known is not None:
+                    known[index] = sqnr
             self.judged_sqnr_db.append(sqnr)
             if sqnr < self.worst_sqnr_db:
                 self.worst_sqnr_db, self.worst_shape = sqnr, tuple(self.all_batches[index][0].shape)
@@ -795,6 +803,15 @@ def _exclude_costliest(
     # the passing rounds, by their set: the bisection ends by asking again for the one it keeps
     passed: dict[frozenset[str], tuple[torch.fx.GraphModule, float, float, tuple[int, ...]]] = {}
     failed: set[frozenset[str]] = set()  # the sets under the target on some screen: on any larger one too
+    # each set's SQNR on each batch judged so far, and the programs of the sets that passed a screen, across
+    # screens: when a batch joins the screen, the rounds that ask again for a set that passed before (a set
+    # under the target is never asked again: ``failed``) run it on the new batch alone
+    modules: dict[frozenset[str], torch.fx.GraphModule] = {}
+    seen: dict[frozenset[str], dict[int, float]] = {}
+
+    def program_without(automatic: list[str]) -> torch.fx.GraphModule:
+        module = modules.get(frozenset(automatic))
+        return quantizer.quantize(exclude=automatic) if module is None else module
 
     def search(judge: _Judge, targets: list[float]) -> tuple[list[str], float | None]:
         passed.clear()
@@ -804,8 +821,9 @@ def _exclude_costliest(
                 module, value, judge.worst_sqnr_db, judge.worst_shape = passed[frozenset(automatic)]
                 rounds[:] = [module]
                 return value
-            rounds[:] = [quantizer.quantize(exclude=automatic)]
-            headroom = judge.headroom_db(rounds[0], targets, held_to=lowered)
+            rounds[:] = [program_without(automatic)]
+            known = seen.setdefault(frozenset(automatic), {})
+            headroom = judge.headroom_db(rounds[0], targets, held_to=lowered, known=known)
             at = "x".join(map(str, judge.worst_shape))
             stopped = f" (a batch at {at} under its target: the rest not run)" if headroom < 0 else ""
             log.info(
@@ -814,6 +832,7 @@ def _exclude_costliest(
             )  # fmt: skip
             if headroom >= 0:
                 passed[frozenset(automatic)] = (rounds[0], target + headroom, judge.worst_sqnr_db, judge.worst_shape)
+                modules[frozenset(automatic)] = rounds[0]
             return target + headroom
 
         return exclude_costliest(
@@ -826,7 +845,8 @@ def _exclude_costliest(
         screen = screens[0]
         on_screen = set(screen.indices)
         rest = judged.subset([i for i in range(len(judged.batches)) if i not in on_screen])
-        headroom = rest.headroom_db(rounds[0], [targets[i] for i in rest.indices], held_to=lowered)
+        known = seen.setdefault(frozenset(automatic), {})
+        headroom = rest.headroom_db(rounds[0], [targets[i] for i in rest.indices], held_to=lowered, known=known)
         failed = rest.indices[len(rest.judged_sqnr_db) - 1]  # the batch it stopped at
         worst = min((screen.worst_sqnr_db, screen.worst_shape), (rest.worst_sqnr_db, rest.worst_shape))
         log.info(
