@@ -102,7 +102,8 @@ class AotiInt8Result:
     smoothing_alpha: float | None = None  # the one kept
     float_part: str | None = None  # why the float part runs in float32 where bf16 outruns it (None: it does not)
     # where the search's time went, by phase (``_phase``): the bf16 check, the all-int8 tries, the gate, the
-    # costs, the exclusion rounds, and a search started again in float32 (its first attempt's time)
+    # costs, the exclusion rounds, and a search started again in float32 (its first attempt's time). Keys:
+    # bf16_check, all_int8, gate, costs, rounds, bf16_attempt
     seconds: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -649,7 +650,7 @@ def _int8_program_once(
                 calibrated = judged.subset(range(len(batches)))
                 with _phase(result, "costs"):
                     result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
-                with _phase(result, "search"):
+                with _phase(result, "rounds"):
                     quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result, at_least=at_least)
                 if share_gate is not None:
                     with _phase(result, "gate"):
