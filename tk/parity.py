@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tk.errors import CaptureError, EngineError, first_line
-from tk.spec import random_feeds
+from tk.spec import fitted_samples, random_feeds
 
 INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
 
@@ -70,6 +70,7 @@ class ParityReport:
     shapes: list[dict[str, int]] = field(default_factory=list)  # dimension sizes that were run
     batch_invariance: OutputParity | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per-output (rtol, atol) overrides
+    inputs: str = "random"  # what the shapes ran (ReferenceRuns.inputs): random inputs, the user's samples, ...
 
     @property
     def passed(self) -> bool:
@@ -104,6 +105,7 @@ class ParityReport:
             "min_sqnr_db": self.min_sqnr_db,
             "passed": self.passed,
             "shapes": self.shapes,
+            "inputs": self.inputs,
             "outputs": [clean(o) for o in self.outputs],
             "batch_invariance": clean(self.batch_invariance) if self.batch_invariance else None,
             **({"tolerances": {k: list(v) for k, v in self.tolerances.items()}} if self.tolerances else {}),
@@ -275,20 +277,39 @@ def compare(
 
 @dataclass
 class ReferenceRuns:
-    """Valid random inputs at each shape and the reference's outputs on them, computed once."""
+    """The inputs at each shape (the user's samples fitted to it, or valid random ones) and the
+    reference's outputs on them, computed once."""
 
     shapes: list[dict[str, int]]
     feeds: list[dict[str, np.ndarray]]
     outputs: list[dict[str, np.ndarray]]
+    inputs: str = "random"  # where the inputs came from, as a check report records it
 
 
-def reference_runs(reference: Any, shapes: Sequence[dict[str, int]], *, seed: int = 0) -> ReferenceRuns:
-    """Run ``reference`` once per shape (seed ``seed + i``) so every candidate is compared on the same data.
+def reference_runs(
+    reference: Any,
+    shapes: Sequence[dict[str, int]],
+    *,
+    seed: int = 0,
+    samples: Mapping[str, np.ndarray] | None = None,
+) -> ReferenceRuns:
+    """Run ``reference`` once per shape (seed ``seed + i``) so every candidate is compared on the same data:
+    ``samples`` fitted to each shape (``tk.spec.fitted_samples``) where given and they fit, else valid
+    random inputs.
 
     A model that fails at a size inside the artifact's ranges is reported as the user's range
     (``CaptureError``), not as a crash.
     """
-    feeds = [random_feeds(reference.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
+    feeds, random_at = [], []
+    for i, sizes in enumerate(shapes):
+        fitted = None if samples is None else fitted_samples(samples, reference.inputs, sizes, seed=i)
+        if fitted is None:
+            random_at.append(sizes)
+        feeds.append(fitted if fitted is not None else random_feeds(reference.inputs, sizes, seed=seed + i))
+    if samples is None or len(random_at) == len(shapes):
+        source = "random"
+    else:
+        source = "samples" + "".join(f"; random at {sizes}" for sizes in random_at)
     outputs = []
     for sizes, run_feeds in zip(shapes, feeds, strict=True):
         try:
@@ -299,7 +320,7 @@ def reference_runs(reference: Any, shapes: Sequence[dict[str, int]], *, seed: in
                 f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
                 f"({type(cause).__name__}: {first_line(cause)}); narrow --batch/--seq/--dim to what the model supports"
             ) from exc
-    return ReferenceRuns(list(shapes), feeds, outputs)
+    return ReferenceRuns(list(shapes), feeds, outputs, source)
 
 
 def check_engines(
@@ -330,6 +351,7 @@ def check_engines(
     merged: dict[str, OutputParity] = {}
     if runs is None:
         runs = reference_runs(reference, shapes, seed=seed)
+    report.inputs = runs.inputs
     largest: tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]] | None = None
     for run_feeds, ref_out in zip(runs.feeds, runs.outputs, strict=True):
         cand_out = candidate.run(run_feeds)

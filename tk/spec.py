@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -180,6 +181,45 @@ def random_feeds(inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int =
     require_within_budget(feeds_nbytes(inputs, sizes), f"inputs at sizes {sizes}")
     rng = np.random.default_rng(seed)
     return {s.name: random_array(s, s.concrete_shape(sizes), rng) for s in inputs}
+
+
+def fitted_samples(
+    samples: Mapping[str, np.ndarray], inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0
+) -> dict[str, np.ndarray] | None:
+    """The user's ``samples`` (axis 0: samples) fitted to ``sizes``, or None where they cannot be.
+
+    The batch holds ``sizes`` of the batch dimension samples, taken in turn from sample ``seed *
+    batch`` (wrapping around), so different seeds see different samples. A dimension that a mask input
+    spans (a sequence) is cut to its size, or right-padded with zeros: padding that the mask marks as
+    not attended, as a tokenizer pads a short text in a long batch. Any other dimension must already
+    have the size asked for (an image is not resized): None where it does not, or where an input is
+    missing from ``samples``.
+    """
+    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    masked = {d for s in inputs if s.kind == "mask" for d in s.shape[1:] if isinstance(d, str)}
+    fitted: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        array = samples.get(spec.name)
+        if array is None or array.ndim != len(spec.shape) or array.shape[0] < 1:
+            return None
+        for axis, dim in enumerate(spec.shape):
+            want = sizes[dim] if isinstance(dim, str) else dim
+            have = array.shape[axis]
+            if axis == 0 and dim == batch:
+                start = seed * want
+                array = np.take(array, np.arange(start, start + want) % have, axis=0)
+            elif have == want:
+                continue
+            elif dim in masked and have > want:
+                array = np.take(array, np.arange(want), axis=axis)
+            elif dim in masked:
+                pad = [(0, 0)] * array.ndim
+                pad[axis] = (0, want - have)
+                array = np.pad(array, pad)
+            else:
+                return None
+        fitted[spec.name] = np.ascontiguousarray(array.astype(numpy_dtype(spec.dtype), copy=False))
+    return fitted
 
 
 _INPUT_RE = re.compile(

@@ -70,6 +70,11 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     help="Static int8 calibration inputs: an .npz/.npy file like tk infer --inputs, for hf:DIR models a .txt/.jsonl "
     "file of texts, or random:N (default random:32).",
 )
+@path_option(
+    "--check-inputs",
+    help="Samples the check (and an int8 search's judge) runs, cut or padded to each shape of the range: an "
+    ".npz/.npy file like tk infer --inputs, for hf:DIR models a .txt/.jsonl file of texts (default: random inputs).",
+)
 @click.option(
     "--calibration-method",
     type=click.Choice(["minmax", "entropy", "percentile", "histogram"]),
@@ -144,6 +149,7 @@ def export_cmd(
     precision: str,
     int8_mode: str | None,
     calibrate: str | None,
+    check_inputs: Path | None,
     calibration_method: str | None,
     fuse: bool | None,
     keep_unfused: bool | None,
@@ -189,6 +195,7 @@ def export_cmd(
         formats=formats,
         precision=precision,
         calibrate=calibrate,
+        check_inputs=check_inputs,
         dynamic=dynamic,
         dims=_parse_dims(batch, seq, dims),
         device=device,

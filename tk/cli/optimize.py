@@ -54,7 +54,8 @@ def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -
               help="What must hold against the float32 model, comma-separated: sqnr>=DB, cosine>=X, top1>=PCT, "
               "max_abs<=X (default sqnr>=35).")  # fmt: skip
 @click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="Your samples: half calibrates int8, half judges. .npz/.npy like tk infer --inputs (a 'labels' "
+              help="Your samples: half calibrates int8, half judges (held out, and cut or padded to each shape of "
+              "the range). .npz/.npy like tk infer --inputs (a 'labels' "
               "array makes top1 an accuracy), or for hf:DIR models texts its tokenizer reads (.txt, one per line; "
               ".jsonl with \"text\" and an optional \"label\"). Default: synthetic token ids and padding masks of mixed "
               "lengths.")  # fmt: skip
@@ -146,7 +147,7 @@ def _print(result: Any) -> None:
     if record["data"] == "synthetic":
         click.echo(
             "judged on synthetic inputs, which may not behave like yours: --data FILE judges on your own samples "
-            "(for hf:DIR models, a .txt of texts)"
+            "(for hf:DIR models, a .txt of texts; for a built-in model, tk train --samples FILE writes its task's)"
         )
     cache = record["cache"]
     click.echo(f"cache: {cache['hits']} candidate artifacts reused, {cache['exports']} exported ({cache['dir']})")

@@ -65,6 +65,11 @@ def models_cmd(as_json: bool) -> None:
 @click.option(
     "--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON."
 )
+@click.option(
+    "--samples", "samples_path", type=click.Path(path_type=Path), default=None,
+    help="Also write held-out samples of the task (.npz, with labels for a classifier) for tk optimize --data.",
+)  # fmt: skip
+@click.option("--samples-count", type=int, default=64, show_default=True, help="How many --samples to write.")
 def train_cmd(
     model: str,
     size: str | None,
@@ -82,6 +87,8 @@ def train_cmd(
     compare: bool,
     out: Path | None,
     json_path: Path | None,
+    samples_path: Path | None,
+    samples_count: int,
 ) -> None:
     """Train MODEL on its synthetic task and save a safetensors checkpoint."""
     from tk.models.train import CompileOptions
@@ -107,6 +114,12 @@ def train_cmd(
     spec = build(model, size, inputs, seed=seed)
     out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
     _refuse_artifact_parent(out)
+    samples = None
+    if samples_path is not None:  # before training: a bad count or a model without a task fails at once
+        from tk.models.train import task_samples
+
+        _refuse_artifact_parent(samples_path)
+        samples = task_samples(spec, samples_count, seed=seed)
     result = _train_with_progress(spec, kwargs, options if use_compile else None)
     from tk.fileio import atomic_write_json
     from tk.models.checkpoint import save_checkpoint
@@ -116,6 +129,12 @@ def train_cmd(
     save_checkpoint(spec.module, out, meta)
     _print_train([result])
     click.echo(f"checkpoint: {out} (+ {out.name}.json)")
+    if samples is not None and samples_path is not None:
+        from tk.runtime.batching import save_npz
+
+        save_npz(samples_path, samples)
+        count = next(iter(samples.values())).shape[0]
+        click.echo(f"samples: {samples_path} ({count} held-out samples of the task: tk optimize --data {samples_path})")
     if json_path:
         atomic_write_json(json_path, meta)
 

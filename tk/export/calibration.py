@@ -16,7 +16,7 @@ import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError
 from tk.export.context import ExportContext
-from tk.spec import random_feeds, shapes_to_check
+from tk.spec import fitted_samples, random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
 MARGIN_DB = 2.0  # a quantized graph's judged batches must clear the floor by this much (the check draws fresh ones)
@@ -126,13 +126,23 @@ JUDGE_SEEDS = 8
 
 
 def judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
-    """Held-out random batches at the shapes the export check uses (all min, all opt, an odd size
-    of each, each at its max), a few seeds each, to judge the int8 graph's SQNR."""
-    return [
-        random_feeds(ctx.spec.signature.inputs, sizes, seed=9000 + 10 * i + j)
-        for i, sizes in enumerate(shapes_to_check(ctx.dims))
-        for j in range(JUDGE_SEEDS)
-    ]
+    """Held-out batches at the shapes the export check uses (all min, all opt, an odd size of each,
+    each at its max), a few seeds each, to judge the int8 graph's SQNR: the check's samples
+    (``options.check_data``) fitted to each shape where they fit (as many batches as they fill, up to
+    ``JUDGE_SEEDS``), else random inputs."""
+    inputs, samples = ctx.spec.signature.inputs, ctx.options.check_data
+    count = 0 if samples is None else int(next(iter(samples.values())).shape[0])
+    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    feeds = []
+    for i, sizes in enumerate(shapes_to_check(ctx.dims)):
+        first = None if samples is None else fitted_samples(samples, inputs, sizes, seed=0)
+        if first is None:
+            feeds += [random_feeds(inputs, sizes, seed=9000 + 10 * i + j) for j in range(JUDGE_SEEDS)]
+            continue
+        # seed j starts at sample j * batch: past the samples' end the batches would repeat
+        distinct = min(JUDGE_SEEDS, -(-count // sizes[batch]) if batch in sizes else 1)
+        feeds += [first, *(fitted_samples(samples, inputs, sizes, seed=j) for j in range(1, distinct))]
+    return feeds
 
 
 def calibration_batches(arrays: dict[str, np.ndarray], batch: int = CALIBRATION_BATCH) -> list[dict[str, np.ndarray]]:

@@ -57,6 +57,10 @@ class ExportOptions:
     checkpoint: Path | None = None  # safetensors state_dict from `tk train`
     calibrate: str | None = None  # int8 calibration: "random:N" or an inputs file; default random:32
     calibration_data: dict[str, Any] | None = None  # the calibration arrays, read by tk.workflows.export
+    check_inputs: Path | None = None  # a file of samples for the check, read into check_data by tk.workflows.export
+    # samples the check and the int8 searches' judges run, fitted to each shape (tk.spec.fitted_samples)
+    # where they fit; None: random inputs
+    check_data: dict[str, Any] | None = None
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     min_sqnr_db: float | None = None  # SQNR floor of the check and of int8's exclusion search (default: by precision)
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -107,6 +108,24 @@ def evaluate(
     finally:
         module.train()
     return loss, acc
+
+
+SAMPLES_SEED = 2_000_003  # added to the training seed: the held-out samples are neither trained on nor validated
+
+
+def task_samples(spec: ModelSpec, count: int, *, seed: int = 0) -> dict[str, np.ndarray]:
+    """``count`` samples of ``spec``'s training task that neither training nor its validation drew, as
+    ``tk infer --inputs`` and ``tk optimize --data`` read them: one array per input, and ``labels`` for a
+    classification task."""
+    if spec.task is None:
+        raise UsageError(f"--samples: model {spec.name!r} has no training task to draw samples from")
+    if count < 2:
+        raise UsageError(f"--samples-count: expected 2 or more samples, got {count}")
+    inputs, target = spec.task.make_batch(torch.Generator().manual_seed(seed + SAMPLES_SEED), count)
+    arrays = {s.name: t.numpy() for s, t in zip(spec.signature.inputs, inputs, strict=True)}
+    if spec.task.classification:
+        arrays["labels"] = target.numpy().astype(np.int64)
+    return arrays
 
 
 def train(

@@ -48,7 +48,7 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     # the model was just built from the user's own command line, so its code is trusted here
     trusted = choice.replace(options={"trust_model_code": True})
     with open_engine(root, trusted, manifest=manifest) as reference:
-        runs = reference_runs(reference, shapes)
+        runs = reference_runs(reference, shapes, samples=ctx.options.check_data)
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
@@ -185,7 +185,7 @@ def check_artifact(
     with contextlib.ExitStack() as stack:
         if stored is not None:
             label = f"golden {Path(golden).name} ({stored.reference})"
-            ref = _Reference(label, ReferenceRuns(stored.shapes, stored.feeds, stored.outputs))
+            ref = _Reference(label, ReferenceRuns(stored.shapes, stored.feeds, stored.outputs, "golden"))
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
@@ -235,7 +235,7 @@ class _Reference:
             )
         feeds = self.runs.feeds[0]
         outputs = BatchRunner(candidate, batch_size).run(feeds)
-        return report_from_outputs(
+        report = report_from_outputs(
             candidate.name,
             self.runs.outputs[0],
             outputs,
@@ -246,6 +246,8 @@ class _Reference:
             valid=padding_positions(candidate.inputs, candidate.outputs, feeds, outputs),
             **tolerances,
         )
+        report.inputs = self.runs.inputs
+        return report
 
 
 def _refuse_conflicts(
@@ -317,7 +319,8 @@ def _run_reference(
         feeds = random_inputs(engine.inputs, engine.dims, samples, seed=seed)
     outputs = BatchRunner(engine, batch_size).run(feeds)
     shapes = [{"samples": int(next(iter(feeds.values())).shape[0])}]
-    return _Reference(engine, ReferenceRuns(shapes, [feeds], [outputs]), samples=True)
+    source = "samples" if inputs is not None else "random samples"
+    return _Reference(engine, ReferenceRuns(shapes, [feeds], [outputs], source), samples=True)
 
 
 def _save_golden(path: str | Path, ref: _Reference, manifest: Manifest, judge: _Judge, reference: str) -> None:

@@ -21,18 +21,26 @@ def export(spec: ModelSpec, out: str | Path, options: ExportOptions | None = Non
     options = options or ExportOptions()
     if options.precision == "int8" and options.calibrate and not options.calibrate.startswith("random:"):
         options = dataclasses.replace(options, calibration_data=calibration_file(spec, options))
+    if options.check_inputs is not None and options.check_data is None:
+        options = dataclasses.replace(options, check_data=samples_file(spec, options, options.check_inputs))
     return write_artifact(spec, out, options, check=run_export_check)
 
 
 def calibration_file(spec: ModelSpec, options: ExportOptions) -> dict[str, np.ndarray]:
-    """The static int8 calibration samples of ``options.calibrate``, read and checked like ``tk infer --inputs``;
-    for an ``hf:DIR`` model a ``.txt``/``.jsonl`` file of texts, tokenized by its tokenizer (tk.models.hf_text)."""
+    """The static int8 calibration samples of ``options.calibrate`` (``samples_file``)."""
+    assert options.calibrate is not None
+    return samples_file(spec, options, options.calibrate)
+
+
+def samples_file(spec: ModelSpec, options: ExportOptions, path: str | Path) -> dict[str, np.ndarray]:
+    """The samples of ``path``, read and checked like ``tk infer --inputs``; for an ``hf:DIR`` model a
+    ``.txt``/``.jsonl`` file of texts, tokenized by its tokenizer (tk.models.hf_text)."""
     from tk.export import resolve_dims
     from tk.runtime.inputs import check_arrays
-    from tk.workflows.user_inputs import read_user_inputs
+    from tk.workflows.user_inputs import labels_spec, read_labeled_inputs
 
-    assert options.calibrate is not None
     dims = resolve_dims(spec, options.dims, options.dynamic)
-    arrays = read_user_inputs(options.calibrate, spec.name, spec.signature.inputs, dims)
-    check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(options.calibrate))
+    # labels (tk train --samples writes them) are read, checked and left out: a check compares outputs
+    arrays, _ = read_labeled_inputs(path, spec.name, spec.signature.inputs, dims, labels=lambda: labels_spec(spec))
+    check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(path))
     return arrays

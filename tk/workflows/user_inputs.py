@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from tk.errors import UsageError
+from tk.models import ModelSpec
 from tk.models.hf_text import is_text_file, read_text_samples
 from tk.runtime.inputs import check_arrays, read_inputs
 from tk.spec import Dim, TensorSpec
@@ -66,3 +67,16 @@ def _has_array(path: Path, name: str) -> bool:
             return name in getattr(archive, "files", [])
     except (OSError, ValueError, zipfile.BadZipFile, EOFError):
         return False  # read_inputs says what is wrong with the file
+
+
+def labels_spec(spec: ModelSpec) -> TensorSpec:
+    """Labels index the last axis of the first output: (batch,) for a classifier, (batch, seq) per token."""
+    out = spec.signature.outputs[0]
+    if len(out.shape) < 2:
+        raise UsageError(
+            f"an array of {LABELS} needs a class-score output to index; {out.name} has shape {list(out.shape)}"
+        )
+    classes = out.shape[-1]
+    return TensorSpec(
+        LABELS, "int64", tuple(out.shape[:-1]), kind="ids", low=0, high=classes if isinstance(classes, int) else None
+    )

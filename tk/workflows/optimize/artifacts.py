@@ -3,8 +3,8 @@ precision and setting), caching them, and writing the winner as an ordinary arti
 
 The cache holds finished candidate artifacts under a directory named by a hash of what decides
 them (model, its weights and code, dimension ranges, precision, options, formats, calibration data,
-torch version and the CPU's packing features), so a re-run reuses every artifact it already wrote
-and never one of an older model.
+the samples the check runs, torch version and the CPU's packing features), so a re-run reuses every
+artifact it already wrote and never one of an older model.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from tk.workflows.optimize.candidates import Candidate, group_key
 
 log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
-CACHE_VERSION = 3  # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's
+# 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's; 4: by the samples
+# the check runs (--data's held-out half)
+CACHE_VERSION = 4
 
 
 @dataclasses.dataclass
@@ -90,6 +92,7 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "options": dict(options),
         "formats": sorted(c.format for c in candidates),
         "calibration": arrays_digest(base.calibration_data) if precision == "int8" else None,
+        "check_data": arrays_digest(base.check_data),
         "min_sqnr_db": sqnr_floor_for(precision, base),
         "device": base.device,
         "torch": torch.__version__,

@@ -2,9 +2,11 @@
 
 With ``--data FILE`` (what ``tk infer --inputs`` reads, or for an ``hf:DIR`` model a ``.txt``/``.jsonl``
 file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates and the second
-half judges; an array named ``labels`` in the file (a ``"label"`` per ``.jsonl`` line) makes ``top1``
-an accuracy against it. Without a file both are synthetic: token ids drawn from the whole vocabulary
-and right-padded attention masks of mixed lengths (never all ones), from the model's input specs.
+half judges, both on the held-out samples and across the artifact's shape range, where each export's
+check and the int8 searches' judges run them cut or padded to each shape (``tk.spec.fitted_samples``);
+an array named ``labels`` in the file (a ``"label"`` per ``.jsonl`` line) makes ``top1`` an accuracy
+against it. Without a file both are synthetic: token ids drawn from the whole vocabulary and
+right-padded attention masks of mixed lengths (never all ones), from the model's input specs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import numpy as np
 from tk.errors import UsageError
 from tk.models import ModelSpec
 from tk.runtime.inputs import random_inputs
-from tk.spec import Dim, TensorSpec
-from tk.workflows.user_inputs import LABELS, read_labeled_inputs
+from tk.spec import Dim
+from tk.workflows.user_inputs import labels_spec, read_labeled_inputs
 
 HELD_OUT_SAMPLES = 32  # synthetic samples that judge each candidate
 
@@ -50,7 +52,7 @@ def optimize_data(
         held = random_inputs(inputs, dims, HELD_OUT_SAMPLES, seed=4321, sizes=other)
         return OptimizeData(held, None)
     path = Path(data)
-    arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: _label_spec(spec))
+    arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: labels_spec(spec))
     total = int(next(iter(arrays.values())).shape[0])
     if total < 2:
         raise UsageError(f"--data {path}: expected 2 or more samples (half calibrate, half judge), found {total}")
@@ -58,14 +60,3 @@ def optimize_data(
     held = {k: np.ascontiguousarray(v[cut:]) for k, v in arrays.items()}
     calibration = {k: np.ascontiguousarray(v[:cut]) for k, v in arrays.items()}
     return OptimizeData(held, calibration, None if labels is None else labels[cut:], source=str(path))
-
-
-def _label_spec(spec: ModelSpec) -> TensorSpec:
-    """Labels index the last axis of the first output: (batch,) for a classifier, (batch, seq) per token."""
-    out = spec.signature.outputs[0]
-    if len(out.shape) < 2:
-        raise UsageError(f"--data: {LABELS} need a class-score output; {out.name} has shape {list(out.shape)}")
-    classes = out.shape[-1]
-    return TensorSpec(
-        LABELS, "int64", tuple(out.shape[:-1]), kind="ids", low=0, high=classes if isinstance(classes, int) else None
-    )

@@ -155,9 +155,13 @@ def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
 def _export_options(
     options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData, gate: SpeedGate | None
 ) -> ExportOptions:
+    # with --data, the held-out half is what each export's check (across the shape range) and the int8
+    # searches' judges run, fitted to each shape: random token ids can sit where a classifier's logits are
+    # near zero, which no input of the user's does (benchmarks/history.md, 2026-12-05)
+    check_data = data.held_out if data.calibration is not None else None
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
-                         calibration_data=data.calibration, min_sqnr_db=accuracy.sqnr_floor_db,
-                         int8_gate=gate)  # fmt: skip
+                         calibration_data=data.calibration, check_data=check_data,
+                         min_sqnr_db=accuracy.sqnr_floor_db, int8_gate=gate)  # fmt: skip
 
 
 # The int8 formats' order: the speed gate (optimize/gate.py) skips a search whose all-int8 model is slower
