@@ -146,6 +146,12 @@ def test_export_checks_on_a_samples_file_with_labels(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = read_manifest(tmp_path / "a").check["onnx"]
     assert report["passed"] and report["inputs"] == "samples"
+    check = ["check", str(tmp_path / "a"), "--engine", "onnx"]
+    on_random = CliRunner().invoke(cli, check)  # says that the export judged on samples, not these
+    assert on_random.exit_code == 0 and "note: the export check of onnx ran your samples" in on_random.output
+    on_samples = CliRunner().invoke(cli, [*check, "--inputs", str(tmp_path / "val.npz")])  # its labels left out
+    assert on_samples.exit_code == 0 and "note:" not in on_samples.output
+    assert "of 12 samples" in on_samples.output
     np.savez(tmp_path / "long.npz", **token_samples(count=4, seq=40))  # longer than the --seq maximum
     bad = CliRunner().invoke(cli, [*args, "--check-inputs", str(tmp_path / "long.npz"), "--out", str(tmp_path / "b")])
     assert bad.exit_code != 0 and "seq" in bad.output and len(bad.output.strip().splitlines()) == 1

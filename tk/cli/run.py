@@ -225,6 +225,13 @@ def check_cmd(
     for name, count in result.nonfinite_inputs.items():
         if count:
             click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
+    if result.exported_on_samples:
+        click.echo(
+            f"note: the export check of {', '.join(result.exported_on_samples)} ran your samples across the shape "
+            "range (tk optimize --data, tk export --check-inputs); this check runs random inputs, which can judge "
+            "differently: --inputs FILE compares on yours",
+            err=True,
+        )
     reports = result.to_json()
     against = next(iter(result.reports.values())).reference
     print_check_reports(reports, title=f"parity against {'PyTorch eager' if against == 'eager' else against}")

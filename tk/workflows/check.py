@@ -32,7 +32,7 @@ from tk.runtime.inputs import count_nonfinite, random_inputs
 from tk.signing import TrustPolicy
 from tk.spec import shapes_to_check
 from tk.tolerances import artifact_tolerance, checked_pair
-from tk.workflows.user_inputs import read_user_inputs
+from tk.workflows.user_inputs import labels_spec, read_labeled_inputs
 
 log = logging.getLogger("tk.export")
 
@@ -86,6 +86,9 @@ class CheckResult:
     rtol: float
     atol: float
     nonfinite_inputs: dict[str, int] = field(default_factory=dict)  # NaN/Inf per input of a user's file
+    # formats whose export check ran the user's samples (tk optimize --data, tk export --check-inputs) where
+    # this check ran random inputs, which can judge them differently
+    exported_on_samples: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -192,6 +195,10 @@ def check_artifact(
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
         result = CheckResult({}, judge.rtol, judge.atol, count_nonfinite(ref.runs.feeds[0]) if ref.samples else {})
+        if ref.runs.inputs.startswith("random"):
+            result.exported_on_samples = [
+                n for n in names if str(manifest.check.get(n, {}).get("inputs", "random")).startswith("samples")
+            ]
         for name in names:
             with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
                 report = ref.compare(candidate, judge, batch_size)
@@ -313,8 +320,10 @@ def _run_reference(
     """The reference engine run once: over the file ``inputs``, ``samples`` random samples, or random inputs per shape."""
     if inputs is None and samples is None:  # random inputs across the ranges
         return _Reference(engine, reference_runs(engine, shapes_to_check(manifest.signature.dims), seed=seed))
-    if inputs is not None:
-        feeds = read_user_inputs(inputs, manifest.model["name"], engine.inputs, engine.dims)
+    if inputs is not None:  # a labels array (tk train --samples writes one) is read, checked and left out
+        feeds, _ = read_labeled_inputs(
+            inputs, manifest.model["name"], engine.inputs, engine.dims, labels=lambda: labels_spec(manifest.signature)
+        )
     else:
         feeds = random_inputs(engine.inputs, engine.dims, samples, seed=seed)
     outputs = BatchRunner(engine, batch_size).run(feeds)

@@ -41,6 +41,8 @@ def samples_file(spec: ModelSpec, options: ExportOptions, path: str | Path) -> d
 
     dims = resolve_dims(spec, options.dims, options.dynamic)
     # labels (tk train --samples writes them) are read, checked and left out: a check compares outputs
-    arrays, _ = read_labeled_inputs(path, spec.name, spec.signature.inputs, dims, labels=lambda: labels_spec(spec))
+    arrays, _ = read_labeled_inputs(
+        path, spec.name, spec.signature.inputs, dims, labels=lambda: labels_spec(spec.signature)
+    )
     check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(path))
     return arrays

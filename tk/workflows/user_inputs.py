@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from tk.errors import UsageError
-from tk.models import ModelSpec
 from tk.models.hf_text import is_text_file, read_text_samples
 from tk.runtime.inputs import check_arrays, read_inputs
-from tk.spec import Dim, TensorSpec
+from tk.spec import Dim, Signature, TensorSpec
 
 LABELS = "labels"  # the array of labels in an .npz or a directory (a "label" per .jsonl line)
 
@@ -69,9 +68,9 @@ def _has_array(path: Path, name: str) -> bool:
         return False  # read_inputs says what is wrong with the file
 
 
-def labels_spec(spec: ModelSpec) -> TensorSpec:
+def labels_spec(signature: Signature) -> TensorSpec:
     """Labels index the last axis of the first output: (batch,) for a classifier, (batch, seq) per token."""
-    out = spec.signature.outputs[0]
+    out = signature.outputs[0]
     if len(out.shape) < 2:
         raise UsageError(
             f"an array of {LABELS} needs a class-score output to index; {out.name} has shape {list(out.shape)}"

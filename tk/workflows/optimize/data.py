@@ -52,7 +52,7 @@ def optimize_data(
         held = random_inputs(inputs, dims, HELD_OUT_SAMPLES, seed=4321, sizes=other)
         return OptimizeData(held, None)
     path = Path(data)
-    arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: labels_spec(spec))
+    arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: labels_spec(spec.signature))
     total = int(next(iter(arrays.values())).shape[0])
     if total < 2:
         raise UsageError(f"--data {path}: expected 2 or more samples (half calibrate, half judge), found {total}")
