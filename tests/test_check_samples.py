@@ -156,3 +156,14 @@ def test_export_checks_on_a_samples_file_with_labels(tmp_path: Path) -> None:
     bad = CliRunner().invoke(cli, [*args, "--check-inputs", str(tmp_path / "long.npz"), "--out", str(tmp_path / "b")])
     assert bad.exit_code != 0 and "seq" in bad.output and len(bad.output.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
+
+
+def test_a_left_padded_sample_is_cut_to_its_tokens_not_its_padding() -> None:
+    inputs = build_model("transformer", size="tiny").signature.inputs
+    mask = np.array([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1]], np.int64)
+    ids = np.arange(1, 19).reshape(3, 6) * mask
+    cut = fitted_samples({"input_ids": ids, "attention_mask": mask}, inputs, {"batch": 3, "seq": 2})
+    assert cut is not None
+    # left-padded: from its first token; right-padded: from 0; one token at the end: the last 2 positions
+    np.testing.assert_array_equal(cut["attention_mask"], [[1, 1], [1, 1], [0, 1]])
+    np.testing.assert_array_equal(cut["input_ids"], [[4, 5], [7, 8], [0, 18]])

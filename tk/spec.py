@@ -190,36 +190,60 @@ def fitted_samples(
 
     The batch holds ``sizes`` of the batch dimension samples, taken in turn from sample ``seed *
     batch`` (wrapping around), so different seeds see different samples. A dimension that a mask input
-    spans (a sequence) is cut to its size, or right-padded with zeros: padding that the mask marks as
-    not attended, as a tokenizer pads a short text in a long batch. Any other dimension must already
+    spans (a sequence) is right-padded with zeros, which the mask marks as not attended (as a tokenizer
+    pads a short text in a long batch), or cut: each sample keeps the window that starts at its first
+    attended position (0 for right-padded samples), or its last positions where fewer remain, so a
+    left-padded sample keeps its tokens rather than its padding. Any other dimension must already
     have the size asked for (an image is not resized): None where it does not, or where an input is
     missing from ``samples``.
     """
     batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
-    masked = {d for s in inputs if s.kind == "mask" for d in s.shape[1:] if isinstance(d, str)}
-    fitted: dict[str, np.ndarray] = {}
+    masks = {d: s for s in inputs if s.kind == "mask" for d in s.shape[1:] if isinstance(d, str)}
+    chosen: dict[str, np.ndarray] = {}
     for spec in inputs:
         array = samples.get(spec.name)
-        if array is None or array.ndim != len(spec.shape) or array.shape[0] < 1:
+        if array is None or not spec.shape or array.ndim != len(spec.shape) or array.shape[0] < 1:
             return None
+        if spec.shape[0] == batch:
+            want = sizes[batch]
+            array = np.take(array, np.arange(seed * want, (seed + 1) * want) % array.shape[0], axis=0)
+        chosen[spec.name] = array
+    starts = {d: _window_starts(chosen[m.name], m.shape.index(d), sizes[d]) for d, m in masks.items()}
+    fitted: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        array = chosen[spec.name]
         for axis, dim in enumerate(spec.shape):
             want = sizes[dim] if isinstance(dim, str) else dim
             have = array.shape[axis]
-            if axis == 0 and dim == batch:
-                start = seed * want
-                array = np.take(array, np.arange(start, start + want) % have, axis=0)
-            elif have == want:
+            if (dim == batch and axis == 0) or have == want:
                 continue
-            elif dim in masked and have > want:
-                array = np.take(array, np.arange(want), axis=axis)
-            elif dim in masked:
+            if dim not in masks:
+                return None
+            if have > want:
+                start = starts[dim]
+                if start is None or start.shape[0] != array.shape[0]:
+                    return None  # an input whose batch is not the mask's (static, or no batch dimension)
+                window = [
+                    np.take(row, np.arange(s, s + want), axis=axis - 1) for row, s in zip(array, start, strict=True)
+                ]
+                array = np.stack(window)
+            else:
                 pad = [(0, 0)] * array.ndim
                 pad[axis] = (0, want - have)
                 array = np.pad(array, pad)
-            else:
-                return None
         fitted[spec.name] = np.ascontiguousarray(array.astype(numpy_dtype(spec.dtype), copy=False))
     return fitted
+
+
+def _window_starts(mask: np.ndarray, axis: int, want: int) -> np.ndarray | None:
+    """Per sample of ``mask`` (axis 0), where a window of ``want`` positions along ``axis`` starts: at the
+    first attended position, moved back so that the window fits (None: the axis is not longer than that)."""
+    length = mask.shape[axis]
+    if length <= want:
+        return None
+    attended = np.moveaxis(mask != 0, axis, -1).reshape(mask.shape[0], -1, length).any(axis=1)
+    first = np.where(attended.any(axis=1), attended.argmax(axis=1), 0)
+    return np.minimum(first, length - want)
 
 
 _INPUT_RE = re.compile(
