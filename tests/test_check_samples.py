@@ -72,9 +72,9 @@ def test_the_export_check_runs_the_samples_at_every_shape(tmp_path: Path) -> Non
     assert plain.manifest.check["onnx"]["inputs"] == "random"
 
 
-def _context(spec, check_data) -> ExportContext:
+def _context(spec, check_data, calibration_data=None) -> ExportContext:
     dims = {"batch": Dim("batch", 1, 8, 16), "seq": Dim("seq", 1, 12, 24)}
-    options = ExportOptions(check_data=check_data)
+    options = ExportOptions(check_data=check_data, calibration_data=calibration_data)
     return ExportContext(spec, spec.module, dims, options, Path("."), spec.example_inputs())
 
 
@@ -94,6 +94,10 @@ def test_the_int8_judges_run_as_many_distinct_sample_batches_as_the_samples_fill
             assert tuple(row[:seq]) in {r[:seq] for r in rows} and not row[12:].any()
     random = judge_feeds(_context(spec, None))
     assert len(random) == JUDGE_SEEDS * len(shapes)
+    # where the calibration samples are the user's too, the search judges them: the check's stay unseen
+    calibration = token_samples(count=20, vocab=7)
+    seen = judge_feeds(_context(spec, samples, calibration))
+    assert len(seen) == sum(distinct) and all(int(b["input_ids"].max()) < 7 for b in seen)
 
 
 def test_train_writes_held_out_samples_that_optimize_reads_with_labels(tmp_path: Path) -> None:
@@ -167,3 +171,49 @@ def test_a_left_padded_sample_is_cut_to_its_tokens_not_its_padding() -> None:
     # left-padded: from its first token; right-padded: from 0; one token at the end: the last 2 positions
     np.testing.assert_array_equal(cut["attention_mask"], [[1, 1], [1, 1], [0, 1]])
     np.testing.assert_array_equal(cut["input_ids"], [[4, 5], [7, 8], [0, 18]])
+
+
+def test_samples_that_fit_only_some_shapes_are_named_and_warned_of(tmp_path: Path, caplog) -> None:
+    from tk.cli.common import build
+
+    # a token model whose second input is not a mask: its seq dimension can be cut or padded by nothing
+    spec = build("examples.user_model:scorer", None, ("tokens:int64:4x16:0-500", "tokens_keep:int64:4x16:0-2"))
+    rng = np.random.default_rng(0)
+    samples = {"tokens": rng.integers(0, 500, (40, 16)), "tokens_keep": np.ones((40, 16), np.int64)}
+    with caplog.at_level("WARNING", logger="tk.export"):
+        result = export(spec, tmp_path / "a", ExportOptions(check_data=samples))
+    report = result.manifest.check["onnx"]
+    fitting = [s for s in report["shapes"] if s["seq"] == 16]
+    assert report["inputs"].startswith("samples; random at ") and report["inputs"].count("random at") == 5 - len(
+        fitting
+    )
+    assert "your samples fit only some shapes" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tk.export"):
+        other = export(spec, tmp_path / "b", ExportOptions(check_data={"tokens": samples["tokens"]}))
+    assert other.manifest.check["onnx"]["inputs"] == "random" and "fit no shape of the range" in caplog.text
+
+
+def test_train_samples_refusals_and_a_task_without_labels(tmp_path: Path) -> None:
+    compare = ["train", "transformer", "--size", "tiny", "--steps", "1", "--compare", "--samples", "x.npz"]
+    refused = CliRunner().invoke(cli, compare)
+    assert refused.exit_code == 2 and "--samples: --compare trains two copies" in refused.output
+    out = ["--out", str(tmp_path / "lin.safetensors"), "--samples", str(tmp_path / "lin")]  # any name: an npz archive
+    result = CliRunner().invoke(
+        cli, ["train", "linear", "--size", "tiny", "--steps", "2", *out, "--samples-count", "6"]
+    )
+    assert result.exit_code == 0, result.output
+    with np.load(tmp_path / "lin") as arrays:  # a regression task: inputs only, no labels
+        assert list(arrays) == [s.name for s in build_model("linear", size="tiny").signature.inputs]
+        assert next(iter(arrays.values())).shape[0] == 6
+
+
+def test_infer_and_check_leave_a_labels_array_out(tmp_path: Path) -> None:
+    samples = {**token_samples(count=6, seq=16), "labels": np.arange(6) % 2}
+    np.savez(tmp_path / "val.npz", **samples)
+    export(build_model("transformer", size="tiny"), tmp_path / "a", ExportOptions())
+    args = ["infer", str(tmp_path / "a"), "--engine", "onnx", "--inputs", str(tmp_path / "val.npz")]
+    result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "out.npz")])
+    assert result.exit_code == 0, result.output
+    with np.load(tmp_path / "out.npz") as outputs:
+        assert outputs["logits"].shape == (6, 2)

@@ -302,7 +302,7 @@ def reference_runs(
     """
     feeds, random_at = [], []
     for i, sizes in enumerate(shapes):
-        fitted = None if samples is None else fitted_samples(samples, reference.inputs, sizes, seed=i)
+        fitted = None if samples is None else fitted_samples(samples, reference.inputs, sizes, seed=seed + i)
         if fitted is None:
             random_at.append(sizes)
         feeds.append(fitted if fitted is not None else random_feeds(reference.inputs, sizes, seed=seed + i))

@@ -105,9 +105,10 @@ def train_cmd(
             )
     kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
     if compare:
-        if out is not None:
+        if out is not None or samples_path is not None:
+            option = "--out" if out is not None else "--samples"
             raise UsageError(
-                "--out: --compare trains two copies to compare their speed and saves no checkpoint; drop one"
+                f"{option}: --compare trains two copies to compare their speed and saves no checkpoint; drop one"
             )
         _train_compare(model, size, inputs, options, kwargs, json_path)
         return
@@ -118,7 +119,7 @@ def train_cmd(
     if samples_path is not None:  # before training: a bad count or a model without a task fails at once
         from tk.models.train import task_samples
 
-        _refuse_artifact_parent(samples_path)
+        _refuse_artifact_parent(samples_path, "--samples")
         samples = task_samples(spec, samples_count, seed=seed)
     result = _train_with_progress(spec, kwargs, options if use_compile else None)
     from tk.fileio import atomic_write_json
@@ -139,12 +140,12 @@ def train_cmd(
         atomic_write_json(json_path, meta)
 
 
-def _refuse_artifact_parent(out: Path) -> None:
+def _refuse_artifact_parent(out: Path, option: str = "--out") -> None:
     """A checkpoint is never written into a tk artifact (its files are hashed: the artifact would break).
     An artifact is a directory whose ``manifest.json`` is tk's (other tools name files so too)."""
     for parent in out.resolve().parents:
         if _is_tk_manifest(parent / "manifest.json"):
-            raise UsageError(f"--out: expected a path outside a tk artifact, got {out} (inside {parent})")
+            raise UsageError(f"{option}: expected a path outside a tk artifact, got {out} (inside {parent})")
 
 
 def _is_tk_manifest(path: Path) -> bool:

@@ -166,6 +166,10 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
         from tk.export.calibration import require_finite
 
         require_finite(options.calibration_data, str(options.calibrate or "data"))
+    if options.check_data is not None:
+        from tk.export.calibration import require_finite
+
+        require_finite(options.check_data, str(options.check_inputs or "check data"))
     settings = resolve_settings(options.formats, options.settings, skipped)
     for fmt in in_use(formats):
         writer(fmt).validate(settings[fmt], options)

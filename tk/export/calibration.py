@@ -19,7 +19,9 @@ from tk.export.context import ExportContext
 from tk.spec import fitted_samples, random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
-MARGIN_DB = 2.0  # a quantized graph's judged batches must clear the floor by this much (the check draws fresh ones)
+# a quantized graph's judged batches must clear the floor by this much: the check runs other batches (fresh
+# random ones, or the check's samples where the search judged the calibration samples)
+MARGIN_DB = 2.0
 SCREEN_EVERY = 4  # screened_exclusion's rounds judge the calibration batches and every 4th held-out one
 DEFAULT_CALIBRATION = "random:32"
 
@@ -121,16 +123,22 @@ def calibration_feeds(ctx: ExportContext, *, one_shape: bool = False) -> list[di
 
 # random batches per shape that judge the int8 graph (at most 10: the seeds below must not collide).
 # The SQNR of a classifier's logits has a long tail over batches: 3 seeds passed a graph that scored
-# far under the floor on another batch and failed the export check; 8 seeds see that tail.
+# far under the floor on another batch and failed the export check; 8 seeds see that tail. The user's
+# samples give as many distinct batches as they fill, up to this many.
 JUDGE_SEEDS = 8
 
 
 def judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
-    """Held-out batches at the shapes the export check uses (all min, all opt, an odd size of each,
-    each at its max), a few seeds each, to judge the int8 graph's SQNR: the check's samples
-    (``options.check_data``) fitted to each shape where they fit (as many batches as they fill, up to
-    ``JUDGE_SEEDS``), else random inputs."""
+    """Batches at the shapes the export check uses (all min, all opt, an odd size of each, each at its
+    max), a few seeds each, to judge the int8 graph's SQNR: the user's samples fitted to each shape
+    where they fit (as many batches as they fill, up to ``JUDGE_SEEDS``), else random inputs.
+
+    The samples: where the check runs the user's (``options.check_data``), the calibration samples when
+    they are the user's too, so that the check (``tk optimize --data``'s held-out half) judges samples
+    the search never saw; else the check's own."""
     inputs, samples = ctx.spec.signature.inputs, ctx.options.check_data
+    if samples is not None and ctx.options.calibration_data is not None:
+        samples = ctx.options.calibration_data
     count = 0 if samples is None else int(next(iter(samples.values())).shape[0])
     batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
     feeds = []

@@ -114,9 +114,9 @@ SAMPLES_SEED = 2_000_003  # added to the training seed: the held-out samples are
 
 
 def task_samples(spec: ModelSpec, count: int, *, seed: int = 0) -> dict[str, np.ndarray]:
-    """``count`` samples of ``spec``'s training task that neither training nor its validation drew, as
-    ``tk infer --inputs`` and ``tk optimize --data`` read them: one array per input, and ``labels`` for a
-    classification task."""
+    """``count`` samples of ``spec``'s training task that neither training nor its validation drew: one
+    array per input, and ``labels`` for a classification task (``tk optimize --data`` judges top-1 against
+    them; ``tk check``, ``tk infer`` and ``tk export --check-inputs`` leave them out)."""
     if spec.task is None:
         raise UsageError(f"--samples: model {spec.name!r} has no training task to draw samples from")
     if count < 2:

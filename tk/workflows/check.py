@@ -32,7 +32,7 @@ from tk.runtime.inputs import count_nonfinite, random_inputs
 from tk.signing import TrustPolicy
 from tk.spec import shapes_to_check
 from tk.tolerances import artifact_tolerance, checked_pair
-from tk.workflows.user_inputs import labels_spec, read_labeled_inputs
+from tk.workflows.user_inputs import read_user_inputs
 
 log = logging.getLogger("tk.export")
 
@@ -49,6 +49,11 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     trusted = choice.replace(options={"trust_model_code": True})
     with open_engine(root, trusted, manifest=manifest) as reference:
         runs = reference_runs(reference, shapes, samples=ctx.options.check_data)
+        if ctx.options.check_data is not None and runs.inputs != "samples":
+            log.warning(
+                "check  your samples fit %s: random inputs there (a dimension no mask input spans is not resized)",
+                "no shape of the range" if runs.inputs == "random" else "only some shapes; " + runs.inputs,
+            )
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
@@ -320,10 +325,8 @@ def _run_reference(
     """The reference engine run once: over the file ``inputs``, ``samples`` random samples, or random inputs per shape."""
     if inputs is None and samples is None:  # random inputs across the ranges
         return _Reference(engine, reference_runs(engine, shapes_to_check(manifest.signature.dims), seed=seed))
-    if inputs is not None:  # a labels array (tk train --samples writes one) is read, checked and left out
-        feeds, _ = read_labeled_inputs(
-            inputs, manifest.model["name"], engine.inputs, engine.dims, labels=lambda: labels_spec(manifest.signature)
-        )
+    if inputs is not None:
+        feeds = read_user_inputs(inputs, manifest.model["name"], engine.inputs, engine.dims)
     else:
         feeds = random_inputs(engine.inputs, engine.dims, samples, seed=seed)
     outputs = BatchRunner(engine, batch_size).run(feeds)

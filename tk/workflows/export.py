@@ -37,12 +37,9 @@ def samples_file(spec: ModelSpec, options: ExportOptions, path: str | Path) -> d
     ``.txt``/``.jsonl`` file of texts, tokenized by its tokenizer (tk.models.hf_text)."""
     from tk.export import resolve_dims
     from tk.runtime.inputs import check_arrays
-    from tk.workflows.user_inputs import labels_spec, read_labeled_inputs
+    from tk.workflows.user_inputs import read_user_inputs
 
     dims = resolve_dims(spec, options.dims, options.dynamic)
-    # labels (tk train --samples writes them) are read, checked and left out: a check compares outputs
-    arrays, _ = read_labeled_inputs(
-        path, spec.name, spec.signature.inputs, dims, labels=lambda: labels_spec(spec.signature)
-    )
+    arrays = read_user_inputs(path, spec.name, spec.signature.inputs, dims)  # a labels array left out
     check_arrays(arrays, spec.signature.inputs, dims=dims, source=str(path))
     return arrays

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
-from tk.models.hf_text import is_text_file
 from tk.runtime import EngineChoice, available_engines, open_engine
 from tk.runtime.batching import InferResult, infer_file
 from tk.workflows.auto import AutoChoice, choose_engine
@@ -47,7 +46,7 @@ def infer_artifact(
             on_choice(auto)
         engine, among = auto.engine, available_engines(manifest, choice.device)
     feeds = inputs
-    if inputs is not None and is_text_file(inputs):  # before any engine opens: a bad file is one line
+    if inputs is not None:  # before any engine opens: a bad file is one line (a labels array is left out)
         feeds = read_user_inputs(inputs, manifest.model["name"], manifest.signature.inputs, manifest.signature.dims)
     with open_engine(root, choice, engine, manifest=manifest, among=among) as opened:
         return infer_file(opened, out, inputs=feeds, random=random, batch_size=batch_size, seed=seed, progress=progress)

@@ -11,7 +11,7 @@ import numpy as np
 from tk.errors import UsageError
 from tk.models.hf_text import is_text_file, read_text_samples
 from tk.runtime.inputs import check_arrays, read_inputs
-from tk.spec import Dim, Signature, TensorSpec
+from tk.spec import DTYPES, Dim, Signature, TensorSpec
 
 LABELS = "labels"  # the array of labels in an .npz or a directory (a "label" per .jsonl line)
 
@@ -20,8 +20,12 @@ def read_user_inputs(
     path: str | Path, model: str, specs: list[TensorSpec], dims: dict[str, Dim]
 ) -> dict[str, np.ndarray]:
     """Every sample of ``path`` for the inputs ``specs`` of ``model`` (its registry or ``hf:DIR`` name);
-    texts are padded to the longest (at least ``dims["seq"].min``) and cut at ``dims["seq"].max``."""
-    arrays, _ = read_labeled_inputs(path, model, specs, dims, labels=None)
+    texts are padded to the longest (at least ``dims["seq"].min``) and cut at ``dims["seq"].max``. An
+    array of ``labels`` (``tk train --samples`` writes one) is read and left out, unless an input has
+    that name."""
+    path = Path(path)
+    stored = None if any(s.name == LABELS for s in specs) or is_text_file(path) else _stored_spec(path, LABELS)
+    arrays, _ = read_labeled_inputs(path, model, specs, dims, labels=None if stored is None else lambda: stored)
     return arrays
 
 
@@ -54,18 +58,31 @@ def read_labeled_inputs(
 
 
 def _has_array(path: Path, name: str) -> bool:
-    """Whether the directory or ``.npz`` at ``path`` holds an array ``name`` (a ``.npy`` holds one, unnamed)."""
-    if path.is_dir():
-        return (path / f"{name}.npy").is_file()
-    if path.suffix.lower() != ".npz":
-        return False
+    """Whether the directory or ``.npz`` archive (whatever its name) at ``path`` holds an array ``name`` (a
+    ``.npy`` holds one, unnamed)."""
+    return _stored_spec(path, name) is not None
+
+
+def _stored_spec(path: Path, name: str) -> TensorSpec | None:
+    """The spec of the array ``name`` as the directory or ``.npz`` archive at ``path`` stores it (its dtype, and
+    its shape past the samples' axis), or None where it holds none (or none that ``tk`` reads)."""
     import zipfile
 
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            return name in getattr(archive, "files", [])
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
-        return False  # read_inputs says what is wrong with the file
+        if path.is_dir():
+            if not (path / f"{name}.npy").is_file():
+                return None
+            array = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        else:
+            with np.load(path, mmap_mode="r", allow_pickle=False) as archive:
+                if name not in getattr(archive, "files", []):
+                    return None
+                array = archive[name]
+    except (OSError, ValueError, TypeError, AttributeError, zipfile.BadZipFile, EOFError):
+        return None  # read_inputs says what is wrong with the file
+    if array.ndim < 1 or str(array.dtype) not in DTYPES:
+        return None
+    return TensorSpec(name, str(array.dtype), ("batch", *array.shape[1:]))
 
 
 def labels_spec(signature: Signature) -> TensorSpec:

@@ -1,9 +1,10 @@
 """The inputs of an optimize run: calibration samples for int8 and held-out samples that judge.
 
 With ``--data FILE`` (what ``tk infer --inputs`` reads, or for an ``hf:DIR`` model a ``.txt``/``.jsonl``
-file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates and the second
-half judges, both on the held-out samples and across the artifact's shape range, where each export's
-check and the int8 searches' judges run them cut or padded to each shape (``tk.spec.fitted_samples``);
+file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates (and is what the
+int8 searches judge) and the second half judges each candidate, at its own shape and across the
+artifact's shape range, where each export's check runs it cut or padded to each shape
+(``tk.spec.fitted_samples``);
 an array named ``labels`` in the file (a ``"label"`` per ``.jsonl`` line) makes ``top1`` an accuracy
 against it. Without a file both are synthetic: token ids drawn from the whole vocabulary and
 right-padded attention masks of mixed lengths (never all ones), from the model's input specs.

@@ -155,9 +155,9 @@ def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
 def _export_options(
     options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData, gate: SpeedGate | None
 ) -> ExportOptions:
-    # with --data, the held-out half is what each export's check (across the shape range) and the int8
-    # searches' judges run, fitted to each shape: random token ids can sit where a classifier's logits are
-    # near zero, which no input of the user's does (benchmarks/history.md, 2026-12-05)
+    # with --data, the held-out half is what each export's check runs across the shape range, fitted to each
+    # shape (the int8 searches judge the calibration half so): random token ids can sit where a classifier's
+    # logits are near zero, which no input of the user's does (benchmarks/history.md, 2026-12-05)
     check_data = data.held_out if data.calibration is not None else None
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
                          calibration_data=data.calibration, check_data=check_data,
