@@ -70,23 +70,42 @@ def test_a_batch_holds_at_most_max_batch_samples_and_a_larger_request_runs_alone
     assert engine.batches == [[1, 2], [3], [4], [5]]  # 3+3 fit 6; 3+9 does not; 9 alone; then 1
 
 
-def test_a_lone_request_does_not_wait_at_delay_zero_and_waits_for_company_under_a_delay():
-    async def lone(delay_s: float) -> tuple[float, list[list[int]]]:
+def test_a_request_in_company_waits_the_delay_and_one_alone_does_not():
+    async def pair(delay_s: float) -> tuple[float, list[list[int]]]:
         engine = Engine()
         batcher = Batcher(engine, max_batch=8, max_delay_s=delay_s)
+        engine.gate.clear()
         started = time.monotonic()
-        first = asyncio.ensure_future(batcher.submit(1))
+        first = asyncio.ensure_future(batcher.submit(1))  # alone: runs at once, whatever the delay
+        await _until(engine.entered.is_set)
+        second = asyncio.ensure_future(batcher.submit(2))  # the first is in flight: company may come
+        await asyncio.sleep(0.02)
+        engine.gate.set()
         await asyncio.sleep(0.05)
-        second = asyncio.ensure_future(batcher.submit(2))
-        await asyncio.gather(first, second)
+        third = asyncio.ensure_future(batcher.submit(3))
+        await asyncio.gather(first, second, third)
         return time.monotonic() - started, engine.batches
 
-    _, batches = asyncio.run(lone(0.0))
-    assert batches == [[1], [2]]  # no wait: the first ran before the second arrived
-    _, batches = asyncio.run(lone(2.0))
-    assert batches == [[1, 2]]  # held up to 2 s past the first for a second request
-    elapsed, batches = asyncio.run(lone(0.2))
-    assert batches == [[1, 2]] and elapsed < 1.5
+    _, batches = asyncio.run(pair(0.0))
+    assert batches == [[1], [2], [3]]  # no wait: each ran when the engine was free
+    _, batches = asyncio.run(pair(2.0))
+    assert batches == [[1], [2, 3]]  # the second held up to 2 s past its arrival for a third
+    elapsed, batches = asyncio.run(pair(0.3))
+    assert batches == [[1], [2, 3]] and elapsed < 1.5
+
+
+def test_a_client_alone_never_waits_the_delay():
+    engine = Engine()
+
+    async def main() -> float:
+        batcher = Batcher(engine, max_batch=8, max_delay_s=30.0)
+        started = time.monotonic()
+        for i in range(5):  # one request after another, each answered before the next
+            assert await batcher.submit(i) == i * 10
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 10.0
+    assert engine.batches == [[0], [1], [2], [3], [4]]
 
 
 def test_a_full_batch_does_not_wait_for_the_delay():

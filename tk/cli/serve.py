@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     default=0.0,
     show_default=True,
     help="Longest wait past the oldest queued request's arrival for a batch below --max-batch to fill, in "
-    "milliseconds (0, as Triton's default: a batch is what queued while the engine ran).",
+    "milliseconds (0, as Triton's default: a batch is what queued while the engine ran); a request that "
+    "arrives while no other is in flight never waits.",
 )
 @click.option(
     "--max-queue",
