@@ -183,6 +183,11 @@ def random_feeds(inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int =
     return {s.name: random_array(s, s.concrete_shape(sizes), rng) for s in inputs}
 
 
+def batch_dim(inputs: list[TensorSpec]) -> str | None:
+    """The batch dimension's name: axis 0 of the first input whose axis 0 is named (None: every batch is static)."""
+    return next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+
+
 def fitted_samples(
     samples: Mapping[str, np.ndarray], inputs: list[TensorSpec], sizes: dict[str, int], *, seed: int = 0
 ) -> dict[str, np.ndarray] | None:
@@ -197,7 +202,7 @@ def fitted_samples(
     have the size asked for (an image is not resized): None where it does not, or where an input is
     missing from ``samples``.
     """
-    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    batch = batch_dim(inputs)
     masks = {d: s for s in inputs if s.kind == "mask" for d in s.shape[1:] if isinstance(d, str)}
     chosen: dict[str, np.ndarray] = {}
     for spec in inputs:

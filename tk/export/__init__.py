@@ -162,13 +162,11 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
     checked_sqnr_floor(options.min_sqnr_db, options.precision)
     if options.precision != "int8" and (options.calibrate is not None or options.calibration_data is not None):
         raise UsageError(f"--calibrate: applies to --precision int8 only; this export is {options.precision}")
-    if options.calibration_data is not None:
-        from tk.export.calibration import require_finite
+    from tk.export.calibration import require_finite
 
+    if options.calibration_data is not None:
         require_finite(options.calibration_data, str(options.calibrate or "data"))
     if options.check_data is not None:
-        from tk.export.calibration import require_finite
-
         require_finite(options.check_data, str(options.check_inputs or "check data"))
     settings = resolve_settings(options.formats, options.settings, skipped)
     for fmt in in_use(formats):

@@ -16,7 +16,7 @@ import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError
 from tk.export.context import ExportContext
-from tk.spec import fitted_samples, random_feeds, shapes_to_check
+from tk.spec import batch_dim, fitted_samples, random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
 # a quantized graph's judged batches must clear the floor by this much: the check runs other batches (fresh
@@ -88,7 +88,7 @@ def calibration_feeds(ctx: ExportContext, *, one_shape: bool = False) -> list[di
     Batches hold as many samples as the batch dimension's range allows (a static batch of 32: 32).
     """
     inputs = ctx.spec.signature.inputs
-    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    batch = batch_dim(inputs)
     smallest = ctx.dims[batch].min if batch in ctx.dims else 1
     per_batch = 1 if one_shape else CALIBRATION_BATCH
     if batch in ctx.dims:  # within the batch dimension's range (a static batch of 32 takes 32 a batch)
@@ -140,7 +140,7 @@ def judge_feeds(ctx: ExportContext) -> list[dict[str, np.ndarray]]:
     if samples is not None and ctx.options.calibration_data is not None:
         samples = ctx.options.calibration_data
     count = 0 if samples is None else int(next(iter(samples.values())).shape[0])
-    batch = next((s.shape[0] for s in inputs if s.shape and isinstance(s.shape[0], str)), None)
+    batch = batch_dim(inputs)
     feeds = []
     for i, sizes in enumerate(shapes_to_check(ctx.dims)):
         first = None if samples is None else fitted_samples(samples, inputs, sizes, seed=0)
