@@ -140,3 +140,9 @@ def test_the_cosine_floor_is_the_cosine_of_uncorrelated_noise_at_that_sqnr() -> 
     noise = rng.standard_normal(200_000) * np.sqrt(np.mean(signal**2) / 10 ** (sqnr_for_cosine_db(0.99) / 10))
     noisy = signal + noise
     assert float(signal @ noisy / np.linalg.norm(signal) / np.linalg.norm(noisy)) == pytest.approx(0.99, abs=1e-3)
+
+
+def test_the_record_keeps_small_values_to_their_significant_digits() -> None:
+    values = {"sqnr": 151.23456789012, "cosine": 0.99999999987, "top1": None, "max_abs": 4.47e-08}
+    recorded = judge(parse_accuracy("max_abs<=0.1"), values).to_json()["values"]
+    assert recorded == {"sqnr": 151.2345679, "cosine": 0.9999999999, "top1": None, "max_abs": 4.47e-08}

@@ -79,6 +79,19 @@ def sqnr_for_cosine_db(cosine: float) -> float:
     return -10.0 * math.log10(1.0 / cosine**2 - 1.0)
 
 
+def unmeasurable(spec: AccuracySpec, outputs: Sequence[Any]) -> str | None:
+    """Why ``spec`` cannot be judged on outputs of these specs (``tk.spec.TensorSpec``), or None: ``top1``
+    takes the argmax over an output's last axis, so it needs a float output of batch x classes (2 or more)."""
+    if "top1" not in spec.metrics:
+        return None
+    for out in outputs:
+        last = out.shape[-1] if len(out.shape) >= 2 else None
+        if out.dtype.startswith(("float", "bfloat")) and last is not None and (not isinstance(last, int) or last >= 2):
+            return None
+    shapes = ", ".join(f"{o.name} ({' x '.join(map(str, o.shape))})" for o in outputs)
+    return f"--accuracy top1: expected an output of batch x classes (its argmax is compared), found {shapes}"
+
+
 def parse_accuracy(text: str | None) -> AccuracySpec:
     """``sqnr>=35,top1>=99`` -> an ``AccuracySpec``; ``None`` or empty gives ``sqnr>=35``."""
     text = DEFAULT_ACCURACY if text is None or not text.strip() else text
@@ -129,7 +142,8 @@ class Verdict:
 
 
 def _finite_or_text(value: float) -> float | str:
-    return round(value, 6) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    # significant digits, not decimals: a max_abs of 4.5e-08 is no 0.0 (a cosine keeps its 9s to 1e-9)
+    return float(f"{value:.10g}") if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
 def judge(

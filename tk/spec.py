@@ -22,6 +22,11 @@ from tk.limits import require_within_budget
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 
 
+def dim_flag(name: str) -> str:
+    """The option that sets dimension ``name``: ``--batch`` and ``--seq`` have their own, the rest ``--dim NAME``."""
+    return f"--{name}" if name in ("batch", "seq") else f"--dim {name}"
+
+
 @dataclass(frozen=True)
 class Dim:
     """A named dynamic dimension with the smallest, typical and largest size it takes."""
@@ -48,7 +53,7 @@ class Dim:
         if len(sizes) == 1:
             sizes = sizes * 3
         if len(sizes) != 3:
-            raise UsageError(f"--{name}: expected MIN:OPT:MAX or one size, such as 1:8:64; got {text!r}")
+            raise UsageError(f"{dim_flag(name)}: expected MIN:OPT:MAX or one size, such as 1:8:64; got {text!r}")
         return cls(name, *sizes)
 
     @property

@@ -167,7 +167,8 @@ def test_non_finite_calibration_data_is_refused_before_any_work(tmp_path, bad):
     assert result.exit_code == 2, result.output
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, result.stderr
-    assert f"input {name!r} holds 1 NaN or infinite value(s); int8 calibration needs finite samples" in errors[0]
+    expected = f"input {name!r}: expected finite values (int8 calibration needs them), found 1 NaN or infinite value(s)"
+    assert expected in errors[0] and errors[0].startswith("error: --calibrate ")
     assert not out.exists()
 
 

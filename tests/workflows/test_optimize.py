@@ -419,3 +419,72 @@ def test_an_interrupted_swap_puts_the_previous_artifact_and_the_cache_back(
         refuse_foreign_out(out, out / "mine")  # replaced with the old artifact when the winner is written
     refuse_foreign_out(out, out / CACHE)
     refuse_foreign_out(out, tmp_path / "elsewhere")
+
+
+def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -> None:
+    """Each is the user's to fix, so it fails at once (exit 2, one line), not as every candidate failing."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    (name,) = [s.name for s in build_model("mlp", size="tiny").signature.inputs]
+    samples = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    samples[6, 1] = np.nan  # in the held-out half
+    np.savez(tmp_path / "nan.npz", **{name: samples})
+    np.savez(tmp_path / "empty.npz")
+    out = tmp_path / "out"
+    tiny = ["transformer", "--size", "tiny"]
+    cases = {
+        ("mlp", "--size", "tiny", "--data", str(tmp_path / "empty.npz"), "--out", str(out)): f"error: "
+        f"{tmp_path / 'empty.npz'}: expected an .npz holding the model's inputs, found an .npz with no arrays",
+        (*tiny, "--out", str(blocker / "sub")): f"error: --out {blocker / 'sub'}: expected a directory path, "
+        f"found a file at {blocker}",
+        (*tiny, "--cache-dir", str(blocker / "c"), "--out", str(out)): f"error: --cache-dir {blocker / 'c'}: "
+        "expected a directory path, found a file at",
+        (*tiny, "--seq", "100", "--out", str(out)): "error: --seq: this model takes seq up to 64 (the length of "
+        "its position table), found a range up to 100",
+        (*tiny, "--dim", "foo=1:2:3", "--out", str(out)): "error: --dim foo: this model has no dimension 'foo'",
+        ("mlp", "--size", "tiny", "--data", str(tmp_path / "nan.npz"), "--out", str(out)): f"error: --data "
+        f"{tmp_path / 'nan.npz'}: input {name!r}: expected finite values (judging the candidates needs them), "
+        "found 1 NaN",
+        ("linear", "--accuracy", "top1>=99", "--out", str(out)): "error: --accuracy top1: expected an output of "
+        "batch x classes (its argmax is compared), found y (batch x 1)",
+        (*tiny, "--formats", "onnx,foo", "--out", str(out)): "error: --formats: unknown foo; expected some of ",
+        (*tiny, "--precisions", "fp64", "--out", str(out)): "error: --precisions: unknown fp64; expected some of ",
+        (*tiny, "--candidates", "", "--out", str(out)): "error: --candidates: expected comma-separated names, got ''",
+        (*tiny, "--accuracy", " ", "--out", str(out)): "error: --accuracy: expected a spec such as sqnr>=35",
+    }
+    for args, start in cases.items():
+        result = CliRunner().invoke(cli, ["optimize", *args], obj={})
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(start), (args, result.output)
+        assert not out.exists(), args
+
+
+def test_no_candidate_to_try_says_the_reason_of_those_asked_for() -> None:
+    from tk.workflows.optimize.candidates import Candidate, Skipped, nothing_to_try
+
+    skipped = [Skipped(Candidate(f, "fp32", f), "not among --candidates") for f in ("onnx", "aoti", "torch")]
+    skipped.append(Skipped(Candidate("trt", "fp32", "trt"), "tensorrt is not installed"))
+    assert nothing_to_try(skipped) == "no candidate can run here: trt fp32: tensorrt is not installed"
+    cuda = [
+        Skipped(Candidate(f, p, f), "--device cuda needs a CUDA GPU")
+        for f in ("onnx", "aoti")
+        for p in ("fp32", "bf16")
+    ]
+    assert nothing_to_try(cuda) == "no candidate can run here: 4 candidates: --device cuda needs a CUDA GPU"
+
+
+def test_an_artifact_holding_other_files_is_not_replaced(runs: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    out = tmp_path / "mine"
+    shutil.copytree(runs["base"] / "out", out)
+    (out / "notes.txt").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "x.npy").write_bytes(b"")
+    with pytest.raises(UsageError) as info:
+        optimize(build_model("transformer", size="tiny"), out, _options(runs["base"] / "cache"))
+    assert str(info.value) == (
+        f"--out {out}: expected an artifact holding only what its manifest.json lists, found data/x.npy, "
+        "notes.txt, which replacing it would delete; move them or choose another --out"
+    )
+    assert (out / "notes.txt").read_text() == "mine" and verify_artifact(out).status == "passed"

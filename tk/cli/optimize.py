@@ -13,8 +13,15 @@ from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES
 
 
-def _split(text: str | None) -> tuple[str, ...] | None:
-    return tuple(p.strip() for p in text.split(",") if p.strip()) if text else None
+def _split(flag: str, text: str | None) -> tuple[str, ...] | None:
+    """``--flag a,b`` -> ("a", "b"); not given -> None (every one). Given empty, it is refused: it would
+    otherwise read as every one."""
+    if text is None:
+        return None
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not parts:
+        raise UsageError(f"{flag}: expected comma-separated names, got {text!r}")
+    return parts
 
 
 def _size_or_range(name: str, text: str | None) -> tuple[int | None, Any]:
@@ -88,6 +95,10 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     from tk.accuracy import parse_accuracy
     from tk.workflows.optimize import OptimizeOptions, optimize
 
+    if accuracy is not None and not accuracy.strip():
+        raise UsageError(
+            f"--accuracy: expected a spec such as sqnr>=35 (or no --accuracy for that default), got {accuracy!r}"
+        )
     parse_accuracy(accuracy)  # a bad spec fails before the model is built
     if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
         raise UsageError(f"--time-budget: expected a finite number of minutes above 0, got {time_budget}")
@@ -97,7 +108,8 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     ranges, sizes = _dims_and_sizes(batch, seq, dims)
     options = OptimizeOptions(
         accuracy=accuracy, data=data, sizes=sizes, dims=ranges, checkpoint=checkpoint, device=device,
-        formats=_split(formats), precisions=_split(precisions), candidates=_split(names),
+        formats=_split("--formats", formats), precisions=_split("--precisions", precisions),
+        candidates=_split("--candidates", names),
         time_budget_min=time_budget, keep=keep,
         cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks, wait_quiet_s=wait_quiet,
     )  # fmt: skip
@@ -109,7 +121,10 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         raise
     _print(result)
     win = result.winner
-    click.echo(f"winner: {win.candidate} (engine {win.engine}), {win.p50_ms:.3g} ms, {win.speedup:.2f}× eager fp32")
+    busy = " (timed on a busy machine: the ratio is not this machine's)" if win.busy else ""
+    click.echo(
+        f"winner: {win.candidate} (engine {win.engine}), {win.p50_ms:.3g} ms, {win.speedup:.2f}× eager fp32{busy}"
+    )
     click.echo(f"artifact: {out} (tk.runtime.load({str(out)!r}) and --engine auto open {win.engine})")
     plot = out / "optimize.png"
     click.echo(

@@ -39,7 +39,7 @@ from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, refuse_le
 from tk.models import ModelSpec
 from tk.registries import FORMATS as REGISTRY
 from tk.signing import sign_artifact
-from tk.spec import Dim, feeds_nbytes
+from tk.spec import Dim, dim_flag, feeds_nbytes
 from tk.versions import library_versions
 
 log = logging.getLogger("tk.export")
@@ -75,14 +75,23 @@ def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> d
     dims = dict(spec.signature.dims)
     for name, dim in overrides.items():
         if name not in dims:
-            raise UsageError(f"--{name}: this model has no dimension {name!r}; it has {', '.join(dims) or 'none'}")
+            raise UsageError(
+                f"{dim_flag(name)}: this model has no dimension {name!r}; it has {', '.join(dims) or 'none'}"
+            )
         dims[name] = dim
+    for name, dim in dims.items():
+        limit = spec.max_sizes.get(name)
+        if limit is not None and dim.max > limit:
+            raise UsageError(
+                f"{dim_flag(name)}: this model takes {name} up to {limit} (the length of its position table), found a "
+                f"range up to {dim.max}"
+            )
     if not dynamic:
         return {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}
     for name, dim in dims.items():
         if dim.opt == 1 and not dim.static:
             raise UsageError(
-                f"--{name} {dim.min}:{dim.opt}:{dim.max}: torch.export traces at the opt size and specializes a "
+                f"{dim_flag(name)} {dim.min}:{dim.opt}:{dim.max}: torch.export traces at the opt size and specializes a "
                 f"size of 1 to a constant; give {name} an opt of 2 or more (such as {dim.min}:2:{max(dim.max, 2)}), "
                 "or export it --static"
             )
@@ -165,9 +174,9 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
     from tk.export.calibration import require_finite
 
     if options.calibration_data is not None:
-        require_finite(options.calibration_data, str(options.calibrate or "data"))
+        require_finite(options.calibration_data, f"--calibrate {options.calibrate or 'data'}")
     if options.check_data is not None:
-        require_finite(options.check_data, str(options.check_inputs or "check data"))
+        require_finite(options.check_data, f"--check-inputs {options.check_inputs or 'data'}", "the export check")
     settings = resolve_settings(options.formats, options.settings, skipped)
     for fmt in in_use(formats):
         writer(fmt).validate(settings[fmt], options)

@@ -28,15 +28,16 @@ DEFAULT_CALIBRATION = "random:32"
 log = logging.getLogger("tk.export")
 
 
-def require_finite(arrays: Mapping[str, Any], source: str) -> None:
-    """Refuse calibration samples holding NaN or infinity: their ranges would leave no layer int8."""
+def require_finite(arrays: Mapping[str, Any], source: str, purpose: str = "int8 calibration") -> None:
+    """Refuse samples holding NaN or infinity (``source``: the flag and file they came from): calibration
+    ranges would leave no layer int8, and no accuracy can be judged against a NaN reference."""
     for name, array in arrays.items():
         values = np.asarray(array)
         if values.dtype.kind in "fc" and not np.isfinite(values).all():
             bad = int(values.size - np.count_nonzero(np.isfinite(values)))
             raise UsageError(
-                f"--calibrate {source}: input {name!r} holds {bad} NaN or infinite value(s); "
-                "int8 calibration needs finite samples"
+                f"{source}: input {name!r}: expected finite values ({purpose} needs them), found {bad} NaN or "
+                "infinite value(s)"
             )
 
 

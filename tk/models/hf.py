@@ -214,4 +214,5 @@ def build_hf_model(name: str, task: str | None = None) -> ModelSpec:
     outputs = [TensorSpec(output_name, "float32", ("batch", *(sizes[d] for d in output_dims)))]
     dims = {"batch": BATCH, "seq": Dim("seq", 1, min(SEQ_OPT, max_pos), max_pos)}
     module = HFTaskModel(model, names).eval()
-    return ModelSpec(f"{PREFIX}{directory}", None, {"task": task}, module, Signature(inputs, outputs, dims))
+    signature = Signature(inputs, outputs, dims)
+    return ModelSpec(f"{PREFIX}{directory}", None, {"task": task}, module, signature, max_sizes={"seq": max_pos})

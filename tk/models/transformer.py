@@ -148,7 +148,15 @@ def build(cfg: TransformerConfig) -> ModelSpec:
     ]
     seq = Dim("seq", 1, seq_opt, cfg.max_seq_len)
     signature = classifier_signature(inputs, cfg.num_classes, batch_max=64, dims={"seq": seq})
-    return ModelSpec("transformer", None, {}, TransformerClassifier(cfg), signature, make_task(cfg))
+    return ModelSpec(
+        "transformer",
+        None,
+        {},
+        TransformerClassifier(cfg),
+        signature,
+        make_task(cfg),
+        max_sizes={"seq": cfg.max_seq_len},
+    )
 
 
 ENTRY = ModelEntry(

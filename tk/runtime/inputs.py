@@ -33,6 +33,7 @@ from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds, require_names
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
+EMPTY_ZIP_MAGIC = b"PK\x05\x06"  # a zip archive of no members: its end record alone
 CHUNK_ELEMENTS = 1 << 22  # elements per slice when scanning a (possibly memory-mapped) array
 
 
@@ -210,6 +211,8 @@ def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarr
             arrays = {specs[0].name: _load_npy(path)}
         elif magic.startswith(ZIP_MAGIC):
             arrays = load_npz(path)
+        elif magic.startswith(EMPTY_ZIP_MAGIC):  # what np.savez(path) with no arrays writes
+            raise UsageError(f"{path}: expected an .npz holding the model's inputs, found an .npz with no arrays")
         else:
             found = "an empty file" if not magic else f"a file starting with {magic[:8]!r}"
             raise UsageError(f"{path}: expected a NumPy .npz or .npy file, found {found}")

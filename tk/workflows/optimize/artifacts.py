@@ -25,15 +25,16 @@ from tk.errors import CannotWinError, IntegrityError, ParityError, TkError, Usag
 from tk.export import ExportOptions, recover_interrupted, swap_into_place, write_artifact
 from tk.fileio import atomic_write_bytes, exclusive_temp_dir
 from tk.formats.aoti import packing_features
-from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, verify_artifact
+from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, read_manifest, verify_artifact
 from tk.models import ModelSpec
-from tk.signing import sign_artifact
+from tk.signing import SIGNATURE, sign_artifact
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize.candidates import Candidate, group_key
 
 log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
+CANDIDATES = "candidates"  # --keep all: the other passing artifacts, beside the winner
 # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's; 4: by the samples
 # the check runs (--data's held-out half)
 CACHE_VERSION = 4
@@ -203,6 +204,9 @@ def refuse_foreign_out(out: Path, cache: Path | None = None) -> None:
     """``out`` may be absent, empty, an artifact, or hold only the optimize cache; nothing else is replaced.
     A ``cache`` (``--cache-dir``) inside ``out`` must be ``out/.candidates``: the rest of ``out`` is replaced
     as a whole. An artifact an interrupted run left aside is put back first."""
+    for flag, path in (("--out", out), ("--cache-dir", cache)):
+        if path is not None and (blocker := _file_above(path)) is not None:
+            raise UsageError(f"{flag} {path}: expected a directory path, found a file at {blocker}")
     if cache is not None:
         where, inside = cache.resolve(), out.resolve()
         if (where == inside or inside in where.parents) and where != inside / CACHE:
@@ -215,12 +219,46 @@ def refuse_foreign_out(out: Path, cache: Path | None = None) -> None:
         return
     if not out.is_dir():
         raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
-    if (out / MANIFEST).is_file() or all(p.name == CACHE for p in out.iterdir()):
+    if (out / MANIFEST).is_file():
+        unlisted = _unlisted(out)
+        if unlisted:
+            shown = ", ".join(unlisted[:3]) + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
+            raise UsageError(
+                f"--out {out}: expected an artifact holding only what its {MANIFEST} lists, found {shown}, which "
+                "replacing it would delete; move them or choose another --out"
+            )
+        return
+    if all(p.name == CACHE for p in out.iterdir()):
         return
     raise UsageError(
         f"--out {out}: this directory holds files and no {MANIFEST}, so it is not a tk artifact and optimize "
         "will not replace it; choose another --out, or empty it first"
     )
+
+
+def _file_above(path: Path) -> Path | None:
+    """The nearest of ``path``'s parents that exists as something other than a directory, or None."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def _unlisted(out: Path) -> list[str]:
+    """Paths under the artifact ``out`` that neither its manifest lists nor tk writes beside it (its
+    signature, the optimize cache, ``--keep all``'s candidates): the user's, lost if ``out`` is replaced."""
+    try:
+        listed = {e.path for e in read_manifest(out).files}
+    except TkError:
+        return []  # a damaged manifest: an artifact all the same (it is replaced as a whole, as before)
+    ours = {MANIFEST, SIGNATURE, CACHE, CANDIDATES}
+    found = []
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out).as_posix()
+        if rel.split("/", 1)[0] in ours or rel in listed or path.is_dir():
+            continue
+        found.append(rel)
+    return found
 
 
 def _kept_files(manifest: Manifest, fmt: str) -> list[FileEntry]:
@@ -255,7 +293,7 @@ def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate
         )  # fmt: skip
         atomic_write_bytes(staging / MANIFEST, manifest_bytes(final))
         for other in others:
-            shutil.copytree(other, staging / "candidates" / other.name, symlinks=True)
+            shutil.copytree(other, staging / CANDIDATES / other.name, symlinks=True)
         if cache.resolve() == (out / CACHE).resolve() and cache.is_dir():
             os.replace(cache, staging / CACHE)  # the cache lives in the artifact: it moves with it
         sign_artifact(staging, ignore=(CACHE,))  # after the last write; the cache is no part of the artifact

@@ -108,6 +108,9 @@ def enumerate_candidates(
 
     ``formats``, ``precisions`` and ``names`` (candidate names such as ``onnx int8 dynamic``) narrow the set."""
     found = CandidateSet()
+    for flag, given, allowed in (("--formats", formats, FORMATS), ("--precisions", precisions, PRECISIONS)):
+        if given is not None and (wrong := [g for g in given if g not in allowed]):
+            raise UsageError(f"{flag}: unknown {', '.join(wrong)}; expected some of {', '.join(allowed)}")
     known = {Candidate(f, p, engine_for(f) or f, o).name for p in PRECISIONS for f in FORMATS for o in variants(f, p)}
     unknown = sorted(set(names or ()) - known)
     if unknown:
@@ -127,6 +130,20 @@ def enumerate_candidates(
                 else:
                     found.skipped.append(Skipped(candidate, reason))
     return found
+
+
+def nothing_to_try(skipped: list[Skipped]) -> str:
+    """Why no candidate runs, in one line: the reasons of those the options asked for (all where none was),
+    each once, with the candidates it names."""
+    asked = [s for s in skipped if not s.reason.startswith("not among --")] or skipped
+    by_reason: dict[str, list[str]] = {}
+    for s in asked:
+        by_reason.setdefault(s.reason, []).append(s.candidate.name)
+    parts = [
+        f"{', '.join(names) if len(names) <= 3 else f'{len(names)} candidates'}: {reason}"
+        for reason, names in by_reason.items()
+    ]
+    return "no candidate can run here: " + "; ".join(parts)
 
 
 def skip_reason(

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tk.errors import UsageError
+from tk.export.calibration import require_finite
 from tk.models import ModelSpec
 from tk.runtime.inputs import random_inputs
 from tk.spec import Dim
@@ -54,6 +55,7 @@ def optimize_data(
         return OptimizeData(held, None)
     path = Path(data)
     arrays, labels = read_labeled_inputs(path, spec.name, inputs, dims, labels=lambda: labels_spec(spec.signature))
+    require_finite(arrays, f"--data {path}", "judging the candidates")
     total = int(next(iter(arrays.values())).shape[0])
     if total < 2:
         raise UsageError(f"--data {path}: expected 2 or more samples (half calibrate, half judge), found {total}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tk.accuracy import METRICS, AccuracySpec, parse_accuracy
+from tk.accuracy import METRICS, AccuracySpec, parse_accuracy, unmeasurable
 from tk.errors import BackendUnavailableError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
@@ -25,9 +25,9 @@ from tk.limits import require_within_budget
 from tk.manifest import Manifest
 from tk.models import ModelSpec
 from tk.models.checkpoint import require_checkpoint_fits
-from tk.spec import Dim, feeds_nbytes
+from tk.spec import Dim, dim_flag, feeds_nbytes
 from tk.workflows.optimize.artifacts import CACHE, model_digest, refuse_foreign_out, write_group, write_winner
-from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers
+from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers, nothing_to_try
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
@@ -89,6 +89,8 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     out = Path(out)
     say = progress or (lambda *_: None)
     accuracy = parse_accuracy(options.accuracy)
+    if (why := unmeasurable(accuracy, spec.signature.outputs)) is not None:
+        raise UsageError(why)
     if options.keep not in KEEP:
         raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
     refuse_foreign_out(out, options.cache_dir)
@@ -106,9 +108,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
         options.device, formats=options.formats, precisions=options.precisions, names=options.candidates
     )
     if not found.tried:
-        raise UsageError(
-            "no candidate can run here: " + "; ".join(f"{s.candidate.name}: {s.reason}" for s in found.skipped)
-        )
+        raise UsageError(nothing_to_try(found.skipped))
     rows = [_row(s.candidate, "skipped", s.reason) for s in found.skipped]
     state = _Run(spec, out, options, accuracy, data, sizes, say)
     state.base = _export_options(options, accuracy, dims, data, state.gate)
@@ -143,12 +143,14 @@ def timing_sizes(dims: dict[str, Dim], sizes: dict[str, int]) -> dict[str, int]:
     """Where candidates are timed: ``sizes``, each other dimension at its opt; each inside its range."""
     unknown = sorted(set(sizes) - set(dims))
     if unknown:
-        raise UsageError(f"--{unknown[0]}: this model has no dimension {unknown[0]!r}; it has {', '.join(dims)}")
+        raise UsageError(
+            f"{dim_flag(unknown[0])}: this model has no dimension {unknown[0]!r}; it has {', '.join(dims)}"
+        )
     chosen = {n: d.opt for n, d in dims.items()} | sizes
     for name, size in chosen.items():
         dim = dims[name]
         if not dim.min <= size <= dim.max:
-            raise UsageError(f"--{name} {size}: outside the artifact's range {dim.min}:{dim.opt}:{dim.max}")
+            raise UsageError(f"{dim_flag(name)} {size}: outside the artifact's range {dim.min}:{dim.opt}:{dim.max}")
     return chosen
 
 
@@ -513,7 +515,7 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
         recommended = {
             "candidate": winner.candidate, "format": winner.format, "precision": winner.precision,
             "engine": winner.engine, "options": winner.options, "p50_ms": winner.p50_ms, "speedup": winner.speedup,
-            "cpu": state.timing.get("machine", {}).get("cpu"),
+            "busy": winner.busy, "cpu": state.timing.get("machine", {}).get("cpu"),
         }  # fmt: skip
     order = {"passed": 0, "failed": 1, "skipped": 2}
     rows.sort(key=lambda r: (not r.winner, order[r.status], r.p50_ms if r.p50_ms is not None else float("inf")))
