@@ -28,23 +28,7 @@ mkdir -p "$OUT" "$WORK"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $WORK/NAME.log, record the outcome
-  local name=$1 limit=$2
-  shift 2
-  if [[ " $SKIP " == *" $name "* ]]; then
-    printf '%s\t%s\t%s\n' "$name" "skipped (SKIP)" 0 >>"$STEPS"
-    return
-  fi
-  echo "== $name (limit ${limit}s): $*" >&2
-  local start=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  local outcome=ok
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && outcome=timeout
-  [ $rc -ne 0 ] && [ "$outcome" = ok ] && outcome="failed (exit $rc)"
-  printf '%s\t%s\t%s\n' "$name" "$outcome" "$((SECONDS - start))" >>"$STEPS"
-  tail -n 3 "$WORK/$name.log" >&2
-}
+source scripts/step.sh  # step NAME LIMIT_S COMMAND...
 
 $PY -c "import torch, sys; sys.exit(0 if '$DEVICE' == 'cpu' or torch.cuda.is_available() else 1)" \
   || { echo "gpu_check: no CUDA GPU visible to torch; nothing to check" >&2; exit 1; }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels of what tk needs beyond torch, onnx and onnxruntime, for a GPU machine without network
 # (Python 3.12, x86-64): model-signing and pyopenssl with their dependencies, the versions of this
-# project's setup (scripts/setup.sh) as resolved on 2026-12-04. Run where pip reaches a registry:
+# project's setup (scripts/setup.sh) as resolved on 2026-12-04, and torchao for the int8 packages of
+# scripts/cpu_goals.sh (OpenVINO's wheel, 59 MB, does not fit beside them: its candidates are skipped). Run where pip reaches a registry:
 #   bash scripts/gpu_wheels.sh [DIR]        (default .whl)
 # then on the GPU machine, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
@@ -16,5 +17,5 @@ PY=${PYTHON:-python3}
   platformdirs==4.14.9 tuf==7.0.1 securesystemslib==1.6.0 sigstore-rekor-types==0.0.18 pydantic==2.14.4 \
   typing-inspection==0.4.5 pydantic-core==2.50.5 annotated-types==0.8.0 sigstore-models==0.0.6 \
   rfc3161-client==1.0.9 rfc8785==0.1.4 pyjwt==2.15.1 id==1.6.1 in-toto-attestation==0.9.3 blake3==1.0.11 \
-  asn1crypto==1.5.1
+  asn1crypto==1.5.1 torchao==0.18.0
 ls "$DIR"/*.whl | wc -l

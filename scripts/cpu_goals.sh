@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 22's goals for the small Transformer on this CPU in one run, ending with one summary table
+# (stdout and summary.txt) and one JSON file (cpu_goals.json) in $OUT (default cpu_goals/):
+#   train  tk train with held-out samples of the task (--samples), as scripts/pipeline.sh does
+#   optimize  tk optimize on those samples at 32 x 128: the pick against eager float32, its held-out
+#          SQNR, its wall time, and the int8 package against the bf16 one in the same rounds
+#   bf16   scripts.bench_goals: the bf16 package against the bf16 rate at its own shapes
+# The goals name 2 cores: where this machine has more, every step is pinned to two physical cores
+# (CORES=LIST overrides, CORES=all pins nothing). The AMX goals need a CPU with AMX; the GPU machine's
+# host has one (benchmarks/history.md). There, with torchao and the signing wheels carried
+# (scripts/gpu_wheels.sh), from the repository root:
+#   PYTHONPATH=/tmp/site:. PYTHON=python3 bash scripts/cpu_goals.sh
+# Here: PYTHON=.venv/bin/python bash scripts/cpu_goals.sh. To test this script (about 3 minutes):
+#   SIZE=tiny TRAIN_STEPS=5 BATCH=4 SEQ=16 SAMPLES=16 ITERS=2 PYTHON=.venv/bin/python bash scripts/cpu_goals.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-cpu_goals}
+WORK=${WORK:-$(mktemp -d /tmp/tk-cpu-goals.XXXXXX)}
+SIZE=${SIZE:-small}
+TRAIN_STEPS=${TRAIN_STEPS:-100}
+BATCH=${BATCH:-32}
+SEQ=${SEQ:-128}
+SAMPLES=${SAMPLES:-64}
+ITERS=${ITERS:-16}
+CORES=${CORES:-auto}
+mkdir -p "$OUT" "$WORK"
+OUT=$(cd "$OUT" && pwd)
+STEPS="$WORK/steps.tsv"
+: >"$STEPS"
+
+two_physical_cores() {  # the first logical CPU of each of the first two physical cores: "0,1" or "0,8" with SMT
+  lscpu -p=CPU,CORE,SOCKET 2>/dev/null | grep -v '^#' | awk -F, '!seen[$2 "," $3]++ {print $1}' | head -n 2 | paste -sd, -
+}
+PIN=()
+if [ "$CORES" = auto ]; then
+  CORES=all
+  if [ "$(nproc)" -gt 2 ] && command -v taskset >/dev/null; then CORES=$(two_physical_cores); fi
+fi
+if [ "$CORES" != all ] && [ -n "$CORES" ]; then
+  PIN=(taskset -c "$CORES")
+  export OMP_NUM_THREADS=$(($(tr -cd , <<<"$CORES" | wc -c) + 1))
+fi
+echo "cores: $CORES" >"$WORK/cores.txt"
+
+source scripts/step.sh  # step NAME LIMIT_S COMMAND...
+
+CKPT="$WORK/$SIZE.safetensors"
+step train 600 "$PY" -m tk train transformer --size "$SIZE" --steps "$TRAIN_STEPS" --out "$CKPT" \
+  --samples "$WORK/$SIZE-val.npz" --samples-count "$SAMPLES"
+# the optimize goal is 5 minutes: the limit leaves room to measure a run that misses it
+step optimize 900 "$PY" -m tk optimize transformer --size "$SIZE" --checkpoint "$CKPT" --data "$WORK/$SIZE-val.npz" \
+  --batch "$BATCH" --seq "$SEQ" --out "$WORK/optimize"
+step bf16 600 "$PY" -m scripts.bench_goals --int8-sizes '' --bf16-sizes "$SIZE" --skip-hf \
+  --checkpoint "$SIZE=$CKPT" --batch "$BATCH" --seq "$SEQ" --iters "$ITERS" --out "$WORK/bf16"
+
+"$PY" scripts/cpu_goals_summary.py "$WORK" "$OUT" | tee "$OUT/summary.txt"
