@@ -149,6 +149,12 @@ def test_auto_opens_the_recommended_engine(runs: dict[str, Any]) -> None:
     assert "tk optimize recommends" in choice.reason
 
 
+def test_check_auto_checks_the_recommended_engine(runs: dict[str, Any]) -> None:
+    result = CliRunner().invoke(cli, ["check", str(runs["base"] / "out"), "--engine", "auto"], obj={})
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == f"parity passed for {runs['first'].winner.engine}"
+
+
 def test_the_command_prints_the_table_from_the_cache(runs: dict[str, Any]) -> None:
     base = runs["base"]
     args = ["optimize", "transformer", "--size", "tiny", "--accuracy", "sqnr>=60", "--batch", "4", "--seq", "16",

@@ -183,7 +183,11 @@ def _infer_ray(
 )
 @click.option("--tol", "tols", multiple=True, metavar="NAME=RTOL:ATOL", help="Tolerance of one output (repeatable).")
 @check_gates
-@engine_choice(default="all", help="Engine to compare with eager, or all that this machine can run.")
+@engine_choice(
+    default="all",
+    help="Engine to compare with eager, all that this machine can run, or auto (the one tk optimize recommended, "
+    "else all).",
+)
 def check_cmd(
     artifact: Path,
     inputs_path: Path | None,

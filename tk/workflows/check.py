@@ -283,8 +283,11 @@ def _refuse_conflicts(
 
 def _candidates(root: str | Path, choice: EngineChoice, manifest: Manifest, reference: str, golden: bool) -> list[str]:
     """The engines compared with ``reference``: ``choice.name`` without the reference (and, with all/auto,
-    without native-code engines ``choice.trust`` does not allow)."""
+    without native-code engines ``choice.trust`` does not allow); ``auto`` is the engine ``tk optimize``
+    recommended where the manifest names one this machine runs, else all."""
     found = engines_to_check(choice.name, manifest, choice.device, root=root, trust=choice.trust)
+    if choice.name == "auto" and manifest.recommended_engine in found:
+        found = [manifest.recommended_engine]  # the engine --engine auto opens elsewhere: tk optimize's pick
     names = [n for n in found if n != reference]
     if golden and choice.name in ("all", "auto"):
         names = [n for n in names if n not in ("eager", "compile")]  # both rebuild the model the golden file replaces
