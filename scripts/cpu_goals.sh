@@ -5,9 +5,10 @@
 #   optimize  tk optimize on those samples at 32 x 128: the pick against eager float32, its held-out
 #          SQNR, its wall time, and the int8 package against the bf16 one in the same rounds
 #   bf16   scripts.bench_goals: the bf16 package against the bf16 rate at its own shapes
-# The goals name 2 cores: where this machine has more, every step is pinned to two physical cores
-# (CORES=LIST overrides, CORES=all pins nothing). The AMX goals need a CPU with AMX; the GPU machine's
-# host has one (benchmarks/history.md). There, with torchao and the signing wheels carried
+# The goals name 2 cores: where this machine has more, every step is pinned to two physical cores of
+# those it may use (CORES=0,2 chooses them, a comma-separated list; CORES=all pins nothing). The AMX
+# goals need a CPU with AMX; the GPU machine's host has one (benchmarks/history.md). There, with
+# torchao and the signing wheels carried
 # (scripts/gpu_wheels.sh), from the repository root:
 #   PYTHONPATH=/tmp/site:. PYTHON=python3 bash scripts/cpu_goals.sh
 # Here: PYTHON=.venv/bin/python bash scripts/cpu_goals.sh. To test this script (about 3 minutes):
@@ -30,13 +31,20 @@ OUT=$(cd "$OUT" && pwd)
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 
-two_physical_cores() {  # the first logical CPU of each of the first two physical cores: "0,1" or "0,8" with SMT
-  lscpu -p=CPU,CORE,SOCKET 2>/dev/null | grep -v '^#' | awk -F, '!seen[$2 "," $3]++ {print $1}' | head -n 2 | paste -sd, -
+two_physical_cores() {  # of the CPUs this process may use, the first of each of two physical cores, e.g. "0,1"
+  local allowed
+  allowed=$("$PY" -c 'import os; print(" ".join(map(str, sorted(os.sched_getaffinity(0)))))') || return
+  lscpu -p=CPU,CORE,SOCKET 2>/dev/null | grep -v '^#' |
+    awk -F, -v allowed="$allowed" 'BEGIN { n = split(allowed, a, " "); for (i = 1; i <= n; i++) ok[a[i]] = 1 }
+      ($1 in ok) && !seen[$2 "," $3]++ { print $1 }' | head -n 2 | paste -sd, -
 }
 PIN=()
-if [ "$CORES" = auto ]; then
+if [ "$CORES" = auto ]; then  # CORES: a comma-separated list of CPUs, or all
   CORES=all
-  if [ "$(nproc)" -gt 2 ] && command -v taskset >/dev/null; then CORES=$(two_physical_cores); fi
+  if [ "$(nproc)" -gt 2 ] && command -v taskset >/dev/null; then
+    found=$(two_physical_cores)
+    if [[ "$found" == *,* ]]; then CORES=$found; else echo "cpu_goals: found no two physical cores to pin to; not pinned" >&2; fi
+  fi
 fi
 if [ "$CORES" != all ] && [ -n "$CORES" ]; then
   PIN=(taskset -c "$CORES")

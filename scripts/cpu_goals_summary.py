@@ -11,6 +11,7 @@ names another kind of CPU is shown with no verdict.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ def load(path: Path | None) -> dict[str, Any] | None:
         return json.loads(path.read_text()) if path else None
     except (OSError, ValueError):
         return None
+
+
+def number(value: Any) -> float | None:
+    """A number of optimize.json, where an infinite or NaN one is the text "inf", "-inf" or "nan"."""
+    return float(value) if isinstance(value, str) else value
 
 
 def cpu_class(flags: list[str]) -> str:
@@ -71,7 +77,7 @@ def goals_of(table: dict[str, Any] | None, bf16_row: dict[str, Any] | None, kind
     }
     sqnr = None
     if winner:
-        found = [winner.get(k, {}).get("sqnr") for k in ("accuracy", "shape_range")]
+        found = [number(winner.get(k, {}).get("sqnr")) for k in ("accuracy", "shape_range")]
         sqnr = min((v for v in found if v is not None), default=None)
     goals["pick held out and across the range >= 35 dB"] = goal(sqnr, ">=", MIN_SQNR_DB["int8"])
     timed = [c["p50_ms"] for c in table.get("candidates", []) if c.get("status") == "passed" and c.get("p50_ms")]
@@ -95,8 +101,9 @@ def goals_of(table: dict[str, Any] | None, bf16_row: dict[str, Any] | None, kind
 def main(work: Path, out: Path) -> int:
     steps = [line.split("\t") for line in (work / "steps.tsv").read_text().splitlines() if line]
     seconds = {name: float(s) for name, _, s in steps}
-    table = load(work / "optimize" / "optimize.json")
-    bench = load(max((work / "bf16").glob("*-bench-goals.json"), default=None))
+    ran = {name for name, outcome, _ in steps if outcome == "ok"}  # a step that did not: its files are not this run's
+    table = load(work / "optimize" / "optimize.json") if "optimize" in ran else None
+    bench = load(max((work / "bf16").glob("*-bench-goals.json"), default=None)) if "bf16" in ran else None
     bf16_row = next(
         (r for r in ((bench or {}).get("results") or {}).get("rows", []) if r["goal"].startswith("bf16")), None
     )
@@ -131,6 +138,9 @@ def main(work: Path, out: Path) -> int:
         verdict = {True: "met", False: "NOT met", None: ""}[g["met"]]
         lines.append(f"goal  {name:<44} {shown:>12} {g['target'] or '':>8}  {verdict} {g['why']}".rstrip())
     print("\n".join(lines))
+    for g in goals.values():  # JSON has no infinity: as optimize.json writes it
+        if g["value"] is not None and not math.isfinite(g["value"]):
+            g["value"] = str(g["value"])
     summary = {"machine": machine, "cpu_class": kind, "cores": cores,
                "steps": [dict(zip(("step", "outcome", "seconds"), s, strict=True)) for s in steps],
                "candidates": (table or {}).get("candidates"), "bf16": bf16_row, "goals": goals}  # fmt: skip

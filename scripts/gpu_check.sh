@@ -28,6 +28,7 @@ mkdir -p "$OUT" "$WORK"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 
+PIN=()  # nothing before the commands (scripts/step.sh), whatever the environment holds
 source scripts/step.sh  # step NAME LIMIT_S COMMAND...
 
 $PY -c "import torch, sys; sys.exit(0 if '$DEVICE' == 'cpu' or torch.cuda.is_available() else 1)" \

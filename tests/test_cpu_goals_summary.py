@@ -68,3 +68,23 @@ def test_missing_runs_are_not_measured_and_a_failed_step_fails(tmp_path, capsys)
     assert all(g["value"] is None and g["met"] is None for g in goals.values())
     assert "aoti int8 static: not a candidate in this run" in goals["aoti int8 over aoti bf16, same rounds"]["why"]
     assert "not measured" in capsys.readouterr().out
+
+
+def test_an_exact_winner_and_the_files_of_a_step_that_failed(tmp_path):
+    """A float32 winner equal to eager reads SQNR "inf" in optimize.json; a failed step's files are not read."""
+    work, out = _work(tmp_path), tmp_path / "out"
+    out.mkdir()
+    table = json.loads((work / "optimize" / "optimize.json").read_text())
+    winner = next(c for c in table["candidates"] if c.get("winner"))
+    winner["accuracy"]["sqnr"] = winner["shape_range"]["sqnr"] = "inf"
+    (work / "optimize" / "optimize.json").write_text(json.dumps(table))
+    (work / "steps.tsv").write_text("train\tok\t78\noptimize\tok\t122\nbf16\tfailed (exit 1)\t3\n")
+    assert main(work, out) == 1
+    goals = json.loads((out / "cpu_goals.json").read_text())["goals"]
+    assert goals["pick held out and across the range >= 35 dB"] == {
+        "value": "inf",
+        "target": ">= 35",
+        "met": True,
+        "why": "",
+    }
+    assert goals["bf16 package, share of the bf16 rate"]["value"] is None  # the old bench file is left unread

@@ -357,7 +357,7 @@ def test_sequences_of_length_zero_are_refused(artifact, tmp_path):
 def test_export_with_a_huge_range_is_refused_before_allocating(tmp_path):
     code, stderr = run_cli(
         "--max-memory", "2G", "export", "transformer", "--size", "tiny", "--format", "onnx",
-        "--seq", f"1:16:{10**9}", "--out", str(tmp_path / "x"),
+        "--batch", f"1:8:{10**9}", "--out", str(tmp_path / "x"),
     )  # fmt: skip
     assert_one_line(code, stderr, "over tk's memory budget")
 

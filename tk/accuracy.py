@@ -143,6 +143,8 @@ class Verdict:
 
 def _finite_or_text(value: float) -> float | str:
     # significant digits, not decimals: a max_abs of 4.5e-08 is no 0.0 (a cosine keeps its 9s to 1e-9)
+    if math.isnan(value):
+        return "nan"
     return float(f"{value:.10g}") if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 

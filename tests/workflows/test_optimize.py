@@ -446,7 +446,7 @@ def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -
         (*tiny, "--cache-dir", str(blocker / "c"), "--out", str(out)): f"error: --cache-dir {blocker / 'c'}: "
         "expected a directory path, found a file at",
         (*tiny, "--seq", "100", "--out", str(out)): "error: --seq: this model takes seq up to 64 (the length of "
-        "its position table), found a range up to 100",
+        "its position table), found 100",
         (*tiny, "--dim", "foo=1:2:3", "--out", str(out)): "error: --dim foo: this model has no dimension 'foo'",
         ("mlp", "--size", "tiny", "--data", str(tmp_path / "nan.npz"), "--out", str(out)): f"error: --data "
         f"{tmp_path / 'nan.npz'}: input {name!r}: expected finite values (judging the candidates needs them), "

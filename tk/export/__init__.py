@@ -83,8 +83,8 @@ def resolve_dims(spec: ModelSpec, overrides: dict[str, Dim], dynamic: bool) -> d
         limit = spec.max_sizes.get(name)
         if limit is not None and dim.max > limit:
             raise UsageError(
-                f"{dim_flag(name)}: this model takes {name} up to {limit} (the length of its position table), found a "
-                f"range up to {dim.max}"
+                f"{dim_flag(name)}: this model takes {name} up to {limit} (the length of its position table), found "
+                f"{dim.max}"
             )
     if not dynamic:
         return {name: Dim(name, d.opt, d.opt, d.opt) for name, d in dims.items()}

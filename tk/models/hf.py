@@ -199,7 +199,8 @@ def build_hf_model(name: str, task: str | None = None) -> ModelSpec:
     if "input_ids" not in names:
         raise UsageError(f"{name}: expected a text model whose forward takes input_ids, found {list(accepted)[:6]}")
     vocab = int(config_json.get("vocab_size") or config.vocab_size)
-    max_pos = int(getattr(config, "max_position_embeddings", 512) or 512)
+    limit = _position_limit(model)
+    max_pos = limit or int(getattr(config, "max_position_embeddings", 512) or 512)  # the default range's max
     inputs = []
     for n in names:
         if n == "input_ids":
@@ -215,4 +216,16 @@ def build_hf_model(name: str, task: str | None = None) -> ModelSpec:
     dims = {"batch": BATCH, "seq": Dim("seq", 1, min(SEQ_OPT, max_pos), max_pos)}
     module = HFTaskModel(model, names).eval()
     signature = Signature(inputs, outputs, dims)
-    return ModelSpec(f"{PREFIX}{directory}", None, {"task": task}, module, signature, max_sizes={"seq": max_pos})
+    max_sizes = {"seq": limit} if limit else {}
+    return ModelSpec(f"{PREFIX}{directory}", None, {"task": task}, module, signature, max_sizes=max_sizes)
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    """The longest sequence a learned position table holds (``*.position_embeddings``), or None where the
+    model has none (rotary or relative positions: the config's ``max_position_embeddings`` is no hard limit).
+    RoBERTa-style tables start counting after their padding index, which takes ``padding_idx + 1`` rows."""
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, nn.Embedding):
+            reserved = module.padding_idx + 1 if module.padding_idx is not None else 0
+            return module.num_embeddings - reserved
+    return None

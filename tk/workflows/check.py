@@ -286,7 +286,7 @@ def _candidates(root: str | Path, choice: EngineChoice, manifest: Manifest, refe
     without native-code engines ``choice.trust`` does not allow); ``auto`` is the engine ``tk optimize``
     recommended where the manifest names one this machine runs, else all."""
     found = engines_to_check(choice.name, manifest, choice.device, root=root, trust=choice.trust)
-    if choice.name == "auto" and manifest.recommended_engine in found:
+    if choice.name == "auto" and manifest.recommended_engine in found and manifest.recommended_engine != reference:
         found = [manifest.recommended_engine]  # the engine --engine auto opens elsewhere: tk optimize's pick
     names = [n for n in found if n != reference]
     if golden and choice.name in ("all", "auto"):
