@@ -138,9 +138,8 @@ def read_manifest(root: str | Path) -> Manifest:
     root = Path(root)
     path = root / MANIFEST
     if not root.is_dir():
-        raise UsageError(
-            f"expected an artifact directory written by `tk export`, found {'a file' if root.exists() else 'no directory'} at {root}"
-        )
+        found = "a file" if root.exists() else "no directory"
+        raise UsageError(f"expected an artifact directory written by `tk export`, found {found} at {root}")
     if not os.path.lexists(path):
         raise IntegrityError(
             f"{root}: no {MANIFEST}; not a complete artifact (an export was interrupted or this is another directory)"

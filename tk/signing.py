@@ -242,9 +242,8 @@ def sign_artifact(root: str | Path, private_key: str | Path | None = None, *, ig
 
     root = Path(root)
     if not root.is_dir():
-        raise UsageError(
-            f"expected an artifact directory, found {'a file' if root.exists() else 'no directory'} at {root}"
-        )
+        found = "a file" if root.exists() else "no directory"
+        raise UsageError(f"expected an artifact directory, found {found} at {root}")
     key_path = Path(private_key) if private_key is not None else ensure_own_key()[0]
     key = _load_private_key(key_path)
     from cryptography.hazmat.primitives import serialization

@@ -71,9 +71,8 @@ class ModelSpec:
     task: TrainingTask | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # precision -> (rtol, atol)
     input_descriptions: tuple[str, ...] = ()  # a user model's --input descriptions, to rebuild it later
-    max_sizes: dict[str, int] = field(
-        default_factory=dict
-    )  # dimension -> the most it takes (a position table's length)
+    # dimension -> the largest size the model takes (a learned position table's length); none: no limit
+    max_sizes: dict[str, int] = field(default_factory=dict)
 
     def example_inputs(self, sizes: dict[str, int] | None = None, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Valid random inputs at ``sizes`` (default: each dimension's opt size), in input order."""

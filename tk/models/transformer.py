@@ -148,15 +148,8 @@ def build(cfg: TransformerConfig) -> ModelSpec:
     ]
     seq = Dim("seq", 1, seq_opt, cfg.max_seq_len)
     signature = classifier_signature(inputs, cfg.num_classes, batch_max=64, dims={"seq": seq})
-    return ModelSpec(
-        "transformer",
-        None,
-        {},
-        TransformerClassifier(cfg),
-        signature,
-        make_task(cfg),
-        max_sizes={"seq": cfg.max_seq_len},
-    )
+    module, limits = TransformerClassifier(cfg), {"seq": cfg.max_seq_len}  # its position table's length
+    return ModelSpec("transformer", None, {}, module, signature, make_task(cfg), max_sizes=limits)
 
 
 ENTRY = ModelEntry(
