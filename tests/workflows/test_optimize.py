@@ -436,6 +436,8 @@ def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -
     samples[6, 1] = np.nan  # in the held-out half
     np.savez(tmp_path / "nan.npz", **{name: samples})
     np.savez(tmp_path / "empty.npz")
+    ids = np.random.default_rng(0).integers(0, 1000, (8, 16))
+    np.savez(tmp_path / "labels.npz", input_ids=ids, attention_mask=np.ones_like(ids), labels=np.full(8, 7))
     out = tmp_path / "out"
     tiny = ["transformer", "--size", "tiny"]
     cases = {
@@ -445,6 +447,7 @@ def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -
         f"found a file at {blocker}",
         (*tiny, "--cache-dir", str(blocker / "c"), "--out", str(out)): f"error: --cache-dir {blocker / 'c'}: "
         "expected a directory path, found a file at",
+        (*tiny, "--data", str(tmp_path / "labels.npz"), "--out", str(out)): "error: ",  # the line's end: below
         (*tiny, "--seq", "100", "--out", str(out)): "error: --seq: this model takes seq up to 64 (the length of "
         "its position table), found 100",
         (*tiny, "--dim", "foo=1:2:3", "--out", str(out)): "error: --dim foo: this model has no dimension 'foo'",
@@ -463,6 +466,8 @@ def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith(start), (args, result.output)
         assert not out.exists(), args
+        if "labels.npz" in " ".join(args):
+            assert "class 7 is outside the valid range [0, 2) of this model" in lines[0], lines
 
 
 def test_no_candidate_to_try_says_the_reason_of_those_asked_for() -> None:

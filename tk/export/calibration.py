@@ -73,7 +73,8 @@ def require_int8_layers(int8: int, quantizable: int, fmt: str) -> None:
         raise ConversionError(
             f"--precision int8 --format {fmt}: no layer stayed int8 (all {quantizable} were left out, below the "
             "SQNR floor or by --keep-fp32), so the artifact would not be int8; calibrate with real inputs "
-            f"(--calibrate FILE), train the model, accept a lower floor (--min-sqnr DB) or export {other}"
+            "(--calibrate FILE; tk optimize: --data FILE), train the model, accept a lower floor (--min-sqnr DB; "
+            f"tk optimize: a lower --accuracy) or export {other}"
         )
     log.info("export int8   %d of %d layers int8", int8, quantizable)
 

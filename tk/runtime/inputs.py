@@ -135,8 +135,9 @@ def _check_values(value: Any, spec: TensorSpec, prefix: str) -> None:
         low, high = _min_max(value)
         if (spec.low is not None and low < spec.low) or (spec.high is not None and high >= spec.high):
             bad = low if spec.low is not None and low < spec.low else high
+            what = "class" if spec.name == "labels" else "token id"  # labels index the classes (labels_spec)
             raise InputError(
-                f"{prefix}: token id {bad} is outside the valid range [{spec.low}, {spec.high}) of this model"
+                f"{prefix}: {what} {bad} is outside the valid range [{spec.low}, {spec.high}) of this model"
             )
     elif spec.kind == "mask":
         low, high = _min_max(value)
