@@ -11,7 +11,7 @@
 # torchao and the signing wheels carried
 # (scripts/gpu_wheels.sh), from the repository root:
 #   PYTHONPATH=/tmp/site:. PYTHON=python3 bash scripts/cpu_goals.sh
-# Here: PYTHON=.venv/bin/python bash scripts/cpu_goals.sh. To test this script (about 3 minutes):
+# Here: PYTHON=.venv/bin/python bash scripts/cpu_goals.sh. To test this script (2-3 minutes):
 #   SIZE=tiny TRAIN_STEPS=5 BATCH=4 SEQ=16 SAMPLES=16 ITERS=2 PYTHON=.venv/bin/python bash scripts/cpu_goals.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
