@@ -19,12 +19,16 @@ import numpy as np
 from tk.errors import UsageError
 from tk.limits import require_within_budget
 
+CHUNK_ELEMENTS = 1 << 22  # elements per slice when scanning a (possibly memory-mapped) array
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 
 
-def dim_flag(name: str) -> str:
-    """The option that sets dimension ``name``: ``--batch`` and ``--seq`` have their own, the rest ``--dim NAME``."""
-    return f"--{name}" if name in ("batch", "seq") else f"--dim {name}"
+def dim_flag(name: str, sizes: str | None = None) -> str:
+    """The option that sets dimension ``name`` (``--batch`` and ``--seq`` have their own, the rest ``--dim
+    NAME``), with ``sizes`` (``MIN:OPT:MAX``) as the user would type it: ``--seq 1:8:64``, ``--dim x=1:8:64``."""
+    own = name in ("batch", "seq")
+    flag = f"--{name}" if own else f"--dim {name}"
+    return flag if sizes is None else f"{flag}{' ' if own else '='}{sizes}"
 
 
 @dataclass(frozen=True)
@@ -316,3 +320,23 @@ def shapes_to_check(dims: dict[str, Dim]) -> list[dict[str, int]]:
 def _odd_inside(dim: Dim) -> int:
     inside = [s for s in dim.sizes_to_check() if s not in (dim.min, dim.opt, dim.max)]
     return inside[0] if inside else dim.opt
+
+
+def count_nonfinite(arrays: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """NaN and Inf values per floating-point array (other arrays are left out), read in slices."""
+    counts: dict[str, int] = {}
+    for name, array in arrays.items():
+        if not _is_float(array.dtype):
+            continue
+        rows = array.reshape(array.shape[0], math.prod(array.shape[1:])) if array.ndim else array.reshape(1, 1)
+        step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
+        total = 0
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start : start + step]
+            total += int(chunk.size - np.count_nonzero(np.isfinite(chunk)))
+        counts[name] = total
+    return counts
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"

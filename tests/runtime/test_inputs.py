@@ -7,8 +7,8 @@ import pytest
 
 from tk.errors import InputError, UsageError
 from tk.models import build_model
-from tk.runtime.inputs import count_nonfinite, random_inputs, read_inputs
-from tk.spec import Dim, TensorSpec
+from tk.runtime.inputs import random_inputs, read_inputs
+from tk.spec import Dim, TensorSpec, count_nonfinite
 
 VOCAB = 1000  # transformer tiny
 SEQ = 12

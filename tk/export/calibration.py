@@ -16,7 +16,7 @@ import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError
 from tk.export.context import ExportContext
-from tk.spec import batch_dim, fitted_samples, random_feeds, shapes_to_check
+from tk.spec import batch_dim, count_nonfinite, fitted_samples, random_feeds, shapes_to_check
 
 CALIBRATION_BATCH = 8  # samples per calibration run
 # a quantized graph's judged batches must clear the floor by this much: the check runs other batches (fresh
@@ -31,10 +31,8 @@ log = logging.getLogger("tk.export")
 def require_finite(arrays: Mapping[str, Any], source: str, purpose: str = "int8 calibration") -> None:
     """Refuse samples holding NaN or infinity (``source``: the flag and file they came from): calibration
     ranges would leave no layer int8, and no accuracy can be judged against a NaN reference."""
-    for name, array in arrays.items():
-        values = np.asarray(array)
-        if values.dtype.kind in "fc" and not np.isfinite(values).all():
-            bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+    for name, bad in count_nonfinite(arrays).items():
+        if bad:
             raise UsageError(
                 f"{source}: input {name!r}: expected finite values ({purpose} needs them), found {bad} NaN or "
                 "infinite value(s)"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tk.errors import CaptureError, first_line
-from tk.spec import Dim, Signature
+from tk.spec import Dim, Signature, dim_flag
 
 T = TypeVar("T")
 
@@ -142,12 +142,11 @@ def write_capture_report(
     special = _SPECIALIZED.search(str(cause))
     if special:
         name, value = special[1], int(special[2])
-        flag = f"--{name} " if name in ("batch", "seq") else f"--dim {name}="
         lines += [
             "## Fix",
             "",
             f"- the model's code fixes dimension `{name}` to {value} (see the source line below): export with "
-            f"`{flag}{value}:{value}:{value}` (or `--static`), or change that line so it does not assume the size "
+            f"`{dim_flag(name, f'{value}:{value}:{value}')}` (or `--static`), or change that line so it does not assume the size "
             f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})",
             "",
         ]
@@ -245,22 +244,20 @@ def _dim_fixes(expr: str, sources: dict[str, tuple[str, int]], signature: Signat
     dim = spec.shape[axis] if spec is not None and axis < len(spec.shape) else None
     if not isinstance(dim, str):
         return []
-    flag = f"--{dim}" if dim in ("batch", "seq") else f"--dim {dim}="
-    sep = "" if flag.endswith("=") else " "
     if op == "==":
         return [
             f"the code fixes dimension {dim!r} (axis {axis} of input {input_name!r}) to {value}: export with "
-            f"{flag}{sep}{value}:{value}:{value} (or --static), or change that line so it does not assume the size "
+            f"{dim_flag(dim, f'{value}:{value}:{value}')} (or --static), or change that line so it does not assume the size "
             f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})"
         ]
     if op in ("<=", "<"):
         top = value if op == "<=" else value - 1
         return [
-            f"dimension {dim!r} must stay at most {top} for this code: export with {flag}{sep}1:{min(top, 8)}:{top}"
+            f"dimension {dim!r} must stay at most {top} for this code: export with {dim_flag(dim, f'1:{min(top, 8)}:{top}')}"
         ]
     if op in (">=", ">"):
         low = value if op == ">=" else value + 1
         return [
-            f"dimension {dim!r} must be at least {low} for this code: export with {flag}{sep}{low}:{low}:{max(low, 64)}"
+            f"dimension {dim!r} must be at least {low} for this code: export with {dim_flag(dim, f'{low}:{low}:{max(low, 64)}')}"
         ]
     return [f"the code cannot handle dimension {dim!r} equal to {value}: choose a range that excludes it"]

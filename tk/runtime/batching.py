@@ -21,8 +21,8 @@ import numpy as np
 from tk.errors import InputError, UsageError
 from tk.fileio import atomic_open
 from tk.runtime.base import Engine
-from tk.runtime.inputs import count_nonfinite, file_samples, random_inputs, read_inputs, sample_dim
-from tk.spec import Dim, TensorSpec, numpy_dtype
+from tk.runtime.inputs import file_samples, random_inputs, read_inputs, sample_dim
+from tk.spec import Dim, TensorSpec, count_nonfinite, numpy_dtype
 
 DEFAULT_BATCH = 8  # batch size when the engine names no range for its batch dimension
 MASK_CHUNK_ELEMENTS = 1 << 22  # mask elements read at a time when measuring sequence lengths

@@ -29,12 +29,11 @@ from tk.errors import InputError, UsageError, first_line
 from tk.limits import require_within_budget
 from tk.runtime.dtypes import dtype_name
 from tk.safefiles import require_regular_file
-from tk.spec import Dim, TensorSpec, numpy_dtype, random_feeds, require_names
+from tk.spec import CHUNK_ELEMENTS, Dim, TensorSpec, numpy_dtype, random_feeds, require_names
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
 EMPTY_ZIP_MAGIC = b"PK\x05\x06"  # a zip archive of no members: its end record alone
-CHUNK_ELEMENTS = 1 << 22  # elements per slice when scanning a (possibly memory-mapped) array
 
 
 def sample_dim(specs: list[TensorSpec]) -> str:
@@ -240,26 +239,6 @@ def random_inputs(
     if unknown:
         raise UsageError(f"random inputs: no size for dimension(s) {', '.join(unknown)}; give them in sizes")
     return random_feeds(specs, chosen, seed=seed)
-
-
-def count_nonfinite(arrays: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """NaN and Inf values per floating-point array (other arrays are left out), read in slices."""
-    counts: dict[str, int] = {}
-    for name, array in arrays.items():
-        if not _is_float(array.dtype):
-            continue
-        rows = array.reshape(array.shape[0], math.prod(array.shape[1:])) if array.ndim else array.reshape(1, 1)
-        step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-        total = 0
-        for start in range(0, rows.shape[0], step):
-            chunk = rows[start : start + step]
-            total += int(chunk.size - np.count_nonzero(np.isfinite(chunk)))
-        counts[name] = total
-    return counts
-
-
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
 def _magic(path: Path) -> bytes:

@@ -23,10 +23,17 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class _Queued(NamedTuple):
+    item: Any
+    future: asyncio.Future[Any]
+    arrived: float  # time.monotonic() at submit
+    alone: bool  # no other request was in flight then: it does not wait for company
 
 
 class Batcher(Generic[Item, Result]):
@@ -45,8 +52,7 @@ class Batcher(Generic[Item, Result]):
         self.max_batch = max(1, int(max_batch))
         self.max_delay_s = max(0.0, float(max_delay_s))
         self._size = size
-        # item, its future, when it arrived, whether no other request was in flight then
-        self._pending: collections.deque[tuple[Item, asyncio.Future[Result], float, bool]] = collections.deque()
+        self._pending: collections.deque[_Queued] = collections.deque()
         self._in_flight = 0  # submitted requests not answered yet
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -58,7 +64,7 @@ class Batcher(Generic[Item, Result]):
             self._arrived = asyncio.Event()
             self._worker = loop.create_task(self._work())
         future: asyncio.Future[Result] = loop.create_future()
-        self._pending.append((item, future, time.monotonic(), self._in_flight == 0))
+        self._pending.append(_Queued(item, future, time.monotonic(), self._in_flight == 0))
         self._in_flight += 1
         assert self._arrived is not None
         self._arrived.set()
@@ -68,7 +74,7 @@ class Batcher(Generic[Item, Result]):
             self._in_flight -= 1
 
     def _queued_samples(self) -> int:
-        return sum(self._size(item) for item, future, _, _ in self._pending if not future.done())
+        return sum(self._size(q.item) for q in self._pending if not q.future.done())
 
     async def _work(self) -> None:
         assert self._arrived is not None
@@ -76,8 +82,8 @@ class Batcher(Generic[Item, Result]):
             while not self._pending:
                 self._arrived.clear()
                 await self._arrived.wait()
-            if self.max_delay_s > 0 and not self._pending[0][3]:  # a request alone on arrival does not wait
-                deadline = self._pending[0][2] + self.max_delay_s
+            if self.max_delay_s > 0 and not self._pending[0].alone:
+                deadline = self._pending[0].arrived + self.max_delay_s
                 while self._queued_samples() < self.max_batch and (left := deadline - time.monotonic()) > 0:
                     self._arrived.clear()
                     try:
@@ -106,7 +112,7 @@ class Batcher(Generic[Item, Result]):
         batch: list[tuple[Item, asyncio.Future[Result]]] = []
         samples = 0
         while self._pending:
-            item, future, _, _ = self._pending[0]
+            item, future = self._pending[0].item, self._pending[0].future
             if future.done():
                 self._pending.popleft()
                 continue

@@ -28,9 +28,9 @@ from tk.parity import (
 from tk.registries import ENGINES
 from tk.runtime import EngineChoice, available_engines, open_engine, trusted_engines, unavailable_reason
 from tk.runtime.batching import BatchRunner
-from tk.runtime.inputs import count_nonfinite, random_inputs
+from tk.runtime.inputs import random_inputs
 from tk.signing import TrustPolicy
-from tk.spec import shapes_to_check
+from tk.spec import count_nonfinite, shapes_to_check
 from tk.tolerances import artifact_tolerance, checked_pair
 from tk.workflows.user_inputs import read_user_inputs
 
