@@ -16,6 +16,13 @@ from typing import Any
 import click
 
 from tk.errors import TkError
+from tk.text import printable
+
+
+def echo_error(message: object) -> None:
+    """One ``error:`` line on stderr; what a manifest, a baseline or an option put in it is shown escaped
+    (``tk.text.printable``): a terminal never obeys an escape sequence quoted in an error."""
+    click.echo(f"error: {printable(message)}", err=True)
 
 
 class TkGroup(click.Group):
@@ -28,10 +35,10 @@ class TkGroup(click.Group):
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.ClickException as exc:  # bad option values, missing arguments, unknown commands
-            click.echo(f"error: {exc.format_message()}", err=True)
+            echo_error(exc.format_message())
             sys.exit(exc.exit_code)
         except click.Abort:
-            click.echo("error: aborted", err=True)
+            echo_error("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -43,10 +50,10 @@ class TkGroup(click.Group):
         except TkError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {exc}", err=True)
+            echo_error(exc)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
-            click.echo("error: interrupted", err=True)
+            echo_error("interrupted")
             ctx.exit(130)
         except BrokenPipeError:  # the reader went away (`tk inspect A | head -1`): stop quietly, as a shell tool does
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
@@ -55,7 +62,7 @@ class TkGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             where = f"{exc.filename}: " if exc.filename else ""
-            click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+            echo_error(f"{where}{exc.strerror or exc}")
             ctx.exit(2)
 
 
@@ -86,9 +93,16 @@ def cli(ctx: click.Context, debug: bool, max_memory: str | None) -> None:
         warnings.simplefilter("default")
 
 
+class _PrintableFormatter(logging.Formatter):
+    """tk's log lines (notes naming engines, files, outputs) with escape sequences shown, not obeyed."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record), keep_newlines=True)
+
+
 def _setup_logging(debug: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(_PrintableFormatter("%(message)s"))
     tk_log = logging.getLogger("tk")
     tk_log.handlers[:] = [handler]
     tk_log.setLevel(logging.DEBUG if debug else logging.INFO)

@@ -20,6 +20,7 @@ from tk.cli.common import (
 )
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
+from tk.text import printable
 from tk.tolerances import MIN_SQNR_DB
 
 
@@ -266,40 +267,43 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
 
     manifest = verify_artifact(artifact)
     if as_json:
-        click.echo(manifest_bytes(manifest).decode().rstrip())
+        click.echo(manifest_bytes(manifest).decode().rstrip())  # JSON escapes every control character itself
         return
     model = manifest.model
-    click.echo(f"artifact   {artifact}  status: {manifest.status}  (files verified)")
-    click.echo(
+    _show(f"artifact   {artifact}  status: {manifest.status}  (files verified)")
+    _show(
         f"model      {model['name']}"
         + (f" size {model['size']}" if model.get("size") else "")
         + f"  precision {manifest.precision}  device {manifest.device}"
     )
     if model.get("checkpoint_sha256"):
-        click.echo(f"checkpoint sha256 {model['checkpoint_sha256'][:16]}…")
+        _show(f"checkpoint sha256 {model['checkpoint_sha256'][:16]}…")
     dims = ", ".join(f"{d.name} {d.min}:{d.opt}:{d.max}" for d in manifest.signature.dims.values())
-    click.echo(f"dims       {dims or 'none'}")
+    _show(f"dims       {dims or 'none'}")
     for label, specs in (("input", manifest.signature.inputs), ("output", manifest.signature.outputs)):
         for s in specs:
-            click.echo(f"{label:<10} {s.name}: {s.dtype}[{', '.join(map(str, s.shape))}]")
+            _show(f"{label:<10} {s.name}: {s.dtype}[{', '.join(map(str, s.shape))}]")
     _print_signature(artifact, manifest)
     for entry in manifest.files:
-        click.echo(
-            f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…"
-        )
+        _show(f"file       {entry.path:<28} {entry.role:<10} {size_text(entry.size):>9}  sha256 {entry.sha256[:12]}…")
     for fmt, info in manifest.formats.items():
         for line in _format_lines(artifact, fmt, info):
-            click.echo(line)
-    click.echo("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+            _show(line)
+    _show("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
-        click.echo("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
+        _show("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
     for fmt, report in manifest.check.items():
         worst_abs = max((o["max_abs"] for o in report["outputs"]), default=0.0)
         worst_rel = max((o["max_rel"] for o in report["outputs"]), default=0.0)
         verdict = "passed" if report["passed"] else "FAILED"
-        click.echo(
+        _show(
             f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
         )
+
+
+def _show(line: str) -> None:
+    """One line of ``tk inspect``: the manifest's strings in it shown escaped, never obeyed by the terminal."""
+    click.echo(printable(line))
 
 
 def _format_lines(artifact: Path, fmt: str, info: dict[str, Any]) -> list[str]:
@@ -334,18 +338,18 @@ def _print_signature(artifact: Path, manifest: Any) -> None:
 
     found = signature_summary(artifact, manifest, trust_policy())
     if found.trusted:
-        click.echo(f"signed     by key {found.fingerprint} ({found.key}): verified, trusted")
+        _show(f"signed     by key {found.fingerprint} ({found.key}): verified, trusted")
     elif found.signed:
         who = f"by key {found.fingerprint}" if found.fingerprint else "by an unknown key"
-        click.echo(f"signed     {who}: NOT trusted here, because {found.reason}")
+        _show(f"signed     {who}: NOT trusted here, because {found.reason}")
     else:
-        click.echo(f"signed     no ({SIGNATURE} missing): sign it with `tk sign {artifact}`")
+        _show(f"signed     no ({SIGNATURE} missing): sign it with `tk sign {artifact}`")
     native = holds_native_code(manifest)
     if native:
         verdict = "loads" if found.trusted else "refused unless trusted (--public-key, tk sign, --trust-artifact-code)"
-        click.echo(f"native     {', '.join(native)}: runs the artifact's own code when loaded; {verdict}")
+        _show(f"native     {', '.join(native)}: runs the artifact's own code when loaded; {verdict}")
     else:
-        click.echo("native     none: no format here loads code from the artifact")
+        _show("native     none: no format here loads code from the artifact")
 
 
 COMMANDS = (export_cmd, inspect_cmd)
