@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tk.archives import compiled_code_in
 from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
 from tk.fileio import atomic_write_bytes
 from tk.manifest import MANIFEST, Manifest
@@ -385,9 +386,20 @@ def explicit_policy(policy: TrustPolicy | None) -> TrustPolicy:
     return TrustPolicy(tuple(trusted_key_files(policy)), policy.trust_artifact_code, policy.warn)
 
 
-def holds_native_code(manifest: Manifest) -> list[str]:
-    """The formats of ``manifest`` whose loading runs code from the artifact (aoti, trt)."""
-    return sorted({e.role for e in manifest.files} & NATIVE_CODE_FORMATS)
+def holds_native_code(manifest: Manifest, root: str | Path | None = None) -> list[str]:
+    """The formats of ``manifest`` whose loading runs code from the artifact: aoti and trt always, and,
+    read from ``root``, any other whose zip archive holds compiled code (a ``.pt2`` that ``torch.export.load``
+    would dlopen from, whatever format the manifest calls it)."""
+    roles = {e.role for e in manifest.files}
+    native = roles & NATIVE_CODE_FORMATS
+    if root is not None:
+        native |= {role for role in roles - native if compiled_code_in(root, manifest, role)}
+    return sorted(native)
+
+
+def loads_native_code(root: str | Path, manifest: Manifest, role: str) -> bool:
+    """Whether loading ``role``'s files from ``root`` runs code from the artifact (see ``holds_native_code``)."""
+    return role in NATIVE_CODE_FORMATS or bool(compiled_code_in(root, manifest, role))
 
 
 _overridden: set[tuple[str, str]] = set()

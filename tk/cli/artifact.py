@@ -344,7 +344,7 @@ def _print_signature(artifact: Path, manifest: Any) -> None:
         _show(f"signed     {who}: NOT trusted here, because {found.reason}")
     else:
         _show(f"signed     no ({SIGNATURE} missing): sign it with `tk sign {artifact}`")
-    native = holds_native_code(manifest)
+    native = holds_native_code(manifest, artifact)
     if native:
         verdict = "loads" if found.trusted else "refused unless trusted (--public-key, tk sign, --trust-artifact-code)"
         _show(f"native     {', '.join(native)}: runs the artifact's own code when loaded; {verdict}")

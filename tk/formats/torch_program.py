@@ -6,7 +6,9 @@ the restricted unpickler refuses the sample inputs, as a fallback. A crafted arc
 through any of them. So ``tk`` reads the archive itself first and refuses every entry that would
 reach a pickle path; only an archive whose weights are raw tensor bytes and whose sample inputs
 load with ``weights_only=True`` (or are empty, as ``tk`` writes them) is handed to
-``torch.export.load``, from the verified bytes.
+``torch.export.load``, from the verified bytes. ``torch.export.load`` also extracts and dlopens any
+AOTInductor model the archive holds (``data/aotinductor/``): such members are refused, or left out
+of what it sees (see ``load_exported_program``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,20 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tk.archives import compiled_members_of_bytes
 from tk.errors import IntegrityError, first_line
 from tk.limits import require_within_budget
+from tk.manifest import Manifest, read_verified
+from tk.signing import TrustPolicy, require_trusted_code
+
+log = logging.getLogger("tk.runtime")
 
 FILE = "program.pt2"
 
@@ -90,17 +98,56 @@ def _loads_without_code(payload: bytes) -> bool:
     return True
 
 
-def load_exported_program(data: bytes, source: str = FILE) -> torch.export.ExportedProgram:
-    """The program in ``data`` (the verified bytes of a ``.pt2``), refusing any archive that carries pickles."""
+def load_exported_program(data: bytes, source: str = FILE, *, drop_compiled: bool = False) -> torch.export.ExportedProgram:
+    """The program in ``data`` (the verified bytes of a ``.pt2``), refusing any archive that carries pickles.
+
+    An archive holding compiled code (``tk.archives.compiled_members``: torch.export.load would dlopen
+    it) is refused too, unless ``drop_compiled``: the caller has checked that the user trusts the
+    artifact, and the program is then loaded from a copy of the archive without those members, since
+    running the program never needs them (tk's torch format writes none).
+    """
     refused = pickled_entries(data, source)
     if refused:
         raise IntegrityError(
             f"{source}: the archive holds entries that torch.export.load would unpickle ({', '.join(refused[:3])}); "
             "tk never unpickles an artifact: re-export it with tk"
         )
-    program = torch.export.load(io.BytesIO(data))
+    compiled = compiled_members_of_bytes(data, source)
+    if compiled and not drop_compiled:
+        raise IntegrityError(
+            f"{source}: the archive holds compiled code ({', '.join(compiled[:3])}), which torch.export.load would "
+            "load and run; a torch program holds none: re-export it with tk"
+        )
+    program = torch.export.load(io.BytesIO(without_members(data, compiled) if compiled else data))
     refuse_unsafe_operators(program, source)
     return program
+
+
+def load_artifact_program(root: str | Path, manifest: Manifest, trust: TrustPolicy | None, what: str = "torch"
+                          ) -> torch.export.ExportedProgram:  # fmt: skip
+    """The artifact's torch program, from its verified bytes. An archive that holds compiled code loads only
+    when the user trusts the artifact (``require_trusted_code``, before anything is extracted), and even
+    then without that code."""
+    entry = manifest.file("torch")
+    source = str(Path(root) / entry.path)
+    data = read_verified(root, entry)
+    compiled = compiled_members_of_bytes(data, source)
+    if compiled:
+        require_trusted_code(root, manifest, trust, what)
+        log.warning("note: %s holds compiled code (%s); it is left out: the program runs without it",
+                    source, ", ".join(compiled[:3]))  # fmt: skip
+    return load_exported_program(data, source, drop_compiled=bool(compiled))
+
+
+def without_members(data: bytes, names: list[str]) -> bytes:
+    """The zip archive ``data`` with the members ``names`` left out (read member by member, never extracted)."""
+    leave_out = set(names)
+    kept = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive, zipfile.ZipFile(kept, "w") as out:
+        for info in archive.infolist():
+            if info.filename not in leave_out:
+                out.writestr(info, archive.read(info))
+    return kept.getvalue()
 
 
 # Operators a loaded program may call: the core ATen and prims sets and the quantize/dequantize ops of

@@ -7,8 +7,7 @@ from typing import Any
 import torch
 
 from tk.errors import TkError, load_failure
-from tk.formats.torch_program import load_exported_program
-from tk.manifest import read_verified
+from tk.formats.torch_program import load_artifact_program
 from tk.runtime.torch_engine import TorchEngine
 
 
@@ -16,11 +15,9 @@ class ExportedProgramEngine(TorchEngine):
     name = "torch"
 
     def _load_model(self) -> None:
-        entry = self.manifest.file("torch")
-        path = self.root / entry.path
-        data = read_verified(self.root, entry)
+        path = self.root / self.manifest.file("torch").path
         try:
-            program = load_exported_program(data, str(path))
+            program = load_artifact_program(self.root, self.manifest, self.trust, self.name)
         except TkError:
             raise
         except Exception as exc:  # a damaged archive fails in zipfile, deserialization or torch

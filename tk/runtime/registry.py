@@ -15,10 +15,10 @@ from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.manifest import Manifest, verify_artifact
 from tk.registries import ENGINE_FILE_ROLE, ENGINES
 from tk.signing import (
-    NATIVE_CODE_FORMATS,
     TrustPolicy,
     check_signature,
     how_to_trust,
+    loads_native_code,
     require_trusted_code,
     untrusted_reason,
 )
@@ -97,7 +97,7 @@ def load(
             "re-export it, or pass --allow-failed to inspect it anyway"
         )
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
-    if ENGINE_FILE_ROLE[engine] in NATIVE_CODE_FORMATS:
+    if loads_native_code(root, manifest, ENGINE_FILE_ROLE[engine]):
         require_trusted_code(root, manifest, trust, engine)
     return cls(root, manifest, device=device, options=options, trust=trust)
 
@@ -107,7 +107,7 @@ def trusted_engines(
 ) -> list[str]:
     """``names`` less the engines that would run native code the user does not trust, each left
     out with a note on stderr: what ``--engine all`` and ``auto`` run."""
-    native = [n for n in names if ENGINE_FILE_ROLE.get(n) in NATIVE_CODE_FORMATS]
+    native = [n for n in names if n in ENGINE_FILE_ROLE and loads_native_code(root, manifest, ENGINE_FILE_ROLE[n])]
     policy = trust or TrustPolicy()
     if not native or policy.trust_artifact_code:
         return names

@@ -31,14 +31,15 @@ import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, UsageError
-from tk.formats.torch_program import load_exported_program
+from tk.formats.torch_program import load_artifact_program
 from tk.manifest import Manifest, read_verified, verify_artifact
 from tk.parity import OutputParity, compare, compare_output
+from tk.registries import ENGINE_FILE_ROLE
 from tk.runtime import EngineChoice, open_engine
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs
 from tk.safefiles import private_copy
-from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, require_trusted_code
+from tk.signing import TrustPolicy, loads_native_code, require_trusted_code
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
 from tk.workflows.user_inputs import read_user_inputs
@@ -320,7 +321,7 @@ def locate(
     manifest = verify_artifact(root)
     if manifest.precision == "int8" and engine != "onnx":
         raise UsageError("an int8 artifact holds only the onnx format: use --engine onnx")
-    if engine in NATIVE_CODE_FORMATS:
+    if loads_native_code(root, manifest, ENGINE_FILE_ROLE[engine]):
         manifest.file(engine)
         require_trusted_code(root, manifest, trust, engine)
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
@@ -336,7 +337,7 @@ def locate(
             "check the inputs (NaN or Inf in them?) or the checkpoint"
         )
     notes: list[str] = []
-    values, via = _graph_values(root, manifest, engine, model, args, feeds, records, notes)
+    values, via = _graph_values(root, manifest, engine, model, args, feeds, records, notes, trust)
     rows, unmatched = _module_rows(records, values, rtol, atol, min_sqnr)
     if unmatched:
         notes.append(
@@ -369,12 +370,12 @@ def _graph_values(
     feeds: dict[str, np.ndarray],
     records: dict[str, Any],
     notes: list[str],
+    trust: TrustPolicy | None = None,
 ) -> tuple[dict[str, Any], str]:
     """The module outputs ``engine``'s graph computes (matched to ``records``), and how they were read; adds notes."""
     wrapped = manifest.precision in REDUCED
     if engine == "torch":
-        entry = manifest.file("torch")
-        program = load_exported_program(read_verified(root, entry), str(Path(root) / entry.path))
+        program = load_artifact_program(root, manifest, trust)
         values = _outputs_from_program(_program_values(program, args, wrapped), records)
         via = "the saved torch.export program, node by node"
     elif engine == "aoti":
