@@ -73,12 +73,12 @@ def exclusive_temp_file(directory: Path, prefix: str, suffix: str) -> tuple[int,
     raise FileExistsError(f"no free temporary name in {directory}")
 
 
-def exclusive_temp_dir(directory: Path, prefix: str, suffix: str) -> Path:
-    """A new directory with a random name in ``directory``, with the usual mode (0777 less the umask)."""
+def exclusive_temp_dir(directory: Path, prefix: str, suffix: str, *, mode: int = 0o777) -> Path:
+    """A new directory with a random name in ``directory``, with ``mode`` less the umask (default: the usual mode)."""
     for _ in range(100):
         path = Path(directory) / f"{prefix}{secrets.token_hex(6)}{suffix}"
         try:
-            path.mkdir(mode=0o777)
+            path.mkdir(mode=mode)
             return path
         except FileExistsError:
             continue

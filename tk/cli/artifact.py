@@ -139,6 +139,8 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     f"exclusion search (default: {'/'.join(f'{v:g}' for v in MIN_SQNR_DB.values())} dB).",
 )
 @path_option("--report", help="Where a failed capture's report goes (default: OUT.export-report.md beside OUT).")
+@click.option("--force", is_flag=True, help="Replace an --out artifact that also holds other files, deleting them "
+              "(a directory that is not a tk artifact is never replaced).")  # fmt: skip
 def export_cmd(
     model: str,
     size: str | None,
@@ -172,6 +174,7 @@ def export_cmd(
     keep_fp32: str | None,
     min_sqnr: float | None,
     report: Path | None,
+    force: bool,
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
     from tk.export import ExportOptions, settings_from_flags
@@ -208,6 +211,7 @@ def export_cmd(
         keep_fp32=tuple(m.strip() for m in (keep_fp32 or "").split(",") if m.strip()),
         min_sqnr_db=min_sqnr,
         report=report,
+        force=force,
     )
     default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)

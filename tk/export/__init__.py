@@ -4,14 +4,14 @@
 staging directory, writes the manifest last, runs the check it is given (the export-time parity
 check of ``tk.workflows.export``, which opens the files through the same engines users get), and
 renames the staging directory into place, so ``out`` holds either the previous artifact or the
-new complete one. This layer never imports ``tk.runtime``.
+new complete one; ``tk.outdir`` decides what ``out`` may hold before it is replaced. This layer
+never imports ``tk.runtime``.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,11 +32,12 @@ from tk.export.writers import (
     settings_from_flags,
     writer,
 )
-from tk.fileio import atomic_write_bytes, exchange_paths, exclusive_temp_dir, sha256_file
+from tk.fileio import atomic_write_bytes, sha256_file
 from tk.formats.precision import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, refuse_legacy_hmac_key
 from tk.models import ModelSpec
+from tk.outdir import recover_interrupted, require_replaceable, staging_dir, swap_into_place
 from tk.registries import FORMATS as REGISTRY
 from tk.signing import sign_artifact
 from tk.spec import Dim, dim_flag, feeds_nbytes
@@ -55,7 +56,9 @@ __all__ = [
     "ExportOptions",
     "ExportResult",
     "format_unavailable_reason",
+    "recover_interrupted",
     "settings_from_flags",
+    "swap_into_place",
     "write_artifact",
 ]
 
@@ -123,10 +126,10 @@ def write_artifact(
         require_within_budget(feeds_nbytes(spec.signature.inputs, sizes), f"inputs at sizes {sizes}")
     example = spec.example_inputs(opt)
     recover_interrupted(out)
-    _refuse_foreign_dir(out)  # before any work: never replace a directory tk did not write
+    require_replaceable(out, force=options.force)  # before any work: never replace what tk did not write
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = exclusive_temp_dir(out.parent, f".{out.name}.", ".partial")
+        staging = staging_dir(out)
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot create the artifact directory ({exc.strerror or exc})") from exc
     try:
@@ -138,7 +141,8 @@ def write_artifact(
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
         sign_artifact(staging)  # after the last write to the directory: the signature covers every file
-        _replace_dir(staging, out)
+        require_replaceable(out, force=options.force)  # again: files may have been added to it meanwhile
+        swap_into_place(staging, out)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         where = f" {exc.filename}" if exc.filename else ""
@@ -268,55 +272,3 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
 
 def _write_manifest(staging: Path, manifest: Manifest) -> None:
     atomic_write_bytes(staging / MANIFEST, manifest_bytes(manifest))
-
-
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Put ``staging`` at ``out`` with no moment at which ``out`` is missing.
-
-    Where the OS can, the two directories are exchanged in one step and the old one (now at the
-    staging name) removed. Elsewhere the old one is first moved aside into a ``.old`` directory,
-    which ``recover_interrupted`` puts back if a kill lands between the two renames.
-    """
-    _refuse_foreign_dir(out)
-    swap_into_place(staging, out)
-
-
-def swap_into_place(staging: Path, out: Path) -> None:
-    """``_replace_dir`` without its check of ``out`` (``tk optimize`` checks its own ``--out``)."""
-    if not (out.exists() or out.is_symlink()):
-        os.replace(staging, out)
-        return
-    if exchange_paths(staging, out):
-        shutil.rmtree(staging, ignore_errors=True)
-        return
-    old = exclusive_temp_dir(out.parent, f".{out.name}.", ".old")
-    os.replace(out, old / "artifact")
-    os.replace(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_interrupted(out: Path) -> None:
-    """Undo what a killed export left: put a moved-aside artifact back where ``out`` is missing, and
-    remove leftover ``.old`` directories of a complete ``out`` (staging ``.partial`` ones are
-    another export's, possibly running, and stay)."""
-    leftovers = sorted(out.parent.glob(f".{out.name}.*.old")) if out.parent.is_dir() else []
-    for old in leftovers:
-        moved = old / "artifact"
-        if not (out.exists() or out.is_symlink()) and (moved / MANIFEST).is_file():
-            os.replace(moved, out)
-            log.info("export: restored the previous artifact at %s from an interrupted export", out)
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _refuse_foreign_dir(out: Path) -> None:
-    """``out`` may be absent, empty, or a previous artifact (it has a manifest); nothing else is replaced."""
-    if not (out.exists() or out.is_symlink()):
-        return
-    if not out.is_dir():
-        raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
-    if (out / MANIFEST).is_file() or not any(out.iterdir()):
-        return
-    raise UsageError(
-        f"--out {out}: this directory holds files and no {MANIFEST}, so it is not a tk artifact and export "
-        "will not replace (delete) it; choose another --out, or empty it first"
-    )

@@ -66,6 +66,7 @@ class ExportOptions:
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     settings: Mapping[str, Any] = field(default_factory=dict)  # format -> its writer's options dataclass
     int8_gate: Int8Gate | None = None  # see Int8Gate; None: every int8 search runs
+    force: bool = False  # replace an --out artifact that holds other files too, deleting them (tk.outdir)
 
 
 @dataclass
