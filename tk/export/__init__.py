@@ -22,7 +22,7 @@ import torch
 from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageError
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
-from tk.export.torch_program import exported_program_from_module
+from tk.export.torch_program import exported_program_in_range
 from tk.export.writers import (
     FORMATS,
     format_unavailable_reason,
@@ -230,11 +230,14 @@ def _failures(report: dict) -> list[str]:
 
 
 def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
-    """``exported_program_from_module``; on a failure, a report beside ``out`` that the error names."""
+    """``exported_program_in_range``; ``ctx.dims`` becomes the ranges the program holds (narrowed where
+    torch.export suggested), which the manifest and the other formats then use. On a failure, a report
+    beside ``out`` that the error names."""
     from tk.export.torch_program import write_capture_report
 
     try:
-        return exported_program_from_module(ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
+        program, ctx.dims = exported_program_in_range(ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
+        return program
     except CaptureError as exc:
         report = ctx.report or out.parent / f"{out.name}.export-report.md"
         written = write_capture_report(report, ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims, exc)

@@ -21,6 +21,10 @@ from tk.spec import Dim, Signature, dim_flag
 
 T = TypeVar("T")
 
+log = logging.getLogger("tk.export")
+
+MAX_NARROWINGS = 2  # captures again with torch.export's suggested ranges, each round narrowing more
+_SUGGESTED_DIM = re.compile(r"^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)\s*$", re.MULTILINE)
 _SPECIALIZED = re.compile(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)")
 
 
@@ -37,8 +41,9 @@ def dynamic_shapes_for(signature: Signature, dims: dict[str, Dim]) -> tuple[dict
     return tuple(shapes)
 
 
-def capture_error_message(exc: BaseException) -> str:
-    """One line: the cause, the dimension that was specialized, and the user's source line."""
+def capture_error_message(exc: BaseException, dims: dict[str, Dim] | None = None) -> str:
+    """One line: the cause, the dimension that was specialized or the ranges torch.export suggests (as the
+    flags that set them, given ``dims``), and the user's source line."""
     text = str(exc)
     special = _SPECIALIZED.search(text)
     if special:
@@ -47,7 +52,27 @@ def capture_error_message(exc: BaseException) -> str:
             f"{special[2]}; export it with --static, or change the model so the size is not fixed" + _where(text)
         )
     cause = first_line(exc)
+    suggested = suggested_dims(text, dims or {})
+    if suggested:
+        flags = " ".join(dim_flag(d.name, f"{d.min}:{d.opt}:{d.max}") for d in suggested.values())
+        cause = f"{cause.split('!')[0]}: the model takes a narrower range; export with {flags}"
     return f"torch.export could not capture the model as one graph ({type(exc).__name__}): {cause}{_where(text)}"
+
+
+def suggested_dims(text: str, dims: dict[str, Dim]) -> dict[str, Dim]:
+    """The ranges torch.export's "Suggested fixes" give for dimensions of ``dims`` (``seq = Dim('seq', min=3,
+    max=128)``), each narrowed within the range asked for and keeping its opt size (the size traced, so
+    inside any range the trace suggests); empty where it suggests none it can hold."""
+    fixes = text.partition("Suggested fixes:")[2]
+    narrowed: dict[str, Dim] = {}
+    for name, low, high in _SUGGESTED_DIM.findall(fixes):
+        dim = dims.get(name)
+        if dim is None or dim.static:
+            continue
+        low_, high_ = max(dim.min, int(low or dim.min)), min(dim.max, int(high or dim.max))
+        if low_ <= dim.opt <= high_ and (low_, high_) != (dim.min, dim.max):
+            narrowed[name] = Dim(name, low_, dim.opt, high_)
+    return narrowed
 
 
 def _where(text: str) -> str:
@@ -86,8 +111,43 @@ def exported_program_from_module(
                 lambda: torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
             )
     except Exception as exc:  # torch.export raises many types; all are capture failures
-        raise CaptureError(capture_error_message(exc)) from exc
+        raise CaptureError(capture_error_message(exc, dims)) from exc
     return program
+
+
+def exported_program_in_range(
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    signature: Signature,
+    dims: dict[str, Dim],
+) -> tuple[torch.export.ExportedProgram, dict[str, Dim]]:
+    """``exported_program_from_module``, and the ranges the program holds: where torch.export finds that the
+    model does not take a dimension's whole range (BART's attention mask needs ``seq`` >= 3) and suggests a
+    narrower one, the capture runs again with it (each narrowing logged). A capture that still fails says
+    which flags it tried."""
+    held = dict(dims)
+    for attempt in range(MAX_NARROWINGS + 1):
+        try:
+            return exported_program_from_module(module, example_inputs, signature, held), held
+        except CaptureError as exc:
+            narrowed = suggested_dims(str(exc.__cause__), held) if attempt < MAX_NARROWINGS else {}
+            if not narrowed:
+                if held == dims:
+                    raise
+                tried = " ".join(dim_flag(n, f"{d.min}:{d.opt}:{d.max}") for n, d in held.items() if d != dims[n])
+                raise CaptureError(f"{exc} (captured again with {tried}, torch.export's suggestion)") from exc
+            for name, dim in narrowed.items():
+                log.info(
+                    "export capture %s: the model takes %d..%d of %d..%d (torch.export); the artifact holds %s",
+                    name,
+                    dim.min,
+                    dim.max,
+                    held[name].min,
+                    held[name].max,
+                    dim_flag(name, f"{dim.min}:{dim.opt}:{dim.max}"),
+                )
+            held = {**held, **narrowed}
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def _without_partial_graph(call: Callable[[], T]) -> T:
