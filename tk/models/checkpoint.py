@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 from pathlib import Path
@@ -21,11 +22,44 @@ def original_module(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
+# safetensors metadata key holding the state_dict's ``_metadata`` (each submodule's ``version``), which
+# ``load_state_dict`` hands to ``_load_from_state_dict``: torchvision's MNASNet refuses a state without it
+VERSIONS_KEY = "tk.state_dict_metadata"
+
+
 def state_dict_bytes(module: nn.Module) -> bytes:
     from safetensors.torch import save
 
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in original_module(module).state_dict().items()}
-    return save(state)
+    own = original_module(module).state_dict()
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in own.items()}
+    versions = _checked_versions(getattr(own, "_metadata", None))
+    return save(state, metadata={VERSIONS_KEY: json.dumps(versions)} if versions else None)
+
+
+def _checked_versions(value: Any) -> dict[str, dict[str, Any]] | None:
+    """``value`` when it is a state_dict's ``_metadata`` of plain values (prefix -> {key: int, str or bool}), else None."""
+    if not isinstance(value, dict):
+        return None
+    plain = (int, str, bool, type(None))
+    for prefix, meta in value.items():
+        if not isinstance(prefix, str) or not isinstance(meta, dict):
+            return None
+        if not all(isinstance(k, str) and isinstance(v, plain) for k, v in meta.items()):
+            return None
+    return dict(value)
+
+
+def saved_versions(data: bytes) -> dict[str, dict[str, Any]] | None:
+    """The ``_metadata`` a safetensors file's header holds under ``VERSIONS_KEY`` (None when it has none)."""
+    if len(data) < 8:
+        return None
+    size = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + size]) if 2 <= size <= len(data) - 8 else {}
+        text = header.get("__metadata__", {}).get(VERSIONS_KEY) if isinstance(header, dict) else None
+        return _checked_versions(json.loads(text)) if isinstance(text, str) else None
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 def save_checkpoint(module: nn.Module, path: str | Path, meta: dict[str, Any]) -> Path:
@@ -110,12 +144,27 @@ def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | N
     """Load a checkpoint (a path, or the verified bytes of a safetensors file) into ``module``; every key must match."""
     if isinstance(path, bytes):
         state = state_dict_from_safetensors(path, source or "weights")
+        versions = saved_versions(path)
         path = source or "weights"
     else:
         state = load_state_dict(path)
+        versions = _versions_of_file(path)
     own = original_module(module).state_dict()
     _require_fit(own, state, path)
-    original_module(module).load_state_dict(state)
+    ordered = collections.OrderedDict(state)
+    # the submodules' versions as saved, else this code's own (a checkpoint tk saved before it kept them)
+    ordered._metadata = versions or getattr(own, "_metadata", None)  # type: ignore[attr-defined]
+    try:
+        original_module(module).load_state_dict(ordered)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # the module's own loading hooks refuse it
+        raise UsageError(f"checkpoint {path}: the model refused these weights ({type(exc).__name__}: {first_line(exc)})") from exc
+
+
+def _versions_of_file(path: str | Path) -> dict[str, dict[str, Any]] | None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        return saved_versions(head + f.read(size)) if 2 <= size < 100_000_000 else None
 
 
 def read_sidecar(path: str | Path) -> dict[str, Any] | None:

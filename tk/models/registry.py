@@ -67,7 +67,7 @@ def _build(
         from tk.models.hf import build_hf_model
 
         return build_hf_model(name, task or (config or {}).get("task"))
-    if ":" in name:
+    if ":" in name or name.endswith(".py"):  # a file without its callable gets build_user_model's hint
         if size:
             raise UsageError(f"--size applies to built-in models, not to {name!r}")
         from tk.models.user import build_user_model
