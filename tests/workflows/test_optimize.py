@@ -391,6 +391,7 @@ def test_an_interrupted_swap_puts_the_previous_artifact_and_the_cache_back(
 
     import tk.workflows.optimize.artifacts as artifacts
     from tk.manifest import read_manifest
+    from tk.signing import sign_artifact
     from tk.workflows.optimize.artifacts import CACHE, refuse_foreign_out, write_winner
     from tk.workflows.optimize.candidates import Candidate
 
@@ -399,6 +400,7 @@ def test_an_interrupted_swap_puts_the_previous_artifact_and_the_cache_back(
     shutil.copytree(art.root, out)
     (out / CACHE).mkdir()
     (out / CACHE / "kept").write_text("a cached candidate")
+    sign_artifact(out, ignore=(CACHE,))  # as write_winner signs it: a moved-aside artifact goes back once it verifies
     before = sorted(p.name for p in out.iterdir())
 
     def interrupted(staging: Path, target: Path) -> None:  # the fallback's first rename, then Ctrl-C
@@ -424,7 +426,8 @@ def test_an_interrupted_swap_puts_the_previous_artifact_and_the_cache_back(
     with pytest.raises(UsageError, match=r"--cache-dir .*mine: inside --out it must be .*\.candidates"):
         refuse_foreign_out(out, out / "mine")  # replaced with the old artifact when the winner is written
     refuse_foreign_out(out, out / CACHE)
-    refuse_foreign_out(out, tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match=r"does not list \(\.candidates/kept\); replacing it would delete them"):
+        refuse_foreign_out(out, tmp_path / "elsewhere")  # with the cache elsewhere, this one would be deleted
 
 
 def test_mistakes_in_the_inputs_are_one_line_before_any_export(tmp_path: Path) -> None:
@@ -495,7 +498,8 @@ def test_an_artifact_holding_other_files_is_not_replaced(runs: dict[str, Any], t
     with pytest.raises(UsageError) as info:
         optimize(build_model("transformer", size="tiny"), out, _options(runs["base"] / "cache"))
     assert str(info.value) == (
-        f"--out {out}: expected an artifact holding only what its manifest.json lists, found data/x.npy, "
-        "notes.txt, which replacing it would delete; move them or choose another --out"
+        f"--out {out}: a tk artifact that also holds files its manifest.json does not list (data/x.npy, notes.txt); "
+        "replacing it would delete them: move them or choose another --out, or pass --force to replace it and "
+        "delete them"
     )
     assert (out / "notes.txt").read_text() == "mine" and verify_artifact(out).status == "passed"

@@ -86,11 +86,14 @@ def _dims_and_sizes(batch: str | None, seq: str | None, dims: tuple[str, ...]) -
               "above it are marked busy either way.")  # fmt: skip
 @click.option("--no-peaks", is_flag=True, help="Skip measuring the matmul peaks (no share-of-peak column).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Artifact directory for the winner.")
+@click.option("--force", is_flag=True, help="Replace an --out artifact that also holds other files, deleting them "
+              "(a directory that is not a tk artifact is never replaced).")  # fmt: skip
 def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: str | None, checkpoint: Path | None,
                  accuracy: str | None, data: Path | None, batch: str | None, seq: str | None, dims: tuple[str, ...],
                  time_budget: float | None, keep: str, formats: str | None, precisions: str | None, names: str | None,
                  device: str,
-                 seconds: float, cache_dir: Path | None, wait_quiet: float, no_peaks: bool, out: Path) -> None:  # fmt: skip
+                 seconds: float, cache_dir: Path | None, wait_quiet: float, no_peaks: bool, out: Path,
+                 force: bool) -> None:  # fmt: skip
     """Find the fastest artifact of MODEL on this machine that keeps --accuracy, and write it to --out."""
     from tk.accuracy import parse_accuracy
     from tk.workflows.optimize import OptimizeOptions, optimize
@@ -111,7 +114,7 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         formats=_split("--formats", formats), precisions=_split("--precisions", precisions),
         candidates=_split("--candidates", names),
         time_budget_min=time_budget, keep=keep,
-        cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks, wait_quiet_s=wait_quiet,
+        cache_dir=cache_dir, seconds=seconds, peaks=not no_peaks, wait_quiet_s=wait_quiet, force=force,
     )  # fmt: skip
     try:
         result = _run_with_progress(spec, out, options, optimize)

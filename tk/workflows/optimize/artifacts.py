@@ -4,7 +4,10 @@ precision and setting), caching them, and writing the winner as an ordinary arti
 The cache holds finished candidate artifacts under a directory named by a hash of what decides
 them (model, its weights and code, dimension ranges, precision, options, formats, calibration data,
 the samples the check runs, torch version and the CPU's packing features), so a re-run reuses every
-artifact it already wrote and never one of an older model.
+artifact it already wrote and never one of an older model. The cache is an input like any other: an
+artifact there is reused only once its signature verifies against a key the user trusts (their own,
+which signed it) and its files match its manifest; anything else is written again (``cached``,
+``clear_for_export``), and the winner is copied from bytes checked as they are copied.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import hashlib
 import inspect
 import logging
 import os
+import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +27,21 @@ import numpy as np
 import torch
 
 from tk.errors import CannotWinError, IntegrityError, ParityError, TkError, UsageError, first_line
-from tk.export import ExportOptions, recover_interrupted, swap_into_place, write_artifact
-from tk.fileio import atomic_write_bytes, exclusive_temp_dir
+from tk.export import ExportOptions, write_artifact
+from tk.fileio import atomic_write_bytes
 from tk.formats.aoti import packing_features
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, read_manifest, verify_artifact
 from tk.models import ModelSpec
-from tk.signing import SIGNATURE, sign_artifact
+from tk.outdir import NESTED, recover_interrupted, require_replaceable, staging_dir, swap_into_place
+from tk.safefiles import open_inside, read_inside
+from tk.signing import SIGNATURE, TrustPolicy, check_signature, sign_artifact
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize.candidates import Candidate, group_key
 
 log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
-CANDIDATES = "candidates"  # --keep all: the other passing artifacts, beside the winner
+CANDIDATES = NESTED  # --keep all: the other passing artifacts, beside the winner
 # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's; 4: by the samples
 # the check runs (--data's held-out half)
 CACHE_VERSION = 4
@@ -112,18 +119,51 @@ def _slug(option: str, value: Any) -> str:
     return str(value)
 
 
-def cached(root: Path, formats: list[str]) -> Manifest | None:
-    """The checked artifact at ``root`` holding every one of ``formats``, or None."""
-    if not (root / MANIFEST).is_file():
-        return None
+def cached(root: Path, formats: list[str]) -> tuple[Manifest | None, str]:
+    """The checked artifact at ``root`` holding every one of ``formats`` once it proves to be the user's own
+    tk artifact (its signature verifies against a key they trust, its files match its manifest), else None
+    and why not ('' where there is nothing there, or an artifact of theirs that lacks a check of ``formats``)."""
+    if not os.path.lexists(root):
+        return None, ""
     try:
         manifest = verify_artifact(root)
-    except (IntegrityError, UsageError) as exc:
-        log.info("optimize cache: %s is damaged (%s); writing it again", root, first_line(exc))
-        return None
+        found = check_signature(root, manifest, TrustPolicy())
+    except TkError as exc:
+        return None, first_line(exc)
+    if not found.trusted:
+        return None, f"its signature: {found.reason}"
     if manifest.status == "unchecked" or any(f not in manifest.check for f in formats):
-        return None
-    return manifest
+        return None, ""
+    return manifest, ""
+
+
+def clear_for_export(root: Path, reason: str) -> Path:
+    """Where a group whose cached artifact at ``root`` cannot be reused (``reason``) is written again: ``root``,
+    once what is there is moved aside (when tk made it: the user's own directory holding a tk manifest), else a
+    new directory beside it, leaving what is there untouched and unused."""
+    if not reason:
+        return root
+    token = secrets.token_hex(6)
+    if _made_by_tk(root):
+        aside = root.with_name(f".{root.name}.{token}.discarded")
+        os.replace(root, aside)
+        log.warning("note: optimize cache: %s cannot be reused (%s); moved it to %s, writing it again", root,
+                    reason, aside.name)  # fmt: skip
+        return root
+    fresh = root.with_name(f"{root.name}-{token}")
+    log.warning("note: optimize cache: %s is not an artifact of yours (%s); left it as it is, writing this group to "
+                "%s instead", root, reason, fresh.name)  # fmt: skip
+    return fresh
+
+
+def _made_by_tk(root: Path) -> bool:
+    """Whether ``root`` is a directory of this user's, writable by no one else, holding a tk manifest."""
+    try:
+        info = os.lstat(root)
+        read_manifest(root)
+    except (OSError, TkError):
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:
@@ -131,12 +171,13 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
     another reason than parity is retried one format at a time, so one format's failure is its own."""
     formats = [c.format for c in candidates]
     written = Written()
-    manifest = cached(root, formats)
+    manifest, reason = cached(root, formats)
     if manifest is not None:
         log.info("optimize cache hit: %s (%s)", root.name, ", ".join(c.name for c in candidates))
         written.cache_hits = 1
         written.artifacts = {c: (root, manifest) for c in candidates}
         return written
+    root = clear_for_export(root, reason)
     export_options = group_export_options(candidates, base)
     try:
         written.exports = 1
@@ -200,8 +241,9 @@ def _one_at_a_time(spec: ModelSpec, root: Path, candidates: list[Candidate], bas
     return written
 
 
-def refuse_foreign_out(out: Path, cache: Path | None = None) -> None:
-    """``out`` may be absent, empty, an artifact, or hold only the optimize cache; nothing else is replaced.
+def refuse_foreign_out(out: Path, cache: Path | None = None, *, force: bool = False) -> None:
+    """``out`` may be absent, empty, hold only the optimize cache, or be a tk artifact holding nothing else
+    (``force``: other files too, which writing the winner deletes); ``tk.outdir.require_replaceable``.
     A ``cache`` (``--cache-dir``) inside ``out`` must be ``out/.candidates``: the rest of ``out`` is replaced
     as a whole. An artifact an interrupted run left aside is put back first."""
     for flag, path in (("--out", out), ("--cache-dir", cache)):
@@ -215,25 +257,12 @@ def refuse_foreign_out(out: Path, cache: Path | None = None) -> None:
                 "the winner is written); choose that or a directory outside it"
             )
     recover_interrupted(out)
-    if not (out.exists() or out.is_symlink()):
-        return
-    if not out.is_dir():
-        raise UsageError(f"--out {out}: expected a directory (or nothing), found a file")
-    if (out / MANIFEST).is_file():
-        unlisted = _unlisted(out)
-        if unlisted:
-            shown = ", ".join(unlisted[:3]) + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
-            raise UsageError(
-                f"--out {out}: expected an artifact holding only what its {MANIFEST} lists, found {shown}, which "
-                "replacing it would delete; move them or choose another --out"
-            )
-        return
-    if all(p.name == CACHE for p in out.iterdir()):
-        return
-    raise UsageError(
-        f"--out {out}: this directory holds files and no {MANIFEST}, so it is not a tk artifact and optimize "
-        "will not replace it; choose another --out, or empty it first"
-    )
+    require_replaceable(out, force=force, keep=_moved_along(out, cache))
+
+
+def _moved_along(out: Path, cache: Path | None) -> tuple[str, ...]:
+    """What of ``out`` the winner's directory takes over: the cache, where it lives in ``out``."""
+    return (CACHE,) if cache is None or cache.resolve() == (out / CACHE).resolve() else ()
 
 
 def _file_above(path: Path) -> Path | None:
@@ -244,39 +273,24 @@ def _file_above(path: Path) -> Path | None:
     return None
 
 
-def _unlisted(out: Path) -> list[str]:
-    """Paths under the artifact ``out`` that neither its manifest lists nor tk writes beside it (its
-    signature, the optimize cache, ``--keep all``'s candidates): the user's, lost if ``out`` is replaced."""
-    try:
-        listed = {e.path for e in read_manifest(out).files}
-    except TkError:
-        return []  # a damaged manifest: an artifact all the same (it is replaced as a whole, as before)
-    ours = {MANIFEST, SIGNATURE, CACHE, CANDIDATES}
-    found = []
-    for path in sorted(out.rglob("*")):
-        rel = path.relative_to(out).as_posix()
-        if rel.split("/", 1)[0] in ours or rel in listed or path.is_dir():
-            continue
-        found.append(rel)
-    return found
-
-
 def _kept_files(manifest: Manifest, fmt: str) -> list[FileEntry]:
     """The weights (eager's reference) and the files of format ``fmt`` (its role, or roles ``fmt-*``)."""
     return [e for e in manifest.files if e.role == "weights" or e.role == fmt or e.role.startswith(f"{fmt}-")]
 
 
 def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate, judged: dict[str, Any],
-                 record: dict[str, Any], extras: dict[str, bytes], others: list[Path], cache: Path) -> None:  # fmt: skip
+                 record: dict[str, Any], extras: dict[str, bytes], others: list[Path], cache: Path,
+                 *, force: bool = False) -> None:  # fmt: skip
     """``out`` as an artifact holding the winner's format, its manifest recording ``record``; ``extras``
-    (name -> bytes: the table's JSON, the plot) listed in it; ``others`` (--keep all) under candidates/."""
+    (name -> bytes: the table's JSON, the plot) listed in it; ``others`` (--keep all) under candidates/.
+    Every file is copied from the bytes it was judged by (hashed while copied, checked against ``manifest``)."""
+    require_replaceable(out, force=force, keep=_moved_along(out, cache))  # again: files may have come meanwhile
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = exclusive_temp_dir(out.parent, f".{out.name}.", ".partial")
+    staging = staging_dir(out)
     try:
         kept = _kept_files(manifest, candidate.format)
         for entry in kept:
-            (staging / entry.path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / entry.path, staging / entry.path)
+            copy_verified(root, entry.path, staging, entry.size, entry.sha256)
         files = list(kept)
         for name, data in extras.items():
             atomic_write_bytes(staging / name, data)
@@ -293,7 +307,7 @@ def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate
         )  # fmt: skip
         atomic_write_bytes(staging / MANIFEST, manifest_bytes(final))
         for other in others:
-            shutil.copytree(other, staging / CANDIDATES / other.name, symlinks=True)
+            copy_artifact(other, staging / CANDIDATES / other.name)
         if cache.resolve() == (out / CACHE).resolve() and cache.is_dir():
             os.replace(cache, staging / CACHE)  # the cache lives in the artifact: it moves with it
         sign_artifact(staging, ignore=(CACHE,))  # after the last write; the cache is no part of the artifact
@@ -304,3 +318,33 @@ def write_winner(out: Path, root: Path, manifest: Manifest, candidate: Candidate
             os.replace(staging / CACHE, cache)
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def copy_verified(root: Path, relative: str, target: Path, size: int, sha256: str) -> None:
+    """Copy ``root/relative`` to ``target/relative`` (read inside ``root``, no links), hashing the bytes as they
+    are copied; ``IntegrityError`` unless they are ``size`` bytes of sha256 ``sha256``."""
+    dest = target / relative
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest, copied = hashlib.sha256(), 0
+    with open_inside(root, relative) as (fd, _), open(dest, "xb") as f:
+        while block := os.read(fd, 1 << 20):
+            digest.update(block)
+            f.write(block)
+            copied += len(block)
+    if copied != size or digest.hexdigest() != sha256:
+        raise IntegrityError(
+            f"{root / relative}: changed since it was checked ({copied} bytes, sha256 {digest.hexdigest()[:12]}…; "
+            f"expected {size} bytes, sha256 {sha256[:12]}…); nothing was written to --out"
+        )
+
+
+def copy_artifact(root: Path, target: Path) -> None:
+    """A verified copy of the artifact at ``root`` (``--keep all``): its manifest, each file it lists and its signature."""
+    manifest = read_manifest(root)
+    raw = read_inside(root, MANIFEST)
+    copy_verified(root, MANIFEST, target, len(raw), manifest.source_sha256)
+    for entry in manifest.files:
+        copy_verified(root, entry.path, target, entry.size, entry.sha256)
+    if os.path.lexists(root / SIGNATURE):
+        signature = read_inside(root, SIGNATURE)
+        atomic_write_bytes(target / SIGNATURE, signature)

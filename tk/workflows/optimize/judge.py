@@ -7,18 +7,23 @@ on the held-out samples, where the candidate's engine and the float model run th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 
 from tk.accuracy import AccuracySpec, Criterion, Verdict, judge, measure_outputs, values_from_report
 from tk.manifest import Manifest
 from tk.runtime import load
 from tk.runtime.batching import BatchRunner
+from tk.runtime.eager import EagerEngine
 from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.data import OptimizeData
+
+IN_MEMORY = Path("<the model in memory>")  # BuiltModel's root: it reads no file
 
 
 @dataclass
@@ -31,20 +36,32 @@ class Judgement:
         return self.verdict.passed
 
 
-class Reference:
-    """The float32 model's outputs on the held-out samples, computed once (by the first artifact's eager engine)."""
+class BuiltModel(EagerEngine):
+    """Eager float32 on the model ``tk optimize`` built from the user's command line, in memory (its
+    weights, ``--checkpoint`` loaded): the reference is never rebuilt from a manifest, so no manifest in
+    the cache can name code for it to import. ``manifest``: any candidate's, for the signature."""
 
-    def __init__(self, data: OptimizeData, batch_size: int, device: str) -> None:
+    def __init__(self, module: nn.Module, manifest: Manifest, device: str) -> None:
+        super().__init__(IN_MEMORY, dataclasses.replace(manifest, precision="fp32"), device=device)
+        self._built = module
+
+    def _load_model(self) -> None:
+        self.module = self._built.eval().to(self.device)
+
+
+class Reference:
+    """The float32 model's outputs on the held-out samples, computed once (``BuiltModel``)."""
+
+    def __init__(self, model: nn.Module, data: OptimizeData, batch_size: int, device: str) -> None:
+        self.model = model
         self.data = data
         self.batch_size = batch_size
         self.device = device
         self.outputs: dict[str, np.ndarray] | None = None
 
-    def get(self, root: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    def get(self, manifest: Manifest) -> dict[str, np.ndarray]:
         if self.outputs is None:
-            with load(
-                root, "eager", device=self.device, manifest=manifest, allow_failed=True, trust_model_code=True
-            ) as eager:  # fmt: skip  (the user's own model, built from their command line)
+            with BuiltModel(self.model, manifest, self.device) as eager:
                 self.outputs = BatchRunner(eager, self.batch_size).run(self.data.held_out)
         return self.outputs
 
@@ -66,7 +83,7 @@ def judge_candidate(
         if reference.data.labels is not None or range_values.get("top1") is None:
             on_range = AccuracySpec(tuple(c for c in accuracy.criteria if c.metric != "top1"))
         range_failures = judge(on_range, range_values, problems, where="shape range: ").failures
-    expected = reference.get(root, manifest)
+    expected = reference.get(manifest)
     with load(root, candidate.engine, device=reference.device, manifest=manifest, allow_failed=True) as engine:
         outputs = BatchRunner(engine, reference.batch_size).run(reference.data.held_out)
     values, problems = measure_outputs(expected, outputs, mask=reference.data.mask, labels=reference.data.labels)

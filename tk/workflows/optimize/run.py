@@ -67,6 +67,7 @@ class OptimizeOptions:
     seconds: float = 2.0  # timing budget per candidate
     peaks: bool = True  # sample the matmul rates at the model's shapes for the share-of-peak column
     wait_quiet_s: float = 0.0  # wait up to this long for the load to drop to the cores before timing
+    force: bool = False  # replace an --out artifact that holds other files too, deleting them (tk.outdir)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
         raise UsageError(why)
     if options.keep not in KEEP:
         raise UsageError(f"--keep: expected best or all, got {options.keep!r}")
-    refuse_foreign_out(out, options.cache_dir)
+    refuse_foreign_out(out, options.cache_dir, force=options.force)
     if options.cache_dir is not None and options.cache_dir.exists() and not options.cache_dir.is_dir():
         raise UsageError(f"--cache-dir: expected a directory, found a file at {options.cache_dir}")
     if options.checkpoint is not None:  # before any candidate: every export would fail on it alike
@@ -249,11 +250,15 @@ class _Run:
         self.spec, self.out, self.options, self.accuracy = spec, out, options, accuracy
         self.data, self.sizes, self.say = data, sizes, say
         self.cache = options.cache_dir or out / CACHE
-        self.reference = Reference(data, sizes.get("batch", 1), options.device)
+        self.reference = Reference(spec.module, data, sizes.get("batch", 1), options.device)
         self.checkpoint_sha = sha256_file(options.checkpoint) if options.checkpoint else None
         # the model as built is pinned by its digest: hf:DIR's weights and a user model's code and weights by
         # nothing else, and a built-in model's initial weights follow its build seed (tk.models.build_model)
         self.model_sha = model_digest(spec.module)
+        if options.checkpoint is not None:  # the reference runs the weights every candidate holds, cached or not
+            from tk.models.checkpoint import load_weights
+
+            load_weights(spec.module, options.checkpoint)
         self.started = time.monotonic()
         self.cache_hits = self.exports = 0
         self.base = ExportOptions()
@@ -450,8 +455,9 @@ class _Run:
             return None
         self.say(f"time {len(entries)} candidates", 0, 1)
         with self.stage(f"time {len(entries)} candidates"):
-            timed = time_candidates(entries, self.sizes, device=self.options.device, seconds=self.options.seconds,
-                                    wait_quiet_s=self.options.wait_quiet_s, peaks=self.options.peaks,
+            timed = time_candidates(entries, self.sizes, model=self.spec.module, device=self.options.device,
+                                    seconds=self.options.seconds, wait_quiet_s=self.options.wait_quiet_s,
+                                    peaks=self.options.peaks,
                                     progress=lambda text: self.say(f"time: {text}", 0, 1))  # fmt: skip
         self.say("time", 1, 1)
         self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager")}
@@ -480,7 +486,9 @@ class _Run:
         others = []
         if self.options.keep == "all":
             others = sorted({Path(r.artifact) for r in rows if r.status == "passed" and r.artifact and not r.winner})
-        write_winner(self.out, root, manifest, candidate, judged, record, extras, others, self.cache)
+        write_winner(
+            self.out, root, manifest, candidate, judged, record, extras, others, self.cache, force=self.options.force
+        )
 
 
 def pick_winner(timed: list[Row], metric: str) -> Row:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from tk.manifest import Manifest
 from tk.runtime import EngineChoice, open_engine
@@ -19,6 +20,7 @@ from tk.runtime.inputs import random_inputs
 from tk.workflows.bench import measure
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.optimize.judge import BuiltModel
 from tk.workflows.roofline import Roofline
 
 EAGER = "eager"
@@ -37,21 +39,21 @@ def time_candidates(
     entries: list[tuple[Candidate, Path, Manifest]],
     sizes: dict[str, int],
     *,
+    model: nn.Module,
     device: str,
     seconds: float,
     wait_quiet_s: float = 0.0,
     progress: Callable[[str], None] | None = None,
     peaks: bool = True,
 ) -> Timed:
-    """p50 of every candidate and of eager fp32 (the first entry's weights) at ``sizes`` (batch included)."""
+    """p50 of every candidate and of eager fp32 (``model``, the one optimize built: ``BuiltModel``) at ``sizes``
+    (batch included)."""
     batch = sizes.get("batch", 1)
     others = {k: v for k, v in sizes.items() if k != "batch"}
     precision_of = {c.name: c.precision for c, _, _ in entries} | {EAGER: "fp32"}
     with ExitStack() as stack:
-        first_root, first_manifest = entries[0][1], entries[0][2]
         choice = EngineChoice(EAGER, device, allow_failed=True)
-        trusted = choice.replace(options={"trust_model_code": True})
-        eager = stack.enter_context(open_engine(first_root, trusted, manifest=first_manifest))
+        eager = stack.enter_context(BuiltModel(model, entries[0][2], device))
         engines = {EAGER: eager}
         for candidate, root, manifest in entries:
             quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # spinning slows its neighbours
