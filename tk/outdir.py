@@ -126,19 +126,21 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
-def refuse_inside(path: Path, artifact: Path, flag: str = "--out") -> None:
-    """Refuse (one line) an output ``path`` that is the directory ``artifact`` or inside it: writing
-    there would change the artifact being read and break its signature."""
+def refuse_inside(path: Path, artifact: Path, given: str) -> None:
+    """Refuse (one line, starting with the flags ``given``) an output ``path`` that is the directory
+    ``artifact`` or inside it: writing there would change the artifact being read and break its signature."""
     root, where = artifact.resolve(), path.resolve()
     if where == root or root in where.parents:
-        raise UsageError(f"{flag} {path}: expected a path outside the artifact {artifact}, which it would change")
+        raise UsageError(f"{given}: expected a path outside the artifact {artifact}, which writing there would change")
 
 
 def require_empty(out: Path, force: bool, flag: str = "--out") -> None:
     """Refuse (one line) a non-empty directory ``out`` unless ``force`` (then files of the same names as those
     written are replaced, and nothing else is touched): ``tk deploy triton``'s repository."""
-    if out.is_symlink() or (os.path.lexists(out) and not out.is_dir()):
-        raise UsageError(f"{flag} {out}: expected a directory (or nothing), found a file or a symbolic link")
+    if out.is_symlink():
+        raise UsageError(f"{flag} {out}: expected a directory, found a symbolic link; name the directory itself")
+    if os.path.lexists(out) and not out.is_dir():
+        raise UsageError(f"{flag} {out}: expected a directory, found a file")
     if force or not out.is_dir():
         return
     entries = sorted(p.name for p in out.iterdir())

@@ -179,3 +179,69 @@ def test_hf_artifact_deploys_and_serves_under_its_directory_name(tmp_path):
     result = deploy_triton(art, tmp_path / "repo")
     assert result.root == tmp_path / "repo" / "my-model.v1" and result.config.name == "my-model.v1"
     assert resolve(ServeConfig(artifact=str(art))).name == "my-model.v1"
+
+
+def _with_untrusted_plan(root: Path, plan: bytes) -> None:
+    """``root`` (an onnx artifact) holding a TensorRT plan too, as anyone can add one: the manifest lists the plan
+    by sha256, with its profile, and its checksum is redone; only the signature tells that no one you trust made it."""
+    from tk.manifest import FileEntry, manifest_bytes
+
+    (root / "model.plan").write_bytes(plan)
+    manifest = _with_trt_profile(read_manifest(root))
+    manifest.files.append(FileEntry.of(root, "model.plan", "trt"))
+    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
+
+
+def test_an_untrusted_plan_is_deployed_only_when_trusted(exported, tmp_path):
+    """A TensorRT plan is native code Triton loads: ``tk deploy triton`` applies the trust decision every engine does."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from tk.cli import cli
+    from tk.errors import UntrustedArtifactError
+    from tk.signing import sign_artifact
+
+    root = tmp_path / "art"
+    shutil.copytree(exported("transformer", ("onnx",)).root, root)
+    plan = b"a plan someone else built"
+    _with_untrusted_plan(root, plan)
+    repo = tmp_path / "repo"
+    with pytest.raises(UntrustedArtifactError, match=r"refusing to deploy its trt file, native code that Triton would "
+                       r"load, because its files do not match their signature \(added: model\.plan; changed"):  # fmt: skip
+        deploy_triton(root, repo)
+    assert not repo.exists()
+    run = CliRunner().invoke(cli, ["deploy", "triton", str(root), "--out", str(repo)])
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.exit_code == 2 and len(errors) == 1 and "--trust-artifact-code for this one run" in errors[0], run.output
+    assert not repo.exists()
+    deploy_triton(root, tmp_path / "onnx-only", fmt="onnx")  # the ONNX graph holds no native code: no decision
+    run = CliRunner().invoke(cli, ["deploy", "triton", str(root), "--out", str(repo), "--trust-artifact-code"])
+    assert run.exit_code == 0, run.output
+    assert "warning: --trust-artifact-code: deploying the trt file of" in run.stderr
+    assert (repo / "transformer" / "1" / "model.plan").read_bytes() == plan
+    sign_artifact(root)  # the user vouches for it with their own key: deployed with no flag
+    deploy_triton(root, tmp_path / "signed")
+    assert (tmp_path / "signed" / "transformer" / "1" / "model.plan").read_bytes() == plan
+
+
+def test_an_out_inside_the_artifact_is_refused(exported, tmp_path):
+    import shutil
+
+    from tk.manifest import verify_artifact
+    from tk.signing import check_signature
+
+    root = tmp_path / "art"
+    shutil.copytree(exported("transformer", ("onnx",)).root, root)
+    before = sorted(p.name for p in root.iterdir())
+    for out, name, given in (
+        (root / "repo", None, f"--out {root / 'repo'}"),
+        (root, None, f"--out {root}"),
+        (tmp_path, "art", f"--out {tmp_path} --name art"),  # REPO/NAME is the artifact itself
+    ):
+        with pytest.raises(UsageError) as info:
+            deploy_triton(root, out, name=name, force=True)
+        expected = f"{given}: expected a path outside the artifact {root}, which writing there would change"
+        assert str(info.value) == expected
+    assert sorted(p.name for p in root.iterdir()) == before
+    assert check_signature(root, verify_artifact(root)).trusted

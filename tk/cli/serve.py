@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import engine_choice
+from tk.cli.common import engine_choice, trust_options, trust_policy
 from tk.cli.serve_tuning import tune_command, tuning_options, with_settings
 from tk.registries import ENGINES
 from tk.serve.ingress import INGRESSES
@@ -195,6 +195,7 @@ def deploy_group() -> None:
     help="dynamic_batching max_queue_delay_microseconds.",
 )
 @click.option("--force", is_flag=True, help="Write into a non-empty --out (files of the same names are replaced).")
+@trust_options
 def deploy_triton_cmd(
     artifact: Path,
     out: Path,
@@ -204,12 +205,16 @@ def deploy_triton_cmd(
     max_queue_delay_us: int,
     force: bool,
 ) -> None:
-    """Write a Triton model repository (config.pbtxt from the manifest, the model file, a warmup sample)."""
+    """Write a Triton model repository (config.pbtxt from the manifest, the model file, a warmup sample).
+
+    A TensorRT plan is native code: it is deployed only from an artifact signed by a key you trust, or
+    with --trust-artifact-code."""
     from tk.serve.triton import deploy_triton
 
     result = deploy_triton(
-        artifact, out, fmt=fmt, name=name, instances=instances, max_queue_delay_us=max_queue_delay_us, force=force
-    )
+        artifact, out, fmt=fmt, name=name, instances=instances, max_queue_delay_us=max_queue_delay_us, force=force,
+        trust=trust_policy(),
+    )  # fmt: skip
     for path in result.files:
         click.echo(f"wrote {out / path}")
     config = result.config

@@ -17,18 +17,23 @@ files under ``warmup/``, since zero or random data is not a valid attention mask
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tk.errors import UsageError, first_line
+from tk.errors import UntrustedArtifactError, UsageError, first_line
 from tk.fileio import atomic_write_bytes
 from tk.manifest import Manifest, read_verified, verify_artifact
+from tk.outdir import refuse_inside, require_empty
 from tk.runtime.inputs import sample_dim
 from tk.serve.protocol import check_model_name, default_model_name
+from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, check_signature, how_to_trust, untrusted_reason
 from tk.spec import TensorSpec, random_feeds
+
+log = logging.getLogger("tk.serve.triton")
 
 # tk dtype -> Triton's DataType enum name
 TRITON_TYPES: dict[str, str] = {
@@ -181,6 +186,7 @@ def deploy_triton(
     kind: str | None = None,
     max_queue_delay_us: int = 1000,
     force: bool = False,
+    trust: TrustPolicy | None = None,
 ) -> TritonModel:
     """Write ``out/NAME/config.pbtxt``, ``out/NAME/1/<model file>`` and the warmup sample.
 
@@ -188,7 +194,9 @@ def deploy_triton(
     model name made safe (``default_model_name``). Files are verified (sha256) before they are
     copied, and written atomically. A non-empty ``out`` is refused unless ``force`` (then files of
     the same names are replaced, others kept), so an existing repository is never overwritten by
-    accident.
+    accident; so is an ``out`` inside the artifact. A format that holds native code (a TensorRT
+    plan, which Triton loads) is deployed only from an artifact a key ``trust`` trusts signed, or
+    with ``trust.trust_artifact_code``, as every engine that would load it.
     """
     from google.protobuf import text_format
 
@@ -197,6 +205,8 @@ def deploy_triton(
     if fmt is None:
         fmt = "trt" if "trt" in manifest.formats else "onnx"
     name = check_model_name(name) if name is not None else default_model_name(manifest)
+    refuse_inside(Path(out), root, f"--out {out}")
+    refuse_inside(Path(out) / name, root, f"--out {out} --name {name}")
     if not 1 <= instances <= 2**31 - 1:
         raise UsageError(f"--instances: expected 1 to {2**31 - 1}, got {instances}")
     if not 0 <= max_queue_delay_us < 2**63:
@@ -205,7 +215,8 @@ def deploy_triton(
         manifest, fmt, name=name, instances=instances, kind=kind, max_queue_delay_us=max_queue_delay_us
     )
     model_dir = Path(out) / name
-    _require_empty(Path(out), force)
+    require_empty(Path(out), force)
+    require_trusted_file(root, manifest, fmt, trust)
     if fmt == "onnx":  # the graph may name no external data beyond the artifact's own (tk.runtime.onnxrt)
         from tk.runtime.onnxrt import verified_onnx_files
 
@@ -238,18 +249,22 @@ def deploy_triton(
     return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
 
 
-def _require_empty(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: expected a directory, found a file")
-    if force or not out.is_dir():
+def require_trusted_file(root: Path, manifest: Manifest, fmt: str, trust: TrustPolicy | None) -> None:
+    """Refuse (one line) to deploy ``fmt`` when it holds native code (``NATIVE_CODE_FORMATS``: a TensorRT plan)
+    and no key ``trust`` trusts signed the artifact, unless ``trust.trust_artifact_code`` (then a warning)."""
+    if fmt not in NATIVE_CODE_FORMATS:
         return
-    entries = sorted(p.name for p in out.iterdir())
-    if entries:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise UsageError(
-            f"--out {out}: expected an empty or new directory, found {len(entries)} entries ({shown}); "
-            "pass --force to write into it (files of the same names are replaced)"
+    policy = trust or TrustPolicy()
+    found = check_signature(root, manifest, policy)
+    if found.trusted:
+        return
+    if not policy.trust_artifact_code:
+        raise UntrustedArtifactError(
+            f"{root}: refusing to deploy its {fmt} file, native code that Triton would load, because "
+            f"{untrusted_reason(found)}; {how_to_trust(root)}"
         )
+    log.warning("warning: --trust-artifact-code: deploying the %s file of %s although %s", fmt, root,
+                untrusted_reason(found))  # fmt: skip
 
 
 def read_config(path: str | Path) -> Any:
