@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -107,13 +108,20 @@ def test_engines_and_shapes_that_differ() -> None:
     before = accuracy_baseline(check_result(1e-3, engine="onnx"), Recipe(shapes=SHAPES))
     gate = accuracy_gate(check_result(1e-3, engine="torch"), before)
     statuses = {(v.engine, v.figure): v.status for v in gate.verdicts}
-    assert statuses[("onnx", "run")] == "skip" and statuses[("torch", "run")] == "skip"
+    # the baseline's onnx was not run: a failure (a gate never passes what it could not run); torch has no baseline
+    assert statuses[("onnx", "run")] == "fail" and statuses[("torch", "run")] == "skip"
     # nothing compared is no pass: a failing case for the JUnit file, and the line the command ends with (exit 2)
     assert gate.unmatched == (
         "--baseline: nothing was compared (the baseline holds engines onnx, this run ran torch); "
         "run what the baseline holds or record a new one"
     )
-    assert [(v.figure, v.status) for v in gate.failures()] == [("baseline", "fail")]
+    assert [(v.engine, v.figure, v.status) for v in gate.failures()] == [
+        ("onnx", "run", "fail"),
+        ("*", "baseline", "fail"),
+    ]
+    allowed = accuracy_gate(check_result(1e-3, engine="torch"), before, allow_missing=True)
+    assert [(v.engine, v.figure) for v in allowed.failures()] == [("*", "baseline")]
+    assert next(v for v in allowed.verdicts if v.engine == "onnx").status == "skip"
     other = accuracy_baseline(check_result(1e-3), Recipe(shapes=[{"batch": 2}]))
     with pytest.raises(UsageError, match="sizes"):
         accuracy_gate(check_result(1e-3), other)
@@ -150,6 +158,28 @@ def test_missing_output_fails() -> None:
     assert [(v.item, v.figure) for v in failed] == [("probabilities", "run")]
 
 
+def test_what_the_baseline_holds_and_this_run_did_not_run_fails_unless_allowed() -> None:
+    """Issue 45 (5): a gate that skips what it could not run passes a tampered artifact by removal."""
+    both = check_result(1e-3)
+    both.reports["torch"] = check_result(1e-3, engine="torch").reports["torch"]
+    before = accuracy_baseline(both, Recipe(shapes=SHAPES))
+    gate = accuracy_gate(check_result(1e-3), before)  # onnx ran, torch (say, untrusted now) did not
+    (failed,) = gate.failures()
+    assert (failed.engine, failed.item, failed.figure) == ("torch", "*", "run") and gate.unmatched is None
+    assert "not run here" in failed.message and "--allow-missing" in failed.message
+    with pytest.raises(ParityError, match="torch: in the baseline, not run here"):
+        gate.raise_if_failed()
+    allowed = accuracy_gate(check_result(1e-3), before, allow_missing=True)
+    assert allowed.passed
+    assert "accepted (--allow-missing)" in next(v for v in allowed.verdicts if v.engine == "torch").message
+
+    speed = speed_baseline(bench_report({"onnx": 2.0, "torch": 2.0}))
+    now = bench_report({"onnx": 2.0})
+    missing = speed_gate(now, speed).failures()
+    assert [(v.engine, v.item, v.baseline) for v in missing] == [("torch", "batch 1", 2.0), ("torch", "batch 8", 2.0)]
+    assert speed_gate(now, speed, allow_missing=True).passed
+
+
 def test_recipe_resolution(tmp_path: Path) -> None:
     inputs = tmp_path / "in.npz"
     np.savez(inputs, x=np.arange(4.0))
@@ -174,7 +204,7 @@ def test_recipe_resolution(tmp_path: Path) -> None:
     [
         ("{not json", "not a readable JSON"),
         ("[1, 2]", "not a tk baseline"),
-        ('{"format": "tk-baseline", "kind": "speed", "version": 1}', "a speed baseline, expected a accuracy"),
+        ('{"format": "tk-baseline", "kind": "speed", "version": 1}', "a 'speed' baseline, expected a accuracy"),
         ('{"format": "tk-baseline", "kind": "accuracy", "version": 9}', "version 9"),
         (
             '{"format": "tk-baseline", "kind": "accuracy", "version": 1, "recipe": {"seed": 0}, "engines": {}}',
@@ -292,7 +322,7 @@ def test_damaged_speed_file(tmp_path: Path) -> None:
     for settings, match in (
         ({"batch_sizes": 8}, "settings.batch_sizes is not a list of batch sizes"),
         ({"sizes": [128]}, "settings.sizes is not an object of dimension sizes"),
-        ({"io": 1}, "settings.io is not a name"),
+        ({"io": 1}, "settings.io is not one of host, device"),
     ):
         path.write_text(json.dumps({**good, "settings": settings}))
         with pytest.raises(UsageError, match=match):
@@ -390,6 +420,63 @@ def test_check_baseline_refusals(exported, tmp_path: Path) -> None:
     baseline.write_text(baseline.read_text()[:40])
     damaged = invoke("check", root, "--engine", "torch", "--baseline", baseline)
     assert damaged.exit_code == 2 and "not a readable JSON" in one_error_line(damaged)
+
+
+def junit_cases(path: Path) -> dict[str, ET.Element]:
+    return {f"{c.get('classname')} {c.get('name')}": c for c in ET.parse(path).getroot().iter("testcase")}
+
+
+def test_check_fails_what_it_did_not_run_and_leaves_no_stale_junit(exported, tmp_path: Path) -> None:
+    """Issue 45 (5): an engine of the baseline not run fails (exit 1) unless --allow-missing; a run that
+    fails before comparing writes one error case over the earlier run's passing file."""
+    root = exported("mlp", ("torch", "onnx")).root
+    baseline, junit = tmp_path / "acc.json", tmp_path / "check.xml"
+    saved = invoke("check", root, "--engine", "torch,onnx", "--save-baseline", baseline, "--junit", junit)
+    assert saved.exit_code == 0, saved.output
+    passing = junit.read_bytes()
+
+    removed = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--junit", junit)
+    assert removed.exit_code == 1 and "onnx: in the baseline, not run here" in one_error_line(removed)
+    assert "not run here" in junit_cases(junit)["tk.check.onnx * run"].find("failure").get("message")
+    allowed = invoke("check", root, "--engine", "torch", "--baseline", baseline, "--junit", junit, "--allow-missing")
+    assert allowed.exit_code == 0, allowed.output
+    assert junit_cases(junit)["tk.check.onnx * run"].find("skipped") is not None
+    alone = invoke("check", root, "--engine", "torch", "--allow-missing")
+    assert alone.exit_code == 2 and "--allow-missing applies to --baseline" in one_error_line(alone)
+
+    crafted = tmp_path / "crafted.json"
+    crafted.write_text(baseline.read_text().replace('"seed": 0', '"seed": -1'))
+    for args, fragment in (
+        (["check", root, "--engine", "torch", "--baseline", crafted], "recipe seed is not 0 to 4294967295"),
+        (["check", tmp_path / "absent", "--engine", "torch"], "absent"),
+        (["check", root, "--engine", "torch", "--margin", "sqnr=1"], "--margin applies to --baseline"),
+    ):
+        junit.write_bytes(passing)
+        failed = invoke(*args, "--junit", junit)
+        assert failed.exit_code == 2 and fragment in one_error_line(failed), failed.output
+        (error,) = junit_cases(junit).values()
+        assert error.get("name") == "run" and fragment in error.find("error").get("message")
+
+
+@pytest.mark.slow
+def test_an_aoti_package_changed_after_its_baseline_fails_the_gate(exported, copy_of, tmp_path: Path) -> None:
+    """Issue 45 (5), as found: the package changed, --engine all leaves the now-untrusted aoti out; the
+    baseline's aoti figures are a failure (exit 1, a JUnit failure), not "not run here", exit 0."""
+    from tests.conftest import rehash
+
+    root = copy_of(exported("mlp", ("torch", "onnx", "aoti")).root, "gated")
+    baseline, junit = tmp_path / "acc.json", tmp_path / "check.xml"
+    saved = invoke("check", root, "--engine", "onnx,aoti", "--save-baseline", baseline)  # signed by our key: trusted
+    assert saved.exit_code == 0, saved.output
+    package = root / "model.aoti.pt2"
+    package.write_bytes(package.read_bytes() + b"\0")
+    rehash(root)  # every hash matches again, as anyone can make them: only the signature tells
+    gated = invoke("check", root, "--baseline", baseline, "--junit", junit)
+    assert gated.exit_code == 1, gated.output
+    assert "skipping aoti" in gated.stderr and "aoti: in the baseline, not run here" in one_error_line(gated)
+    cases = junit_cases(junit)
+    assert "not run here" in cases["tk.check.aoti * run"].find("failure").get("message")
+    assert cases["tk.check.onnx logits sqnr_db"].find("failure") is None  # what ran was judged as before
 
 
 def test_bench_baseline_through_the_command_line(exported, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.test_baseline import bench_report, check_result
 from tk.workflows.baseline import Recipe, accuracy_baseline, accuracy_gate, speed_baseline, speed_gate
-from tk.workflows.junit import write_junit
+from tk.workflows.junit import write_junit, write_junit_error
 
 
 def cases(path: Path) -> dict[tuple[str, str], ET.Element]:
@@ -55,3 +55,25 @@ def test_bench_busy_rows_are_skipped(tmp_path: Path) -> None:
     write_junit(path, "tk.bench", speed_gate(bench_report({"onnx": 1.0}), baseline).verdicts)
     failure = cases(path)[("tk.bench.onnx", "batch 8 speedup")].find("failure")
     assert failure is not None and "1.00× below the baseline's 2.00×" in failure.get("message")
+
+
+def test_a_run_that_failed_before_comparing_is_one_error_case(tmp_path: Path) -> None:
+    path = tmp_path / "check.xml"
+    write_junit(path, "tk.check", accuracy_gate(check_result(1e-3)).verdicts)  # an earlier, passing run
+    write_junit_error(path, "tk.check", "baseline b.json: damaged (recipe seed is not 0 to 4294967295)")
+    root = ET.parse(path).getroot()
+    assert (root.get("tests"), root.get("failures"), root.get("errors")) == ("1", "0", "1")
+    (case,) = root.iter("testcase")
+    assert (case.get("classname"), case.get("name")) == ("tk.check", "run")
+    assert "recipe seed" in case.find("error").get("message")
+
+
+def test_names_no_xml_can_hold_still_make_a_file_that_parses(tmp_path: Path) -> None:
+    """Control characters and a lone surrogate (from a crafted baseline or manifest) are written escaped."""
+    before = accuracy_baseline(check_result(1e-3), Recipe(shapes=[{"batch": 1}, {"batch": 8}]))
+    before.engines["onnx"]["lo\x1bgits\x00\ud800"] = dict(before.engines["onnx"]["logits"])
+    path = tmp_path / "check.xml"
+    write_junit(path, "tk.check", accuracy_gate(check_result(1e-3), before).verdicts)
+    found = cases(path)
+    failure = found[("tk.check.onnx", "lo\\x1bgits\\x00\\ud800 run")].find("failure")
+    assert "onnx lo\\x1bgits\\x00\\ud800: in the baseline, missing from this run" in failure.get("message")

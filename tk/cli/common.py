@@ -81,6 +81,8 @@ def size_text(n: int) -> str:
 def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity against PyTorch eager") -> None:
     from rich.table import Table
 
+    from tk.text import printable, table_cell
+
     table = Table(title=title)
     for column in ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", "NaN", "Inf", "result"):
         table.add_column(column, justify="right" if column not in ("engine", "output", "result") else "left")
@@ -92,28 +94,28 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
             sqnr = "inf" if o["sqnr_db"] is None else f"{o['sqnr_db']:.1f}"
             result = "pass" if o["passed"] else f"FAIL: {o['problem']}"
             table.add_row(
-                engine,
-                o["name"],
+                table_cell(engine),
+                table_cell(o["name"]),
                 f"{o['max_abs']:.2e}",
                 f"{o['max_rel']:.2e}",
                 f"{o['cosine']:.6f}",
                 sqnr,
                 str(o["nan"]),
                 str(o["inf"]),
-                result,
+                table_cell(result),
             )
     console().print(table)
     tol = next(iter(reports.values()), None)
     if tol:
         click.echo(f"tolerance: rtol {tol['rtol']:g}, atol {tol['atol']:g} ({tol['precision']})")
         for name, (rtol, atol) in tol.get("tolerances", {}).items():
-            click.echo(f"tolerance of {name}: rtol {rtol:g}, atol {atol:g}")
+            click.echo(printable(f"tolerance of {name}: rtol {rtol:g}, atol {atol:g}"))
     skipped = {
         o["name"]: o["padding_skipped"] for r in reports.values() for o in r["outputs"] if o.get("padding_skipped")
     }
     if skipped:
         counts = ", ".join(f"{n} of {name}" for name, n in skipped.items())
-        click.echo(f"not compared: the values at padding positions (attention mask 0): {counts}")
+        click.echo(printable(f"not compared: the values at padding positions (attention mask 0): {counts}"))
 
 
 def engine_choice(

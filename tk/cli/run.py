@@ -11,6 +11,7 @@ from tk.cli.common import SEED, console, engine_choice, path_option, print_check
 from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
+from tk.text import printable
 
 if TYPE_CHECKING:
     from tk.runtime.choice import EngineChoice
@@ -242,7 +243,9 @@ def check_cmd(
     for engine, report in result.reports.items():
         for out in report.outputs:
             if out.top1_rate is not None:
-                click.echo(f"top-1 agreement {engine} {out.name}: {out.top1_rate:.1%} of {out.top1_total} samples")
+                click.echo(
+                    printable(f"top-1 agreement {engine} {out.name}: {out.top1_rate:.1%} of {out.top1_total} samples")
+                )
     if save_golden_path:
         click.echo(f"golden: {save_golden_path}")
     if json_path:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from tk.errors import ParityError, UsageError, first_line
 from tk.fileio import atomic_write_json, sha256_file
 from tk.parity import figures_measured
+from tk.registries import ENGINES, PRECISIONS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -42,6 +43,8 @@ DEFAULT_MAX_SLOWDOWN_PCT = 10.0  # tk bench --baseline: a speed-up may drop by t
 SPEED_FLAG_PREFIXES = ("avx512", "amx", "avx_vnni", "avx2", "fma")  # CPU flags that decide speed ratios
 FIGURES = ("max_abs", "sqnr_db", "cosine", "top1")  # accuracy figures, in table order
 FIGURE_ALIASES = {"sqnr": "sqnr_db", "top1_pct": "top1", "max-abs": "max_abs"}
+MAX_SEED = 2**32 - 1  # the largest seed numpy's and torch's generators take (tk check --seed)
+IO_MODES = ("host", "device")  # tk bench --io
 
 
 @dataclass(frozen=True)
@@ -228,11 +231,21 @@ def _read(path: str | Path, kind: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UsageError(f'baseline {path}: not a tk baseline (no "format": "{FORMAT}")')
     if data.get("kind") != kind:
-        raise UsageError(f"baseline {path}: a {data.get('kind')} baseline, expected a {kind} one")
+        raise UsageError(f"baseline {path}: a {_shown(data.get('kind'))} baseline, expected a {kind} one")
     version = data.get("version")
     if not isinstance(version, int) or version > VERSION or version < 1:
-        raise UsageError(f"baseline {path}: version {version!r}, this tk reads version {VERSION}")
+        raise UsageError(f"baseline {path}: version {_shown(version)}, this tk reads version {VERSION}")
     return data
+
+
+def _shown(value: Any) -> str:
+    """A value of a damaged file as an error line quotes it: short, and never a failure of its own
+    (``repr`` of an integer of 5,000 digits raises)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an {type(value).__name__} too large to show"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _require(ok: bool, path: str | Path, what: str) -> None:
@@ -250,7 +263,17 @@ def _is_count(value: Any) -> bool:
 
 
 def _is_sizes(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and _is_count(v) for k, v in value.items())
+    return isinstance(value, dict) and all(_is_name(k) and _is_count(v) for k, v in value.items())
+
+
+def _is_name(value: Any) -> bool:
+    """A name a baseline may hold (an output, a dimension, a CPU flag, a file): printable text, which
+    no control character, escape sequence or lone surrogate is."""
+    return isinstance(value, str) and bool(value) and value.isprintable()
+
+
+def _is_choice(value: Any, choices: Sequence[str]) -> bool:
+    return isinstance(value, str) and value in choices
 
 
 @dataclass
@@ -298,8 +321,35 @@ def save_accuracy_baseline(path: str | Path, baseline: AccuracyBaseline) -> None
 
 def load_accuracy_baseline(path: str | Path) -> AccuracyBaseline:
     data = _read(path, ACCURACY)
-    recipe, engines = data.get("recipe"), data.get("engines")
-    _require(isinstance(recipe, dict) and isinstance(recipe.get("seed"), int), path, "recipe without a seed")
+    recipe, engines, artifact = data.get("recipe"), data.get("engines"), data.get("artifact") or {}
+    _check_recipe(recipe, path)
+    _require(isinstance(artifact, dict), path, "artifact is not an object")
+    for engine, outputs in _engine_entries(engines, path, "outputs"):
+        for output, figures in outputs.items():
+            _require(_is_name(output), path, f"{engine} output {_shown(output)} is not a printable name")
+            _require(isinstance(figures, dict), path, f"{engine} {output} is not an object")
+            for figure, value in figures.items():
+                _require(figure in (*FIGURES, "atol"), path, f"{engine} {output} figure {_shown(figure)} is unknown")
+                _require(value is None or _is_number(value), path, f"{engine} {output} {figure} is not a finite number")
+    known = {f.name for f in fields(Recipe)}
+    return AccuracyBaseline(
+        Recipe(**{k: v for k, v in recipe.items() if k in known}), engines, artifact, str(data.get("created", ""))
+    )
+
+
+def _engine_entries(engines: Any, path: str | Path, holds: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each engine of a baseline's ``engines`` and what it holds (``holds``: outputs, batch sizes), each
+    checked to be one of tk's engines with a non-empty object."""
+    _require(isinstance(engines, dict) and bool(engines), path, "no engines")
+    for engine, entries in engines.items():
+        _require(_is_choice(engine, ENGINES), path, f"engine {_shown(engine)} is not one of tk's engines")
+        _require(isinstance(entries, dict) and bool(entries), path, f"engine {engine} has no {holds}")
+        yield engine, entries
+
+
+def _check_recipe(recipe: Any, path: str | Path) -> None:
+    """A recipe's fields as a check takes them (``UsageError``, one line, for the first that is not)."""
+    _require(isinstance(recipe, dict) and _is_seed(recipe.get("seed")), path, f"recipe seed is not 0 to {MAX_SEED}")
     _require(
         isinstance(recipe.get("shapes", []), list) and all(_is_sizes(s) for s in recipe.get("shapes", [])),
         path,
@@ -307,31 +357,23 @@ def load_accuracy_baseline(path: str | Path) -> AccuracyBaseline:
     )
     for name in ("samples", "batch_size"):
         _require(recipe.get(name) is None or _is_count(recipe.get(name)), path, f"recipe {name} is not a count")
-    _require(isinstance(recipe.get("reference", "eager"), str), path, "recipe reference is not a name")
+    _require(_is_choice(recipe.get("reference", "eager"), ENGINES), path, "recipe reference is not one of tk's engines")
     for name in ("inputs", "golden"):
         entry = recipe.get(name)
         _require(
             entry is None
-            or (
-                isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)
-            ),
+            or (isinstance(entry, dict) and _is_name(entry.get("file")) and _is_sha256(entry.get("sha256"))),
             path,
-            f"recipe {name} without file and sha256",
+            f"recipe {name} without a file name and a sha256",
         )
-    _require(isinstance(engines, dict) and bool(engines), path, "no engines")
-    for engine, outputs in engines.items():
-        _require(isinstance(outputs, dict) and bool(outputs), path, f"engine {engine!r} has no outputs")
-        for output, figures in outputs.items():
-            _require(isinstance(figures, dict), path, f"{engine} {output} is not an object")
-            for figure, value in figures.items():
-                _require(value is None or _is_number(value), path, f"{engine} {output} {figure} is not a finite number")
-    known = {f.name for f in fields(Recipe)}
-    return AccuracyBaseline(
-        Recipe(**{k: v for k, v in recipe.items() if k in known}),
-        engines,
-        data.get("artifact") or {},
-        str(data.get("created", "")),
-    )
+
+
+def _is_seed(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _finite(value: float | None) -> float | None:
@@ -342,12 +384,18 @@ def _finite(value: float | None) -> float | None:
 
 
 def accuracy_gate(
-    result: CheckResult, baseline: AccuracyBaseline | None = None, margins: Margins | None = None
+    result: CheckResult,
+    baseline: AccuracyBaseline | None = None,
+    margins: Margins | None = None,
+    *,
+    allow_missing: bool = False,
 ) -> Gate:
     """Per engine × output: the check's own pass/fail (``parity``) and each figure, against ``baseline`` if given.
 
     The run's shapes must be the baseline recipe's (else ``UsageError``): figures on other inputs
-    are not comparable. Engines or outputs of the baseline missing now are failures or skips.
+    are not comparable. An engine or output of the baseline that this run did not check (left out
+    as untrusted or unavailable, not asked for, gone from the artifact) fails: a gate passes what
+    it judged, never what it could not run. ``allow_missing`` turns those into skips.
     """
     margins = margins or Margins()
     gate = Gate("check", judged=baseline is not None)
@@ -398,21 +446,27 @@ def accuracy_gate(
             for name in recorded:
                 if name not in now:
                     gate.verdicts.append(
-                        Verdict("check", engine, name, "run", status="fail",
-                                message=f"{engine} {name}: in the baseline, missing from this run")
+                        missing_verdict("check", engine, name, f"{engine} {name}: in the baseline, missing from this run",
+                                        allow_missing)
                     )  # fmt: skip
     if baseline is not None:
         for engine in baseline.engines:
             if engine not in result.reports:
-                gate.verdicts.append(
-                    Verdict(
-                        "check", engine, "*", "run", status="skip", message=f"{engine}: in the baseline, not run here"
-                    )
-                )
+                why = f"{engine}: in the baseline, not run here (untrusted, unavailable here, or not in --engine)"
+                gate.verdicts.append(missing_verdict("check", engine, "*", why, allow_missing))
         if not any(v.baseline is not None for v in gate.verdicts):
             ran = ", ".join(result.reports) or "none"
             _nothing_compared(gate, f"the baseline holds engines {', '.join(baseline.engines)}, this run ran {ran}")
     return gate
+
+
+def missing_verdict(suite: str, engine: str, item: str, why: str, allow_missing: bool) -> Verdict:
+    """A row of the baseline that this run has no figure for: a failure, or with ``allow_missing`` a skip."""
+    if allow_missing:
+        return Verdict(suite, engine, item, "run", status="skip", message=f"{why}; accepted (--allow-missing)")
+    return Verdict(
+        suite, engine, item, "run", status="fail", message=f"{why}; run it, or accept its absence with --allow-missing"
+    )
 
 
 def _nothing_compared(gate: Gate, why: str) -> None:
@@ -538,8 +592,25 @@ def save_speed_baseline(path: str | Path, baseline: SpeedBaseline) -> None:
 def load_speed_baseline(path: str | Path) -> SpeedBaseline:
     data = _read(path, SPEED)
     machine, settings, engines = data.get("machine"), data.get("settings"), data.get("engines")
-    _require(isinstance(machine, dict) and isinstance(machine.get("cpu"), str), path, "no machine.cpu")
-    _require(isinstance(machine.get("cpu_flags", []), list), path, "machine.cpu_flags is not a list")
+    _require(isinstance(machine, dict) and _is_name(machine.get("cpu")), path, "no machine.cpu")
+    flags = machine.get("cpu_flags", [])
+    _require(
+        isinstance(flags, list) and all(_is_name(f) for f in flags), path, "machine.cpu_flags is not a list of names"
+    )
+    _check_settings(settings, path)
+    for engine, rows in _engine_entries(engines, path, "batch sizes"):
+        for batch, value in rows.items():
+            _require(_is_batch_key(batch), path, f"{engine} batch size {_shown(batch)} is not an integer")
+            _require(
+                _is_number(value) and value > 0,
+                path,
+                f"{engine} batch {batch} speed-up {_shown(value)} is not a positive number",
+            )
+    return SpeedBaseline(machine, settings, engines, str(data.get("created", "")))
+
+
+def _check_settings(settings: Any, path: str | Path) -> None:
+    """A speed baseline's settings as tk bench takes them (``UsageError``, one line, for the first that is not)."""
     _require(isinstance(settings, dict), path, "no settings")
     batch_sizes, sizes = settings.get("batch_sizes"), settings.get("sizes")
     _require(
@@ -548,21 +619,16 @@ def load_speed_baseline(path: str | Path) -> SpeedBaseline:
         "settings.batch_sizes is not a list of batch sizes",
     )
     _require(sizes is None or _is_sizes(sizes), path, "settings.sizes is not an object of dimension sizes")
-    for name in ("io", "eager_precision"):
+    for name, choices in (("io", IO_MODES), ("eager_precision", PRECISIONS)):
+        value = settings.get(name)
         _require(
-            settings.get(name) is None or isinstance(settings.get(name), str), path, f"settings.{name} is not a name"
+            value is None or _is_choice(value, choices), path, f"settings.{name} is not one of {', '.join(choices)}"
         )
-    _require(isinstance(engines, dict) and bool(engines), path, "no engines")
-    for engine, rows in engines.items():
-        _require(isinstance(rows, dict) and bool(rows), path, f"engine {engine!r} has no batch sizes")
-        for batch, value in rows.items():
-            _require(batch.isdigit(), path, f"{engine} batch size {batch!r} is not an integer")
-            _require(
-                _is_number(value) and value > 0,
-                path,
-                f"{engine} batch {batch} speed-up {value!r} is not a positive number",
-            )
-    return SpeedBaseline(machine, settings, engines, str(data.get("created", "")))
+
+
+def _is_batch_key(value: str) -> bool:
+    """A batch size as a JSON key: ASCII digits without a leading zero (``str(int)`` of a count)."""
+    return value.isascii() and value.isdigit() and not value.startswith("0") and len(value) <= 18
 
 
 def refuse_other_cpu(
@@ -612,12 +678,14 @@ def speed_gate(
     max_slowdown_pct: float = DEFAULT_MAX_SLOWDOWN_PCT,
     any_cpu: bool = False,
     where: str = "--baseline",
+    allow_missing: bool = False,
 ) -> Gate:
     """Per engine × batch size: the speed-up over eager, judged against ``baseline`` unless the machine was busy.
 
     A baseline from another CPU (model or speed flags) is refused with one ``UsageError`` line
     unless ``any_cpu``; so is one measured at other sizes or another ``io`` mode. A busy machine's
-    rows are reported and skipped, not judged.
+    rows are reported and skipped, not judged. A baseline row not measured here fails, unless
+    ``allow_missing``.
     """
     check_max_slowdown(max_slowdown_pct)
     gate = Gate("bench", judged=baseline is not None)
@@ -675,10 +743,10 @@ def speed_gate(
         for engine, rows in baseline.engines.items():
             for batch in rows:
                 if (engine, batch) not in seen:
-                    gate.verdicts.append(
-                        Verdict("bench", engine, f"batch {batch}", "speedup", None, rows[batch], status="skip",
-                                message=f"{engine} batch {batch}: in the baseline, not measured here")
-                    )  # fmt: skip
+                    why = f"{engine} batch {batch}: in the baseline, not measured here"
+                    verdict = missing_verdict("bench", engine, f"batch {batch}", why, allow_missing)
+                    verdict.figure, verdict.baseline = "speedup", rows[batch]
+                    gate.verdicts.append(verdict)
         if not any(v.limit is not None for v in gate.verdicts):  # busy rows count: they were compared, not judged
             held = "; ".join(f"{e} at batch {', '.join(rows)}" for e, rows in baseline.engines.items())
             ran = "; ".join(f"{e} at batch {b}" for e, b in sorted(seen)) or "nothing besides eager"
@@ -691,10 +759,11 @@ def speed_gate(
 
 def render_gate(gate: Gate, title: str | None = None) -> Table:
     """Before/after: one row per verdict that has a baseline or failed."""
-    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title or f"{gate.suite} against the baseline")
+    from tk.text import table_cell
+
+    table = Table(title=table_cell(title or f"{gate.suite} against the baseline"))
     for column in (
         "engine",
         "output" if gate.suite == "check" else "batch",
@@ -710,18 +779,19 @@ def render_gate(gate: Gate, title: str | None = None) -> Table:
     for v in gate.verdicts:
         if v.limit is None and v.status == "pass":  # not judged against a baseline
             continue
+        names = (table_cell(v.engine), table_cell(v.item), table_cell(v.figure))  # a baseline file's names
         if v.figure == "run":
-            table.add_row(v.engine, v.item, v.figure, "", "", "", escape(f"{v.status}: {v.message}"))
+            table.add_row(*names, "", "", "", table_cell(f"{v.status}: {v.message}"))
             continue
         if v.figure == "parity":
             if v.failed:
-                table.add_row(v.engine, v.item, v.figure, "", "", "", escape(f"FAIL: {v.message}"))
+                table.add_row(*names, "", "", "", table_cell(f"FAIL: {v.message}"))
             continue
         result = {"pass": "pass", "fail": "FAIL", "skip": "skip"}[v.status]
         table.add_row(
-            v.engine, v.item, v.figure, _num(v.baseline, v.figure), _num(v.value, v.figure),
+            *names, _num(v.baseline, v.figure), _num(v.value, v.figure),
             f"{_num(v.limit, v.figure)} ({v.margin})" if v.limit is not None else "", result,
         )  # fmt: skip
     if gate.notes:
-        table.caption = "\n".join(gate.notes)
+        table.caption = "\n".join(table_cell(note) for note in gate.notes)
     return table

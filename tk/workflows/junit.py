@@ -3,7 +3,11 @@
 ``tk check --junit`` and ``tk bench --junit`` write one ``<testcase>`` per engine × output (or
 batch size) × figure, classname ``tk.check.ENGINE`` / ``tk.bench.ENGINE``, name ``OUTPUT FIGURE``.
 A failure's message carries the numbers (value, baseline, margin, limit); a figure that was not
-judged (a busy machine, no baseline) is ``<skipped>``. The file is written whole or not at all.
+judged (a busy machine, no baseline) is ``<skipped>``. A run that ended before its figures were
+judged (a damaged baseline, an artifact that does not load) is one ``<error>`` case, ``run``, with
+the error's line: a CI step never reads an earlier run's file as this one's. The file is written
+whole or not at all, and every string in it (names from a manifest or a baseline) goes through
+``tk.text.printable``, so that a control character or a lone surrogate cannot make it unreadable XML.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tk.fileio import atomic_write_bytes
+from tk.text import printable
 from tk.workflows.baseline import Verdict
 
 
@@ -22,6 +27,7 @@ class TestCase:
     classname: str
     name: str
     failure: str | None = None  # the failure's one-line message
+    error: str | None = None  # the run ended before this was judged: why
     skipped: str | None = None  # why it was not judged
     output: str = ""  # system-out: the numbers of a passing case
     properties: dict[str, str] = field(default_factory=dict)
@@ -51,24 +57,29 @@ def case_from_verdict(verdict: Verdict) -> TestCase:
 def junit_xml(suite: str, cases: Sequence[TestCase]) -> bytes:
     """One ``<testsuites>`` holding one ``<testsuite name=suite>``."""
     failures = sum(c.failure is not None for c in cases)
-    skipped = sum(c.skipped is not None and c.failure is None for c in cases)
-    root = ET.Element("testsuites", tests=str(len(cases)), failures=str(failures), errors="0", skipped=str(skipped))
-    node = ET.SubElement(
-        root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures), errors="0", skipped=str(skipped)
-    )
+    errors = sum(c.error is not None and c.failure is None for c in cases)
+    skipped = sum(c.skipped is not None and c.failure is None and c.error is None for c in cases)
+    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": str(errors), "skipped": str(skipped)}
+    root = ET.Element("testsuites", **counts)
+    node = ET.SubElement(root, "testsuite", name=printable(suite), **counts)
     for case in cases:
-        element = ET.SubElement(node, "testcase", classname=case.classname, name=case.name, time="0")
+        element = ET.SubElement(
+            node, "testcase", classname=printable(case.classname), name=printable(case.name), time="0"
+        )
         if case.properties:
             props = ET.SubElement(element, "properties")
             for key, value in case.properties.items():
-                ET.SubElement(props, "property", name=key, value=value)
+                ET.SubElement(props, "property", name=printable(key), value=printable(value))
         if case.failure is not None:
-            failure = ET.SubElement(element, "failure", message=case.failure, type="regression")
-            failure.text = case.failure
+            failure = ET.SubElement(element, "failure", message=printable(case.failure), type="regression")
+            failure.text = printable(case.failure)
+        elif case.error is not None:
+            error = ET.SubElement(element, "error", message=printable(case.error), type="error")
+            error.text = printable(case.error)
         elif case.skipped is not None:
-            ET.SubElement(element, "skipped", message=case.skipped)
+            ET.SubElement(element, "skipped", message=printable(case.skipped))
         if case.output:
-            ET.SubElement(element, "system-out").text = case.output
+            ET.SubElement(element, "system-out").text = printable(case.output)
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
 
@@ -76,3 +87,8 @@ def junit_xml(suite: str, cases: Sequence[TestCase]) -> bytes:
 def write_junit(path: str | Path, suite: str, verdicts: Sequence[Verdict]) -> None:
     """The verdicts as a JUnit XML file at ``path``, written to a temporary name and renamed."""
     atomic_write_bytes(path, junit_xml(suite, [case_from_verdict(v) for v in verdicts]))
+
+
+def write_junit_error(path: str | Path, suite: str, message: str) -> None:
+    """A run that ended before its verdicts: one ``<error>`` case (classname ``suite``, name ``run``) at ``path``."""
+    atomic_write_bytes(path, junit_xml(suite, [TestCase(suite, "run", error=message)]))
