@@ -51,12 +51,13 @@ def invoke(*args: str):
 
 
 def key_pair(directory: Path, name: str = "other") -> tuple[Path, Path]:
-    """A P-256 key pair written as PEM files, as another person would make with openssl."""
+    """A P-256 key pair written as PEM files, as another person would make with openssl (private: mode 0600)."""
     key = ec.generate_private_key(ec.SECP256R1())
     private, public = directory / f"{name}.pem", directory / f"{name}.pub.pem"
     private.write_bytes(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
+    private.chmod(0o600)
     public.write_bytes(
         key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
@@ -357,8 +358,78 @@ def test_a_key_on_a_curve_model_signing_does_not_take_is_one_line(tmp_path):
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
     )
+    key.chmod(0o600)
     result = CliRunner().invoke(cli, ["sign", str(art), "--private-key", str(key)])
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and "Unsupported key for curve 'secp256k1'" in lines[0], (
         result.stderr
     )
+
+
+# -- what a signature covers: the same files when signing and verifying ----------------------------
+GIT_PATHS = (".git/config", ".github/workflows/ci.yml", ".gitattributes", ".gitignore")
+
+
+@pytest.mark.parametrize("added", GIT_PATHS)
+def test_a_git_file_added_after_signing_breaks_the_signature(copy, added):
+    """model_signing's verifier leaves git's files out by default; tk signs them, so it must check them."""
+    assert check_signature(copy, read_manifest(copy)).trusted
+    (copy / added).parent.mkdir(parents=True, exist_ok=True)
+    (copy / added).write_text("planted after signing")
+    found = check_signature(copy, read_manifest(copy))
+    assert not found.trusted and f"(added: {added})" in found.reason, found
+
+
+def test_a_directory_holding_git_files_signs_and_verifies(copy):
+    (copy / ".gitattributes").write_text("*.pt2 filter=lfs\n")
+    (copy / ".git").mkdir()
+    (copy / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert invoke("sign", str(copy)).exit_code == 0
+    assert check_signature(copy, read_manifest(copy)).trusted
+    payload = json.loads(base64.b64decode(json.loads((copy / SIGNATURE).read_text())["dsseEnvelope"]["payload"]))
+    assert {".gitattributes", ".git/HEAD"} <= {r["name"] for r in payload["predicate"]["resources"]}
+    done = subprocess.run(
+        [str(MODEL_SIGNING), "verify", "key", str(copy), "--signature", str(copy / SIGNATURE),
+         "--public_key", str(ensure_own_key()[1]), "--no-ignore-git-paths"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr  # as docs/security.md shows it
+    (copy / ".gitattributes").write_text("changed\n")
+    assert "(changed: .gitattributes)" in check_signature(copy, read_manifest(copy)).reason
+
+
+def test_a_signature_that_leaves_git_files_out_is_not_trusted(copy, tmp_path):
+    """model_signing's CLI signs with git's files left out by default: files added there would verify."""
+    import model_signing
+
+    hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE])  # ignore_git_paths defaults on
+    config = model_signing.signing.Config().use_elliptic_key_signer(private_key=ensure_own_key()[0])
+    config.set_hashing_config(hashing).sign(copy, tmp_path / SIGNATURE)
+    shutil.copy(tmp_path / SIGNATURE, copy / SIGNATURE)
+    found = check_signature(copy, read_manifest(copy))
+    assert not found.trusted and "its signature leaves out .git, .gitattributes, .github, .gitignore" in found.reason
+
+
+def test_only_the_top_level_optimize_cache_is_left_out(copy):
+    sign_artifact(copy)  # as tk export and tk sign do: the cache is left out without being named
+    (copy / ".candidates" / "abc").mkdir(parents=True)
+    (copy / ".candidates" / "abc" / "model.onnx").write_bytes(b"cached")
+    assert check_signature(copy, read_manifest(copy)).trusted
+    (copy / "sub" / ".candidates").mkdir(parents=True)
+    (copy / "sub" / ".candidates" / "x.so").write_bytes(b"\x7fELF")
+    found = check_signature(copy, read_manifest(copy))
+    assert not found.trusted and "(added: sub/.candidates/x.so)" in found.reason
+    with pytest.raises(ValueError, match="only"):
+        sign_artifact(copy, ignore=("sub",))  # a name left out only when signing would never verify
+
+
+@pytest.mark.parametrize("listed", [".candidates/abc/model.onnx", "./.candidates/w.safetensors"])
+def test_a_manifest_never_lists_a_file_of_the_unsigned_cache(copy, listed):
+    manifest = read_manifest(copy)
+    entry = manifest.files[0]
+    (copy / listed).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(copy / entry.path, copy / listed)
+    entry.path = listed
+    (copy / "manifest.json").write_bytes(manifest_bytes(manifest))
+    with pytest.raises(IntegrityError, match=r"files\[0\]\.path: expected a file outside \.candidates/"):
+        read_manifest(copy)

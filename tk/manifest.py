@@ -26,6 +26,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LEGACY_HMAC_ENV = "TK_SIGNING_KEY"  # the shared-secret HMAC that public-key signatures replaced
 STATUSES = ("passed", "failed", "unchecked")
+OPTIMIZE_CACHE = ".candidates"  # tk optimize's cache inside an artifact: no signature covers it, no manifest lists it
 
 
 @dataclass
@@ -247,6 +248,8 @@ def _check_files(files: list[Any]) -> None:
         _need(isinstance(entry, dict) and set(entry) == {"path", "role", "size", "sha256"}, where,
               "{path, role, size, sha256}", entry)  # fmt: skip
         _need(isinstance(entry["path"], str) and isinstance(entry["role"], str), where, "string path and role", entry)
+        _need(Path(entry["path"]).parts[:1] != (OPTIMIZE_CACHE,), f"{where}.path",
+              f"a file outside {OPTIMIZE_CACHE}/ (the unsigned optimize cache)", entry["path"])  # fmt: skip
         _need(isinstance(entry["size"], int) and entry["size"] >= 0, f"{where}.size", "a byte count", entry["size"])
         _need(isinstance(entry["sha256"], str) and bool(_HEX64.fullmatch(entry["sha256"])), f"{where}.sha256",
               "64 hex digits", entry["sha256"])  # fmt: skip

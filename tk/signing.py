@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,8 @@ from typing import Any
 
 from tk.archives import compiled_code_in
 from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
-from tk.fileio import atomic_write_bytes
-from tk.manifest import MANIFEST, Manifest
+from tk.fileio import atomic_open, atomic_write_bytes
+from tk.manifest import MANIFEST, OPTIMIZE_CACHE, Manifest
 from tk.safefiles import open_inside, private_copy, read_inside
 
 log = logging.getLogger("tk.signing")
@@ -46,6 +47,9 @@ PRIVATE_KEY = "signing-key.pem"  # in the config directory, mode 0600
 PUBLIC_KEY = "signing-key.pub.pem"  # beside it: what the user hands to others
 TRUSTED_DIR = "trusted-keys"  # in the config directory: *.pem public keys the user trusts
 NATIVE_CODE_FORMATS = frozenset({"aoti", "trt"})  # file roles whose loading runs the artifact's code
+# the only top-level names a signature leaves out, when signing and when verifying (git's files are signed)
+UNSIGNED = (SIGNATURE, OPTIMIZE_CACHE)
+_MAX_KEY_BYTES = 1 << 16  # a PEM key is a few hundred bytes
 _MAX_SIGNATURE_BYTES = 16 << 20  # a bundle lists one digest per file: kilobytes, never megabytes
 
 
@@ -94,6 +98,116 @@ def own_key_paths() -> tuple[Path, Path]:
     return directory / PRIVATE_KEY, directory / PUBLIC_KEY
 
 
+# Key files others can change are refused, as ssh's StrictModes refuses them: whoever can write a
+# trusted key, or add one to the trusted-keys directory, decides which artifacts run native code here.
+def _read_key_file(path: Path, what: str, *, secret: bool = False, yours: bool = False) -> bytes:
+    """The bytes of the key file ``path``, or one ``UsageError`` line: unless it is a regular file (a
+    FIFO or device is refused before it is opened, so nothing blocks) that no one but its owner can
+    change, in a directory where no one else can replace it. ``secret`` (a private key): nor read,
+    and owned by you (or root); ``yours`` (a file of your config directory): owned by you (or root)."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path}: expected a {what} file, found {_kind(info)}; refusing to read it")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read this {what}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)  # the file opened, which may have been swapped since the stat
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path}: expected a {what} file, found {_kind(info)}; refusing to read it")
+        _require_safe_key_file(path, info, what, secret=secret, yours=yours)
+        _require_safe_directory(path.parent, f"the directory of a {what}", sticky_ok=True)
+        data = f.read(_MAX_KEY_BYTES + 1)
+    if len(data) > _MAX_KEY_BYTES:
+        raise UsageError(f"{path}: expected a {what} (a PEM file of a few hundred bytes), found over {_MAX_KEY_BYTES}")
+    return data
+
+
+def _require_safe_key_file(path: Path, info: os.stat_result, what: str, *, secret: bool, yours: bool) -> None:
+    mode = stat.S_IMODE(info.st_mode)
+    if secret or yours:
+        _require_yours(path, info, what)
+    if secret and mode & 0o077:
+        raise UsageError(
+            f"{path}: expected a private key only you can read, found mode {mode:04o}; "
+            f"refusing to sign with it: chmod 600 {path}"
+        )
+    if _others_can_write(info):
+        raise UsageError(
+            f"{path}: expected a {what} file only you can change, found mode {mode:04o} (writable by others); "
+            f"refusing to trust it: chmod go-w {path}"
+        )
+
+
+def _require_safe_directory(directory: Path, what: str, *, sticky_ok: bool = False, yours: bool = False) -> None:
+    """Refuse (one ``UsageError`` line) ``directory`` if others can write it (``sticky_ok``: unless its
+    sticky bit keeps them from replacing your files: not for a directory whose every file is trusted)
+    or, with ``yours``, if it belongs to someone else than you or root. A missing directory passes."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UsageError(f"{directory}: cannot read {what}: {exc.strerror or exc}") from exc
+    if yours:
+        _require_yours(directory, info, what)
+    if _others_can_write(info) and not (sticky_ok and info.st_mode & stat.S_ISVTX):
+        mode = stat.S_IMODE(info.st_mode)
+        raise UsageError(
+            f"{directory}: expected {what} only you can write, found mode {mode:04o}: whoever can write there "
+            f"chooses the keys you trust; refusing to use it: chmod go-w {directory}"
+        )
+
+
+def _require_safe_config_dir() -> None:
+    """The config directory, its parent and its trusted-keys directory: yours, and only you can write them."""
+    directory = config_dir()
+    _require_safe_directory(directory.parent, "the directory of your tk config", yours=True)
+    _require_safe_directory(directory, "your tk config directory", yours=True)
+    _require_safe_directory(directory / TRUSTED_DIR, "the trusted-keys directory", yours=True)
+
+
+def _require_yours(path: Path, info: os.stat_result, what: str) -> None:
+    if hasattr(os, "geteuid") and info.st_uid not in (os.geteuid(), 0):
+        raise UsageError(
+            f"{path}: expected {what} owned by you (uid {os.geteuid()}) or root, found uid {info.st_uid}; "
+            "refusing to use it"
+        )
+
+
+def _others_can_write(info: os.stat_result) -> bool:
+    """Whether anyone but the owner can write: other users, or a group with members besides you (a
+    user private group, the default on Debian and Ubuntu with umask 002, is you alone: ssh allows it too)."""
+    if info.st_mode & stat.S_IWOTH:
+        return True
+    return bool(info.st_mode & stat.S_IWGRP) and not _group_is_only_you(info.st_gid)
+
+
+def _group_is_only_you(gid: int) -> bool:
+    try:
+        import grp
+        import pwd
+
+        you = pwd.getpwuid(os.geteuid())
+        members = grp.getgrgid(gid).gr_mem
+    except (ImportError, KeyError, AttributeError):
+        return False
+    if gid != you.pw_gid or any(name != you.pw_name for name in members):
+        return False
+    return not any(user.pw_gid == gid and user.pw_uid != you.pw_uid for user in pwd.getpwall())
+
+
+def _kind(info: os.stat_result) -> str:
+    if stat.S_ISDIR(info.st_mode):
+        return "a directory"
+    if stat.S_ISFIFO(info.st_mode):
+        return "a FIFO"
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+        return "a device"
+    return "a socket or other special file"
+
+
 def fingerprint_of(public_pem: bytes) -> str:
     """A public key's fingerprint: sha256 of its PEM SubjectPublicKeyInfo, hex (model_signing's key hint)."""
     from cryptography.hazmat.primitives import serialization
@@ -118,6 +232,7 @@ def ensure_own_key() -> tuple[Path, Path]:
             _create_private_key(private)
         if not public.exists():
             _write_public_key(private, public)
+    _require_safe_config_dir()
     return private, public
 
 
@@ -151,17 +266,16 @@ def _write_public_key(private: Path, public: Path) -> None:
 
     key = _load_private_key(private)
     pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    atomic_write_bytes(public, pem)
+    with atomic_open(public) as f:
+        os.fchmod(f.fileno(), 0o644)  # not the umask's: a group-writable public key would be refused
+        f.write(pem)
 
 
-def _load_private_key(path: Path) -> Any:
+def _load_private_key(path: Path, data: bytes | None = None) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read the private key ({exc.strerror or exc})") from exc
+    data = _read_key_file(path, "private key", secret=True) if data is None else data
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
@@ -172,12 +286,9 @@ def _load_private_key(path: Path) -> Any:
 
 
 def check_public_key_file(path: Path) -> None:
-    """Refuse (``UsageError``, one line) a ``--public-key`` file that cannot be read or is not an EC public key."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read this public key: {exc.strerror or exc}") from exc
-    _load_public_key(data, str(path))
+    """Refuse (``UsageError``, one line) a ``--public-key`` file that cannot be read, that others can
+    change, or that is not an EC public key."""
+    _load_public_key(_read_key_file(path, "public key"), str(path))
 
 
 def _load_public_key(data: bytes, what: str) -> Any:
@@ -198,6 +309,7 @@ def trusted_key_files(policy: TrustPolicy | None = None) -> list[Path]:
     the files of ``$TK_TRUSTED_KEYS`` and ``trusted-keys/*.pem`` in the config directory."""
     policy = policy or TrustPolicy()
     files: list[Path] = []
+    _require_safe_config_dir()
     own = own_key_paths()[1]
     if own.is_file():
         files.append(own)
@@ -211,52 +323,63 @@ def trusted_key_files(policy: TrustPolicy | None = None) -> list[Path]:
     return files
 
 
-def _trusted_keys(policy: TrustPolicy | None) -> dict[str, Path]:
-    """Fingerprint -> key file for every trusted key; a named file that is missing or not a key is an error."""
-    keys: dict[str, Path] = {}
+def _trusted_keys(policy: TrustPolicy | None) -> dict[str, tuple[Path, bytes]]:
+    """Fingerprint -> (key file, its bytes) for every trusted key; a named file that is missing, not a
+    key, or that others can change is an error, never skipped."""
+    keys: dict[str, tuple[Path, bytes]] = {}
     for path in trusted_key_files(policy):
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            where = f"${TRUSTED_KEYS_ENV}, --public-key or {config_dir() / TRUSTED_DIR}"
-            raise UsageError(
-                f"{path}: cannot read this trusted public key (from {where}): {exc.strerror or exc}"
-            ) from exc
-        keys.setdefault(fingerprint_of_file(path, data), path)
+        data = _read_key_file(path, "trusted public key", yours=path.parent in _config_dirs())
+        keys.setdefault(fingerprint_of_file(path, data), (path, data))
     return keys
+
+
+def _config_dirs() -> tuple[Path, Path]:
+    return config_dir(), config_dir() / TRUSTED_DIR
 
 
 def fingerprint_of_file(path: Path, data: bytes | None = None) -> str:
     try:
-        return fingerprint_of(path.read_bytes() if data is None else data)
+        return fingerprint_of(_read_key_file(path, "public key") if data is None else data)
     except UsageError as exc:
         raise UsageError(f"{path}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------------- signing
-def sign_artifact(root: str | Path, private_key: str | Path | None = None, *, ignore: tuple[str, ...] = ()) -> str:
-    """Write ``root/model.sig`` over every file of ``root`` (``model.sig`` itself left out) and
-    return the signing key's fingerprint. ``private_key``: a PEM EC key file (default: the user's own).
-    ``ignore``: relative paths left out too (a cache that lives in the directory but is no part of
-    the artifact: the manifest never lists it, so nothing ``tk`` loads comes from there)."""
+def _hashing_config() -> Any:
+    """What a signature covers, the same when signing and verifying: every file below the directory,
+    git's (``.git/``, ``.gitattributes`` ...) included, but the top-level ``UNSIGNED`` names: the
+    signature itself and tk optimize's cache (no manifest may list a file there: ``tk.manifest``)."""
     import model_signing
 
+    return model_signing.hashing.Config().set_ignored_paths(paths=list(UNSIGNED), ignore_git_paths=False)
+
+
+def sign_artifact(root: str | Path, private_key: str | Path | None = None, *, ignore: tuple[str, ...] = ()) -> str:
+    """Write ``root/model.sig`` over every file of ``root`` but the top-level ``UNSIGNED`` names
+    (``model.sig``, the optimize cache) and return the signing key's fingerprint. ``private_key``: a
+    PEM EC key file (default: the user's own). ``ignore``: names the caller leaves out, which must be
+    among ``UNSIGNED`` (anything else would be left out here and hashed when verifying)."""
+    import model_signing
+
+    if not set(ignore) <= set(UNSIGNED):
+        raise ValueError(f"sign_artifact: ignore={ignore!r}; only {UNSIGNED} are left out of a signature")
     root = Path(root)
     if not root.is_dir():
         found = "a file" if root.exists() else "no directory"
         raise UsageError(f"expected an artifact directory, found {found} at {root}")
     key_path = Path(private_key) if private_key is not None else ensure_own_key()[0]
-    key = _load_private_key(key_path)
+    key_pem = _read_key_file(key_path, "private key", secret=True)
+    key = _load_private_key(key_path, key_pem)
     from cryptography.hazmat.primitives import serialization
 
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    hashing = model_signing.hashing.Config().set_ignored_paths(paths=[SIGNATURE, *ignore], ignore_git_paths=False)
     try:
-        config = model_signing.signing.Config().use_elliptic_key_signer(private_key=key_path)
-        config = config.set_hashing_config(hashing)
-        with private_copy({}) as scratch:  # signed outside the directory, so no temporary file is hashed
+        # signed outside the directory, so no temporary file is hashed, with the key bytes checked above
+        with private_copy({PRIVATE_KEY: key_pem}) as scratch:
+            config = model_signing.signing.Config().use_elliptic_key_signer(private_key=scratch / PRIVATE_KEY)
+            config = config.set_hashing_config(_hashing_config())
             config.sign(root, scratch / SIGNATURE)
             bundle = (scratch / SIGNATURE).read_bytes()
     except ValueError as exc:  # a symbolic link or an unsupported key, from model_signing
@@ -301,8 +424,12 @@ def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | 
     hint = hint if isinstance(hint, str) else None
     if hint not in keys:
         return SignatureCheck(True, False, hint, None, "it is signed by a key you do not trust")
-    key = keys[hint]
-    problem = _verify_bundle(root, raw, key)
+    key, key_pem = keys[hint]
+    left_out = _left_out(serialization)
+    if left_out:
+        return SignatureCheck(True, False, hint, key, f"its signature leaves out {left_out}, which tk checks "
+                              "(sign with `tk sign`, or model_signing's --no-ignore-git-paths)")  # fmt: skip
+    problem = _verify_bundle(root, raw, key_pem)
     if problem:
         return SignatureCheck(True, False, hint, key, problem)
     signed = _signed_manifest_digest(resources, serialization)
@@ -335,17 +462,18 @@ def _read_signature(root: Path) -> bytes:
     return read_inside(root, SIGNATURE)
 
 
-def _verify_bundle(root: Path, raw: bytes, key: Path) -> str:
-    """Verify the bundle ``raw`` with ``key`` and every file of ``root`` against it: '' or why not.
+def _verify_bundle(root: Path, raw: bytes, key_pem: bytes) -> str:
+    """Verify the bundle ``raw`` with the public key ``key_pem`` and every file of ``root`` against it: '' or why not.
 
-    model_signing reads the signature from a path: it gets a private copy of the bytes read
-    here, so the payload checked below is the one it verified.
+    model_signing reads the signature and the key from paths: it gets a private copy of the bytes
+    read and checked here, so the payload checked below is the one it verified.
     """
     import model_signing
 
-    config = model_signing.verifying.Config().use_elliptic_key_verifier(public_key=key)
     try:
-        with private_copy({SIGNATURE: raw}) as copy:
+        with private_copy({SIGNATURE: raw, PUBLIC_KEY: key_pem}) as copy:
+            config = model_signing.verifying.Config().use_elliptic_key_verifier(public_key=copy / PUBLIC_KEY)
+            config = config.set_hashing_config(_hashing_config())  # its default leaves git's files out
             config.verify(root, copy / SIGNATURE)
     except Exception as exc:  # model_signing raises ValueError, cryptography InvalidSignature, OSError ...
         return _mismatch_reason(exc)
@@ -367,6 +495,16 @@ def _mismatch_reason(exc: BaseException) -> str:
         return f"its files do not match their signature ({'; '.join(parts)})"
     first = text.splitlines()[0] if text else type(exc).__name__
     return f"its signature does not verify ({first[:200]})"
+
+
+def _left_out(serialization: Any) -> str:
+    """The paths a bundle's signer left out besides ``UNSIGNED`` (model_signing's CLI leaves out git's
+    files by default), or ''; verifying leaves out what the bundle says, so files added there would pass."""
+    paths = serialization.get("ignore_paths", []) if isinstance(serialization, dict) else []
+    if not isinstance(paths, list):
+        return repr(paths)[:80]
+    extra = sorted({str(p) for p in paths} - set(UNSIGNED))
+    return ", ".join(extra)[:200]
 
 
 def _signed_manifest_digest(resources: Any, serialization: Any) -> str | None:
