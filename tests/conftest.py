@@ -74,6 +74,20 @@ def own_signing_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
             os.environ[key] = value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def quiet_machine() -> Iterator[None]:
+    """Every load guard of the code under test reads a quiet machine (load 0, no other process on the
+    CPU): no test's verdict may depend on what else runs beside the suite. A test of the busy path hands
+    its guard readers of its own, or replaces these (``tk.workflows.load_guard.system``). Session-wide,
+    so module fixtures that run tk optimize or tk bench see it too."""
+    from tk.workflows import load_guard
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load_guard.system, "load", lambda: 0.0)
+        patch.setattr(load_guard.system, "cpu", lambda: (0.0, 0.0))
+        yield
+
+
 MODELS = ("transformer", "mlp", "linear", "resnet18")
 
 

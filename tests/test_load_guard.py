@@ -1,10 +1,15 @@
-"""The load guard's decisions, with an injected load reader and clock (no real waiting)."""
+"""The load guard's decisions, with an injected load reader and clock (no real waiting).
+
+tests/conftest.py gives every guard built without readers a quiet machine (``load_guard.system``); the
+tests of the system's readers pass them explicitly, and none asserts what they read, only that they read.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
+from tk.workflows import load_guard
+from tk.workflows.load_guard import LoadGuard, LoadMark, cpu_seconds, one_minute_load, quiet_or_marked
 
 
 class FakeClock:
@@ -71,9 +76,26 @@ def test_no_load_average_means_no_mark_and_no_wait():
     assert not LoadMark(2, None).busy
 
 
-def test_the_real_reader_runs_without_waiting():
-    _, mark = quiet_or_marked(lambda: None, LoadGuard(0))
-    assert mark.cores >= 1 and mark.waited_s < 1.0
+def test_the_real_readers_run_without_waiting():
+    clock = FakeClock()
+    real = LoadGuard(0, read_load=one_minute_load, read_cpu=cpu_seconds, sleep=clock.sleep, clock=clock)
+    _, mark = quiet_or_marked(lambda: None, real)
+    assert mark.cores >= 1 and clock.sleeps == [] and mark.waited_s == 0.0  # no budget: never waits, busy or not
+    assert (mark.before is None) is (mark.after is None) is (one_minute_load() is None)
+
+
+def test_a_guard_built_without_readers_reads_load_guard_system_at_each_reading(monkeypatch):
+    """The seam of tests/conftest.py: ``load_guard.system``'s readers reach guards built anywhere, before or after."""
+    built_before = LoadGuard(0, cores=2)
+    _, mark = quiet_or_marked(lambda: None, built_before)  # the suite's quiet machine
+    assert (mark.before, mark.after, mark.others_cores, mark.busy) == (0.0, 0.0, 0.0, False)
+    clock, cpu = FakeClock(), FakeCpu()
+    monkeypatch.setattr(load_guard.system, "load", lambda: 7.0)
+    monkeypatch.setattr(load_guard.system, "cpu", cpu)
+    for guard in (built_before, LoadGuard(0, cores=2)):
+        with guard.row() as mark:
+            cpu.run(1.0, own_cores=0.0, other_cores=1.0, clock=clock)  # others' CPU second, on the fake counter
+        assert mark.before == mark.after == 7.0 and mark.busy and (mark.others_cores or 0.0) > 0
 
 
 def test_the_guard_still_reads_after_a_failed_row():
@@ -148,8 +170,6 @@ def test_the_wait_ends_once_other_processes_are_quiet_even_if_the_load_average_l
 
 
 def test_the_real_cpu_reader_reads_this_process():
-    from tk.workflows.load_guard import cpu_seconds
-
     first = cpu_seconds()
     if first is None:
         pytest.skip("no /proc/stat on this system: the load average alone decides")

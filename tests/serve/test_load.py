@@ -4,6 +4,8 @@ tested in test_triton_http.py, on that module's server."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from rich.console import Console
@@ -19,7 +21,7 @@ from tk.serve.load_test import (
     mismatches,
     scenario_row,
 )
-from tk.workflows.load_guard import OTHERS_ALONE_BUSY_CORES, LoadGuard
+from tk.workflows.load_guard import LoadGuard
 
 MODEL = "transformer"
 
@@ -70,15 +72,26 @@ def test_engine_batch_bound_reports_both_sizes_and_the_load_mark(exported):
 
 
 def test_engine_split_bound_runs_one_engine_a_process_side_by_side(exported):
+    """The workers are reaped inside the row, so their CPU counts as this run's own, never as another
+    process's: the row's last reading of this process's CPU already holds theirs. The readings are of this
+    process alone (a machine where nothing else runs), so the verdict does not depend on what does."""
     art = exported("transformer", ("onnx",))
-    guard = LoadGuard(0, cores=2, read_load=lambda: 0.5)
-    split = engine_split_bound(art.root, 8, 4, 2, guard, seconds=0.5)
+    own_readings: list[float] = []
+
+    def own_cpu() -> tuple[float, float]:
+        times = os.times()  # reaped children's CPU included
+        own_readings.append(times.user + times.system + times.children_user + times.children_system)
+        return own_readings[-1], own_readings[-1]
+
+    before = os.times()
+    split = engine_split_bound(art.root, 8, 4, 2, LoadGuard(0, cores=2, read_load=lambda: 0.5, read_cpu=own_cpu), 0.5)
+    after = os.times()
     assert (split["processes"], split["threads_each"], split["max_batch"]) == (2, 1, 4)
     assert split["samples_per_s"] > 0 and split["load_before"] == 0.5
-    # the workers were reaped inside the row: their CPU is this run's own, not another process's
-    others = split["others_cores"]
-    assert others is None or others < 1.0
-    assert split["busy"] is (others is not None and others > OTHERS_ALONE_BUSY_CORES)  # steal alone marks it
+    workers_cpu = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    assert len(own_readings) == 2 and workers_cpu > 0
+    assert own_readings[1] - own_readings[0] >= workers_cpu  # reaped before the row's end
+    assert split["others_cores"] == 0.0 and split["busy"] is False
 
 
 def test_goals_and_table_read_the_rows():

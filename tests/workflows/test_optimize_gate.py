@@ -1,10 +1,13 @@
 """tk optimize's speed gate: an int8 search that cannot give the winner is skipped with its numbers.
 
-The gate's verdict depends on timings; these tests move its margin so that the verdict is certain
-(any ratio skips, or none does) and assert what it records, never a speed."""
+The gate's verdict depends on timings and on the load guard's mark; these tests move its margin so that
+the verdict is certain (any ratio skips, or none does), read the machine through the load guard's
+injected readers (quiet for the whole suite, tests/conftest.py; busy where a test says so), and assert
+what it records, never a speed."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from tk.export import ExportOptions, write_artifact
 from tk.export.context import Int8Share
 from tk.manifest import verify_artifact
 from tk.models import build_model
+from tk.workflows import load_guard
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize import OptimizeOptions, gate, optimize
 from tk.workflows.optimize.candidates import Candidate
@@ -65,9 +69,29 @@ def test_a_slower_probe_gets_a_reason_with_both_times(fp32_artifact: Path, monke
     (verdict,) = speed_gate.verdicts
     assert verdict["format"] == "onnx" and verdict["fastest_passed"] == "onnx fp32"
     assert set(verdict["p50_ms"]) == {"onnx fp32", PROBE} and all(v > 0 for v in verdict["p50_ms"].values())
-    assert verdict["skipped"] is (not verdict["busy"])
-    assert len(verdict["ratios"]) == (1 if verdict["busy"] else 2)  # a skip holds in a second set of rounds too
+    assert verdict["busy"] is False and verdict["skipped"] is True and verdict["others_cores"] == 0.0
+    assert len(verdict["ratios"]) == 2  # a skip holds in a second set of rounds too
     assert verdict["ratio"] == min(verdict["ratios"])  # judged on the set most favourable to the probe
+
+
+def busy_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load guard reads 9 times the core count, and others' CPU growing by 1000 s at each reading."""
+    counter = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(load_guard.system, "load", lambda: 9.0 * (os.cpu_count() or 1))
+    monkeypatch.setattr(load_guard.system, "cpu", lambda: (float(next(counter)), 0.0))
+
+
+def test_on_a_busy_machine_the_probe_is_timed_once_and_not_judged(
+    fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gate, "MARGIN", -1.0)  # any time is "slower": only the busy mark keeps the search
+    busy_machine(monkeypatch)
+    speed_gate = _gate(fp32_artifact)
+    model = (fp32_artifact / verify_artifact(fp32_artifact).file("onnx").path).read_bytes()
+    assert speed_gate("onnx", model) is None
+    (verdict,) = speed_gate.verdicts
+    assert verdict["busy"] is True and verdict["skipped"] is False and len(verdict["ratios"]) == 1
+    assert speed_gate("aoti", Int8Share(1, 36, 0.02)) is None  # no quiet probe of aoti's: nothing to judge by
 
 
 def test_a_probe_within_the_margin_lets_the_search_run(fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,6 +252,7 @@ def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatc
     gate_record = result.record["speed_gate"]
     assert [v["format"] for v in gate_record] == ["aoti", "onnx", "openvino"]  # run.INT8_ORDER
     assert all(v["fastest_passed"] == "onnx fp32" for v in gate_record)
+    assert not any(v["busy"] for v in gate_record)  # the suite's quiet machine (tests/conftest.py)
     race = result.record["precision_race"]  # named candidates: raced before the first group for the int8 probe
     assert set(race["rates_gflops"]) <= {"fp32", "int8"} and "fp32" in race["rates_gflops"] and race["skipped"] == []
     assert race["linear_gflop"] < 1.0 and "probe" not in gate_record[0]  # tiny: too small to trust, so probed
@@ -253,6 +278,7 @@ def test_onnx_and_openvino_ask_before_judging_even_a_passing_all_int8_model(
     for name in ("onnx int8 static", "openvino int8 static"):
         assert rows[name].status == "skipped" and "cannot win here" in rows[name].reason, rows[name].reason
     assert [v["format"] for v in result.record["speed_gate"]] == ["onnx", "openvino"]
+    assert not any(v["busy"] for v in result.record["speed_gate"])
 
 
 def test_keep_all_turns_the_gate_off(tmp_path: Path) -> None:

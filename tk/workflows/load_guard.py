@@ -26,6 +26,11 @@ speed gate let a search run that cost 163 s and could not win.
     mark.busy, mark.to_json()
 
 or in one call: ``result, mark = quiet_or_marked(lambda: interleave(calls, iters=20), guard)``.
+
+A guard built without readers reads the machine through ``system`` (the load average and
+``/proc/stat``). A test that replaces its readers (``tests/conftest.py`` gives every test a quiet
+machine) decides what every guard of the code under test sees, so no verdict depends on what
+else runs beside the tests; a test of the readers themselves passes them explicitly.
 """
 
 from __future__ import annotations
@@ -66,6 +71,27 @@ def cpu_seconds() -> tuple[float, float] | None:
     busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     own = os.times()
     return busy, own.user + own.system + own.children_user + own.children_system
+
+
+@dataclass
+class SystemReaders:
+    """Where a ``LoadGuard`` built without ``read_load``/``read_cpu`` reads the machine (``system``)."""
+
+    load: Callable[[], float | None] = one_minute_load
+    cpu: Callable[[], tuple[float, float] | None] = cpu_seconds
+
+
+system = SystemReaders()
+
+
+def system_load() -> float | None:
+    """``system.load()``, looked up at each reading: the default ``read_load``."""
+    return system.load()
+
+
+def system_cpu() -> tuple[float, float] | None:
+    """``system.cpu()``, looked up at each reading: the default ``read_cpu``."""
+    return system.cpu()
 
 
 def others_cores(start: tuple[float, float] | None, end: tuple[float, float] | None, seconds: float) -> float | None:
@@ -112,9 +138,9 @@ class LoadMark:
 class LoadGuard:
     """Reads the load around each row; waits up to ``wait_quiet_s`` for it to drop to the core count.
 
-    ``read_load``, ``read_cpu`` (``cpu_seconds``; None: the load average alone decides), ``sleep`` and
-    ``clock`` are the system's unless given (tests inject them); ``cores`` defaults to
-    ``os.cpu_count()``, the count the load average is measured against.
+    ``read_load``, ``read_cpu`` (None: the load average alone decides), ``sleep`` and ``clock`` are
+    the system's unless given (tests inject them; the readers default to ``system``'s); ``cores``
+    defaults to ``os.cpu_count()``, the count the load average is measured against.
     """
 
     def __init__(
@@ -122,8 +148,8 @@ class LoadGuard:
         wait_quiet_s: float = DEFAULT_WAIT_QUIET_S,
         *,
         cores: int | None = None,
-        read_load: Callable[[], float | None] = one_minute_load,
-        read_cpu: Callable[[], tuple[float, float] | None] | None = cpu_seconds,
+        read_load: Callable[[], float | None] = system_load,
+        read_cpu: Callable[[], tuple[float, float] | None] | None = system_cpu,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
