@@ -5,6 +5,8 @@ Anything that is not a ``TkError`` is a bug in ``tk`` and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+
 
 class TkError(Exception):
     """Base of every error a user can cause; its message is one line a person can act on."""
@@ -26,6 +28,10 @@ class CaptureError(TkError):
 
 class ConversionError(TkError):
     """A captured graph could not be turned into ONNX, a TensorRT engine or an AOTInductor package."""
+
+
+class PartialExportError(ConversionError):
+    """Some formats could not be converted; the artifact was written with the others (its manifest names the failures)."""
 
 
 class BackendUnavailableError(TkError):
@@ -55,13 +61,17 @@ class ParityError(TkError):
     exit_code = 1
 
 
+# a line that only says where C++ threw ("Exception from src/inference/src/cpp/core.cpp:105:"): OpenVINO
+# stacks one per frame above the line that says what went wrong
+_WHERE_THROWN = re.compile(r"Exception from \S+:\d+:?")
+
+
 def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message that says something (not blank, not a ``#`` banner),
-    or its type's name: what a one-line error quotes."""
-    for line in str(exc).splitlines():
-        if line.strip() and not line.strip().startswith("#"):
-            return line.strip()
-    return type(exc).__name__
+    """The first line of ``exc``'s message that says something (not blank, not a ``#`` banner, not a
+    C++ location banner), or its type's name: what a one-line error quotes."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.strip().startswith("#")]
+    said = [line for line in lines if not _WHERE_THROWN.fullmatch(line)]
+    return (said or lines or [type(exc).__name__])[0]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

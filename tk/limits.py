@@ -19,6 +19,11 @@ from tk.errors import ResourceError, UsageError
 ENV = "TK_MAX_MEMORY"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+# The largest counts tk takes from a user. A flag's click range and a settings file's check (tk serve
+# --config) read the same constant, so that a file cannot ask for what the flag refuses.
+MAX_THREADS = 1024  # --threads, engine_threads: 100000 threads crashed onnxruntime and torch (segfault) or hung
+MAX_TUNE_REQUESTS = 100_000  # tk serve --tune-requests, per grid point: at 1 ms a request, 100 s a point
+
 
 def parse_size(text: str) -> int:
     """``512M``, ``8G``, ``1.5g`` or a byte count."""

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from tk.errors import UsageError
+from tk.limits import MAX_THREADS
 from tk.registries import DEVICES, HF_TASKS
 
 
@@ -33,7 +34,6 @@ def model_options(fn: Any) -> Any:
 
 
 SEED = click.IntRange(0, 2**32 - 1)  # what numpy's and torch's generators take from every caller
-MAX_THREADS = 1024  # 100000 threads crashed onnxruntime and torch (segfault) or hung
 
 
 def path_option(*decls: str, help: str) -> Any:

@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+from tk.limits import MAX_THREADS, MAX_TUNE_REQUESTS
+
 
 def tuning_options(command: Any) -> Any:
     """``--config`` and the ``--tune`` flags of ``tk serve``."""
@@ -40,12 +42,18 @@ def tuning_options(command: Any) -> Any:
         ),
         click.option(
             "--tune-requests",
-            type=int,
+            type=click.IntRange(1, MAX_TUNE_REQUESTS),
             default=200,
             show_default=True,
-            help="--tune: requests per point.",
+            help=f"--tune: requests per point (at most {MAX_TUNE_REQUESTS}; their memory counts against --max-memory).",
         ),
-        click.option("--tune-clients", type=int, default=16, show_default=True, help="--tune: concurrent clients."),
+        click.option(
+            "--tune-clients",
+            type=click.IntRange(1, MAX_THREADS),
+            default=16,
+            show_default=True,
+            help="--tune: concurrent clients (threads).",
+        ),
         click.option(
             "--tune-samples",
             default="1",

@@ -146,7 +146,9 @@ ENCODINGS = {"gzip": 16 + 15, "deflate": 15}
 
 def decoded_body(body: bytes, headers: Mapping[str, str], limit: int) -> bytes:
     """``body`` decompressed per its ``Content-Encoding`` (gzip, deflate, identity), never past ``limit``
-    bytes (``RequestTooLarge``: a small body may inflate a thousandfold); ``InputError`` for a damaged one."""
+    bytes (``RequestTooLarge``: a small body may inflate a thousandfold); ``InputError`` for a damaged one,
+    and for bytes after the end of its one compressed stream (a second gzip member, trailing data): a
+    body is answered whole or refused, never from its first part alone."""
     encoding = next((v for k, v in headers.items() if k.lower() == "content-encoding"), "").strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -164,6 +166,11 @@ def decoded_body(body: bytes, headers: Mapping[str, str], limit: int) -> bytes:
         raise too_large(f"more than {limit} (decompressed)", limit)
     if not inflate.eof:
         raise InputError(f"Content-Encoding {encoding}: the body ends before its compressed stream does")
+    if inflate.unused_data:
+        raise InputError(
+            f"Content-Encoding {encoding}: expected one compressed stream, got {len(inflate.unused_data)} bytes "
+            "after its end (a second gzip member or trailing data)"
+        )
     return out
 
 

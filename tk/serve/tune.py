@@ -43,6 +43,7 @@ import numpy as np
 
 from tk.errors import UsageError, first_line
 from tk.fileio import atomic_write_bytes
+from tk.limits import MAX_THREADS, MAX_TUNE_REQUESTS, require_within_budget
 from tk.serve.load import send_requests
 
 # the ServeConfig fields a settings file may set, and their types
@@ -59,7 +60,12 @@ SETTINGS: dict[str, type] = {
     "max_request_bytes": int,
     "engine_threads": int,  # not a ServeConfig field: the engine's threads option (apply_settings)
 }
+# settings whose flag has a cap: the file is held to the same (tk.limits), checked when it is read
+CAPS: dict[str, tuple[str, int, int]] = {"engine_threads": ("--threads", 1, MAX_THREADS)}
 MAX_POINTS = 64
+# what the tune keeps per request besides its inputs (a slot in the load, a latency and a reply by id):
+# the memory --tune-requests asks for, budgeted before any is allocated
+REQUEST_BOOKKEEPING_BYTES = 512
 
 
 def read_settings(path: str | Path) -> dict[str, Any]:
@@ -96,6 +102,10 @@ def read_settings(path: str | Path) -> dict[str, Any]:
             raise UsageError(
                 f"--config {path}: {key}: expected {'a finite ' if kind is float else ''}{kind.__name__}, got {shown}"
             )
+        if key in CAPS:
+            flag, low, high = CAPS[key]
+            if not low <= value <= high:
+                raise UsageError(f"--config {path}: {key}: expected {low} to {high} (as {flag}), got {value}")
         settings[key] = kind(value)
     return settings
 
@@ -237,6 +247,8 @@ def tune(
         raise UsageError(
             f"--tune-requests/--tune-clients/--tune-budget-s: expected 1 or more, got {requests}/{clients}/{budget_s}"
         )
+    if requests > MAX_TUNE_REQUESTS:
+        raise UsageError(f"--tune-requests: expected at most {MAX_TUNE_REQUESTS} per point, got {requests}")
     cpus = cpus or os.cpu_count() or 1
     low, high = samples
     sig = _signature(base)
@@ -246,6 +258,7 @@ def tune(
         raise UsageError(
             f"--tune-samples {low}-{high}: this artifact's batch max is {limit.max}; use at most {limit.max}"
         )
+    require_within_budget(load_bytes(sig, requests, high, seq), f"--tune-requests {requests} (the tune's load)")
     points = grid_points(grid, cpus, base.cpus_per_replica, base.engine.options.get("threads"), largest=high)
     for point in points:
         if point.skipped is None and limit is not None and point.max_batch > limit.max:
@@ -306,6 +319,17 @@ def tune(
         stop(running)
     best, within = recommend(points, p99_ms)
     return TuneResult(points, best, within, p99_ms, cpus, samples, seq)
+
+
+def load_bytes(sig: Any, requests: int, samples: int, seq: tuple[int, int] | None) -> int:
+    """Bytes the tune holds for ``requests`` requests of up to ``samples`` samples (and ``seq`` tokens):
+    its distinct inputs (at most 256, at the largest sizes) and each request's bookkeeping."""
+    from tk.spec import feeds_nbytes
+
+    sizes = {**sig.opt_sizes(), _batch_name(sig): samples}
+    if seq is not None and "seq" in sig.dims:
+        sizes["seq"] = seq[1]
+    return min(requests, 256) * feeds_nbytes(sig.inputs, sizes) + requests * REQUEST_BOOKKEEPING_BYTES
 
 
 def _lengths(sig: Any, seq: tuple[int, int], count: int) -> list[int]:
