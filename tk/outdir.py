@@ -107,8 +107,13 @@ def _entries(root: Path, skip: set[str]) -> list[tuple[str, bool]]:
         for name in files + links:
             found.append(((here / name).as_posix(), True))
         for name in dirs:
-            found.append(((here / name).as_posix(), not any(os.scandir(os.path.join(directory, name)))))
+            found.append(((here / name).as_posix(), _empty(Path(directory, name))))
     return found
+
+
+def _empty(directory: Path) -> bool:
+    with os.scandir(directory) as entries:
+        return next(entries, None) is None
 
 
 def _whole_artifact(path: Path) -> bool:
@@ -136,9 +141,8 @@ def refuse_inside(path: Path, artifact: Path, given: str) -> None:
 
 def require_empty(out: Path, force: bool, flag: str = "--out") -> None:
     """Refuse (one line) a non-empty directory ``out`` unless ``force`` (then files of the same names as those
-    written are replaced, and nothing else is touched): ``tk deploy triton``'s repository."""
-    if out.is_symlink():
-        raise UsageError(f"{flag} {out}: expected a directory, found a symbolic link; name the directory itself")
+    written are replaced, and nothing else is touched): ``tk deploy triton``'s repository, which it writes
+    into (a link to a directory is that directory) and never replaces."""
     if os.path.lexists(out) and not out.is_dir():
         raise UsageError(f"{flag} {out}: expected a directory, found a file")
     if force or not out.is_dir():
