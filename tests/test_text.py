@@ -73,3 +73,18 @@ def test_the_error_line_shows_a_quoted_escape_sequence_escaped(tmp_path: Path) -
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no\\x1b]0;owned\\x07such" in lines[0]
+
+
+def test_check_shows_a_crafted_output_name_as_text_in_its_table_notes_and_lines(exported, copy_of) -> None:
+    """An output named with rich markup and an escape sequence: before, ``[/bold]`` raised rich's MarkupError."""
+    root = copy_of(exported("mlp", ("torch",)).root, "crafted-output")
+    manifest = read_manifest(root)
+    name = f"lo[/bold]{OSC_TITLE}gits"
+    manifest.signature.outputs[0] = dataclasses.replace(manifest.signature.outputs[0], name=name)
+    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
+    result = CliRunner().invoke(cli, ["check", str(root), "--engine", "torch"])
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    shown = "lo[/bold]\\x1b]0;owned\\x07gits"
+    assert f"top-1 agreement torch {shown}: 100.0%" in result.output
+    assert f"│ torch  │ {shown} │" in result.output  # the table's cell, markup shown as text

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from tk.cli.common import SEED, console, path_option, public_key_option, trust_options, trust_policy
+from tk.text import printable, table_cell
 
 # both commands rebuild the float32 model (their reference) from the manifest
 TRUST_MODEL_CODE = click.option(
@@ -75,15 +76,17 @@ def locate_cmd(
     )
     click.echo(f"locate {engine} ({result.precision}) via {result.via}")
     for note in result.notes:
-        click.echo(f"note: {note}")
+        click.echo(printable(f"note: {note}"))
     first = result.first
     if first is None:
         click.echo(f"every compared module ({len(result.rows)}) is within rtol {result.rtol:g}, atol {result.atol:g}")
     else:
         click.echo(
-            f"first divergence: {first.module} ({first.kind}), module {first.order + 1} of {len(result.rows)} "
-            f"in execution order: max abs {_abs(first.max_abs, first.nonfinite)}, max rel {_num(first.max_rel)}, "
-            f"{first.nonfinite} NaN/Inf"
+            printable(
+                f"first divergence: {first.module} ({first.kind}), module {first.order + 1} of {len(result.rows)} "
+                f"in execution order: max abs {_abs(first.max_abs, first.nonfinite)}, max rel {_num(first.max_rel)}, "
+                f"{first.nonfinite} NaN/Inf"
+            )
         )
     table = Table(title=f"modules where the error grows most (rtol {result.rtol:g}, atol {result.atol:g})")
     for column in ("#", "module", "type", "max abs", "max rel", "SQNR dB", "NaN/Inf", "growth", "result"):
@@ -91,8 +94,8 @@ def locate_cmd(
     for row in result.worst_growth(top):
         table.add_row(
             str(row.order + 1),
-            row.module,
-            row.kind,
+            table_cell(row.module),  # names from the model or the artifact's graph
+            table_cell(row.kind),
             _abs(row.max_abs, row.nonfinite),
             _num(row.max_rel),
             _num(row.sqnr_db, ".1f"),
@@ -103,7 +106,9 @@ def locate_cmd(
     console().print(table)
     for out in result.engine_outputs:
         verdict = "pass" if out.passed else f"FAIL: {out.problem}"
-        click.echo(f"engine {engine} output {out.name}: max abs {_abs(out.max_abs, out.nan + out.inf)}, {verdict}")
+        click.echo(
+            printable(f"engine {engine} output {out.name}: max abs {_abs(out.max_abs, out.nan + out.inf)}, {verdict}")
+        )
     if json_path:
         atomic_write_json(json_path, result.to_json())
         click.echo(f"json: {json_path}")
