@@ -152,6 +152,18 @@ def test_a_key_file_in_a_directory_others_can_write_is_refused_unless_sticky(sig
     assert check_signature(art, read_manifest(art), _policy(key)).trusted
 
 
+def test_a_link_to_a_key_in_a_directory_others_can_write_is_refused(signed_by_other, tmp_path):
+    """The directory checked is the one the key file lies in, not the one holding a link to it."""
+    art, _, public = signed_by_other
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = Path(shutil.copy(public, shared / "colleague.pem"))
+    shared.chmod(0o777)
+    (config_dir() / TRUSTED_DIR).mkdir()
+    (config_dir() / TRUSTED_DIR / "colleague.pem").symlink_to(target)
+    assert refusal(lambda: check_signature(art, read_manifest(art))).startswith(f"{shared}: expected the directory")
+
+
 def _policy(*keys: Path) -> Any:
     from tk.signing import TrustPolicy
 

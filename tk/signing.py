@@ -117,7 +117,7 @@ def _read_key_file(path: Path, what: str, *, secret: bool = False, yours: bool =
         if not stat.S_ISREG(info.st_mode):
             raise UsageError(f"{path}: expected a {what} file, found {_kind(info)}; refusing to read it")
         _require_safe_key_file(path, info, what, secret=secret, yours=yours)
-        _require_safe_directory(path.parent, f"the directory of a {what}", sticky_ok=True)
+        _require_safe_directory(Path(os.path.realpath(path)).parent, f"the directory of a {what}", sticky_ok=True)
         data = f.read(_MAX_KEY_BYTES + 1)
     if len(data) > _MAX_KEY_BYTES:
         raise UsageError(f"{path}: expected a {what} (a PEM file of a few hundred bytes), found over {_MAX_KEY_BYTES}")
