@@ -234,7 +234,9 @@ def _check_signature(signature: dict[str, Any]) -> None:
             _need(isinstance(spec, dict) and isinstance(spec.get("name"), str), where, "an object with a name", spec)
             _need(isinstance(spec.get("shape"), list), f"{where}.shape", "a list", spec.get("shape"))
             for d in spec["shape"]:
-                ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or (isinstance(d, str) and d in dims)
+                # an output's axis may be one the model computes from the inputs' (wav2vec2's frames from samples)
+                named = isinstance(d, str) and (d in dims or (side == "outputs" and d.isidentifier()))
+                ok = (isinstance(d, int) and not isinstance(d, bool) and d >= 1) or named
                 _need(ok, f"{where}.shape", "sizes >= 1 or names of signature.dims", d)
             for bound in ("low", "high"):
                 value = spec.get(bound)
