@@ -115,3 +115,16 @@ class NoOnnx(nn.Module):
 
 def no_onnx() -> UserModel:
     return UserModel(NoOnnx(), {"x": torch.randn(4, 8)})
+
+
+class NoConverter(nn.Module):
+    """An ATen operator (``linalg_eigh``) that torch runs and that neither torch.onnx nor OpenVINO converts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gram = x @ x.transpose(-1, -2)  # (B, 4, 4), symmetric
+        return torch.linalg.eigh(gram).eigenvalues  # planted: no ONNX function, no OpenVINO conversion rule
+
+
+def no_converter() -> UserModel:
+    torch.manual_seed(0)
+    return UserModel(NoConverter(), {"x": torch.randn(2, 4, 4)})

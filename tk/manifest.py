@@ -58,6 +58,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # tk optimize: the recommendation (format, precision, engine, options) and the candidates table
     optimize: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # format -> why it could not be written (the others were)
     # sha256 of the manifest.json bytes this was parsed from ("" when built in memory): what a signature must name
     source_sha256: str = field(default="", compare=False, repr=False)
 
@@ -89,6 +90,7 @@ class Manifest:
             "timings": self.timings,
             "check": self.check,
             **({"optimize": self.optimize} if self.optimize else {}),
+            **({"failed": self.failed} if self.failed else {}),
         }
 
     @classmethod
@@ -107,6 +109,7 @@ class Manifest:
             created=data.get("created", ""),
             format_version=data["format_version"],
             optimize=data.get("optimize", {}),
+            failed=data.get("failed", {}),
         )
 
 
@@ -175,8 +178,10 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def schema_problem(data: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's structure (field: expected, found), or None; checked before any use."""
     try:
-        for key in ("model", "signature", "formats", "versions", "check", "timings", "optimize"):
+        for key in ("model", "signature", "formats", "versions", "check", "timings", "optimize", "failed"):
             _need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
+        for fmt, why in data.get("failed", {}).items():
+            _need(isinstance(why, str), f"failed.{fmt}", "a reason", why)
         _need(isinstance(data.get("files"), list), "files", "a list", data.get("files"))
         recommended = data.get("optimize", {}).get("recommended")
         _need(recommended is None or (isinstance(recommended, dict) and isinstance(recommended.get("engine"), str)),

@@ -18,7 +18,7 @@ from tk.cli.common import (
     task_option,
     trust_policy,
 )
-from tk.errors import ParityError, UsageError
+from tk.errors import ParityError, PartialExportError, UsageError
 from tk.registries import DEVICES, FORMATS, PRECISIONS
 from tk.text import printable
 from tk.tolerances import MIN_SQNR_DB
@@ -218,7 +218,7 @@ def export_cmd(
     refuse_writes_into(out, json=json_path)  # the artifact is written whole and swapped into place
     try:
         result = export(spec, out, options)
-    except ParityError:
+    except (ParityError, PartialExportError):  # the artifact was written: show what its check found
         from tk.manifest import read_manifest
 
         print_check_reports(read_manifest(out).check)
@@ -293,6 +293,8 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
     for fmt, info in manifest.formats.items():
         for line in _format_lines(artifact, fmt, info):
             _show(line)
+    for fmt, why in manifest.failed.items():
+        _show(f"failed     {fmt}: {why}")
     _show("versions   " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
     if manifest.timings:
         _show("timings    " + ", ".join(f"{k} {v:.1f} s" for k, v in manifest.timings.items()))
@@ -316,8 +318,11 @@ def _format_lines(artifact: Path, fmt: str, info: dict[str, Any]) -> list[str]:
     from tk.errors import IntegrityError
 
     try:
-        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("file", "fusions", "quantization"))
+        shown_apart = ("file", "fusions", "quantization", "fallback")
+        extra = ", ".join(f"{k}={v}" for k, v in info.items() if k not in shown_apart)
         lines = [f"format     {fmt}: {info.get('file', '')}" + (f" ({extra})" if extra else "")]
+        if "fallback" in info:
+            lines.append(f"fallback   {fmt}: {info['fallback']}")
         if "quantization" in info:
             lines.append(f"int8       {fmt}: {_quantization_text(info['quantization'])}")
         fusions = info.get("fusions")

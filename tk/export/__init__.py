@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from tk.errors import BackendUnavailableError, CaptureError, ParityError, UsageError
+from tk.errors import (
+    BackendUnavailableError,
+    CaptureError,
+    ConversionError,
+    ParityError,
+    PartialExportError,
+    UsageError,
+    first_line,
+)
 from tk.export.context import ExportContext, ExportOptions
 from tk.export.precision import module_at_precision
 from tk.export.torch_program import exported_program_in_range
@@ -137,7 +145,8 @@ def write_artifact(
         manifest = _manifest(ctx, checkpoint_sha)
         _write_manifest(staging, manifest)
         if options.check and check is not None:
-            ctx.timed("check", lambda: check(staging, manifest, formats, ctx))
+            written = [f for f in formats if f not in ctx.failed]
+            ctx.timed("check", lambda: check(staging, manifest, written, ctx))
             manifest.timings = ctx.timings
             _write_manifest(staging, manifest)
         sign_artifact(staging)  # after the last write to the directory: the signature covers every file
@@ -154,8 +163,14 @@ def write_artifact(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     result = ExportResult(out, manifest, skipped)
+    failures = [f"{fmt}: {line}" for fmt, rep in manifest.check.items() for line in _failures(rep)]
+    if manifest.failed:
+        held = f"{', '.join(manifest.formats)} ({manifest.status}{': ' + '; '.join(failures) if failures else ''})"
+        raise PartialExportError(
+            "export: " + "; ".join(f"{fmt} failed ({why})" for fmt, why in manifest.failed.items())
+            + f"; the artifact at {out} holds {held}, and its manifest names the failure"
+        )
     if manifest.status == "failed":
-        failures = [f"{fmt}: {line}" for fmt, rep in manifest.check.items() for line in _failures(rep)]
         raise ParityError(f"export check failed, artifact kept at {out} and marked failed: " + "; ".join(failures))
     return result
 
@@ -210,10 +225,30 @@ def _write_formats(
         _write_weights(ctx)
         ctx.program = ctx.timed("capture", lambda: _capture(ctx, out))
         for fmt in formats:
-            fmt_writer = writer(fmt)
-            ctx.timed(fmt, lambda: fmt_writer.write(ctx))  # noqa: B023 (called at once)
+            _write_one(ctx, fmt, alone=len(formats) == 1)
+        if len(ctx.failed) == len(formats):
+            raise ctx.failed_errors[formats[0]]  # nothing written: the first failure is the error, as for one format
     shutil.rmtree(staging / ".scratch", ignore_errors=True)
     return ctx
+
+
+def _write_one(ctx: ExportContext, fmt: str, *, alone: bool) -> None:
+    """``fmt``'s writer into the staging directory. A conversion failure costs only this format when others
+    are written: its files are removed and the failure recorded (``ctx.failed``) for the manifest."""
+    fmt_writer = writer(fmt)
+    files_before = len(ctx.files)
+    try:
+        ctx.timed(fmt, lambda: fmt_writer.write(ctx))
+    except ConversionError as exc:
+        if alone:
+            raise
+        for relative, _ in ctx.files[files_before:]:
+            (ctx.staging / relative).unlink(missing_ok=True)
+        del ctx.files[files_before:]
+        ctx.formats.pop(fmt, None)
+        ctx.failed[fmt] = first_line(exc)
+        ctx.failed_errors[fmt] = exc
+        log.warning("export %-6s FAILED: %s", fmt, first_line(exc))
 
 
 def _provider(fmt: str, product: str) -> Callable[[ExportContext], object]:
@@ -267,6 +302,7 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
         device=ctx.options.device,
         formats=ctx.formats,
         files=[FileEntry.of(ctx.staging, rel, role) for rel, role in ctx.files],
+        failed=dict(ctx.failed),
         versions=ctx.versions,
         timings=ctx.timings,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

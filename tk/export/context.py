@@ -88,6 +88,8 @@ class ExportContext:
     settings: dict[str, Any] = field(default_factory=dict)  # format -> its options (given, else defaults)
     providers: dict[str, Callable[[ExportContext], Any]] = field(default_factory=dict)  # product -> maker
     products: dict[str, Any] = field(default_factory=dict)  # products made so far
+    failed: dict[str, str] = field(default_factory=dict)  # format -> why its conversion failed (the others stay)
+    failed_errors: dict[str, Exception] = field(default_factory=dict)  # format -> the error itself
 
     @property
     def scratch(self) -> Path:
@@ -113,8 +115,14 @@ class ExportContext:
         if product not in self.products:
             if product not in self.providers:
                 raise KeyError(f"no format provides {product!r} (known: {', '.join(self.providers) or 'none'})")
-            self.products[product] = self.providers[product](self)
-        return self.products[product]
+            try:
+                self.products[product] = self.providers[product](self)
+            except Exception as exc:  # made once: a second writer asking gets the same failure, not a second try
+                self.products[product] = exc
+        made = self.products[product]
+        if isinstance(made, Exception):
+            raise made
+        return made
 
     def shipped_copy(self, path: Path) -> str | None:
         """The artifact file (relative path) whose bytes equal ``path``'s, if one ships."""

@@ -8,6 +8,7 @@ protobuf's 2 GiB limit: onnxruntime's quantization tools fail on models with ext
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import shutil
 import warnings
@@ -23,6 +24,8 @@ from tk.export.onnx_precision import INT8_MODES, fuse, fuses, quantize
 from tk.export.writer import REDUCED, Writer, given, option
 from tk.spec import Dim, Signature
 
+log = logging.getLogger("tk.export")
+
 FILE = "model.onnx"
 DEFAULT_OPSET = 20
 MIN_OPSET = 18
@@ -37,6 +40,7 @@ class OnnxFile:
     opset: int  # the default-domain opset actually written
     external_data: Path | None  # the weights file, when the model is too large for one file
     ir_version: int
+    fallback: str | None = None  # how the program was converted when the exporter failed on it as captured
 
 
 def resolve_opset(opset: int | None) -> int:
@@ -121,6 +125,7 @@ class OnnxWriter(Writer):
             "opset": plain.opset,
             "ir_version": plain.ir_version,
             "external_data": plain.external_data.name if plain.external_data else None,
+            **({"fallback": plain.fallback} if plain.fallback else {}),
         }
         import onnx
         import onnxscript
@@ -163,27 +168,22 @@ def onnx_from_exported_program(
     import onnx_ir as ir
 
     opset = resolve_opset(opset)
+    fallback = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter warns about every axis that shares a name
-            onnx_program = torch.onnx.export(
-                program,
-                (),
-                dynamo=True,
-                opset_version=opset,
-                input_names=[s.name for s in signature.inputs],
-                output_names=[s.name for s in signature.outputs],
-                dynamic_shapes=_axis_names(signature, dims),  # names the ONNX axes; the program is already captured
-                optimize=True,
-                verbose=False,
-            )
+        onnx_program = _dynamo_export(program, signature, dims, opset)
     except Exception as exc:  # the exporter raises many types; each is a conversion failure
-        message = (
-            f"torch.onnx could not convert the exported program (opset {opset}): {type(exc).__name__}: {first_line(exc)}; "
-            "try another --opset, or export --format torch or aoti instead"
-        )
-        written = _exporter_report(program, report_path, message, opset) if report_path is not None else None
-        raise ConversionError(message + (f" (report: {written})" if written else "")) from exc
+        try:
+            onnx_program = _dynamo_export(views_as_reshapes(program.run_decompositions()), signature, dims, opset)
+            fallback = f"decomposed to core ATen first, views written as reshapes (as captured: {failure_site(exc)})"
+            log.warning("export onnx   the exporter failed on the program as captured (%s); converted it %s",
+                        failure_site(exc), "decomposed first, its views written as reshapes")  # fmt: skip
+        except Exception:  # the fallback failed too: report the first failure, which is the exporter's own
+            message = (
+                f"torch.onnx could not convert the exported program (opset {opset}; {failure_site(exc)}), nor with it "
+                f"decomposed and its views as reshapes; {_next_step(exc)}"
+            )
+            written = _exporter_report(program, report_path, message, opset) if report_path is not None else None
+            raise ConversionError(message + (f" (report: {written})" if written else "")) from exc
     model = onnx_program.model
     written = model.opset_imports.get("", opset)
     if written != opset:
@@ -202,7 +202,78 @@ def onnx_from_exported_program(
         raise ConversionError(
             f"{path.name}: the exported ONNX model fails onnx.checker: {type(exc).__name__}: {first_line(exc)}"
         ) from exc
-    return OnnxFile(path, model.opset_imports.get("", opset), data_path, model.ir_version)
+    return OnnxFile(path, model.opset_imports.get("", opset), data_path, model.ir_version, fallback)
+
+
+def _dynamo_export(program: torch.export.ExportedProgram, signature: Signature, dims: dict[str, Dim], opset: int) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter warns about every axis that shares a name
+        return torch.onnx.export(
+            program,
+            (),
+            dynamo=True,
+            opset_version=opset,
+            input_names=[s.name for s in signature.inputs],
+            output_names=[s.name for s in signature.outputs],
+            dynamic_shapes=_axis_names(signature, dims),  # names the ONNX axes; the program is already captured
+            optimize=True,
+            verbose=False,
+        )
+
+
+def views_as_reshapes(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` with every ``aten.view`` a ``reshape``: the same values (ONNX's Reshape copies anyway), and
+    no stride check. torch.onnx's own decomposition pass re-checks views on fake tensors whose strides the
+    capture did not keep, and fails on some (T5's attention: "Cannot view a tensor with shape ... and strides")."""
+    changed = False
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+                changed = True
+        if changed and isinstance(module, torch.fx.GraphModule):
+            module.recompile()
+    return program
+
+
+_EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([\w.:]+)")
+_NO_FUNCTION = re.compile(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>")
+_SOURCE = re.compile(r"File: (\S+?):(\d+) in (\w+), code: (.*)")
+
+
+def failure_site(exc: BaseException) -> str:
+    """Where the exporter failed, from its messages: the operator, the user's source line, and the cause's
+    first line (``aten.view.default (modeling_t5.py:306 ...): ValueError: Cannot view ...``)."""
+    texts, seen = [], set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:  # the exporter's own chain (raise ... from ...)
+        seen.add(id(cause))
+        texts.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__
+    text = "\n".join(texts)
+    missing = _NO_FUNCTION.search(text)
+    if missing:
+        return f"{missing.group(1)}.{missing.group(2)} has no ONNX function"
+    op = _EXECUTING.search(text)
+    source = _SOURCE.search(text)
+    root = texts[-1].splitlines()[0] if texts else type(exc).__name__
+    where = f"{op.group(2)}" if op else ""
+    if source:
+        where += f" ({Path(source.group(1)).name}:{source.group(2)} in {source.group(3)}: {source.group(4).strip()})"
+    return f"{where + ': ' if where else ''}{root[:300]}"
+
+
+def _next_step(exc: BaseException) -> str:
+    """What would work: another opset only where the failure is an operator the opset lacks."""
+    text = str(exc) + str(exc.__cause__ or "")
+    if _NO_FUNCTION.search(text):  # torch.onnx's rules for an operator do not change with the opset
+        return "no opset has it: export --format torch, aoti or openvino instead, or replace the operator in the model"
+    if "opset" in text.lower() or "not supported" in text.lower():
+        return "try another --opset, or export --format torch, aoti or openvino instead"
+    return "export --format torch, aoti or openvino instead (they run the captured program without torch.onnx)"
 
 
 def _axis_names(signature: Signature, dims: dict[str, Dim]) -> tuple[dict[int, str], ...] | None:

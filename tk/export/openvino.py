@@ -78,7 +78,7 @@ class OpenVinoWriter(Writer):
     def write(self, ctx: ExportContext) -> None:
         import openvino as ov
 
-        model = ir_from_exported_program(_float32_program(ctx), ctx)
+        model, fallback = _float32_ir(ctx)
         quantization = None
         if ctx.options.precision == "int8":
             model, quantization = _int8_ir(model, ctx)
@@ -93,6 +93,8 @@ class OpenVinoWriter(Writer):
         }
         if quantization is not None:
             info["quantization"] = quantization
+        if fallback is not None:
+            info["fallback"] = fallback
         ctx.formats[self.name] = info
         ctx.versions.setdefault("openvino", ov.__version__)
 
@@ -131,6 +133,28 @@ def _float32_program(ctx: ExportContext) -> Any:
     return exported_program_from_module(ctx.spec.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
 
 
+def _float32_ir(ctx: ExportContext) -> tuple[Any, str | None]:
+    """The float32 IR: converted from the exported program, else (fp32 and int8) from tk's ONNX of the same
+    program, which OpenVINO's ONNX frontend reads where its PyTorch frontend fails (GPT-2's cache ``cat`` of an
+    empty tensor); the second is the fallback's record, or None."""
+    try:
+        return ir_from_exported_program(_float32_program(ctx), ctx), None
+    except ConversionError as exc:
+        if ctx.options.precision == "bf16" or "onnx-plain" not in ctx.providers:
+            raise  # under bf16 tk's ONNX holds the program's bf16 casts: no float32 graph to convert
+        failed = first_line(exc)
+        try:
+            onnx_file = ctx.require("onnx-plain")
+        except ConversionError:
+            raise ConversionError(f"{failed}; nor is there an ONNX graph of the program to convert (torch.onnx failed)") from exc
+        try:
+            model = named_and_bounded(_converted(str(onnx_file.path), "tk's ONNX of the program"), ctx)
+        except ConversionError as second:
+            raise ConversionError(f"{failed}; converting tk's ONNX of the program failed too ({second})") from exc
+    log.warning("export openvino: the PyTorch frontend failed (%s); converted tk's ONNX of the same program", failed)
+    return model, f"converted from tk's ONNX of the program (the PyTorch frontend failed: {failed})"
+
+
 def has_attention(model: Any) -> bool:
     """Whether the OpenVINO model computes attention (a softmax over scores, fused or not)."""
     return any(op.get_type_name() in ("ScaledDotProductAttention", "Softmax") for op in model.get_ordered_ops())
@@ -138,16 +162,35 @@ def has_attention(model: Any) -> bool:
 
 def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
     """``program`` as an ``openvino.Model``: inputs bounded by the dims, outputs named as the signature."""
+    return named_and_bounded(_converted(program, "the exported program"), ctx)
+
+
+def _converted(source: Any, what: str) -> Any:
+    """``openvino.convert_model(source)``; a failure is one ``ConversionError`` line that keeps OpenVINO's cause
+    (its first line names only the C++ file that threw)."""
     import openvino as ov
 
-    signature = ctx.spec.signature
     try:
-        model = ov.convert_model(program)
-    except Exception as exc:  # the PyTorch frontend raises OpConversionFailure and others
+        return ov.convert_model(source)
+    except Exception as exc:  # the frontends raise OpConversionFailure, GeneralFailure and others
         raise ConversionError(
-            f"openvino.convert_model could not convert the exported program ({type(exc).__name__}: {first_line(exc)}); "
+            f"openvino.convert_model could not convert {what} ({type(exc).__name__}: {openvino_cause(exc)}); "
             "export --format onnx or aoti instead"
         ) from exc
+
+
+def openvino_cause(exc: BaseException) -> str:
+    """The informative part of an OpenVINO error: its summary lines (``-- No conversion rule found for
+    operations: ...``) where it has them, else its lines past the ``Check ... failed at FILE:LINE:`` header."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    summary = [ln.removeprefix("-- ") for ln in lines if ln.startswith("-- ")]
+    useful = summary or [ln for ln in lines if not ln.startswith(("Check '", "Exception from "))]
+    return "; ".join(useful[:3])[:400] if useful else first_line(exc)
+
+
+def named_and_bounded(model: Any, ctx: ExportContext) -> Any:
+    """``model`` with the signature's input and output names and its inputs bounded by the dims."""
+    signature = ctx.spec.signature
     if len(model.inputs) != len(signature.inputs) or len(model.outputs) != len(signature.outputs):
         raise ConversionError(
             f"the OpenVINO model has {len(model.inputs)} inputs and {len(model.outputs)} outputs; the model's "
