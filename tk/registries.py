@@ -41,5 +41,15 @@ FORMATS: dict[str, str] = {
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8")
 DEVICES = ("cpu", "cuda")
 
-# tasks of a Hugging Face model directory (hf:DIR); tk.models.hf maps each to a transformers class
-HF_TASKS = ("feature-extraction", "sequence-classification", "token-classification", "masked-lm")
+# tasks of a Hugging Face model directory (hf:DIR); tk.models.hf_tasks maps each to a transformers class
+HF_TASKS = (
+    "feature-extraction",
+    "sequence-classification",
+    "token-classification",
+    "masked-lm",
+    "image-classification",
+    "image-feature-extraction",
+    "causal-lm",
+    "text2text-encoder",
+    "text2text-decoder",
+)

@@ -7,10 +7,12 @@ own model classes run: a config that asks for remote code (``auto_map``) is refu
 the eager reference from a manifest runs no code from the directory. Weights must be safetensors
 (never a pickle).
 
-Inputs come from the model's ``forward`` signature, narrowed by the tokenizer's
-``model_input_names`` when the directory has a tokenizer: ``input_ids`` (ids in ``[0, vocab)``),
-``token_type_ids`` (ids in ``[0, type_vocab_size)``) and ``attention_mask`` (a 0/1 mask). The
-sequence range runs up to the config's ``max_position_embeddings``; the output is named by the task.
+The task (``tk.models.hf_tasks``) picks the transformers class and what the graph returns; the
+model's main input and its config say the inputs (text, images, audio) and their ranges. The model
+runs with ``use_cache=False``: nothing here generates, and a graph that kept the cache carries its
+empty key/value tensors (OpenVINO's converter failed on GPT-2's). Attention runs through PyTorch's
+``scaled_dot_product_attention`` where transformers has it for the model, else through the model's
+own ("eager") attention, which the manifest records so that the reference rebuilds the same way.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import inspect
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,20 +33,12 @@ from torch import nn
 from tk.errors import UsageError, first_line
 from tk.limits import extrapolated_bytes, module_bytes, require_within_budget
 from tk.models.base import ModelSpec
-from tk.spec import Dim, Signature, TensorSpec
+from tk.models.hf_tasks import DEFAULT_TASK, TASKS, task_graph
+
+log = logging.getLogger("tk.models")
 
 PREFIX = "hf:"
-# task -> (transformers Auto class (tk.registries.HF_TASKS lists the same names for the command line), output name, output dims after (batch,): "seq", "hidden", "labels", "vocab")
-TASKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "feature-extraction": ("AutoModel", "last_hidden_state", ("seq", "hidden")),
-    "sequence-classification": ("AutoModelForSequenceClassification", "logits", ("labels",)),
-    "token-classification": ("AutoModelForTokenClassification", "logits", ("seq", "labels")),
-    "masked-lm": ("AutoModelForMaskedLM", "logits", ("seq", "vocab")),
-}
-DEFAULT_TASK = "feature-extraction"
-KNOWN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # in the order the graph takes them
-BATCH = Dim("batch", 1, 8, 64)
-SEQ_OPT = 128  # the sequence size exports and checks use by default (capped by the config)
+ATTENTION = (None, "eager", "sdpa")  # the attention implementations tk loads (None: SDPA where the model has it)
 
 
 def is_hf_name(name: str) -> bool:
@@ -59,7 +53,8 @@ def unavailable_reason() -> str | None:
 
 @contextlib.contextmanager
 def offline() -> Iterator[None]:
-    """``HF_HUB_OFFLINE=1`` and no progress bars while transformers loads, then both as they were.
+    """``HF_HUB_OFFLINE=1``, no progress bars and only transformers' errors while it loads, then all three
+    as they were (``load_hf_module`` says what matters of its loading report: weights it did not find).
 
     ``local_files_only=True`` in every load is what keeps transformers off the network (huggingface_hub
     reads ``HF_HUB_OFFLINE`` once, at import); the variable is set for code that reads it later.
@@ -70,28 +65,18 @@ def offline() -> Iterator[None]:
     os.environ["HF_HUB_OFFLINE"] = "1"
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # "Loading weights" bars on every rebuild of the reference
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a table of every unused weight (a head the task does not load)
     try:
         yield
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
         if before is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = before
-
-
-class HFTaskModel(nn.Module):
-    """A transformers model called with positional inputs, returning its task's one output tensor."""
-
-    def __init__(self, model: nn.Module, input_names: list[str]) -> None:
-        super().__init__()
-        self.model = model
-        self.input_names = input_names
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        out = self.model(**dict(zip(self.input_names, args, strict=True)), return_dict=True)
-        return out[0]  # last_hidden_state or logits
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
@@ -127,15 +112,46 @@ def _tokenizer_input_names(directory: Path) -> list[str] | None:
     return list(tokenizer.model_input_names)
 
 
+def _auto_class(config: Any, task: str, where: str) -> Any:
+    """The first of the task's transformers Auto classes that maps this config's type."""
+    import transformers
+
+    names = TASKS[task].auto_classes
+    for name in names:
+        auto_cls = getattr(transformers, name)
+        if type(config) in auto_cls._model_mapping:
+            return auto_cls
+    raise UsageError(
+        f"{where}: --task {task}: transformers has no {' or '.join(names)} class for a {config.model_type!r} "
+        "model; choose the task its head was saved for"
+    )
+
+
+def _config(directory: Path, task: str) -> Any:
+    """The directory's transformers config with the KV cache off (in every sub-config that has one)."""
+    import transformers
+
+    where = f"hf:{directory}"
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for a config it cannot read
+        raise UsageError(
+            f"{where}: transformers cannot read its config.json as {task} ({type(exc).__name__}: {first_line(exc)})"
+        ) from exc
+    parts = [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]
+    for part in parts:
+        if part is not None and hasattr(part, "use_cache"):
+            part.use_cache = False
+    return config
+
+
 def estimated_bytes(directory: Path, task: str) -> int:
     """Bytes of the float32 parameters and buffers the directory's config describes, measured on
     the meta device (nothing allocated). A config with many layers is measured at 1 and 2 layers
     and extrapolated, so a config asking for 2,000 layers costs two small meta builds."""
-    import transformers
-
-    auto_cls = getattr(transformers, TASKS[task][0])
+    config = _config(directory, task)
+    auto_cls = _auto_class(config, task, f"hf:{directory}")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
 
         def meta_bytes(layers: int | None) -> int:
             cfg = config
@@ -153,79 +169,82 @@ def estimated_bytes(directory: Path, task: str) -> int:
         ) from exc
 
 
-def load_hf_module(directory: Path, task: str) -> tuple[nn.Module, Any]:
+def load_hf_module(directory: Path, task: str, attention: str | None = None) -> tuple[nn.Module, Any]:
     """The transformers model for ``task`` at ``directory`` in float32 eval mode, and its config;
-    refused before anything is allocated when it would exceed tk's memory budget."""
-    import transformers
-
-    auto_name = TASKS[task][0]
-    auto_cls = getattr(transformers, auto_name)
+    refused before anything is allocated when it would exceed tk's memory budget. ``attention``: the
+    attention implementation to load (``"eager"``); default: SDPA where transformers has it for the
+    model, else eager."""
     require_within_budget(estimated_bytes(directory, task), f"hf:{directory} (the model its config.json describes)")
+    config = _config(directory, task)
+    auto_cls = _auto_class(config, task, f"hf:{directory}")
+    if attention is None:  # named always, so that no config.json can choose an implementation fetched from the Hub
+        attention = "sdpa" if auto_cls._model_mapping[type(config)]._supports_sdpa else "eager"
     try:
         model = auto_cls.from_pretrained(
             str(directory),
+            config=config,
             local_files_only=True,
             trust_remote_code=False,
             use_safetensors=True,
             dtype=torch.float32,
-            attn_implementation="sdpa",
+            attn_implementation=attention,
+            output_loading_info=True,
         )
     except Exception as exc:  # transformers and safetensors (SafetensorError) raise many types for a bad directory
         raise UsageError(
-            f"hf:{directory}: transformers cannot load it as {task} ({auto_name}): {type(exc).__name__}: "
+            f"hf:{directory}: transformers cannot load it as {task} ({auto_cls.__name__}): {type(exc).__name__}: "
             f"{first_line(exc)}; expected safetensors weights saved with save_pretrained"
         ) from exc
+    model, loading = model
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # initialized at random: a head the directory was not saved with
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        log.warning(
+            "hf:%s: no weights in the directory for %s of %s: they are random (saved for another task?)",
+            directory,
+            shown,
+            type(model).__name__,
+        )
     return model.eval(), model.config
 
 
-def build_hf_model(name: str, task: str | None = None) -> ModelSpec:
-    """``hf:DIR`` for ``task`` (default feature-extraction) as a ``ModelSpec`` (no training task)."""
+def build_hf_model(name: str, task: str | None = None, *, attention: str | None = None) -> ModelSpec:
+    """``hf:DIR`` for ``task`` (default feature-extraction) as a ``ModelSpec`` (no training task);
+    ``attention``: the attention implementation a manifest recorded (default: SDPA where it exists)."""
     reason = unavailable_reason()
     if reason:
         raise UsageError(reason)
     task = task or DEFAULT_TASK
     if task not in TASKS:
         raise UsageError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
+    if attention not in ATTENTION:  # a manifest's value: never a kernel fetched from the Hub
+        raise UsageError(f"{name}: expected an attention implementation of eager or sdpa, found {attention!r}")
     directory = Path(name[len(PREFIX) :]).expanduser()
     if not directory.is_dir():
         raise UsageError(f"{name}: expected a local directory written by save_pretrained, found none")
     directory = directory.resolve()
-    config_json = _read_config(directory)
+    where = f"{PREFIX}{directory}"
+    _read_config(directory)
     with offline():
         tokenizer_names = _tokenizer_input_names(directory)
-        model, config = load_hf_module(directory, task)
-    accepted = inspect.signature(model.forward).parameters
-    names = [n for n in KNOWN_INPUTS if n in accepted and (tokenizer_names is None or n in tokenizer_names)]
-    if "input_ids" not in names:
-        raise UsageError(f"{name}: expected a text model whose forward takes input_ids, found {list(accepted)[:6]}")
-    vocab = int(config_json.get("vocab_size") or config.vocab_size)
-    limit = _position_limit(model)
-    max_pos = limit or int(getattr(config, "max_position_embeddings", 512) or 512)  # the default range's max
-    inputs = []
-    for n in names:
-        if n == "input_ids":
-            inputs.append(TensorSpec(n, "int64", ("batch", "seq"), kind="ids", low=0, high=vocab))
-        elif n == "token_type_ids":
-            types = int(getattr(config, "type_vocab_size", 2) or 2)
-            inputs.append(TensorSpec(n, "int64", ("batch", "seq"), kind="ids", low=0, high=types))
-        else:
-            inputs.append(TensorSpec(n, "int64", ("batch", "seq"), kind="mask", low=0, high=2))
-    sizes = {"seq": "seq", "hidden": int(config.hidden_size), "vocab": vocab, "labels": int(config.num_labels)}
-    output_name, output_dims = TASKS[task][1], TASKS[task][2]
-    outputs = [TensorSpec(output_name, "float32", ("batch", *(sizes[d] for d in output_dims)))]
-    dims = {"batch": BATCH, "seq": Dim("seq", 1, min(SEQ_OPT, max_pos), max_pos)}
-    module = HFTaskModel(model, names).eval()
-    signature = Signature(inputs, outputs, dims)
-    max_sizes = {"seq": limit} if limit else {}
-    return ModelSpec(f"{PREFIX}{directory}", None, {"task": task}, module, signature, max_sizes=max_sizes)
+        model, config = load_hf_module(directory, task, attention)
+    graph = task_graph(task, model, config, tokenizer_names, where)
+    reference: dict[str, Any] = {"task": task}
+    if attention is None and _fell_back_to_eager(model):
+        log.info(
+            "%s: transformers has no SDPA attention for %s: loaded with its eager attention",
+            where,
+            type(model).__name__,
+        )
+        attention = "eager"
+    if attention is not None:
+        reference["attn_implementation"] = attention  # the reference rebuilds with the same attention
+    return ModelSpec(where, None, reference, graph.module.eval(), graph.signature, max_sizes=graph.max_sizes)
 
 
-def _position_limit(model: nn.Module) -> int | None:
-    """The longest sequence a learned position table holds (``*.position_embeddings``), or None where the
-    model has none (rotary or relative positions: the config's ``max_position_embeddings`` is no hard limit).
-    RoBERTa-style tables start counting after their padding index, which takes ``padding_idx + 1`` rows."""
-    for name, module in model.named_modules():
-        if name.endswith("position_embeddings") and isinstance(module, nn.Embedding):
-            reserved = module.padding_idx + 1 if module.padding_idx is not None else 0
-            return module.num_embeddings - reserved
-    return None
+def _fell_back_to_eager(model: nn.Module) -> bool:
+    """Whether transformers loaded the model's eager attention because it has no SDPA one (a model
+    without attention layers, such as a CNN, has nothing to fall back from)."""
+    if getattr(model.config, "_attn_implementation", None) != "eager":
+        return False
+    return any("attention" in type(m).__name__.lower() for m in model.modules())

@@ -66,7 +66,8 @@ def _build(
             raise UsageError(f"--size and --input do not apply to {name!r}: its config and tokenizer describe it")
         from tk.models.hf import build_hf_model
 
-        return build_hf_model(name, task or (config or {}).get("task"))
+        recorded = config or {}  # a manifest's reference: the task, and the attention it was loaded with
+        return build_hf_model(name, task or recorded.get("task"), attention=recorded.get("attn_implementation"))
     if ":" in name or name.endswith(".py"):  # a file without its callable gets build_user_model's hint
         if size:
             raise UsageError(f"--size applies to built-in models, not to {name!r}")
