@@ -25,6 +25,11 @@ log = logging.getLogger("tk.export")
 
 MAX_NARROWINGS = 2  # captures again with torch.export's suggested ranges, each round narrowing more
 _SUGGESTED_DIM = re.compile(r"^\s*(\w+) = Dim\('\w+'(?:, min=(\d+))?(?:, max=(\d+))?\)\s*$", re.MULTILINE)
+_GUARD = re.compile(
+    r"Not all values of (?P<dim>\w+) = (?P<source>L\['\w+'\]\.size\(\)\[\d+\]) in the specified range "
+    r"(?P<range>.+?) satisfy the generated guard (?P<guard>.+?)\.?$",
+    re.MULTILINE,
+)
 _SPECIALIZED = re.compile(r"marked (\w+) as dynamic but your code specialized it to be a constant \((\d+)\)")
 
 
@@ -52,11 +57,26 @@ def capture_error_message(exc: BaseException, dims: dict[str, Dim] | None = None
             f"{special[2]}; export it with --static, or change the model so the size is not fixed" + _where(text)
         )
     cause = first_line(exc)
-    suggested = suggested_dims(text, dims or {})
+    if "Constraints violated" in cause:
+        cause = _violated_constraint(text, cause, dims or {})
+    return f"torch.export could not capture the model as one graph ({type(exc).__name__}): {cause}{_where(text)}"
+
+
+def _violated_constraint(text: str, cause: str, dims: dict[str, Dim]) -> str:
+    """A range torch.export could not hold: the guard the model's code needs, with the dimension's name in
+    it, and the flag of torch.export's suggested range (or what to try where it suggests none)."""
+    cause = cause.split("!")[0]
+    guards = list(_GUARD.finditer(text))
+    if guards:
+        first = guards[0]
+        needs = " and ".join(dict.fromkeys(g["guard"].replace(g["source"], g["dim"]) for g in guards))
+        cause += f": the model's code needs {needs}, not true for every {first['dim']} in {first['range']}"
+    suggested = suggested_dims(text, dims)
     if suggested:
         flags = " ".join(dim_flag(d.name, f"{d.min}:{d.opt}:{d.max}") for d in suggested.values())
-        cause = f"{cause.split('!')[0]}: the model takes a narrower range; export with {flags}"
-    return f"torch.export could not capture the model as one graph ({type(exc).__name__}): {cause}{_where(text)}"
+        return f"{cause}; export with {flags}"
+    name = guards[0]["dim"] if guards else None
+    return f"{cause}; export {dim_flag(name) if name else 'the dimension'} in a range where it holds, or --static"
 
 
 def suggested_dims(text: str, dims: dict[str, Dim]) -> dict[str, Dim]:
