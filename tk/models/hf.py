@@ -180,7 +180,7 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
     if attention is None:  # named always, so that no config.json can choose an implementation fetched from the Hub
         attention = "sdpa" if auto_cls._model_mapping[type(config)]._supports_sdpa else "eager"
     try:
-        model = auto_cls.from_pretrained(
+        model, loading = auto_cls.from_pretrained(
             str(directory),
             config=config,
             local_files_only=True,
@@ -195,7 +195,6 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
             f"hf:{directory}: transformers cannot load it as {task} ({auto_cls.__name__}): {type(exc).__name__}: "
             f"{first_line(exc)}; expected safetensors weights saved with save_pretrained"
         ) from exc
-    model, loading = model
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # initialized at random: a head the directory was not saved with
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
