@@ -11,7 +11,7 @@ Hand-built peers (a plain ``torch.compile`` with freezing, a plain onnxruntime s
 the same sessions called directly. The machine's fp32 and bf16 matmul rates at the model's own
 linear shapes are sampled between the rows' calls (``tk.workflows.roofline``), a load guard marks
 rows timed on a busy machine (``--wait-quiet``), and ``tk.models.train.compare_training`` compares
-an eager and a compiled training loop. The scenario lives in ``tk.workflows.cpu_table``.
+an eager and a compiled training loop. The scenario lives in ``benchmarks.cpu_table``.
 
 Prints the tables and writes ``<out>/<UTC stamp>-bench-cpu.json`` in the benchmarks' envelope
 (``tk.workflows.results``), plus one PNG per size.
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from benchmarks.cpu_table.report import goals, goals_table, overhead_table, results_table, train_table
+from benchmarks.cpu_table.rows import BF16_ROWS, ROWS, ordered_rows
+from benchmarks.cpu_table.run import MODEL, PARITY_BATCH, TableSettings, bench_size, train_compare
 from tk.models.transformer import SIZES
-from tk.workflows.cpu_table.report import goals, goals_table, overhead_table, results_table, train_table
-from tk.workflows.cpu_table.rows import BF16_ROWS, ROWS, ordered_rows
-from tk.workflows.cpu_table.run import MODEL, PARITY_BATCH, TableSettings, bench_size, train_compare
 from tk.workflows.hardware import cpu_precision_reason
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of

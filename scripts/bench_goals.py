@@ -37,11 +37,11 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
 - pick (``--pick DIR``, issue 22): the engine ``tk optimize hf:DIR --accuracy cosine>=0.9999`` recommends,
   against Optimum's ONNX in onnxruntime and OpenVINO's default compile of it, and transformers' eager
   forward, timed interleaved at each ``--hf-shapes`` size, each with its min cosine against transformers
-  (``tk.workflows.goals.pick``). Only that table: ``--int8-sizes '' --bf16-sizes '' --skip-hf --pick DIR``.
+  (``benchmarks.goals.pick``). Only that table: ``--int8-sizes '' --bf16-sizes '' --skip-hf --pick DIR``.
 
 Every row's rounds run under the load guard (``--wait-quiet``; rows on a busy machine are marked).
 Writes ``<out>/<UTC stamp>-bench-goals.json`` in the benchmarks' envelope and prints the table.
-The scenarios live in ``tk.workflows.goals`` (``transformer``, ``hf``, ``pick``, ``profiles``, ``report``).
+The scenarios live in ``benchmarks.goals`` (``transformer``, ``hf``, ``pick``, ``profiles``, ``report``).
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from benchmarks.goals.hf import HfSettings, bench_hf, optimum_export
+from benchmarks.goals.pick import PickSettings, bench_pick
+from benchmarks.goals.report import render, render_pick
+from benchmarks.goals.transformer import GoalSettings, bench_transformer
 from tk.errors import TkError
-from tk.workflows.goals.hf import HfSettings, bench_hf, optimum_export
-from tk.workflows.goals.pick import PickSettings, bench_pick
-from tk.workflows.goals.report import render, render_pick
-from tk.workflows.goals.transformer import GoalSettings, bench_transformer
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check tk tests scripts examples
+.venv/bin/ruff check tk tests scripts examples benchmarks
 # A crash prints Python's stacks; once pytest has reported, it exits without interpreter finalization
 # (see pytest_unconfigure in tests/conftest.py: one CI run crashed there after every test had passed)
 PYTHONFAULTHANDLER=1 TK_TESTS_EXIT_AFTER_REPORT=1 .venv/bin/python -m pytest "$@"

@@ -1,5 +1,5 @@
 """Sessions built by hand (tk.workflows.ort_session) on a real ONNX artifact: their options, their
-outputs against tk's engine, and onnxruntime's profile of them by op type (tk.workflows.goals.profiles)."""
+outputs against tk's engine, and onnxruntime's profile of them by op type (benchmarks.goals.profiles)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 
 from tk.runtime import load
 from tk.runtime.inputs import random_inputs
-from tk.workflows.goals.profiles import profile_onnx
+from benchmarks.goals.profiles import profile_onnx
 from tk.workflows.ort_session import ORT_SPINNING, plain_session
 
 

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.cpu_table.direct import DirectEngine, peer_compile, peer_onnx
+from benchmarks.cpu_table.exports import one_line
+from benchmarks.cpu_table.rows import ROWS
 from tk.parity import compare_output
 from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.tolerances import MIN_SQNR_DB, tolerance_for
-from tk.workflows.cpu_table.direct import DirectEngine, peer_compile, peer_onnx
-from tk.workflows.cpu_table.exports import one_line
-from tk.workflows.cpu_table.rows import ROWS
 from tk.workflows.ort_session import ORT_SPINNING
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.goals.profiles import profile_aoti_artifact, profile_aoti_export, profile_onnx
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.manifest import Manifest, verify_artifact
@@ -24,7 +25,6 @@ from tk.runtime.base import Engine
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
-from tk.workflows.goals.profiles import profile_aoti_artifact, profile_aoti_export, profile_onnx
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.roofline import Roofline
 from tk.workflows.timing import interleave_calls, ms

@@ -15,6 +15,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.cpu_table.direct import bare
+from benchmarks.cpu_table.exports import export_artifacts, one_line
+from benchmarks.cpu_table.parity import open_and_check
+from benchmarks.cpu_table.rows import OVERHEAD_ROWS, ROWS
 from tk.errors import TkError
 from tk.models import build_model
 from tk.models.train import CompileOptions, compare_training
@@ -23,10 +27,6 @@ from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.bench import BenchReport, measure, save_plot
-from tk.workflows.cpu_table.direct import bare
-from tk.workflows.cpu_table.exports import export_artifacts, one_line
-from tk.workflows.cpu_table.parity import open_and_check
-from tk.workflows.cpu_table.rows import OVERHEAD_ROWS, ROWS
 from tk.workflows.load_guard import LoadGuard
 from tk.workflows.roofline import Roofline
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from tk.workflows.goals.pick import PICK
+from benchmarks.goals.pick import PICK
 
 
 def of_peak(r: dict) -> str:
@@ -49,7 +49,7 @@ def render(rows: list[dict], machine: dict) -> Table:
 
 
 def render_pick(rows: list[dict], machine: dict) -> Table:
-    """Issue 22's first goal: one line per engine and shape (``tk.workflows.goals.pick``)."""
+    """Issue 22's first goal: one line per engine and shape (``benchmarks.goals.pick``)."""
     table = Table(
         title=f"tk optimize's pick vs its rivals, {machine.get('cpu')}, {machine.get('torch_threads')} threads"
     )

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu_table.rows import formats_by_artifact
 from tk.export import ExportOptions
 from tk.export.onnx import OnnxOptions
 from tk.models import ModelSpec
-from tk.workflows.cpu_table.rows import formats_by_artifact
 from tk.workflows.export import export
 
 

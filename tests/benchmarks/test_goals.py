@@ -1,4 +1,4 @@
-"""The goals scenario's logic (tk.workflows.goals): rows from measured times, shares of the peak,
+"""The goals scenario's logic (benchmarks.goals): rows from measured times, shares of the peak,
 onnxruntime profiles by op type, the comparison with Optimum and the table. No timings judged."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from tk.workflows.goals.hf import OPTIMUM, TK, KeywordCall, versus_optimum
-from tk.workflows.goals.profiles import op_type_shares
-from tk.workflows.goals.report import render
-from tk.workflows.goals.transformer import EAGER, GoalSettings, bf16_row, int8_row, shares
+from benchmarks.goals.hf import OPTIMUM, TK, KeywordCall, versus_optimum
+from benchmarks.goals.profiles import op_type_shares
+from benchmarks.goals.report import render
+from benchmarks.goals.transformer import EAGER, GoalSettings, bf16_row, int8_row, shares
 from tk.workflows.timing import CallTime
 
 
@@ -95,13 +95,13 @@ def test_pick_rows_time_the_pick_against_optimum_openvino_and_eager(tmp_path):
     pytest.importorskip("openvino")
     from transformers import BertConfig, BertModel
 
+    from benchmarks.goals import pick as goal
+    from benchmarks.goals.report import render_pick
     from tk.errors import UsageError
     from tk.export import ExportOptions
     from tk.formats.aoti import runs_natively
     from tk.models import build_model
     from tk.workflows.export import export
-    from tk.workflows.goals import pick as goal
-    from tk.workflows.goals.report import render_pick
 
     directory = tmp_path / "bert"
     config = BertConfig(

@@ -1,4 +1,4 @@
-"""The CPU table's logic (tk.workflows.cpu_table): which exports its rows need, parity against eager,
+"""The CPU table's logic (benchmarks.cpu_table): which exports its rows need, parity against eager,
 the bare and hand-built backends on a real ONNX artifact, and the goals read from its rows. No timings."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from benchmarks.cpu_table.direct import bare, peer_onnx
+from benchmarks.cpu_table.exports import attempts_of, one_line
+from benchmarks.cpu_table.parity import named_numpy, open_and_check, parity_of
+from benchmarks.cpu_table.report import fastest, goals, results_table
+from benchmarks.cpu_table.rows import ROWS, formats_by_artifact, ordered_rows
 from tk.runtime import load
-from tk.workflows.cpu_table.direct import bare, peer_onnx
-from tk.workflows.cpu_table.exports import attempts_of, one_line
-from tk.workflows.cpu_table.parity import named_numpy, open_and_check, parity_of
-from tk.workflows.cpu_table.report import fastest, goals, results_table
-from tk.workflows.cpu_table.rows import ROWS, formats_by_artifact, ordered_rows
 
 
 def test_rows_ask_each_precision_for_the_formats_their_engines_load():

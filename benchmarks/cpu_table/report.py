@@ -6,8 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
-from tk.workflows.cpu_table.rows import BF16_ROWS, FP32_ROWS, PEER_ROWS, ROWS
-from tk.workflows.cpu_table.run import OVERHEAD_GOAL, PARITY_BATCH
+from benchmarks.cpu_table.rows import BF16_ROWS, FP32_ROWS, PEER_ROWS, ROWS
+from benchmarks.cpu_table.run import OVERHEAD_GOAL, PARITY_BATCH
 
 
 def p50_table(result: dict[str, Any]) -> dict[tuple[str, int], float]:

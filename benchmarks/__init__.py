@@ -1,0 +1,1 @@
+"""How tk measures its goals: the scenarios scripts/ runs (peer comparisons, goal tables), outside the package."""
