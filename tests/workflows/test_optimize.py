@@ -45,12 +45,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"base": base, "first": first, "second": second}
 
 
+def _wrote_out(runs: dict[str, Any]) -> Any:
+    """The run whose artifact ``out`` holds: the second. onnx and torch fp32 run within noise of each other
+    on the tiny model, so each run may pick either: a test compares ``out`` with the run that wrote it."""
+    return runs["second"]
+
+
 def _row(result: Any, name: str) -> Any:
     return next(r for r in result.rows if r.candidate == name)
 
 
 def test_the_winner_is_a_passing_fp32_candidate_whose_engine_load_opens(runs: dict[str, Any]) -> None:
-    result, out = runs["first"], runs["base"] / "out"
+    result, out = _wrote_out(runs), runs["base"] / "out"
     winner = result.winner
     assert winner is not None and winner.status == "passed" and winner.candidate in ("onnx fp32", "torch fp32")
     manifest = verify_artifact(out)
@@ -104,8 +110,8 @@ def test_json_and_png_are_written_and_listed(runs: dict[str, Any]) -> None:
     out = runs["base"] / "out"
     record = json.loads((out / "optimize.json").read_text())
     assert record["accuracy"] == "sqnr>=60"
-    assert len(record["candidates"]) == len(runs["first"].rows)
-    assert record["recommended"]["candidate"] == runs["first"].winner.candidate
+    assert len(record["candidates"]) == len(_wrote_out(runs).rows)
+    assert record["recommended"]["candidate"] == _wrote_out(runs).winner.candidate
     assert (out / "optimize.png").read_bytes().startswith(b"\x89PNG")
     roles = {e.role for e in verify_artifact(out).files}
     assert {"optimize-json", "optimize-png", "weights"} <= roles
@@ -145,14 +151,14 @@ def test_auto_opens_the_recommended_engine(runs: dict[str, Any]) -> None:
 
     out = runs["base"] / "out"
     choice = choose_engine(out, verify_artifact(out), EngineChoice(), batch_size=2)
-    assert choice.engine == runs["first"].winner.engine
+    assert choice.engine == _wrote_out(runs).winner.engine
     assert "tk optimize recommends" in choice.reason
 
 
 def test_check_auto_checks_the_recommended_engine(runs: dict[str, Any]) -> None:
     result = CliRunner().invoke(cli, ["check", str(runs["base"] / "out"), "--engine", "auto"], obj={})
     assert result.exit_code == 0, result.output
-    assert result.output.strip().splitlines()[-1] == f"parity passed for {runs['first'].winner.engine}"
+    assert result.output.strip().splitlines()[-1] == f"parity passed for {_wrote_out(runs).winner.engine}"
 
 
 def test_the_command_prints_the_table_from_the_cache(runs: dict[str, Any]) -> None:
