@@ -105,3 +105,48 @@ def test_padding_positions_are_left_out_of_token_level_outputs_only():
     assert not hidden.passed and hidden.nan == 1 and "NaN" in (hidden.problem or "")
     full = {"input_ids": np.zeros((2, 3)), "attention_mask": np.ones((2, 3))}
     assert padding_positions(inputs, outputs, full, ref) == {}  # no padding: nothing left out
+
+
+def test_the_noise_floor_widens_the_absolute_tolerance_by_k_floors():
+    from tk.tolerances import NOISE_FLOOR_K
+
+    ref = np.array([[0.0, 30.0, -0.002]])
+    cand = ref + np.array([[5e-5, -4e-5, 0.0]])  # a deep network's rounding: the same absolute size everywhere
+    fixed = compare_output("y", ref, cand, rtol=1e-4, atol=1e-5)
+    assert not fixed.passed and fixed.floor is None and "noise floor" not in fixed.problem
+    within = compare_output("y", ref, cand, rtol=1e-4, atol=1e-5, floor=1e-5)  # allows 1e-5 + 8e-5 at 0
+    assert within.passed and within.floor == 1e-5 and within.floor_ratio == pytest.approx(5.0)
+    low = compare_output("y", ref, cand, rtol=1e-4, atol=1e-5, floor=4e-6)  # allows 1e-5 + 3.2e-5 at 0
+    assert not low.passed and f"{NOISE_FLOOR_K:g} x noise floor 4e-06" in low.problem
+    assert "1 of 3 values" in low.problem  # 30 has rtol's 3e-3 besides; -0.002 is exact
+    zero = compare_output("y", ref, ref.copy(), rtol=1e-4, atol=1e-5, floor=0.0)
+    assert zero.passed and zero.floor == 0.0 and zero.floor_ratio is None
+
+
+def test_reference_signal_names_constant_and_near_zero_references():
+    from tk.parity import reference_signal
+
+    rng = np.random.default_rng(0)
+    varying = rng.standard_normal((4, 3))
+    assert reference_signal([varying, varying[:1]], 1e-5, batched=True) is None
+    assert reference_signal([np.zeros((4, 3))], 1e-5, batched=True) == "near zero"
+    assert reference_signal([np.full((4, 3), 1e-16)], 1e-5, batched=True) == "near zero"  # EfficientNet's 1e-16
+    bias_only = np.tile(np.array([0.5, -0.5, 2.0]), (4, 1))  # a zeroed head's bias: every sample the same
+    assert reference_signal([bias_only, bias_only[:2]], 1e-5, batched=True) == "constant"
+    assert reference_signal([bias_only[:1]], 1e-5, batched=True) is None  # one sample: its values vary
+    assert reference_signal([np.full((1, 3), 2.0)], 1e-5, batched=True) == "constant"
+    assert reference_signal([np.array([[1e-4, -1e-4]])], 1e-5 + 8 * 2e-5, batched=True) == "near zero"
+    assert reference_signal([np.array([[np.nan, 1.0]])], 1e-5, batched=True) is None  # NaN: judged elsewhere
+    assert reference_signal([np.arange(6).reshape(2, 3)], 1e-5, batched=True) is None  # integers: no floor, no signal
+
+
+def test_a_noise_floor_survives_its_json():
+    from tk.parity import NoiseFloor
+
+    floor = NoiseFloor([{"y": 2e-5}, {"y": 3e-5, "z": 1e-7}], {"y": 4e-5})
+    data = floor.to_json()
+    assert data["measured"] == "eager float32 vs float64" and "note" not in data
+    assert NoiseFloor.from_json(data) == floor and floor.largest() == {"y": 3e-5, "z": 1e-7}
+    missing = NoiseFloor(batch={"y": 1e-6}, note="the model cannot run in float64 (x)")
+    assert "per_run" not in missing.to_json() and NoiseFloor.from_json(missing.to_json()) == missing
+    assert not missing.measured and missing.largest() == {}

@@ -4,19 +4,26 @@
 engine on the same valid random inputs at several shapes (plus a batch-invariance probe) and
 folds the results into one ``ParityReport``. ``tk check``, the export-time check and the parity
 tests all call these.
+
+At fp32 and tf32 a candidate is judged against the reference's own noise as well (``NoiseFloor``):
+the PyTorch model run again in float64 is the truth, eager float32's distance from it the floor,
+and an output passes within the table's tolerance plus ``NOISE_FLOOR_K`` floors. The check also
+says when the reference carries no signal (``reference_signal``): a pass against a constant or
+all-but-zero reference proves nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from tk.errors import CaptureError, EngineError, first_line
+from tk.errors import CaptureError, EngineError, TkError, first_line
 from tk.spec import fitted_samples, random_feeds
+from tk.tolerances import FLOOR_PRECISIONS, NOISE_FLOOR_K
 
 INVARIANCE_SAMPLES = 2  # samples of a batch re-run alone to check batch invariance
 
@@ -36,6 +43,9 @@ class OutputParity:
     top1_agree: int | None = None  # (batch, classes) outputs: samples whose argmax matches the reference's
     top1_total: int | None = None
     padding_skipped: int = 0  # values at padding positions (the attention mask's zeros), not compared
+    floor: float | None = None  # the reference's noise floor (max |eager float32 - float64|), largest over the runs
+    floor_ratio: float | None = None  # max abs error over the floor at the same run, the worst run
+    reference_signal: str | None = None  # "constant" or "near zero": the reference says little (reference_signal)
 
     @property
     def top1_rate(self) -> float | None:
@@ -53,9 +63,54 @@ class OutputParity:
         self.nan += other.nan
         self.inf += other.inf
         self.padding_skipped += other.padding_skipped
+        self.floor = _max_known(self.floor, other.floor)
+        self.floor_ratio = _max_known(self.floor_ratio, other.floor_ratio)
         if not other.passed and self.passed:
             self.passed, self.problem = False, other.problem
         self.shape = other.shape
+
+
+def _max_known(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+@dataclass
+class NoiseFloor:
+    """The reference's own numerical noise where the check runs (``measure_noise_floor``).
+
+    ``per_run``: for each run of a ``ReferenceRuns`` (one shape, or the user's samples), each floating
+    output's max |eager float32 - eager float64| (the positions compared: padding left out); empty
+    when the model could not run in float64, with ``note`` saying why (the table's tolerance then
+    applies alone). ``batch``: each batched output's max |alone - in the batch| of eager itself, on
+    the samples the batch-invariance probe re-runs.
+    """
+
+    per_run: list[dict[str, float]] = field(default_factory=list)
+    batch: dict[str, float] = field(default_factory=dict)
+    note: str | None = None
+    k: float = NOISE_FLOOR_K
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.per_run)
+
+    def largest(self) -> dict[str, float]:
+        """Each output's floor, the largest over the runs."""
+        out: dict[str, float] = {}
+        for run in self.per_run:
+            for name, value in run.items():
+                out[name] = max(out.get(name, 0.0), value)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        measured = {"measured": "eager float32 vs float64", "per_run": self.per_run} if self.measured else {}
+        return {"k": self.k, **measured, "batch": self.batch, **({"note": self.note} if self.note else {})}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NoiseFloor:
+        per_run = [{str(k): float(v) for k, v in run.items()} for run in data.get("per_run", [])]
+        batch = {str(k): float(v) for k, v in data.get("batch", {}).items()}
+        return cls(per_run, batch, data.get("note"), float(data.get("k", NOISE_FLOOR_K)))
 
 
 @dataclass
@@ -71,6 +126,7 @@ class ParityReport:
     batch_invariance: OutputParity | None = None
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)  # per-output (rtol, atol) overrides
     inputs: str = "random"  # what the shapes ran (ReferenceRuns.inputs): random inputs, the user's samples, ...
+    noise_floor: NoiseFloor | None = None  # fp32/tf32: the reference's own noise, the outputs judged with it
 
     @property
     def passed(self) -> bool:
@@ -90,6 +146,9 @@ class ParityReport:
             d["sqnr_db"] = None if math.isinf(o.sqnr_db) else round(o.sqnr_db, 2)
             if not o.padding_skipped:
                 del d["padding_skipped"]
+            for key in ("floor", "floor_ratio", "reference_signal"):
+                if d[key] is None:
+                    del d[key]
             if o.top1_total is None:
                 del d["top1_agree"], d["top1_total"]
             else:
@@ -109,6 +168,7 @@ class ParityReport:
             "outputs": [clean(o) for o in self.outputs],
             "batch_invariance": clean(self.batch_invariance) if self.batch_invariance else None,
             **({"tolerances": {k: list(v) for k, v in self.tolerances.items()}} if self.tolerances else {}),
+            **({"noise_floor": self.noise_floor.to_json()} if self.noise_floor is not None else {}),
         }
 
 
@@ -130,11 +190,13 @@ def compare_output(
     atol: float,
     min_sqnr_db: float | None = None,
     valid: np.ndarray | None = None,
+    floor: float | None = None,
 ) -> OutputParity:
     """Shapes first, then values; every number is computed in float64. ``valid`` (a boolean array
     of the outputs' shape, from ``padding_positions``): only those values are measured against the
     tolerances, SQNR and cosine; NaN and Inf are judged everywhere (a NaN at a padding position makes a
-    masked sum of the vectors NaN: ``NaN * 0`` is NaN)."""
+    masked sum of the vectors NaN: ``NaN * 0`` is NaN). ``floor``: the reference's noise floor at this
+    run (``NoiseFloor``); the values then pass within atol + rtol x |reference| + ``NOISE_FLOOR_K`` x floor."""
     result = OutputParity(name, tuple(candidate.shape))
     if reference.shape != candidate.shape:
         result.passed = False
@@ -176,12 +238,18 @@ def compare_output(
         result.cosine = 0.0
     noise = float(np.sum((cand - ref) ** 2))
     result.sqnr_db = math.inf if noise == 0 else 10 * math.log10(max(float(np.sum(ref**2)), 1e-300) / noise)
-    excess = diff - (atol + rtol * np.abs(ref))
+    allowance = atol
+    if floor is not None:
+        result.floor = floor
+        result.floor_ratio = result.max_abs / floor if floor > 0 else None
+        allowance += NOISE_FLOOR_K * floor
+    excess = diff - (allowance + rtol * np.abs(ref))
     if (excess > 0).any():
         worst = int(np.argmax(excess))
+        noise = f" + {NOISE_FLOOR_K:g} x noise floor {floor:.3g}" if floor is not None else ""
         result.passed = False
         result.problem = (
-            f"max abs error {result.max_abs:.3g} exceeds atol {atol:g} + rtol {rtol:g} x |reference| "
+            f"max abs error {result.max_abs:.3g} exceeds atol {atol:g} + rtol {rtol:g} x |reference|{noise} "
             f"({int((excess > 0).sum())} of {ref.size} values; worst {cand[worst]:.6g} vs {ref[worst]:.6g})"
         )
     elif min_sqnr_db is not None and result.sqnr_db < min_sqnr_db:
@@ -246,11 +314,13 @@ def compare(
     min_sqnr_db: float | None = None,
     tolerances: Mapping[str, tuple[float, float]] | None = None,
     valid: Mapping[str, np.ndarray] | None = None,
+    floors: Mapping[str, float] | None = None,
 ) -> list[OutputParity]:
     """Names first: a missing or extra output is a failure of its own; then each output.
 
     ``tolerances``: (rtol, atol) for the outputs it names; the others use ``rtol``/``atol``.
     ``valid``: for the outputs it names, the positions to compare (``padding_positions``).
+    ``floors``: for the outputs it names, the reference's noise floor (``compare_output``).
     """
     results = []
     for name in reference:
@@ -262,7 +332,14 @@ def compare(
         out_rtol, out_atol = (tolerances or {}).get(name, (rtol, atol))
         results.append(
             compare_output(
-                name, reference[name], candidate[name], out_rtol, out_atol, min_sqnr_db, (valid or {}).get(name)
+                name,
+                reference[name],
+                candidate[name],
+                out_rtol,
+                out_atol,
+                min_sqnr_db,
+                (valid or {}).get(name),
+                (floors or {}).get(name),
             )
         )
     for name in candidate:
@@ -278,12 +355,13 @@ def compare(
 @dataclass
 class ReferenceRuns:
     """The inputs at each shape (the user's samples fitted to it, or valid random ones) and the
-    reference's outputs on them, computed once."""
+    reference's outputs on them, computed once; ``floor``: the reference's own noise on them."""
 
     shapes: list[dict[str, int]]
     feeds: list[dict[str, np.ndarray]]
     outputs: list[dict[str, np.ndarray]]
     inputs: str = "random"  # where the inputs came from, as a check report records it
+    floor: NoiseFloor | None = None
 
 
 def reference_runs(
@@ -292,10 +370,11 @@ def reference_runs(
     *,
     seed: int = 0,
     samples: Mapping[str, np.ndarray] | None = None,
+    noise_floor: bool = False,
 ) -> ReferenceRuns:
     """Run ``reference`` once per shape (seed ``seed + i``) so every candidate is compared on the same data:
     ``samples`` fitted to each shape (``tk.spec.fitted_samples``) where given and they fit, else valid
-    random inputs.
+    random inputs. ``noise_floor``: measure the reference's own noise on them too (``measure_noise_floor``).
 
     A model that fails at a size inside the artifact's ranges is reported as the user's range
     (``CaptureError``), not as a crash.
@@ -320,7 +399,75 @@ def reference_runs(
                 f"the PyTorch model fails at sizes {sizes} inside the requested ranges "
                 f"({type(cause).__name__}: {first_line(cause)}); narrow --batch/--seq/--dim to what the model supports"
             ) from exc
-    return ReferenceRuns(list(shapes), feeds, outputs, source)
+    runs = ReferenceRuns(list(shapes), feeds, outputs, source)
+    if noise_floor:
+        runs.floor = measure_noise_floor(reference, runs)
+    return runs
+
+
+Run = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+def measure_noise_floor(
+    reference: Any, runs: ReferenceRuns, *, run: Run | None = None, batch: bool = True
+) -> NoiseFloor:
+    """How far the reference's float32 outputs in ``runs`` are from the same model run in float64.
+
+    ``reference`` offers ``in_float64()`` (``tk.runtime.eager.EagerEngine``): a context within which
+    ``run`` (default ``reference.run``; a ``BatchRunner``'s over the user's samples) computes in
+    float64. Where it offers none, or the model cannot run in float64 (a module that refuses the cast,
+    an op without a float64 kernel), the floor is left unmeasured with a note, and the table's
+    tolerance applies alone. Eager's own batch variance (``NoiseFloor.batch``) is measured in float32
+    on the runs the batch-invariance probe uses (``batch``; a check over the user's samples has no probe).
+    """
+    floor = NoiseFloor(batch=_batch_variance(reference, runs) if batch else {})
+    in_float64 = getattr(reference, "in_float64", None)
+    if in_float64 is None:
+        floor.note = f"the reference ({getattr(reference, 'name', reference)}) cannot run the model in float64"
+        return floor
+    try:
+        with in_float64():
+            truths = [(run or reference.run)(feeds) for feeds in runs.feeds]
+    except TkError as exc:
+        floor.note = f"the model cannot run in float64 ({first_line(exc)})"
+        return floor
+    per_run = []
+    for feeds, outputs, truth in zip(runs.feeds, runs.outputs, truths, strict=True):
+        valid = padding_positions(reference.inputs, reference.outputs, feeds, outputs)
+        per_run.append({n: _max_diff(outputs[n], truth[n], valid.get(n)) for n in outputs if _floating(outputs[n])})
+    if not all(math.isfinite(value) for run_floors in per_run for value in run_floors.values()):
+        floor.note = "the model's float64 run gives NaN or Inf where its float32 run does not"
+        return floor
+    floor.per_run = per_run
+    return floor
+
+
+def _floating(array: Any) -> bool:
+    return np.issubdtype(np.asarray(array).dtype, np.floating)
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray, valid: np.ndarray | None = None) -> float:
+    """max |a - b| in float64 over ``valid`` (or everywhere) where ``a`` is finite; NaN where ``b`` is not."""
+    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    keep = np.isfinite(np.asarray(a, dtype=np.float64))
+    if valid is not None and valid.shape == keep.shape:
+        keep &= valid
+    return float(np.abs(diff[keep]).max()) if keep.any() else 0.0
+
+
+def _largest_run(feeds: Sequence[Mapping[str, np.ndarray]]) -> int | None:
+    """The index of the first run with the largest batch: where the batch-invariance probe looks."""
+    return max(range(len(feeds)), key=lambda i: _batch_size(feeds[i])) if feeds else None
+
+
+def _batch_variance(reference: Any, runs: ReferenceRuns) -> dict[str, float]:
+    """Per batched output, how far ``reference`` itself is from its batched outputs when the probe's samples
+    run alone (``_batch_invariance``, judged against itself)."""
+    index = _largest_run(runs.feeds)
+    if index is None or _batch_size(runs.feeds[index]) < 2 or not _batch_dim_is_dynamic(reference):
+        return {}
+    probe = _batch_invariance(reference, runs.feeds[index], runs.outputs[index], rtol=0.0, atol=0.0)
+    return {name: result.max_abs for name, result in probe.items()}
 
 
 def check_engines(
@@ -340,39 +487,73 @@ def check_engines(
     """Run both engines (``tk.runtime.Engine``s) on the same inputs and report the worst per output.
 
     Inputs are valid random inputs at each of ``shapes``, or ``runs`` (from ``reference_runs``),
-    which spares re-running the reference for each candidate. The batch
-    invariance probe re-runs the first samples of the largest batch alone through the candidate
-    and compares them with the candidate's own batched outputs.
+    which spares re-running the reference for each candidate. At fp32/tf32 each output is judged
+    with the reference's noise floor at each run (``runs.floor``; measured here when ``runs`` is
+    None). The batch invariance probe re-runs the first samples of the largest batch alone through
+    the candidate and compares them with the candidate's own batched outputs, allowing
+    ``NOISE_FLOOR_K`` x the larger of eager's own batch variance and the floor at that run.
     """
     ref_name = reference if isinstance(reference, str) else reference.name  # a name: ``runs`` came from a golden file
     report = ParityReport(
         candidate.name, ref_name, precision, rtol, atol, min_sqnr_db, tolerances=dict(tolerances or {})
     )
-    merged: dict[str, OutputParity] = {}
     if runs is None:
         runs = reference_runs(reference, shapes, seed=seed)
+        if precision in FLOOR_PRECISIONS:
+            runs.floor = measure_noise_floor(reference, runs, batch=batch_invariance)
     report.inputs = runs.inputs
-    largest: tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]] | None = None
-    for run_feeds, ref_out in zip(runs.feeds, runs.outputs, strict=True):
+    floor = runs.floor if precision in FLOOR_PRECISIONS else None
+    report.noise_floor = floor
+    merged: dict[str, OutputParity] = {}
+    largest, batched = _largest_run(runs.feeds), None
+    for index, (run_feeds, ref_out) in enumerate(zip(runs.feeds, runs.outputs, strict=True)):
         cand_out = candidate.run(run_feeds)
+        if index == largest:
+            batched = cand_out  # what the batch-invariance probe compares samples run alone with
         report.shapes.append(candidate.check_feeds(run_feeds))
         valid = padding_positions(candidate.inputs, candidate.outputs, run_feeds, ref_out)
+        floors = floor.per_run[index] if floor is not None and floor.measured else None
         compared = compare(
-            ref_out, cand_out, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db, tolerances=tolerances, valid=valid
+            ref_out,
+            cand_out,
+            rtol=rtol,
+            atol=atol,
+            min_sqnr_db=min_sqnr_db,
+            tolerances=tolerances,
+            valid=valid,
+            floors=floors,
         )
         for result in compared:
             if result.name in merged:
                 merged[result.name].merge(result)
             else:
                 merged[result.name] = result
-        batch = _batch_size(run_feeds)
-        if largest is None or batch > _batch_size(largest[0]):
-            largest = (run_feeds, cand_out)
     report.outputs = list(merged.values())
     _fail_where_the_reference_is_nan(report.outputs, runs.outputs)
-    if batch_invariance and largest is not None and _batch_size(largest[0]) > 1 and _batch_dim_is_dynamic(candidate):
-        report.batch_invariance = _batch_invariance(candidate, *largest, rtol=rtol, atol=atol)
+    mark_reference_signal(report, runs.outputs, candidate.outputs)
+    if batch_invariance and batched is not None and largest is not None and _batch_size(runs.feeds[largest]) > 1:
+        if _batch_dim_is_dynamic(candidate):
+            floors = _probe_floors(floor, largest)
+            probe = _batch_invariance(candidate, runs.feeds[largest], batched, rtol=rtol, atol=atol, floors=floors)
+            report.batch_invariance = _worst_of(probe.values())
     return report
+
+
+def _probe_floors(floor: NoiseFloor | None, index: int) -> dict[str, float] | None:
+    """The batch-invariance probe's floor per output: the larger of eager's own batch variance and eager
+    float32's noise at that run, since either is how far a sum computed in another order may move."""
+    if floor is None:
+        return None
+    at_run = floor.per_run[index] if floor.measured else {}
+    return {name: max(floor.batch.get(name, 0.0), at_run.get(name, 0.0)) for name in {*floor.batch, *at_run}}
+
+
+def _worst_of(results: Iterable[OutputParity]) -> OutputParity:
+    worst = OutputParity("batch invariance", None)
+    for result in results:
+        worst.merge(result)
+    worst.name = "batch invariance"
+    return worst
 
 
 def _batch_size(feeds: Mapping[str, np.ndarray]) -> int:
@@ -386,10 +567,17 @@ def _batch_dim_is_dynamic(engine: Any) -> bool:
 
 
 def _batch_invariance(
-    engine: Any, feeds: Mapping[str, np.ndarray], batched: Mapping[str, np.ndarray], *, rtol: float, atol: float
-) -> OutputParity:
-    """A sample's output must not depend on the other samples in its batch."""
-    worst = OutputParity("batch invariance", None)
+    engine: Any,
+    feeds: Mapping[str, np.ndarray],
+    batched: Mapping[str, np.ndarray],
+    *,
+    rtol: float,
+    atol: float,
+    floors: Mapping[str, float] | None = None,
+) -> dict[str, OutputParity]:
+    """A sample's output must not depend on the other samples in its batch: per batched output, the worst
+    of the first ``INVARIANCE_SAMPLES`` samples run alone against their rows of ``batched``."""
+    worst: dict[str, OutputParity] = {}
     for i in range(min(INVARIANCE_SAMPLES, _batch_size(feeds))):
         sample = {name: value[i : i + 1] for name, value in feeds.items()}
         alone = engine.run(sample)
@@ -398,14 +586,49 @@ def _batch_invariance(
             out_spec = next((s for s in engine.outputs if s.name == name), None)
             if out_spec is None or not out_spec.shape or out_spec.shape[0] != "batch":
                 continue
-            result = compare_output(name, batched[name][i : i + 1], value, rtol, atol, valid=valid.get(name))
+            floor = (floors or {}).get(name)
+            result = compare_output(
+                name, batched[name][i : i + 1], value, rtol, atol, valid=valid.get(name), floor=floor
+            )
             if not result.passed:
                 result.problem = (
                     f"sample {i} of output {name!r} alone vs in a batch of {_batch_size(feeds)}: {result.problem}"
                 )
-            worst.merge(result)
-    worst.name = "batch invariance"
+            if name in worst:
+                worst[name].merge(result)
+            else:
+                worst[name] = result
     return worst
+
+
+NEAR_ZERO = "near zero"
+CONSTANT = "constant"
+
+
+def reference_signal(arrays: Sequence[np.ndarray], allowance: float, *, batched: bool) -> str | None:
+    """``"near zero"`` when the reference's largest value is within ``allowance`` (the output's atol plus
+    its noise allowance: an artifact that returns zeros passes elementwise), ``"constant"`` when its
+    values do not depend on the input (every sample of every batch of two or more equal to the first;
+    without such a batch, every value the same), else None: a pass against either proves nothing."""
+    values = [np.asarray(a, dtype=np.float64) for a in arrays if np.asarray(a).size and _floating(a)]
+    if not values or not all(np.isfinite(v).all() for v in values):
+        return None  # no floating output, or NaN/Inf: judged elsewhere
+    if max(float(np.abs(v).max()) for v in values) <= allowance:
+        return NEAR_ZERO
+    many = [v for v in values if batched and v.ndim and v.shape[0] >= 2]
+    if many:
+        return CONSTANT if all((v == v[:1]).all() for v in many) else None
+    return CONSTANT if all((v == v.flat[0]).all() for v in values) else None
+
+
+def mark_reference_signal(report: ParityReport, references: Sequence[Mapping[str, Any]], specs: Sequence[Any]) -> None:
+    """Set each output's ``reference_signal`` from the reference's outputs over every run."""
+    batched = {s.name for s in specs if s.shape and s.shape[0] == "batch"}
+    for out in report.outputs:
+        arrays = [ref[out.name] for ref in references if out.name in ref]
+        _, atol = report.tolerances.get(out.name, (report.rtol, report.atol))
+        allowance = atol + (NOISE_FLOOR_K * out.floor if out.floor is not None else 0.0)
+        out.reference_signal = reference_signal(arrays, allowance, batched=out.name in batched)
 
 
 def report_from_outputs(
@@ -421,9 +644,13 @@ def report_from_outputs(
     reference_name: str = "eager",
     tolerances: Mapping[str, tuple[float, float]] | None = None,
     valid: Mapping[str, np.ndarray] | None = None,
+    noise_floor: NoiseFloor | None = None,
+    specs: Sequence[Any] = (),
 ) -> ParityReport:
     """A ``ParityReport`` for outputs already computed (a whole input file run through both engines);
-    ``valid`` as for ``compare`` (``padding_positions`` of the file's inputs)."""
+    ``valid`` as for ``compare`` (``padding_positions`` of the file's inputs); ``noise_floor``: the
+    reference's own noise on that one run (fp32/tf32); ``specs``: the outputs' specs (which are batched)."""
+    floor = noise_floor if precision in FLOOR_PRECISIONS else None
     report = ParityReport(
         engine,
         reference_name,
@@ -433,11 +660,20 @@ def report_from_outputs(
         min_sqnr_db,
         shapes=shapes or [],
         tolerances=dict(tolerances or {}),
+        noise_floor=floor,
     )
     report.outputs = compare(
-        reference, candidate, rtol=rtol, atol=atol, min_sqnr_db=min_sqnr_db, tolerances=tolerances, valid=valid
+        reference,
+        candidate,
+        rtol=rtol,
+        atol=atol,
+        min_sqnr_db=min_sqnr_db,
+        tolerances=tolerances,
+        valid=valid,
+        floors=floor.per_run[0] if floor is not None and floor.measured else None,
     )
     _fail_where_the_reference_is_nan(report.outputs, [reference])
+    mark_reference_signal(report, [reference], specs)
     return report
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.errors import BackendUnavailableError, IntegrityError, first_line
+from tk.errors import BackendUnavailableError, EngineError, IntegrityError, first_line
 from tk.limits import extrapolated_bytes, module_bytes, require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
@@ -96,6 +99,7 @@ class EagerEngine(TorchEngine):
 
     name = "eager"
     Options = EagerOptions
+    _float64 = False  # inside in_float64(): run the float64 copy
 
     def _load_model(self) -> None:
         trust_code = self.options.trust_model_code
@@ -103,7 +107,30 @@ class EagerEngine(TorchEngine):
         self.module = module.to(self.device)
 
     def _forward(self, *args: torch.Tensor) -> Any:
+        if self._float64:
+            args = tuple(a.double() if a.is_floating_point() else a for a in args)
         return self.module(*args)
+
+    @contextlib.contextmanager
+    def in_float64(self) -> Iterator[None]:
+        """Within: ``run`` computes a float64 copy of the model (floating weights, buffers and inputs
+        cast) and returns float64 outputs: the truth ``tk.parity.measure_noise_floor`` measures float32's
+        own rounding against. Not thread-safe: the engine serves nothing else meanwhile.
+
+        Raises ``EngineError`` where the module refuses the copy or the cast, ``ResourceError`` where
+        the copy would not fit the memory budget; an op without a float64 kernel fails in ``run``.
+        """
+        self.load()
+        require_within_budget(2 * module_bytes(self.module), "a float64 copy of the model (its noise floor)")
+        try:
+            float64 = copy.deepcopy(self.module).double()
+        except Exception as exc:  # a module may refuse deepcopy or .double() in its own way
+            raise EngineError(f"the module refuses a float64 copy ({type(exc).__name__}: {first_line(exc)})") from exc
+        float32, self.module, self._float64 = self.module, float64, True
+        try:
+            yield
+        finally:
+            self.module, self._float64 = float32, False
 
     def _close(self) -> None:
         del self.module
@@ -122,6 +149,11 @@ class CompiledEngine(EagerEngine):
 
     name = "compile"
     Options = CompileOptions
+
+    @contextlib.contextmanager
+    def in_float64(self) -> Iterator[None]:
+        raise EngineError("engine 'compile' runs Inductor's code in its own precision; the floor is eager's")
+        yield  # a generator, so the error comes on entering the context
 
     def _graphs_apply(self) -> bool:
         return False  # Inductor captures its own graphs under reduce-overhead

@@ -3,6 +3,11 @@
 ``check_artifact`` is what ``tk check`` runs; ``run_export_check`` is the export-time check that
 ``tk.workflows.export.export`` hands to the writers. Both run the reference once per shape (or
 once over the user's samples) and compare every engine with it.
+
+At fp32/tf32 both measure the PyTorch model's own noise floor on the inputs they run (eager float32
+against the same model in float64, ``tk.parity.measure_noise_floor``) and judge every engine with
+it; ``tk check`` against another engine or a golden file uses the floor the export check recorded
+at the same shapes. Both say when the reference's outputs are constant or near zero.
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from tk.errors import ParityError, UsageError
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import (
+    NEAR_ZERO,
+    NoiseFloor,
     ParityReport,
     ReferenceRuns,
     check_engines,
+    measure_noise_floor,
     padding_positions,
     reference_runs,
     report_from_outputs,
@@ -31,7 +39,7 @@ from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import random_inputs
 from tk.signing import TrustPolicy
 from tk.spec import count_nonfinite, shapes_to_check
-from tk.tolerances import artifact_tolerance, checked_pair
+from tk.tolerances import FLOOR_PRECISIONS, artifact_tolerance, checked_pair
 from tk.workflows.user_inputs import read_user_inputs
 
 log = logging.getLogger("tk.export")
@@ -48,12 +56,14 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     # the model was just built from the user's own command line, so its code is trusted here
     trusted = choice.replace(options={"trust_model_code": True})
     with open_engine(root, trusted, manifest=manifest) as reference:
-        runs = reference_runs(reference, shapes, samples=ctx.options.check_data)
+        floor_wanted = manifest.precision in FLOOR_PRECISIONS
+        runs = reference_runs(reference, shapes, samples=ctx.options.check_data, noise_floor=floor_wanted)
         if ctx.options.check_data is not None and runs.inputs != "samples":
             log.warning(
                 "check  your samples fit %s: random inputs there (a dimension no mask input spans is not resized)",
                 "no shape of the range" if runs.inputs == "random" else "only some shapes; " + runs.inputs,
             )
+        log_noise_floor(runs.floor)
         for fmt in formats:
             fmt_device = device
             if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
@@ -74,13 +84,60 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
             log.info(
-                "check  %-6s %s max abs error %.2e over %d shapes",
+                "check  %-6s %s max abs error %.2e over %d shapes%s",
                 fmt,
                 "ok" if report.passed else "FAILED",
                 worst,
                 len(shapes),
+                floor_words(report),
             )
+            if fmt == formats[0]:
+                warn_reference_signal(report)
     manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"
+
+
+def log_noise_floor(floor: NoiseFloor | None) -> None:
+    """One line: the floor per output and the rule it sets, or why there is none (fp32/tf32 only)."""
+    if floor is None:
+        return
+    if floor.measured:
+        per_output = ", ".join(f"{name} {value:.2e}" for name, value in floor.largest().items())
+        log.info(
+            "check  noise floor (eager float32 vs float64, the largest over the runs): %s; an output passes "
+            "within atol + rtol x |reference| + %g x its floor",
+            per_output or "no floating output",
+            floor.k,
+        )
+    else:
+        log.info("check  note: no noise floor, %s; the table's tolerance applies alone", floor.note)
+
+
+def floor_words(report: ParityReport) -> str:
+    """``, 1.2x the noise floor 3.04e-05``: the output furthest from eager in floors, or nothing."""
+    ratios = [(o.floor_ratio, o.floor) for o in report.outputs if o.floor_ratio is not None and o.floor]
+    if not ratios:
+        return ""
+    ratio, floor = max(ratios)
+    return f", {ratio:.1f}x the noise floor {floor:.2e}"
+
+
+def warn_reference_signal(report: ParityReport) -> None:
+    """A warning per output whose reference is constant or near zero: no check can fail against it."""
+    for out in report.outputs:
+        if out.reference_signal is None:
+            continue
+        why = (
+            "its largest value is within the absolute tolerance, so an artifact returning zeros passes"
+            if out.reference_signal == NEAR_ZERO
+            else "it is the same for every input, so any artifact returning that constant passes"
+        )
+        log.warning(
+            "check  warning: the reference's output %r is %s at the checked shapes (%s): the check proves little; "
+            "check trained weights or real inputs",
+            out.name,
+            out.reference_signal,
+            why,
+        )
 
 
 @dataclass
@@ -197,6 +254,9 @@ def check_artifact(
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
+        if manifest.precision in FLOOR_PRECISIONS:
+            ref.runs.floor = _noise_floor(ref, manifest, batch_size)
+            log_noise_floor(ref.runs.floor)
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
         result = CheckResult({}, judge.rtol, judge.atol, count_nonfinite(ref.runs.feeds[0]) if ref.samples else {})
@@ -208,6 +268,8 @@ def check_artifact(
             with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
                 report = ref.compare(candidate, judge, batch_size)
             result.reports[name] = report
+            if len(result.reports) == 1:
+                warn_reference_signal(report)
             if on_report is not None:
                 on_report(name, report)
     return result
@@ -256,10 +318,33 @@ class _Reference:
             reference_name=self.reference.name,
             tolerances=judge.per_output,
             valid=padding_positions(candidate.inputs, candidate.outputs, feeds, outputs),
+            noise_floor=self.runs.floor,
+            specs=candidate.outputs,
             **tolerances,
         )
         report.inputs = self.runs.inputs
         return report
+
+
+def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor:
+    """Measured again on this check's own inputs where the reference is the PyTorch model (eager);
+    against another engine or a golden file, the floor the export check recorded at the same shapes."""
+    if not isinstance(ref.reference, str) and ref.reference.name == "eager":
+        run = BatchRunner(ref.reference, batch_size).run if ref.samples else None
+        return measure_noise_floor(ref.reference, ref.runs, run=run, batch=not ref.samples)
+    recorded = recorded_floor(manifest, ref.runs.shapes)
+    if recorded is not None:
+        return recorded
+    return NoiseFloor(note="the reference is not the PyTorch model and the export check recorded none at these shapes")
+
+
+def recorded_floor(manifest: Manifest, shapes: list[dict[str, int]]) -> NoiseFloor | None:
+    """The noise floor a format's export check recorded in the manifest, where it ran ``shapes``."""
+    for report in manifest.check.values():
+        floor = report.get("noise_floor") if isinstance(report, dict) else None
+        if floor and floor.get("per_run") and report.get("shapes") == shapes:
+            return NoiseFloor.from_json(floor)
+    return None
 
 
 def _refuse_conflicts(
