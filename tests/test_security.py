@@ -552,7 +552,7 @@ def test_a_crafted_aoti_package_runs_no_code(crafted_aoti, tmp_path):
         assert not marker.exists(), f"{args[0]}: the planted library's code ran"
     with pytest.raises(UntrustedArtifactError):
         load(root, "aoti")
-    from tk.serve.app import ServeConfig, resolve
+    from tk.serve.config import ServeConfig, resolve
 
     with pytest.raises(UntrustedArtifactError, match="refusing to load the aoti engine"):
         resolve(ServeConfig(artifact=str(root), engine=EngineChoice("aoti")))  # before Ray or any replica starts

@@ -30,7 +30,8 @@ def app_on_local_ray(art: Any, **settings: Any) -> Iterator[Any]:
     """Serve ``art`` with the onnx engine (1 thread a replica) on a free port, on a local Ray instance
     that tk starts with 2 CPUs; yield the resolved ``ServeConfig``, stop it all after."""
     from tk.runtime.choice import EngineChoice
-    from tk.serve.app import ServeConfig, start, stop
+    from tk.serve.config import ServeConfig
+    from tk.serve.lifecycle import start, stop
 
     config = ServeConfig(
         str(art.root), engine=EngineChoice("onnx", options={"threads": 1}), port=free_port(), **settings

@@ -1,6 +1,6 @@
-"""The load test's scenarios (tk.serve.load_test, tk.serve.load_report): requests, expected outputs, the
-rows' and goals' arithmetic on made-up results. No timings judged. tk.serve.load against a real server is
-tested in test_triton_http.py, on that module's server."""
+"""The load test's scenarios (tk.serve.load.scenarios, tk.serve.load.report): requests, expected outputs,
+the rows' and goals' arithmetic on made-up results. No timings judged. tk.serve.load.clients against a real
+server is tested in test_triton_http.py, on that module's server."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 
 from tk.runtime import load
-from tk.serve.load import LoadResult
-from tk.serve.load_report import goals_line, render, serving_goals
-from tk.serve.load_test import (
+from tk.serve.load.clients import LoadResult
+from tk.serve.load.report import goals_line, render, serving_goals
+from tk.serve.load.scenarios import (
     engine_batch_bound,
     engine_split_bound,
     expected_outputs,

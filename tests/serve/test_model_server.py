@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.errors import UsageError
 from tk.runtime import EngineChoice
-from tk.serve.app import ModelServer, ServeConfig, resolve
+from tk.serve.config import ServeConfig, resolve
+from tk.serve.model_server import ModelServer
 from tk.serve.protocol import InferRequest
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
@@ -77,7 +78,7 @@ def test_resolve_refuses_what_the_artifact_cannot_take(exported):
 
 
 def test_outputs_without_the_batch_first_cannot_be_split_per_request_and_are_refused():
-    from tk.serve.app import require_batch_first_outputs
+    from tk.serve.config import require_batch_first_outputs
     from tk.spec import Dim, Signature, TensorSpec
 
     inputs = [TensorSpec("x", "float32", ("batch", 4))]
@@ -89,7 +90,7 @@ def test_outputs_without_the_batch_first_cannot_be_split_per_request_and_are_ref
 
 
 def test_replicas_that_the_local_ray_cannot_place_are_refused_not_waited_for():
-    from tk.serve.app import require_room
+    from tk.serve.config import require_room
 
     require_room(ServeConfig("art", replicas=2, cpus_per_replica=1.0), {"CPU": 2.0})
     require_room(ServeConfig("art", replicas=4, cpus_per_replica=0.5), {"CPU": 2.0})
@@ -119,7 +120,8 @@ def test_deploy_triton_command(exported, tmp_path):
 
 def test_import_tk_and_the_protocol_need_no_ray():
     code = (
-        "import sys, tk, tk.cli, tk.serve, tk.serve.protocol, tk.serve.app, tk.serve.triton, tk.serve.data; "
+        "import sys, tk, tk.cli, tk.serve, tk.serve.protocol, tk.serve.config, tk.serve.model_server, tk.serve.deployment, "
+        "tk.serve.lifecycle, tk.serve.triton, tk.serve.data; "
         "print(sorted(m for m in ('ray', 'tritonclient', 'prometheus_client') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -263,7 +265,7 @@ def test_readiness_polling_survives_a_garbled_reply_and_reads_the_next():
     import socket
     import threading
 
-    from tk.serve.app import ready_within
+    from tk.serve.lifecycle import ready_within
 
     replies = [b"garbage\r\n\r\n", b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"]
     replies.append(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"ready": true}')
@@ -292,7 +294,7 @@ def test_readiness_polling_survives_a_garbled_reply_and_reads_the_next():
 def test_readiness_polling_that_never_gets_a_reply_says_false():
     import socket
 
-    from tk.serve.app import ready_within
+    from tk.serve.lifecycle import ready_within
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]

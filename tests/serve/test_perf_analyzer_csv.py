@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from tk.serve.perf_analyzer import PHASE_COLUMNS, read_csv
+from tk.serve.load.perf_analyzer import PHASE_COLUMNS, read_csv
 
 
 def test_rows_come_back_by_concurrency_whatever_order_perf_analyzer_wrote(tmp_path):

@@ -25,7 +25,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests.conftest import run_each_in_thread  # noqa: E402
 from tests.serve.conftest import app_on_local_ray  # noqa: E402
-from tk.serve.app import APP_NAME, ServeConfig, deployment, resolve  # noqa: E402
+from tk.serve.config import ServeConfig, resolve  # noqa: E402
+from tk.serve.deployment import APP_NAME, deployment  # noqa: E402
 from tk.serve.ingress import haproxy_binary  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.spec import random_feeds  # noqa: E402

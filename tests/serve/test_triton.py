@@ -168,7 +168,7 @@ def test_hf_artifact_deploys_and_serves_under_its_directory_name(tmp_path):
 
     from tk.export import ExportOptions
     from tk.models import build_model
-    from tk.serve.app import ServeConfig, resolve
+    from tk.serve.config import ServeConfig, resolve
     from tk.workflows.export import export
 
     directory = tmp_path / "my model.v1"

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from tests.conftest import run_each_in_thread  # noqa: E402
 from tests.serve.conftest import app_on_local_ray  # noqa: E402
 from tk.errors import UsageError  # noqa: E402
-from tk.serve.load import client as load_client  # noqa: E402
-from tk.serve.load import infer_inputs  # noqa: E402
-from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
+from tk.serve.load.clients import client as load_client  # noqa: E402
+from tk.serve.load.clients import infer_inputs  # noqa: E402
+from tk.serve.load.perf_analyzer import find_perf_analyzer, run_perf_analyzer  # noqa: E402
 from tk.serve.protocol import model_metadata  # noqa: E402
 from tk.serve.triton import TRITON_TYPES, config_json, served_config  # noqa: E402
 from tk.spec import random_feeds  # noqa: E402
@@ -251,11 +251,11 @@ def test_load_test_measures_single_requests_with_perf_analyzer(server):
 
 
 def test_the_load_generator_keeps_each_reply_by_its_id(server):
-    """tk.serve.load (the load test's and --tune's clients) against this module's server: replies kept by
+    """tk.serve.load.clients (the load test's and --tune's clients) against this module's server: replies kept by
     the id they came back with and equal to eager; a wrong model name fails each request; one client's row."""
     from tk.runtime import load
-    from tk.serve.load import health_latency_ms, send_requests
-    from tk.serve.load_test import expected_outputs, make_requests, mismatches, one_client_row
+    from tk.serve.load.clients import health_latency_ms, send_requests
+    from tk.serve.load.scenarios import expected_outputs, make_requests, mismatches, one_client_row
 
     art, config = server
     mixed, single = make_requests(art.manifest.signature.inputs, 8, 10)

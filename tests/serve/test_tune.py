@@ -14,17 +14,15 @@ import pytest
 
 from tests.serve.conftest import ROOT
 from tk.errors import UsageError
-from tk.serve.tune import (
+from tk.serve.config import apply_settings, read_settings, write_settings
+from tk.serve.load.tune import (
     TuneGrid,
     TunePoint,
     TuneResult,
-    apply_settings,
     grid_points,
     parse_range,
-    read_settings,
     recommend,
     recommended_settings,
-    write_settings,
 )
 
 
@@ -104,7 +102,7 @@ def test_tune_samples_and_seq_are_n_or_a_range():
 
 
 def test_tune_seq_lengths_are_seeded_within_the_range_and_checked_against_the_artifact():
-    from tk.serve.tune import _lengths
+    from tk.serve.load.tune import _lengths
     from tk.spec import Dim, Signature
 
     sig = Signature([], [], {"batch": Dim("batch", 1, 8, 32), "seq": Dim("seq", 8, 64, 128)})
@@ -127,8 +125,8 @@ def test_the_tune_table_says_what_was_sent():
 
 def test_a_grid_above_the_artifacts_batch_max_is_refused_before_ray_starts(exported):
     from tk.runtime import EngineChoice
-    from tk.serve.app import ServeConfig
-    from tk.serve.tune import tune
+    from tk.serve.config import ServeConfig
+    from tk.serve.load.tune import tune
 
     art = exported("transformer", ("onnx",))  # batch max 64
     base = ServeConfig(str(art.root), engine=EngineChoice("onnx"))
@@ -158,7 +156,7 @@ def test_the_settings_written_carry_the_best_points_batching():
     best, within = recommend([on, off], p99_ms=10)
     assert best is off and within
     from tk.runtime import EngineChoice
-    from tk.serve.app import ServeConfig
+    from tk.serve.config import ServeConfig
 
     base = ServeConfig("art", engine=EngineChoice("onnx"), cpus_per_replica=1.0)
     settings = recommended_settings(TuneResult([on, off], best, within, 10.0, 2, (1, 4)), base)
@@ -171,7 +169,7 @@ def test_the_settings_written_carry_the_best_points_batching():
 
 def test_each_point_splits_the_cpus_among_its_replicas_unless_threads_are_given(tmp_path):
     from tk.runtime import EngineChoice
-    from tk.serve.app import ServeConfig
+    from tk.serve.config import ServeConfig
 
     points = grid_points(TuneGrid([8], [1.0], [1, 2, 3]), cpus=4, cpus_per_replica=1.0)
     assert [(p.replicas, p.engine_threads) for p in points] == [(1, 4), (2, 2), (3, 1)]

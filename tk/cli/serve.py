@@ -96,7 +96,8 @@ def serve_cmd(
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it.
 
     --config FILE starts from a settings file (flags given win); --tune load-tests a grid and writes one."""
-    from tk.serve.app import RunningServer, ServeConfig, serve_forever
+    from tk.serve.config import ServeConfig
+    from tk.serve.lifecycle import RunningServer, serve_forever
 
     config = ServeConfig(
         artifact=str(artifact),

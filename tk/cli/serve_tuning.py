@@ -96,7 +96,7 @@ def with_settings(config: Any, path: Path | None) -> Any:
     """``config`` with a settings file's values wherever the command line left the default."""
     from click.core import ParameterSource
 
-    from tk.serve.tune import apply_settings, read_settings
+    from tk.serve.config import apply_settings, read_settings
 
     if path is None:
         return config
@@ -140,7 +140,8 @@ def tune_command(
     from rich.console import Console
     from rich.table import Table
 
-    from tk.serve.tune import TuneGrid, parse_range, recommended_settings, tune, write_settings
+    from tk.serve.config import write_settings
+    from tk.serve.load.tune import TuneGrid, parse_range, recommended_settings, tune
 
     cpus = os.cpu_count() or 1
     replicas = (

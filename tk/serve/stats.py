@@ -14,8 +14,8 @@ first, waits two push intervals for the others' last pushes to land, then reads 
 (on a loaded machine a push can take longer: the counts are then briefly behind, never lost). A replica that was replaced keeps its last snapshot on the
 board, so the counts are cumulative for the model, as Triton's are.
 
-The Prometheus text goes with a push at most every ``METRICS_INTERVAL_S`` (and always with the
-answering replica's own push): writing it (``prometheus_client.generate_latest``) takes about a
+Each replica's Prometheus text (``tk.serve.metrics``) goes with a push at most every
+``METRICS_INTERVAL_S`` (and always with the answering replica's own push): writing it (``prometheus_client.generate_latest``) takes about a
 millisecond of the replica's interpreter, which a push after every request took from the next
 request's parsing. So ``/metrics`` shows other replicas' counts up to that interval late; the
 statistics, whose snapshot is a dict copy, are not delayed.
@@ -245,34 +245,3 @@ class Pusher:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-
-
-def merge_metrics(texts: Iterable[bytes]) -> bytes:
-    """Replicas' Prometheus texts as one: samples of equal name and labels (the ``replica`` label
-    dropped) summed, counters' ``_created`` samples left out."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text.decode()):
-            families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-            into = values.setdefault(family.name, {})
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "replica"))
-                into[(sample.name, labels)] = into.get((sample.name, labels), 0.0) + sample.value
-    for name, family in families.items():
-        for (sample_name, labels), value in values[name].items():
-            family.add_sample(sample_name, dict(labels), value)
-
-    class Merged:
-        def collect(self) -> Iterable[Metric]:
-            return list(families.values())
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Merged())
-    return generate_latest(registry)

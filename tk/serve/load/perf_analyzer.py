@@ -138,35 +138,18 @@ def run_perf_analyzer(
         {name: {"content": a.reshape(-1).tolist(), "shape": list(a.shape)} for name, a in s.items()} for s in samples
     ]
     data_path.write_text(json.dumps({"data": entries}))
+    window = (
+        ["--measurement-mode", "count_windows", "--measurement-request-count", str(requests_per_window)]
+        if requests_per_window
+        else ["--measurement-interval", str(measurement_ms)]
+    )
     command = [
-        str(tool.binary),
-        "-m",
-        model,
-        "-u",
-        url.removeprefix("http://"),
-        "-i",
-        "http",
-        "-b",
-        str(batch),
-        "--concurrency-range",
-        f"{min(concurrency)}:{max(concurrency)}:{_step(concurrency)}",
-        *(
-            ["--measurement-mode", "count_windows", "--measurement-request-count", str(requests_per_window)]
-            if requests_per_window
-            else ["--measurement-interval", str(measurement_ms)]
-        ),
-        "--stability-percentage",
-        f"{stability_percent:g}",
-        "--max-trials",
-        str(max_trials),
-        "--percentile",
-        "99",
-        "-f",
-        str(csv_path),
-        "--input-data",
-        str(data_path),
+        str(tool.binary), "-m", model, "-u", url.removeprefix("http://"), "-i", "http", "-b", str(batch),
+        "--concurrency-range", f"{min(concurrency)}:{max(concurrency)}:{_step(concurrency)}", *window,
+        "--stability-percentage", f"{stability_percent:g}", "--max-trials", str(max_trials), "--percentile", "99",
+        "-f", str(csv_path), "--input-data", str(data_path),
         *(arg for name, a in samples[0].items() for arg in ("--shape", f"{name}:{','.join(map(str, a.shape))}")),
-    ]
+    ]  # fmt: skip
     done = subprocess.run(command, env=tool.env, capture_output=True, text=True, timeout=timeout_s)
     output = done.stdout + done.stderr
     if done.returncode != 0:

@@ -28,8 +28,11 @@ from typing import Any
 import numpy as np
 
 from tk.runtime import EngineChoice, load
-from tk.serve.load import LoadResult, client, health_latency_ms, infer_inputs, send_requests
-from tk.serve.tune import redeploy
+from tk.serve.config import ServeConfig, apply_settings, resolve
+from tk.serve.ingress import free_ports
+from tk.serve.lifecycle import redeploy, start, stop
+from tk.serve.load.clients import LoadResult, client, health_latency_ms, infer_inputs, send_requests
+from tk.serve.load.perf_analyzer import find_perf_analyzer, run_perf_analyzer
 from tk.spec import TensorSpec, random_feeds
 from tk.workflows.load_guard import LoadGuard, quiet_or_marked
 from tk.workflows.timing import interleave_calls
@@ -253,8 +256,6 @@ def perf_analyzer_rows(
 ) -> list[dict]:  # fmt: skip
     """The ``single`` scenario through Triton's perf_analyzer, at concurrency 1 and ``clients``
     (``options``: ``run_perf_analyzer``'s measurement settings)."""
-    from tk.serve.perf_analyzer import find_perf_analyzer, run_perf_analyzer
-
     tool = find_perf_analyzer()
     samples = [{name: a[0] for name, a in r.items()} for r in requests[:64]]
     with tempfile.TemporaryDirectory(prefix="tk-pa-") as tmp:
@@ -296,10 +297,6 @@ def run_scenarios(
 ) -> tuple[list[dict[str, Any]], str]:
     """Start ``tk serve`` on ``root`` (Ray on 2 CPUs, one replica), run every scenario with batching
     on, then off; the rows and the ingress that ran."""
-    from tk.serve.app import ServeConfig, resolve, start, stop
-    from tk.serve.ingress import free_ports
-    from tk.serve.tune import apply_settings
-
     base = ServeConfig(
         str(root), engine=EngineChoice("onnx", options={"threads": s.threads}), port=free_ports(1)[0],
         max_batch=s.max_batch, max_delay_ms=s.max_delay_ms, max_queue=-1, cpus_per_replica=1, ingress=s.ingress,

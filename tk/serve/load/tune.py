@@ -1,5 +1,5 @@
-"""``tk serve --tune``: choose max batch, batch delay and replicas by a bounded load test on loopback,
-and the settings file that ``tk serve --config`` reads.
+"""``tk serve --tune``: choose max batch, batch delay and replicas by a bounded load test on loopback;
+its recommendation is written as the settings file that ``tk serve --config`` reads (``tk.serve.config``).
 
 Each point's replicas share the machine's cores: unless ``--threads`` fixes the engine's threads, a
 point with R replicas runs each engine on ``cpus // R`` threads (``engine_threads`` in the file), not
@@ -16,116 +16,39 @@ batching that gains with single-sample requests can lose with larger ones (bench
 is the point with batching off (each request runs alone, a max batch of ``high``), and a max batch
 between 1 and ``high`` cannot hold every request and is skipped. Sequences are the artifact's opt
 length, or (``seq``) lengths drawn from a range, since requests of different lengths never share
-an engine call (``tk.serve.app``). A point is judged by its samples/s, and fits when no request
+an engine call (``tk.serve.model_server``). A point is judged by its samples/s, and fits when no request
 failed and its p99 latency is within ``p99_ms``; the recommendation is the fitting point with the
 most samples/s (none fitting: the one with the lowest p99, said so). The whole tune is bounded: at
 most ``MAX_POINTS`` points, and no point starts after ``budget_s`` (points left are reported as
 skipped). Numbers depend on what else the machine runs: tune on the machine that serves.
-
-The settings file is JSON: ``{"max_batch": 8, "max_delay_ms": 2.0, "replicas": 2, ...}`` with keys
-from ``SETTINGS``; ``tk serve --config FILE`` starts from it, and flags given on the command line
-win over it.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tk.errors import UsageError, first_line
-from tk.fileio import atomic_write_bytes
-from tk.limits import MAX_THREADS, MAX_TUNE_REQUESTS, require_within_budget
-from tk.serve.load import send_requests
+from tk.errors import UsageError
+from tk.limits import MAX_TUNE_REQUESTS, require_within_budget
+from tk.manifest import verify_artifact
+from tk.runtime.inputs import sample_dim
+from tk.serve.config import ServeConfig, apply_settings, resolve
+from tk.serve.ingress import free_ports
+from tk.serve.lifecycle import redeploy, start, stop
+from tk.serve.load.clients import send_requests
+from tk.spec import Signature, feeds_nbytes, random_feeds
 
-# the ServeConfig fields a settings file may set, and their types
-SETTINGS: dict[str, type] = {
-    "replicas": int,
-    "cpus_per_replica": float,
-    "gpus_per_replica": float,
-    "max_batch": int,
-    "batching": bool,
-    "max_delay_ms": float,
-    "max_queue": int,
-    "request_timeout_s": float,
-    "ingress": str,
-    "max_request_bytes": int,
-    "engine_threads": int,  # not a ServeConfig field: the engine's threads option (apply_settings)
-}
-# settings whose flag has a cap: the file is held to the same (tk.limits), checked when it is read
-CAPS: dict[str, tuple[str, int, int]] = {"engine_threads": ("--threads", 1, MAX_THREADS)}
 MAX_POINTS = 64
 # what the tune keeps per request besides its inputs (a slot in the load, a latency and a reply by id):
 # the memory --tune-requests asks for, budgeted before any is allocated
 REQUEST_BOOKKEEPING_BYTES = 512
-
-
-def read_settings(path: str | Path) -> dict[str, Any]:
-    """A settings file's values by ``ServeConfig`` field; ``UsageError`` for anything else in it."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"--config {path}: expected a readable JSON file, got {exc.strerror}") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise UsageError(f"--config {path}: expected JSON, got an error at line {exc.lineno}: {exc.msg}") from None
-    except ValueError as exc:  # not UTF-8 text (a model file, say), or an integer past Python's digit limit
-        raise UsageError(f"--config {path}: expected a UTF-8 JSON file of settings, got {first_line(exc)}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a JSON object of settings, got {type(data).__name__}")
-    settings: dict[str, Any] = {}
-    for key, value in data.items():
-        kind = SETTINGS.get(key)
-        if kind is None:
-            raise UsageError(f"--config {path}: unknown setting {key!r}; expected some of {', '.join(SETTINGS)}")
-        ok = (
-            isinstance(value, bool)
-            if kind is bool
-            else isinstance(value, kind if kind is not float else (int, float)) and not isinstance(value, bool)
-        )
-        if ok and kind is float:
-            ok = math.isfinite(float(value)) if abs(value) < 1e308 else False  # an int past float's range, NaN, inf
-        if not ok:
-            shown = (
-                json.dumps(value)
-                if not isinstance(value, int) or abs(value) < 10**30
-                else "an integer of over 30 digits"
-            )
-            raise UsageError(
-                f"--config {path}: {key}: expected {'a finite ' if kind is float else ''}{kind.__name__}, got {shown}"
-            )
-        if key in CAPS:
-            flag, low, high = CAPS[key]
-            if not low <= value <= high:
-                raise UsageError(f"--config {path}: {key}: expected {low} to {high} (as {flag}), got {value}")
-        settings[key] = kind(value)
-    return settings
-
-
-def apply_settings(config: Any, settings: Mapping[str, Any]) -> Any:
-    """``config`` (a ``ServeConfig``) with ``settings`` (keys from ``SETTINGS``); ``engine_threads`` sets
-    the engine's ``threads`` option."""
-    fields = {k: v for k, v in settings.items() if k != "engine_threads"}
-    if "engine_threads" in settings:
-        engine = config.engine
-        fields["engine"] = engine.replace(options={**engine.options, "threads": settings["engine_threads"]})
-    return replace(config, **fields)
-
-
-def write_settings(path: str | Path, settings: Mapping[str, Any]) -> None:
-    """Write ``settings`` (keys from ``SETTINGS``) as the JSON ``read_settings`` reads, atomically."""
-    unknown = set(settings) - set(SETTINGS)
-    if unknown:
-        raise UsageError(f"settings: unknown {sorted(unknown)}")
-    atomic_write_bytes(Path(path), (json.dumps(dict(settings), indent=2) + "\n").encode())
 
 
 @dataclass(frozen=True)
@@ -224,7 +147,7 @@ def recommend(points: list[TunePoint], p99_ms: float) -> tuple[TunePoint | None,
 
 
 def tune(
-    base: Any,
+    base: ServeConfig,
     grid: TuneGrid,
     *,
     p99_ms: float,
@@ -234,13 +157,46 @@ def tune(
     seq: tuple[int, int] | None = None,
     budget_s: float = 300.0,
     cpus: int | None = None,
-    on_point: Any = None,
+    on_point: Callable[[TunePoint], None] | None = None,
 ) -> TuneResult:
-    """Load-test ``base`` (a ``ServeConfig``) at each grid point on a local Ray instance; see the module."""
-    from tk.serve.app import resolve, start, stop
-    from tk.serve.ingress import free_ports
-    from tk.spec import random_feeds
+    """Load-test ``base`` at each grid point on a local Ray instance; see the module."""
+    _check_bounds(p99_ms, requests, clients, budget_s)
+    cpus = cpus or os.cpu_count() or 1
+    sig = verify_artifact(base.artifact).signature
+    points = _points(base, grid, sig, cpus, samples, requests, seq)
+    runnable = [p for p in points if p.skipped is None]
+    resolved = resolve(
+        replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(p.max_batch for p in runnable))
+    )
 
+    def settings_of(point: TunePoint) -> ServeConfig:
+        # what a point's max batch implies (requests held, the largest body) follows it, as it will when served
+        unresolved = replace(resolved, max_ongoing=base.max_ongoing, max_request_bytes=base.max_request_bytes)
+        return resolve(apply_settings(unresolved, point.settings()))
+
+    counts, load = _load(sig, samples, seq, requests)
+    deadline = time.monotonic() + budget_s
+    first = runnable[0]
+    running = start(settings_of(first), num_cpus=cpus)
+    try:
+        for point in runnable:
+            if time.monotonic() > deadline:
+                point.skipped = f"time budget of {budget_s:g} s spent"
+                continue
+            config = settings_of(point)
+            if point is not first:
+                redeploy(config)
+            _measure(point, config, load, counts, clients, deadline, budget_s)
+            if point.skipped is None and on_point is not None:
+                on_point(point)
+    finally:
+        stop(running)
+    best, within = recommend(points, p99_ms)
+    return TuneResult(points, best, within, p99_ms, cpus, samples, seq)
+
+
+def _check_bounds(p99_ms: float, requests: int, clients: int, budget_s: float) -> None:
+    """``UsageError`` for a p99 budget, request count, client count or time budget out of range."""
     if not (math.isfinite(p99_ms) and p99_ms > 0):
         raise UsageError(f"--p99-ms: expected a number of milliseconds above 0, got {p99_ms}")
     if requests < 1 or clients < 1 or not budget_s > 0:
@@ -249,11 +205,20 @@ def tune(
         )
     if requests > MAX_TUNE_REQUESTS:
         raise UsageError(f"--tune-requests: expected at most {MAX_TUNE_REQUESTS} per point, got {requests}")
-    cpus = cpus or os.cpu_count() or 1
+
+
+def _points(
+    base: ServeConfig,
+    grid: TuneGrid,
+    sig: Signature,
+    cpus: int,
+    samples: tuple[int, int],
+    requests: int,
+    seq: tuple[int, int] | None,
+) -> list[TunePoint]:
+    """The grid's points for this artifact and machine (at least one runnable), once the load fits memory."""
     low, high = samples
-    sig = _signature(base)
-    batch_name = _batch_name(sig)
-    limit = sig.dims.get(batch_name)
+    limit = sig.dims.get(sample_dim(sig.inputs))
     if limit is not None and high > limit.max:
         raise UsageError(
             f"--tune-samples {low}-{high}: this artifact's batch max is {limit.max}; use at most {limit.max}"
@@ -263,76 +228,64 @@ def tune(
     for point in points:
         if point.skipped is None and limit is not None and point.max_batch > limit.max:
             point.skipped = f"above this artifact's batch max ({limit.max})"
-    runnable = [p for p in points if p.skipped is None]
-    if not runnable:
+    if all(p.skipped is not None for p in points):
         raise UsageError("--tune grid: no point fits this machine's CPUs and this artifact's batch max")
-    resolved = resolve(
-        replace(base, host="127.0.0.1", port=free_ports(1)[0], max_batch=max(p.max_batch for p in runnable))
-    )
+    return points
 
-    def settings_of(point: TunePoint) -> Any:
-        # what a point's max batch implies (requests held, the largest body) follows it, as it will when served
-        unresolved = replace(resolved, max_ongoing=base.max_ongoing, max_request_bytes=base.max_request_bytes)
-        return resolve(apply_settings(unresolved, point.settings()))
 
+def _load(
+    sig: Signature, samples: tuple[int, int], seq: tuple[int, int] | None, requests: int
+) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+    """Each distinct request's sample count (at most 256, seeded) and the ``requests`` requests, which
+    repeat the distinct ones."""
+    low, high = samples
     distinct = min(requests, 256)
     counts = np.random.default_rng(0).integers(low, high + 1, size=distinct)
-    sizes = [{**sig.opt_sizes(), batch_name: int(count)} for count in counts]
+    sizes = [{**sig.opt_sizes(), sample_dim(sig.inputs): int(count)} for count in counts]
     if seq is not None:
         for size, length in zip(sizes, _lengths(sig, seq, distinct), strict=True):
             size["seq"] = length
     feeds = [random_feeds(sig.inputs, size, seed=i) for i, size in enumerate(sizes)]
-    load = [feeds[i % len(feeds)] for i in range(requests)]
-    deadline = time.monotonic() + budget_s
-    first = runnable[0]
-    running = start(settings_of(first), num_cpus=cpus)
-    try:
-        for point in points:
-            if point.skipped is not None:
-                continue
-            if time.monotonic() > deadline:
-                point.skipped = f"time budget of {budget_s:g} s spent"
-                continue
-            config = settings_of(point)
-            if point is not first:
-                redeploy(config)
-            model = str(config.name)
-            send_requests(config.port, model, load[: min(len(load), 2 * clients)], clients, deadline=deadline)  # warm
-            result = send_requests(config.port, model, load, clients, deadline=deadline)
-            sent = len(result.latencies) + len(result.failures)
-            if sent < len(load):  # the deadline came during this point: its numbers are not the others'
-                point.skipped = (
-                    f"time budget of {budget_s:g} s spent during this point ({sent} of {len(load)} requests)"
-                )
-                continue
-            latencies = sorted(result.latencies.values())
-            point.requests = len(latencies) + len(result.failures)
-            point.failed = len(result.failures)
-            if latencies:
-                answered = sum(int(counts[i % len(counts)]) for i in result.latencies)
-                point.samples_per_s = answered / result.wall_s
-                point.p50_ms = float(np.percentile(latencies, 50)) * 1e3
-                point.p99_ms = float(np.percentile(latencies, 99)) * 1e3
-            if on_point is not None:
-                on_point(point)
-    finally:
-        stop(running)
-    best, within = recommend(points, p99_ms)
-    return TuneResult(points, best, within, p99_ms, cpus, samples, seq)
+    return counts, [feeds[i % len(feeds)] for i in range(requests)]
 
 
-def load_bytes(sig: Any, requests: int, samples: int, seq: tuple[int, int] | None) -> int:
+def _measure(
+    point: TunePoint,
+    config: ServeConfig,
+    load: list[dict[str, np.ndarray]],
+    counts: np.ndarray,
+    clients: int,
+    deadline: float,
+    budget_s: float,
+) -> None:
+    """Warm the deployed ``point`` up, then send it ``load`` and keep its numbers (or why it was cut short)."""
+    model = str(config.name)
+    send_requests(config.port, model, load[: min(len(load), 2 * clients)], clients, deadline=deadline)  # warm
+    result = send_requests(config.port, model, load, clients, deadline=deadline)
+    sent = len(result.latencies) + len(result.failures)
+    if sent < len(load):  # the deadline came during this point: its numbers are not the others'
+        point.skipped = f"time budget of {budget_s:g} s spent during this point ({sent} of {len(load)} requests)"
+        return
+    latencies = sorted(result.latencies.values())
+    point.requests = len(latencies) + len(result.failures)
+    point.failed = len(result.failures)
+    if latencies:
+        answered = sum(int(counts[i % len(counts)]) for i in result.latencies)
+        point.samples_per_s = answered / result.wall_s
+        point.p50_ms = float(np.percentile(latencies, 50)) * 1e3
+        point.p99_ms = float(np.percentile(latencies, 99)) * 1e3
+
+
+def load_bytes(sig: Signature, requests: int, samples: int, seq: tuple[int, int] | None) -> int:
     """Bytes the tune holds for ``requests`` requests of up to ``samples`` samples (and ``seq`` tokens):
     its distinct inputs (at most 256, at the largest sizes) and each request's bookkeeping."""
-    from tk.spec import feeds_nbytes
-
-    sizes = {**sig.opt_sizes(), _batch_name(sig): samples}
+    sizes = {**sig.opt_sizes(), sample_dim(sig.inputs): samples}
     if seq is not None and "seq" in sig.dims:
         sizes["seq"] = seq[1]
     return min(requests, 256) * feeds_nbytes(sig.inputs, sizes) + requests * REQUEST_BOOKKEEPING_BYTES
 
 
-def _lengths(sig: Any, seq: tuple[int, int], count: int) -> list[int]:
+def _lengths(sig: Signature, seq: tuple[int, int], count: int) -> list[int]:
     """``count`` sequence lengths drawn from ``seq`` (seeded); ``UsageError`` where the artifact has no
     ``seq`` dimension or takes no such lengths."""
     dim = sig.dims.get("seq")
@@ -346,37 +299,7 @@ def _lengths(sig: Any, seq: tuple[int, int], count: int) -> list[int]:
     return [int(n) for n in np.random.default_rng(1).integers(low, high + 1, size=count)]
 
 
-def _signature(config: Any) -> Any:
-    from tk.manifest import verify_artifact
-
-    return verify_artifact(config.artifact).signature
-
-
-def _batch_name(sig: Any) -> str:
-    from tk.runtime.inputs import sample_dim
-
-    return sample_dim(sig.inputs)
-
-
-def redeploy(config: Any) -> None:
-    """Replace the running app by one deployed with ``config`` (a resolved ``ServeConfig``) and wait until it answers."""
-    from ray import serve
-
-    from tk.serve.app import APP_NAME, deployment
-
-    serve.delete(APP_NAME)
-    serve.run(deployment(config), name=APP_NAME, route_prefix="/")
-    _wait_ready(config.port)
-
-
-def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
-    from tk.serve.app import ready_within
-
-    if not ready_within(f"http://127.0.0.1:{port}", timeout_s):
-        raise UsageError(f"serve: expected the redeployed app to answer on port {port} within {timeout_s:g} s")
-
-
-def recommended_settings(result: TuneResult, base: Any) -> dict[str, Any]:
+def recommended_settings(result: TuneResult, base: ServeConfig) -> dict[str, Any]:
     """What ``--tune`` writes: the best point's settings with the base's CPUs per replica."""
     if result.best is None:
         raise UsageError("--tune: expected at least one grid point to run without failures, none did")
