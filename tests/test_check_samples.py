@@ -135,7 +135,7 @@ def test_optimize_checks_on_the_held_out_half_of_data(tmp_path: Path) -> None:
     assert given.check_data is not None and given.check_data["input_ids"].shape == (4, 16)
     synthetic = _export_options(OptimizeOptions(), accuracy, dims, optimize_data(spec, dims, sizes, None), None)
     assert synthetic.check_data is None
-    fp32 = [Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),))]
+    fp32 = [Candidate("onnx", "fp32", "onnx")]
     dirs = {group_dir(tmp_path, fp32, o, None, spec, None) for o in (given, synthetic)}
     assert len(dirs) == 2  # the cache never gives an artifact checked on other inputs
 

@@ -37,8 +37,8 @@ def fp32_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-AOTI_INT8 = Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))
-OPENVINO_FP32 = Candidate("openvino", "fp32", "openvino", (("onnx_fusions", True),))
+AOTI_INT8 = Candidate("aoti", "int8", "aoti")
+OPENVINO_FP32 = Candidate("openvino", "fp32", "openvino")
 
 
 def _asked_before(
@@ -55,7 +55,7 @@ def _asked_before(
 
 def _gate(root: Path) -> SpeedGate:
     speed_gate = SpeedGate(dict(SIZES))
-    speed_gate.add(Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),)), root, verify_artifact(root))
+    speed_gate.add(Candidate("onnx", "fp32", "onnx"), root, verify_artifact(root))
     return speed_gate
 
 
@@ -123,7 +123,7 @@ def _probed(root: Path, fastest: Candidate, p50: dict[str, float], busy: bool = 
 def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path) -> None:
     """At best fastest - share x (fastest - all-int8): 200 - 0.02 x 60 = 198.8 ms, within TIE of the
     float32 candidate's 200 ms, which wins a tie; with 90% of the multiply-adds int8 it could win."""
-    fp32 = Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),))
+    fp32 = Candidate("onnx", "fp32", "onnx")
     p50 = {"onnx fp32": 200.0, PROBE: 140.0}
     speed_gate = _probed(fp32_artifact, fp32, p50)
     reason = speed_gate("aoti", Int8Share(1, 36, 0.02))
@@ -136,7 +136,7 @@ def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path)
     assert _probed(fp32_artifact, fp32, p50, busy=True)("aoti", Int8Share(1, 36, 0.02)) is None  # not judged
     assert _gate(fp32_artifact)("aoti", Int8Share(1, 36, 0.02)) is None  # no probe timed: nothing to go on
     # an int8 fastest does not win a tie by accuracy: only no faster at all is a reason
-    int8 = Candidate("onnx", "int8", "onnx", (("int8_mode", "static"),))
+    int8 = Candidate("onnx", "int8", "onnx")
     assert (
         _probed(fp32_artifact, int8, {"onnx int8 static": 200.0, PROBE: 140.0})("aoti", Int8Share(1, 36, 0.02)) is None
     )
@@ -208,10 +208,10 @@ def test_a_format_the_race_cleared_is_not_compiled_to_ask(fp32_artifact: Path) -
 def test_later_questions_leave_out_candidates_an_earlier_one_timed_far_slower(fp32_artifact: Path) -> None:
     manifest = verify_artifact(fp32_artifact)
     fast, slow, slowish, late = (
-        Candidate("openvino", "bf16", "openvino", ()),
-        Candidate("torch", "fp32", "torch", ()),
-        Candidate("onnx", "fp32", "onnx", (("onnx_fusions", True),)),
-        Candidate("aoti", "bf16", "aoti", ()),
+        Candidate("openvino", "bf16", "openvino"),
+        Candidate("torch", "fp32", "torch"),
+        Candidate("onnx", "fp32", "onnx"),
+        Candidate("aoti", "bf16", "aoti"),
     )
     speed_gate = SpeedGate(dict(SIZES))
     for candidate in (fast, slow, slowish):
@@ -250,7 +250,7 @@ def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatc
         assert rows[name].status == "skipped", (name, rows[name].status, rows[name].reason)
         assert rows[name].reason.startswith(f"{name.split()[0]} int8: cannot win here"), rows[name].reason
     gate_record = result.record["speed_gate"]
-    assert [v["format"] for v in gate_record] == ["aoti", "onnx", "openvino"]  # run.INT8_ORDER
+    assert [v["format"] for v in gate_record] == ["aoti", "onnx", "openvino"]  # the writers' int8_rank
     assert all(v["fastest_passed"] == "onnx fp32" for v in gate_record)
     assert not any(v["busy"] for v in gate_record)  # the suite's quiet machine (tests/conftest.py)
     race = result.record["precision_race"]  # named candidates: raced before the first group for the int8 probe
@@ -329,7 +329,7 @@ def test_the_float_end_is_the_precision_the_int8_models_left_out_layers_run_in(
     from tk.workflows.optimize.gate import int8_float_part
 
     aoti_bf16 = Candidate("aoti", "bf16", "aoti")
-    openvino_bf16 = Candidate("openvino", "bf16", "openvino", (("onnx_fusions", True),))
+    openvino_bf16 = Candidate("openvino", "bf16", "openvino")
     p50 = {"aoti bf16": 67.6, "openvino bf16": 68.5, PROBE: 44.9}
     speed_gate = _asked_before(fp32_artifact, (aoti_bf16, openvino_bf16), ("openvino", p50), gap=73.3)
     speed_gate.verdicts[-1]["fastest_passed"] = "aoti bf16"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from benchmarks.goals.profiles import profile_onnx
 from tk.runtime import load
 from tk.runtime.inputs import random_inputs
-from benchmarks.goals.profiles import profile_onnx
 from tk.workflows.ort_session import ORT_SPINNING, plain_session
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tk.export.onnx import OnnxOptions
 from tk.models import build_model
 from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
@@ -32,8 +33,8 @@ def _race(
 
 
 def test_reduced_floats_are_written_before_float32_and_int8_stays_last() -> None:
-    fused, unfused = (("onnx_fusions", True),), (("onnx_fusions", False),)
-    static = (("int8_mode", "static"),)
+    fused, unfused = None, OnnxOptions(fusions=False)
+    static = None
     tried = [
         Candidate("onnx", "fp32", "onnx", fused), Candidate("aoti", "fp32", "aoti", fused),
         Candidate("onnx", "fp32", "onnx", unfused), Candidate("aoti", "bf16", "aoti", fused),
@@ -216,7 +217,7 @@ def test_named_candidates_race_only_for_the_int8_probe_and_skip_nothing(
 
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
-    tried = [Candidate("torch", "fp32", "torch"), Candidate("aoti", "int8", "aoti", (("int8_mode", "static"),))]
+    tried = [Candidate("torch", "fp32", "torch"), Candidate("aoti", "int8", "aoti")]
     for int8_rate, ahead in ((600.0, True), (250.0, False)):
         asked: list[tuple[str, ...]] = []
 
@@ -261,7 +262,7 @@ def test_int8_leads_where_float32_is_the_fastest_float_and_amdahl_decides_float3
 
 
 def test_the_aoti_int8_group_moves_before_the_first_float32_group() -> None:
-    static = (("int8_mode", "static"),)
+    static = None
     tried = [
         Candidate("torch", "fp32", "torch"), Candidate("aoti", "fp32", "aoti"), Candidate("onnx", "int8", "onnx", static),
         Candidate("aoti", "int8", "aoti", static), Candidate("openvino", "int8", "openvino", static),
@@ -322,7 +323,7 @@ def test_a_reduced_float_whose_candidates_all_missed_the_accuracy_leaves_the_rac
     out = epyc.without("bf16")
     assert out.fastest_float() == "fp32" and out.int8_ahead() and out.int8_leads() and epyc.out == frozenset()
     assert out.to_json()["out"] == ["bf16"] and out.rates == epyc.rates
-    static = (("int8_mode", "static"),)
+    static = None
     tried = [
         Candidate("torch", "bf16", "torch"), Candidate("aoti", "bf16", "aoti"), Candidate("torch", "fp32", "torch"),
         Candidate("aoti", "int8", "aoti", static),
@@ -349,7 +350,7 @@ def test_a_reduced_float_whose_candidates_all_missed_the_accuracy_leaves_the_rac
         assert kept.race is epyc and order == [["torch fp32"], ["aoti int8 static"]]
         assert kept.gate is not None and "aoti" not in kept.gate.no_probe
     # a bf16 group still to write keeps bf16 in the race, though the first one failed
-    later = [*tried, Candidate("onnx", "bf16", "onnx", (("onnx_fusions", False),))]
+    later = [*tried, Candidate("onnx", "bf16", "onnx", OnnxOptions(fusions=False))]
     state = _Run(spec, tmp_path / "out", OptimizeOptions(cache_dir=tmp_path), parse_accuracy(None), None,  # type: ignore[arg-type]
                  {"batch": 4, "seq": 16}, lambda *_: None)  # fmt: skip
     state.race = epyc

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from tk.cli.common import (
+    RegistryChoice,
     build,
     model_options,
     path_option,
@@ -48,7 +49,7 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     "--format",
     "formats",
     multiple=True,
-    type=click.Choice([*FORMATS, "all"]),
+    type=RegistryChoice(FORMATS, ("all",)),
     help=f"{', '.join(FORMATS)} or all (repeatable; default onnx).",
 )
 @click.option(

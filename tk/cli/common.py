@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +118,25 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
         click.echo(printable(f"not compared: the values at padding positions (attention mask 0): {counts}"))
 
 
+class RegistryChoice(click.Choice):
+    """A ``click.Choice`` of a registry's names (``tk.registries``) read when a command parses, not at import:
+    a format or an engine registered later (a plugin, a test's throwaway format) is a choice too."""
+
+    def __init__(self, registry: Mapping[str, Any], extra: Sequence[str] = ()) -> None:
+        self.registry, self.extra = registry, tuple(extra)
+        super().__init__(list(self.choices))
+
+    @property  # type: ignore[override]
+    def choices(self) -> list[str]:
+        return [*self.registry, *self.extra]
+
+    @choices.setter
+    def choices(self, _: Any) -> None:  # click.Choice.__init__ assigns it: the registry is the source
+        pass
+
+
 def engine_choice(
-    *, default: str = "onnx", choices: Sequence[str] | None = None, help: str | None = None
+    *, default: str = "onnx", choices: Sequence[str] | click.Choice | None = None, help: str | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--engine`` and every engine flag, handed to the command as one ``choice: EngineChoice``.
 
@@ -143,7 +160,7 @@ def engine_choice(
 
         engine = click.option(
             "--engine",
-            type=click.Choice(list(choices)) if choices is not None else None,
+            type=choices if isinstance(choices, click.Choice) or choices is None else click.Choice(list(choices)),
             default=default,
             show_default=True,
             help=help,

@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import SEED, console, engine_choice, path_option, print_check_reports, refuse_writes_into
+from tk.cli.common import (
+    SEED,
+    RegistryChoice,
+    console,
+    engine_choice,
+    path_option,
+    print_check_reports,
+    refuse_writes_into,
+)
 from tk.cli.gates import BenchGates, CheckGates, bench_gates, check_gates
 from tk.errors import UsageError
 from tk.registries import ENGINES
@@ -35,7 +43,9 @@ if TYPE_CHECKING:
 @click.option("--ray", "use_ray", is_flag=True, help="Run a directory of shards on Ray Data; --out is a directory.")
 @click.option("--address", default=None, help="With --ray: join this Ray cluster (default: a local Ray instance).")
 @click.option("--actors", type=int, default=2, show_default=True, help="With --ray: actors, each with one engine.")
-@engine_choice(choices=[*ENGINES, "auto"], help="Engine to run; auto picks the fastest one here whose parity passes.")
+@engine_choice(
+    choices=RegistryChoice(ENGINES, ("auto",)), help="Engine to run; auto picks the fastest one here whose parity passes."
+)
 def infer_cmd(
     artifact: Path,
     inputs_path: Path | None,
@@ -169,7 +179,7 @@ def _infer_ray(
     "--reference",
     default="eager",
     show_default=True,
-    type=click.Choice(list(ENGINES)),
+    type=RegistryChoice(ENGINES),
     help="Engine the others are compared with (eager: the PyTorch model).",
 )
 @path_option(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tk.cli.common import engine_choice, trust_options, trust_policy
+from tk.cli.common import RegistryChoice, engine_choice, trust_options, trust_policy
 from tk.cli.serve_tuning import tune_command, tuning_options, with_settings
 from tk.registries import ENGINES
 from tk.serve.ingress import INGRESSES
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     help="Largest request body, in bytes (512K, 8M, ...); larger ones get 413 before they are read "
     "(default: the largest valid request at the artifact's max shapes, JSON or binary).",
 )
-@engine_choice(choices=list(ENGINES))
+@engine_choice(choices=RegistryChoice(ENGINES))
 @tuning_options
 def serve_cmd(
     artifact: Path,

@@ -39,6 +39,7 @@ from tk.export.writers import (
     resolve_settings,
     settings_from_flags,
     writer,
+    writer_options_reason,
 )
 from tk.fileio import atomic_write_bytes, sha256_file
 from tk.formats.precision import matmul_precision
@@ -68,6 +69,8 @@ __all__ = [
     "settings_from_flags",
     "swap_into_place",
     "write_artifact",
+    "writer",
+    "writer_options_reason",
 ]
 
 

@@ -55,6 +55,22 @@ class AotiWriter(Writer):
     name = "aoti"
     Options = AotiOptions
     precisions = (*REDUCED, "int8")
+    int8_rank = 0  # beat onnxruntime's static QDQ graph on every CPU measured (benchmarks/history.md)
+    int8_probe_compiles = True  # timing its all-int8 model means compiling a package
+    int8_excludes_modules = True  # quantization.excluded lists module paths
+
+    def variants(self, precision: str) -> list[AotiOptions]:
+        # Inductor's freezing for float32 is faster on some CPUs, slower on others (inductor_configs_for)
+        return [AotiOptions(), AotiOptions(freeze=True)] if precision == "fp32" else [AotiOptions()]
+
+    def variant_words(self, options: AotiOptions, precision: str) -> list[str]:
+        return [*super().variant_words(options, precision), *(["frozen"] if options.freeze else [])]
+
+    def int8_float_part(self) -> str:
+        """bfloat16 where this CPU's bfloat16 products outrun float32's (``excluded_run_in_bf16``)."""
+        from tk.export.aoti_int8 import excluded_run_in_bf16
+
+        return "bf16" if excluded_run_in_bf16() else "fp32"
 
     def unavailable_reason(self, device: str, precision: str) -> str | None:
         if precision == "int8":

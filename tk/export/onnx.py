@@ -80,6 +80,18 @@ class OnnxWriter(Writer):
     Options = OnnxOptions
     precisions = (*REDUCED, "int8")  # int8: onnxruntime's quantization of the graph
     provides = ("onnx-plain",)
+    int8_rank = 1  # static QDQ lost to the aoti int8 package on every CPU measured (benchmarks/history.md)
+
+    def variants(self, precision: str) -> list[OnnxOptions]:
+        # dynamic int8 quantizes per call; the unfused graph is faster where onnxruntime's fusions are not
+        if precision == "int8":
+            return [OnnxOptions(), OnnxOptions(int8_mode="dynamic")]
+        return [OnnxOptions(), OnnxOptions(fusions=False)]
+
+    def variant_words(self, options: OnnxOptions, precision: str) -> list[str]:
+        if precision == "int8":
+            return [options.int8_mode or "static"]
+        return ["unfused"] if options.fusions is False else []
 
     def unavailable_reason(self, device: str, precision: str) -> str | None:
         missing = [p for p in ("onnx", "onnxscript") if importlib.util.find_spec(p) is None]

@@ -46,6 +46,7 @@ class OpenVinoWriter(Writer):
     name = "openvino"
     Options = NoOptions
     precisions = tuple(PRECISION_HINTS)  # fp32, bf16, int8
+    int8_rank = 2  # NNCF's int8 lost to both others on the AVX2 EPYC (benchmarks/history.md)
 
     def unavailable_reason(self, device: str, precision: str) -> str | None:
         if device != "cpu":

@@ -37,13 +37,40 @@ class NoOptions:
 
 
 class Writer:
-    """One export format. Subclasses set ``name`` and override what they need."""
+    """One export format. Subclasses set ``name`` and override what they need.
+
+    What ``tk optimize`` needs to know of a format is declared here too, never by comparing its name
+    elsewhere: the settings worth trying per precision (``variants``, the writer's own ``Options``
+    objects) and the words they add to a candidate's name, and, for int8, the order its exclusion
+    search runs in, whether the speed gate's probe of its all-int8 model costs a compile, whether its
+    manifest names the modules left out of int8 by module path, and what precision those run in.
+    """
 
     name: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     precisions: ClassVar[tuple[str, ...]] = REDUCED  # the --precision values it writes
     provides: ClassVar[tuple[str, ...]] = ()  # products other writers may ``ctx.require``
     requires: ClassVar[tuple[str, ...]] = ()  # products it asks for
+    # int8 under tk optimize: the order exclusion searches run in (lowest first: the likeliest winner, so the
+    # speed gate can skip a later search that cannot beat it), whether timing the all-int8 model costs a
+    # compile (the gate skips that probe where the precision race already says int8 leads), and whether the
+    # manifest's ``quantization.excluded`` lists module paths (then the share of linears kept int8 is known)
+    int8_rank: ClassVar[int] = 9
+    int8_probe_compiles: ClassVar[bool] = False
+    int8_excludes_modules: ClassVar[bool] = False
+
+    def variants(self, precision: str) -> list[Any]:
+        """The settings ``tk optimize`` tries for this format at ``precision``, as this writer's ``Options``
+        objects; the first is the default, which shares one capture with the other formats' defaults."""
+        return [self.Options()]
+
+    def variant_words(self, options: Any, precision: str) -> list[str]:
+        """The words ``options`` add to a candidate's name (``onnx int8 dynamic``, ``aoti fp32 frozen``)."""
+        return ["static"] if precision == "int8" else []
+
+    def int8_float_part(self) -> str:
+        """The precision the layers this format's int8 model leaves out run in (float32 unless overridden)."""
+        return "fp32"
 
     def unavailable_reason(self, device: str, precision: str) -> str | None:
         """Why this machine cannot write the format at ``precision`` for ``device``; None when it can."""

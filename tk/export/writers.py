@@ -40,6 +40,17 @@ def format_unavailable_reason(fmt: str, device: str, precision: str = "fp32") ->
     return w.unavailable_reason(device, precision)
 
 
+def writer_options_reason(fmt: str, options: Any, device: str, precision: str) -> str | None:
+    """Why the writer of ``fmt`` refuses ``options`` for ``device`` at ``precision`` (its ``validate``), or None."""
+    from tk.export.context import ExportOptions
+
+    try:
+        writer(fmt).validate(options, ExportOptions(formats=(fmt,), device=device, precision=precision))
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
 def _listing(names: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"

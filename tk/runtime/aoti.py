@@ -7,6 +7,7 @@ refused with the command that rebuilds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from tk.errors import BackendUnavailableError, load_failure
 from tk.formats.aoti import FILE, PACKING_FEATURES, packing_features, supported_vector_isas, torch_minor
 from tk.manifest import read_verified
-from tk.runtime.base import rebuild_command
+from tk.runtime.base import Engine, rebuild_command
 from tk.runtime.torch_engine import TorchEngine
 from tk.safefiles import private_copy
 from tk.signing import require_trusted_code
@@ -22,6 +23,17 @@ from tk.signing import require_trusted_code
 
 class AOTInductorEngine(TorchEngine):
     name = "aoti"
+
+    @classmethod
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+        package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
+        args = tuple(torch.from_numpy(feeds[spec.name]) for spec in like.inputs)
+
+        def run() -> object:
+            with torch.no_grad():
+                return package(*args)
+
+        return run
 
     def _load_model(self) -> None:
         require_trusted_code(self.root, self.manifest, self.trust, self.name)  # before any of its code loads

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -82,6 +82,13 @@ class Engine(ABC):
     name: ClassVar[str]
     native: ClassVar[str] = "torch"  # the kind of arrays ``_run`` takes and returns: torch or numpy
     Options: ClassVar[type[EngineOptions]] = EngineOptions
+
+    @classmethod
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+        """A call of ``model`` on ``feeds`` as this engine runs an artifact's file: ``model`` is a writer's
+        in-memory model (what an int8 writer hands ``tk optimize``'s speed gate: ``tk.export.context.Int8Model``),
+        ``like`` an opened engine of the same signature (its manifest and dims)."""
+        raise NotImplementedError(f"the {cls.name} engine runs no in-memory model")
 
     def __init__(
         self,

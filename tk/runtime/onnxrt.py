@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,11 @@ class OnnxRuntimeEngine(Engine):
     Options = OnnxOptions
 
     @classmethod
+    @classmethod
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+        session = cpu_session(model, OnnxOptions(spinning=False))  # serialized ONNX bytes
+        return lambda: session.run(None, feeds)
+
     def unavailable_reason(cls, device: str = "cpu") -> str | None:
         reason = cuda_reason(device)
         if reason:

@@ -15,6 +15,7 @@ thread gets its own infer request of the one compiled model.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,15 @@ class OpenVINOEngine(Engine):
     name = "openvino"
     native = "numpy"
     Options = OpenVINOOptions
+
+    @classmethod
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+        import openvino as ov
+
+        copy = model.clone()  # the writer goes on with ``model`` (an openvino.Model): its shapes stay its own
+        copy.reshape(bounded_shapes(like.manifest.signature, like.dims))
+        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), "f32")).create_infer_request()
+        return lambda: request.infer(feeds)
 
     @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:

@@ -43,8 +43,8 @@ log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
 CANDIDATES = NESTED  # --keep all: the other passing artifacts, beside the winner
 # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's; 4: by the samples
-# the check runs (--data's held-out half)
-CACHE_VERSION = 4
+# the check runs (--data's held-out half); 5: groups named by the writers' own options
+CACHE_VERSION = 5
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
               spec: ModelSpec, model_sha: str | None) -> Path:  # fmt: skip
     """Where one group's artifact is cached: named by everything that decides it (``model_sha``:
     ``model_digest`` of the module as built, before any ``--checkpoint`` is loaded into it)."""
-    precision, options = candidates[0].group
+    precision, own = candidates[0].group
     parts = {
         "version": CACHE_VERSION,
         "model": spec.reference(),
@@ -97,7 +97,7 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "weights_and_code": model_sha,
         "dims": {n: dataclasses.asdict(d) for n, d in base.dims.items()},
         "precision": precision,
-        "options": dict(options),
+        "options": None if own is None else [own[0], repr(own[1])],
         "formats": sorted(c.format for c in candidates),
         "calibration": arrays_digest(base.calibration_data) if precision == "int8" else None,
         "check_data": arrays_digest(base.check_data),
@@ -106,17 +106,8 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "torch": torch.__version__,
         "cpu": packing_features(),
     }
-    slug = "-".join(_slug(k, v) for k, v in options)
-    return cache / f"{precision}-{slug or 'default'}-{group_key(parts)}"
-
-
-def _slug(option: str, value: Any) -> str:
-    """A group option's word in its cache directory's name."""
-    if option == "aoti_freeze":
-        return "frozen" if value else "plain"
-    if isinstance(value, bool):
-        return "fused" if value else "unfused"
-    return str(value)
+    words = [] if own is None else [own[0], *candidates[0].name.split()[2:]]  # the format and its variant's words
+    return cache / f"{precision}-{'-'.join(words) or 'default'}-{group_key(parts)}"
 
 
 def cached(root: Path, formats: list[str]) -> tuple[Manifest | None, str]:
@@ -201,23 +192,10 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
 
 
 def group_export_options(candidates: list[Candidate], base: ExportOptions) -> ExportOptions:
-    """``base`` for one group: its formats and precision, and the writers' settings its options name (the
-    ONNX writer's fusions and int8 mode: the aoti int8 package is always static; the aoti writer's freezing)."""
-    from tk.export.onnx import OnnxOptions
-
-    precision, options = candidates[0].group
+    """``base`` for one group: its formats and precision, and each candidate's writer options (its variant)."""
+    precision = candidates[0].precision
     formats = tuple(c.format for c in candidates)
-    chosen = dict(options)
-    onnx: dict[str, Any] = {}
-    if "onnx_fusions" in chosen:
-        onnx["fusions"] = chosen["onnx_fusions"]
-    if "int8_mode" in chosen:
-        onnx["int8_mode"] = chosen["int8_mode"]
-    settings: dict[str, Any] = {"onnx": OnnxOptions(**onnx)} if "onnx" in formats and onnx else {}
-    if chosen.get("aoti_freeze") and "aoti" in formats:
-        from tk.export.aoti import AotiOptions
-
-        settings["aoti"] = AotiOptions(freeze=True)
+    settings = {c.format: c.options for c in candidates if c.options is not None}
     return dataclasses.replace(
         base, formats=formats, precision=precision, settings=settings, min_sqnr_db=sqnr_floor_for(precision, base),
         calibration_data=base.calibration_data if precision == "int8" else None,  # --data calibrates int8 only

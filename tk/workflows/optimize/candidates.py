@@ -8,6 +8,7 @@ float16 has no fast CPU kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -22,40 +23,44 @@ FP16_FLAGS = ("avx512_fp16", "amx_fp16")  # a CPU without them runs float16 prod
 
 @dataclass(frozen=True)
 class Candidate:
-    """One artifact setting: a format written at a precision with export options, run by an engine."""
+    """One artifact setting: a format written at a precision with its writer's options, run by an engine."""
 
     format: str
     precision: str
     engine: str
-    options: tuple[tuple[str, Any], ...] = ()  # ExportOptions fields this candidate sets (fusions, int8 mode)
+    options: Any = None  # the writer's Options object for this variant (``Writer.variants``); None: its defaults
+
+    @property
+    def settings(self) -> Any:
+        """The writer's options this candidate is written with (its defaults where none were given)."""
+        return self.options if self.options is not None else writer_of(self.format).Options()
 
     @property
     def name(self) -> str:
-        words = [self.format, self.precision]
-        opts = dict(self.options)
-        if "int8_mode" in opts:
-            words.append(opts["int8_mode"])
-        if opts.get("onnx_fusions") is False:
-            words.append("unfused")
-        if opts.get("aoti_freeze"):
-            words.append("frozen")
+        words = [self.format, self.precision, *writer_of(self.format).variant_words(self.settings, self.precision)]
         if self.engine != self.format:
             words.append(f"({self.engine})")
         return " ".join(words)
 
     @property
-    def group(self) -> tuple[str, tuple[tuple[str, Any], ...]]:
-        """Candidates of one group are written by one export (one capture): same precision and options.
-
-        Options only the ONNX writer reads (fusions) do not split the other formats off: they join the
-        fused group."""
-        return self.precision, self.options
+    def group(self) -> tuple[str, tuple[str, Any] | None]:
+        """Candidates of one group are written by one export (one capture): the precision, and None for every
+        format's default settings (they share a capture), else this format with its own."""
+        if self.settings == writer_of(self.format).Options():
+            return self.precision, None
+        return self.precision, (self.format, self.settings)
 
     @property
     def export_options(self) -> dict[str, Any]:
-        """The options that shape this candidate's own file (fusions are the ONNX writer's only, freezing
-        the aoti writer's)."""
-        return {k: v for k, v in self.options if k != "onnx_fusions" or self.format == "onnx"}
+        """The writer options this candidate sets beyond the defaults, by field name (for the JSON record)."""
+        settings, default = self.settings, writer_of(self.format).Options()
+        if not dataclasses.is_dataclass(settings):
+            return {}
+        return {
+            f.name: getattr(settings, f.name)
+            for f in dataclasses.fields(settings)
+            if getattr(settings, f.name) != getattr(default, f.name)
+        }
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -64,6 +69,13 @@ class Candidate:
             "engine": self.engine,
             "options": self.export_options,
         }
+
+
+def writer_of(fmt: str) -> Any:
+    """The writer of format ``fmt`` (``tk.export.writers.writer``)."""
+    from tk.export.writers import writer
+
+    return writer(fmt)
 
 
 @dataclass
@@ -83,18 +95,12 @@ def engine_for(fmt: str) -> str | None:
     return next((name for name in ENGINES if ENGINE_FILE_ROLE[name] == fmt), None)
 
 
-def variants(fmt: str, precision: str) -> list[tuple[tuple[str, Any], ...]]:
-    """The export settings worth trying for one format at one precision."""
-    if precision == "int8":
-        return (
-            [(("int8_mode", "static"),), (("int8_mode", "dynamic"),)] if fmt == "onnx" else [(("int8_mode", "static"),)]
-        )
-    if fmt == "onnx":
-        return [(("onnx_fusions", True),), (("onnx_fusions", False),)]
-    if fmt == "aoti" and precision == "fp32":
-        # Inductor's freezing for float32 is faster on some CPUs, slower on others (tk.export.aoti.inductor_configs_for)
-        return [(("onnx_fusions", True),), (("aoti_freeze", True),)]
-    return [(("onnx_fusions", True),)]  # the fused group: the other formats share its capture
+def variants(fmt: str, precision: str) -> list[Any]:
+    """The export settings worth trying for one format at one precision: its writer's (``Writer.variants``),
+    the default as None."""
+    found = writer_of(fmt).variants(precision)
+    default = writer_of(fmt).Options()
+    return [None if options == default else options for options in found]
 
 
 def enumerate_candidates(
@@ -161,9 +167,11 @@ def skip_reason(
         return "not among --precisions"
     if not engine_known:
         return f"no engine runs the {candidate.format} format"
-    if dict(candidate.options).get("aoti_freeze") and device != "cpu":
-        return "freezing is a CPU package's setting"
-    from tk.export import format_unavailable_reason
+    from tk.export import format_unavailable_reason, writer_options_reason
+
+    reason = writer_options_reason(candidate.format, candidate.settings, device, candidate.precision)
+    if reason:
+        return reason
     from tk.runtime import unavailable_reason
 
     reason = format_unavailable_reason(candidate.format, device, candidate.precision)

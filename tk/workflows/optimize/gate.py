@@ -51,10 +51,10 @@ import numpy as np
 
 from tk.export.context import Int8Share
 from tk.manifest import Manifest
-from tk.runtime import EngineChoice, open_engine
+from tk.runtime import EngineChoice, engine_class, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.load_guard import LoadGuard
-from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.optimize.candidates import Candidate, engine_for, writer_of
 from tk.workflows.optimize.table import TIE
 from tk.workflows.timing import interleave_calls, ms
 
@@ -257,14 +257,10 @@ class SpeedGate:
 
 
 def int8_float_part(fmt: str) -> str:
-    """The precision the layers ``fmt``'s int8 model leaves out run in: float32 in onnx QDQ graphs and
-    OpenVINO int8 IRs (compiled with ``INFERENCE_PRECISION_HINT`` f32: ``tk.formats.openvino``); in an
-    aoti package, bfloat16 where its products outrun float32's (``excluded_run_in_bf16``)."""
-    if fmt == "aoti":
-        from tk.export.aoti_int8 import excluded_run_in_bf16
-
-        return "bf16" if excluded_run_in_bf16() else "fp32"
-    return "fp32"
+    """The precision the layers ``fmt``'s int8 model leaves out run in (its writer's ``int8_float_part``:
+    float32 in onnx QDQ graphs and OpenVINO int8 IRs; in an aoti package, bfloat16 where its products
+    outrun float32's)."""
+    return writer_of(fmt).int8_float_part()
 
 
 def _fastest(p50: dict[str, float]) -> str:
@@ -277,31 +273,9 @@ def _ratio(p50: dict[str, float]) -> float:
 
 
 def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:
-    """A call of ``model`` on ``feeds``, run as format ``fmt``'s engine runs its artifact."""
-    if fmt == "onnx":
-        from tk.runtime.onnxrt import OnnxOptions, cpu_session
-
-        session = cpu_session(model, OnnxOptions(spinning=False))
-        return lambda: session.run(None, feeds)
-    if fmt == "openvino":
-        import openvino as ov
-
-        from tk.formats.openvino import bounded_shapes
-        from tk.runtime.openvino import OpenVINOOptions, compile_config
-
-        copy = model.clone()  # the writer goes on with ``model``: its shapes stay its own
-        copy.reshape(bounded_shapes(engine.manifest.signature, engine.dims))
-        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), "f32")).create_infer_request()
-        return lambda: request.infer(feeds)
-    if fmt == "aoti":
-        import torch
-
-        package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
-        args = tuple(torch.from_numpy(feeds[spec.name]) for spec in engine.inputs)
-
-        def run() -> object:
-            with torch.no_grad():
-                return package(*args)
-
-        return run
-    raise ValueError(f"no probe for the {fmt} format")
+    """A call of ``model`` (format ``fmt``'s all-int8 model) on ``feeds``, run as that format's engine runs
+    its artifact (``Engine.probe_call``)."""
+    name = engine_for(fmt)
+    if name is None:
+        raise ValueError(f"no engine runs the {fmt} format")
+    return engine_class(name).probe_call(model, feeds, engine)

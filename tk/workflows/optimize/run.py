@@ -27,7 +27,13 @@ from tk.models import ModelSpec
 from tk.models.checkpoint import require_checkpoint_fits
 from tk.spec import Dim, dim_flag, feeds_nbytes
 from tk.workflows.optimize.artifacts import CACHE, model_digest, refuse_foreign_out, write_group, write_winner
-from tk.workflows.optimize.candidates import Candidate, enumerate_candidates, int8_layers, nothing_to_try
+from tk.workflows.optimize.candidates import (
+    Candidate,
+    enumerate_candidates,
+    int8_layers,
+    nothing_to_try,
+    writer_of,
+)
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
@@ -167,12 +173,6 @@ def _export_options(
                          min_sqnr_db=accuracy.sqnr_floor_db, int8_gate=gate)  # fmt: skip
 
 
-# The int8 formats' order: the speed gate (optimize/gate.py) skips a search whose all-int8 model is slower
-# than what passed before it, so the format likeliest to win searches first. The aoti int8 package beat
-# onnxruntime's static QDQ graph on every CPU measured (AMX Xeon, AVX-512 and AVX2 EPYC), and OpenVINO's
-# int8 lost to both on the AVX2 EPYC (benchmarks/history.md); the gate still lets a later one search
-# whenever its all-int8 model is the faster.
-INT8_ORDER = ("aoti", "onnx", "openvino")
 REDUCED_FLOATS = ("bf16", "fp16")
 
 
@@ -180,15 +180,14 @@ def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dic
     """The candidates written by one export each: one precision and setting (one capture for its formats),
     but each int8 format alone: each quantizes with its own search, and a failing member of a shared
     group is retried one format at a time, which would run the others' searches again. Groups keep
-    ``tried``'s order but for the int8 formats, which go in ``INT8_ORDER``; with ``reduced_first`` the
+    ``tried``'s order but for the int8 formats, which go in their writers' ``int8_rank`` (the likeliest
+    winner first, so the speed gate can skip a later search that cannot beat it); with ``reduced_first`` the
     reduced float precisions (``REDUCED_FLOATS``) go before float32, whose groups the precision race may
     then skip (``tk.workflows.optimize.precision_race``; where int8 leads, ``int8_before_fp32`` moves the
     aoti int8 group before them too)."""
 
     def rank(candidate: Candidate) -> int:
-        if candidate.precision != "int8" or candidate.format not in INT8_ORDER:
-            return len(INT8_ORDER)
-        return INT8_ORDER.index(candidate.format)
+        return writer_of(candidate.format).int8_rank if candidate.precision == "int8" else 0
 
     groups: dict[Any, list[Candidate]] = {}
     precisions = list(dict.fromkeys(c.precision for c in tried))
@@ -201,14 +200,20 @@ def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dic
 
 
 def int8_before_fp32(groups: dict[Any, list[Candidate]]) -> dict[Any, list[Candidate]]:
-    """``groups`` with the aoti int8 group moved before the first float32 group (``PrecisionRace.int8_leads``)."""
+    """``groups`` with the first int8 group (the likeliest winner: ``export_groups`` puts int8 formats in their
+    writers' ``int8_rank``) moved before the first float32 group (``PrecisionRace.int8_leads``)."""
     order = list(groups.items())
-    aoti = next((i for i, (_, m) in enumerate(order) if m[0].precision == "int8" and m[0].format == "aoti"), None)
+    int8 = next((i for i, (_, m) in enumerate(order) if m[0].precision == "int8"), None)
     first_fp32 = next((i for i, (_, m) in enumerate(order) if m[0].precision == "fp32"), None)
-    if aoti is None or first_fp32 is None or aoti < first_fp32:
+    if int8 is None or first_fp32 is None or int8 < first_fp32:
         return groups
-    order.insert(first_fp32, order.pop(aoti))
+    order.insert(first_fp32, order.pop(int8))
     return dict(order)
+
+
+def compiled_probes(tried: list[Candidate]) -> list[str]:
+    """The int8 formats among ``tried`` whose all-int8 probe costs a compile (``Writer.int8_probe_compiles``)."""
+    return sorted({c.format for c in tried if c.precision == "int8" and writer_of(c.format).int8_probe_compiles})
 
 
 def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
@@ -355,8 +360,9 @@ class _Run:
         if race is self.race:
             return groups
         self.race = race
-        if self.gate is not None and race.int8_ahead() and "aoti" not in self.gate.no_probe:
-            self.gate.no_probe["aoti"] = int8_probe_reason(race)
+        if self.gate is not None and race.int8_ahead():
+            for fmt in compiled_probes([c for members in groups.values() for c in members]):  # still to write
+                self.gate.no_probe.setdefault(fmt, int8_probe_reason(race))
         return int8_before_fp32(groups) if self.race_skips and race.int8_leads() else groups
 
     def _run_race(self, tried: list[Candidate]) -> None:
@@ -364,7 +370,7 @@ class _Run:
         its skips apply, or where an aoti int8 candidate is to come (the gate's all-int8 probe)."""
         # a reduced float is skipped for float32's sake only where a float32 candidate runs (--precisions bf16 has none)
         self.fp32_tried = any(c.precision == "fp32" for c in tried)
-        int8 = self.gate is not None and any(c.precision == "int8" and c.format == "aoti" for c in tried)
+        int8 = self.gate is not None and bool(compiled_probes(tried))
         if self.options.device != "cpu" or not (self.race_skips or int8):
             return
         reduced = {c.precision for c in tried if c.precision in REDUCED_FLOATS}
@@ -378,7 +384,8 @@ class _Run:
             return
         self.race = race
         if int8 and self.gate is not None and race.int8_ahead():
-            self.gate.no_probe["aoti"] = int8_probe_reason(race)
+            for fmt in compiled_probes(tried):
+                self.gate.no_probe[fmt] = int8_probe_reason(race)
         if self.gate is not None and race.decides():
             self.gate.products_gap_ms = race.products_gap_ms()
         log.info("optimize race %s", race.to_json())
@@ -393,7 +400,7 @@ class _Run:
             reason = no_gain_reason(race, precision)
         elif precision == "fp32":
             faster = [c for c, _, _ in passed if c.precision in REDUCED_FLOATS and race.fp32_cannot_win(c.precision)]
-            int8 = [(share, c) for c, _, m in passed if (share := self._aoti_int8_share(c, m)) is not None]
+            int8 = [(share, c) for c, _, m in passed if (share := self._int8_share(c, m)) is not None]
             most_int8 = max(int8, key=lambda pair: pair[0], default=None)
             if faster:
                 best = max(faster, key=lambda c: race.rates[c.precision])
@@ -404,12 +411,12 @@ class _Run:
             self.race_skipped.append(precision)
         return reason
 
-    def _aoti_int8_share(self, candidate: Candidate, manifest: Manifest) -> float | None:
-        """The share of the model's linear multiply-adds a passed aoti int8 candidate kept in int8 (its
-        manifest names the modules it left out, by path); None for any other candidate."""
-        if candidate.precision != "int8" or candidate.format != "aoti":
+    def _int8_share(self, candidate: Candidate, manifest: Manifest) -> float | None:
+        """The share of the model's linear multiply-adds a passed int8 candidate kept in int8, where its
+        manifest names the modules it left out by path (``Writer.int8_excludes_modules``); else None."""
+        if candidate.precision != "int8" or not writer_of(candidate.format).int8_excludes_modules:
             return None
-        quant = manifest.formats.get("aoti", {}).get("quantization")
+        quant = manifest.formats.get(candidate.format, {}).get("quantization")
         if not isinstance(quant, dict):
             return None
         return linear_int8_share(self.spec.module, quant.get("excluded", []))
