@@ -108,7 +108,7 @@ def test_trt_dims_follow_the_engine_profile(exported):
     assert pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind) == "KIND_GPU"
     dynamic_seq = triton_config(_with_trt_profile(manifest, seq=(1, 16, 64)), "trt", name="t")
     assert [list(i.dims) for i in dynamic_seq.input] == [[-1], [-1]]
-    with pytest.raises(UsageError, match="batch min is 2"):
+    with pytest.raises(UsageError, match="batch min of 2"):
         triton_config(_with_trt_profile(manifest, batch=(2, 8, 32)), "trt", name="t")
 
 

@@ -35,7 +35,9 @@ def _abs(value: float, nonfinite: int) -> str:
 
 @debug_group.command("locate")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--engine", type=click.Choice(["torch", "aoti", "onnx"]), default="onnx", show_default=True)
+@click.option(
+    "--engine", default="onnx", show_default=True, help="The engine whose graph is read: torch, aoti or onnx."
+)  # checked by tk.workflows.debug.locate.READERS, which imports torch: not at the command line's import
 @path_option("--inputs", "inputs_path", help="Inputs file (.npz/.npy; .txt/.jsonl texts for hf:DIR).")
 @click.option("--samples", type=int, default=None, help="N random samples (default: one batch at the opt sizes).")
 @click.option("--seed", type=SEED, default=0, show_default=True)

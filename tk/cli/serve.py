@@ -178,9 +178,9 @@ def deploy_group() -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["onnx", "trt"]),
     default=None,
-    help="Which file Triton loads (default: trt if the artifact has a plan, else onnx).",
+    help="Which file Triton loads: a format a Triton backend serves (onnx, trt; default: the artifact's plan if "
+    "it has one, else its onnx file).",
 )
 @click.option(
     "--name",

@@ -80,6 +80,7 @@ class OnnxWriter(Writer):
     Options = OnnxOptions
     precisions = (*REDUCED, "int8")  # int8: onnxruntime's quantization of the graph
     provides = ("onnx-plain",)
+    device_free = True  # one file for any execution provider
     int8_rank = 1  # static QDQ lost to the aoti int8 package on every CPU measured (benchmarks/history.md)
 
     def variants(self, precision: str) -> list[OnnxOptions]:

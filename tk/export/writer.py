@@ -55,6 +55,7 @@ class Writer:
     # speed gate can skip a later search that cannot beat it), whether timing the all-int8 model costs a
     # compile (the gate skips that probe where the precision race already says int8 leads), and whether the
     # manifest's ``quantization.excluded`` lists module paths (then the share of linears kept int8 is known)
+    device_free: ClassVar[bool] = False  # its file runs on any device (ONNX): checked on the CPU where need be
     int8_rank: ClassVar[int] = 9
     int8_probe_compiles: ClassVar[bool] = False
     int8_excludes_modules: ClassVar[bool] = False

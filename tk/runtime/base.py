@@ -76,12 +76,34 @@ def torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@dataclass(frozen=True)
+class TritonBackend:
+    """How Triton Inference Server serves an engine's file (``tk deploy triton``, ``tk serve``'s config)."""
+
+    platform: str  # config.pbtxt's platform (onnxruntime_onnx, tensorrt_plan)
+    model_file: str  # the file name Triton's backend loads from the version directory
+    gpu: bool = False  # the backend runs on a GPU (instance_group KIND_GPU)
+    # the key of the manifest's format record holding an optimization profile that fixes the dims (a plan's)
+    profile_key: str | None = None
+    preference: int = 9  # deploy's default format: the artifact's one whose backend has the lowest
+
+
 class Engine(ABC):
     """One loaded artifact that runs feeds; use it as a context manager to release it."""
 
     name: ClassVar[str]
     native: ClassVar[str] = "torch"  # the kind of arrays ``_run`` takes and returns: torch or numpy
     Options: ClassVar[type[EngineOptions]] = EngineOptions
+    triton: ClassVar[TritonBackend | None] = None  # the Triton backend that serves this engine's file, if one does
+
+    @classmethod
+    def triton_files(cls, root: Path, manifest: Any) -> dict[str, bytes]:
+        """The files Triton's backend loads for this engine (``triton``), by name, from their verified bytes."""
+        from tk.manifest import read_verified
+        from tk.registries import ENGINE_FILE_ROLE
+
+        assert cls.triton is not None
+        return {cls.triton.model_file: read_verified(root, manifest.file(ENGINE_FILE_ROLE[cls.name]))}
 
     @classmethod
     def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:

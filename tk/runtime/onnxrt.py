@@ -25,7 +25,7 @@ import torch
 
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError, first_line, load_failure
 from tk.manifest import read_verified
-from tk.runtime.base import Engine, EngineOptions
+from tk.runtime.base import Engine, EngineOptions, TritonBackend
 from tk.runtime.dtypes import torch_dtype
 from tk.runtime.torch_engine import cuda_reason
 from tk.safefiles import private_copy
@@ -83,12 +83,22 @@ class OnnxRuntimeEngine(Engine):
     native = "numpy"
     Options = OnnxOptions
 
+    triton = TritonBackend("onnxruntime_onnx", "model.onnx", preference=1)
+
     @classmethod
+    def triton_files(cls, root: Path, manifest: Any) -> dict[str, bytes]:
+        """The graph as ``model.onnx`` and its external data under its own name: the graph may name no
+        external data beyond the artifact's own (``verified_onnx_files``)."""
+        model_file = manifest.file("onnx").path
+        files = verified_onnx_files(root, manifest)
+        return {"model.onnx" if n == model_file else Path(n).name: data for n, data in files.items()}
+
     @classmethod
     def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
         session = cpu_session(model, OnnxOptions(spinning=False))  # serialized ONNX bytes
         return lambda: session.run(None, feeds)
 
+    @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:
         reason = cuda_reason(device)
         if reason:

@@ -19,7 +19,7 @@ import torch
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.formats.tensorrt import trt_logger, unavailable_reason
 from tk.manifest import read_verified
-from tk.runtime.base import Engine, EngineOptions, rebuild_command
+from tk.runtime.base import Engine, EngineOptions, TritonBackend, rebuild_command
 from tk.signing import require_trusted_code
 
 log = logging.getLogger("tk.runtime")
@@ -57,6 +57,8 @@ class TensorRTEngine(Engine):
 
     name = "trt"
     Options = TensorRTOptions
+    # a plan's dims come from its optimization profile (manifest formats.trt.profile); preferred where present
+    triton = TritonBackend("tensorrt_plan", "model.plan", gpu=True, profile_key="profile", preference=0)
 
     @classmethod
     def unavailable_reason(cls, device: str = "cuda") -> str | None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from tk.errors import UntrustedArtifactError, UsageError, first_line
 from tk.fileio import atomic_write_bytes
-from tk.manifest import Manifest, read_verified, verify_artifact
+from tk.manifest import Manifest, verify_artifact
 from tk.outdir import refuse_inside, require_empty
 from tk.runtime.inputs import sample_dim
 from tk.serve.protocol import check_model_name, default_model_name
@@ -45,7 +45,26 @@ TRITON_TYPES: dict[str, str] = {
     "int32": "TYPE_INT32",
     "bool": "TYPE_BOOL",
 }
-PLATFORMS = {"onnx": ("onnxruntime_onnx", "model.onnx"), "trt": ("tensorrt_plan", "model.plan")}
+
+
+def backends() -> dict[str, Any]:
+    """Format -> the engine class whose Triton backend serves its file (``Engine.triton``), in the order of
+    the backends' preference (deploy's default is the first the artifact holds)."""
+    from tk.registries import ENGINE_FILE_ROLE, ENGINES
+    from tk.runtime import engine_class
+
+    found = {ENGINE_FILE_ROLE[name]: engine_class(name) for name in ENGINES}
+    served = {fmt: cls for fmt, cls in found.items() if cls.triton is not None}
+    return dict(sorted(served.items(), key=lambda item: item[1].triton.preference))
+
+
+def _backend(fmt: str) -> Any:
+    """The Triton backend of format ``fmt`` (``UsageError`` naming those Triton loads, for another)."""
+    served = backends()
+    if fmt not in served:
+        known = ", ".join(f"{f} ({cls.triton.platform})" for f, cls in served.items())
+        raise UsageError(f"--format {fmt}: Triton loads {known}")
+    return served[fmt].triton
 
 
 @dataclass
@@ -76,28 +95,29 @@ def triton_config(
     """The ``ModelConfig`` message for the artifact's ``fmt`` (onnx or trt) file (``require_file=False``:
     the same message for an artifact without that file, as ``tk serve`` describes another engine)."""
     pb = model_config_pb2()
-    if fmt not in PLATFORMS:
-        raise UsageError(f"--format {fmt}: Triton loads onnx (onnxruntime backend) or trt (TensorRT plan)")
+    backend = _backend(fmt)
     if require_file and fmt not in manifest.formats:
         raise UsageError(f"the artifact has no {fmt} file (it holds: {', '.join(manifest.formats) or 'none'})")
     sig = manifest.signature
     batch_name = sample_dim(sig.inputs)
     batch = sig.dims.get(batch_name)
-    profile = manifest.formats.get(fmt, {}).get("profile") if fmt == "trt" else None
-    if fmt == "trt":
+    profile = manifest.formats.get(fmt, {}).get(backend.profile_key) if backend.profile_key else None
+    if backend.profile_key:
         if not profile:
-            raise UsageError("the artifact's trt settings hold no optimization profile; re-export --format trt")
+            raise UsageError(
+                f"the artifact's {fmt} settings hold no optimization profile; re-export --format {fmt}"
+            )
         first = sig.inputs[0].name
         batch_min, batch_max = profile[first]["min"][0], profile[first]["max"][0]
     else:
         batch_min, batch_max = (batch.min, batch.max) if batch else (1, 1)
     batching = batch is not None and not batch.static
-    if batching and fmt == "trt" and batch_min > 1:
+    if batching and profile and batch_min > 1:
         raise UsageError(
-            f"the TensorRT profile's batch min is {batch_min}; Triton's batcher sends batches from 1: "
-            "re-export with a batch range starting at 1"
+            f"the {fmt} file's optimization profile has a batch min of {batch_min}; Triton's batcher sends batches "
+            "from 1: re-export with a batch range starting at 1"
         )
-    config = pb.ModelConfig(name=name, platform=PLATFORMS[fmt][0], default_model_filename=PLATFORMS[fmt][1])
+    config = pb.ModelConfig(name=name, platform=backend.platform, default_model_filename=backend.model_file)
     config.max_batch_size = batch_max if batching else 0
 
     def dims_of(spec: TensorSpec, io_profile: dict[str, list[int]] | None) -> list[int]:
@@ -130,7 +150,7 @@ def triton_config(
         assert batch is not None
         config.dynamic_batching.preferred_batch_size.append(min(batch.opt, batch_max))
         config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
-    group_kind = kind or ("KIND_GPU" if fmt == "trt" or manifest.device == "cuda" else "KIND_CPU")
+    group_kind = kind or ("KIND_GPU" if backend.gpu or manifest.device == "cuda" else "KIND_CPU")
     config.instance_group.add(count=instances, kind=pb.ModelInstanceGroup.Kind.Value(group_kind))
     warmup = config.model_warmup.add(name="tk_opt_sample", batch_size=1)
     for spec, entry in zip(sig.inputs, config.input, strict=True):
@@ -203,7 +223,7 @@ def deploy_triton(
     manifest = verify_artifact(root)
     root = Path(root)
     if fmt is None:
-        fmt = "trt" if "trt" in manifest.formats else "onnx"
+        fmt = default_format(manifest)
     name = check_model_name(name) if name is not None else default_model_name(manifest)
     refuse_inside(Path(out), root, f"--out {out}")
     refuse_inside(Path(out) / name, root, f"--out {out} --name {name}")
@@ -217,16 +237,7 @@ def deploy_triton(
     model_dir = Path(out) / name
     require_empty(Path(out), force)
     require_trusted_file(root, manifest, fmt, trust)
-    if fmt == "onnx":  # the graph may name no external data beyond the artifact's own (tk.runtime.onnxrt)
-        from tk.runtime.onnxrt import verified_onnx_files
-
-        model_file = manifest.file("onnx").path
-        files = {
-            PLATFORMS[fmt][1] if n == model_file else Path(n).name: data
-            for n, data in verified_onnx_files(root, manifest).items()
-        }
-    else:
-        files = {PLATFORMS[fmt][1]: read_verified(root, manifest.file("trt"))}  # the bytes that were hashed, read once
+    files = backends()[fmt].triton_files(root, manifest)  # the bytes that were hashed, read once
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -237,7 +248,8 @@ def deploy_triton(
     warmup_dir = model_dir / "warmup"
     warmup_dir.mkdir(exist_ok=True)
     sig = manifest.signature
-    profile = manifest.formats[fmt].get("profile") if fmt == "trt" else None
+    profile_key = _backend(fmt).profile_key
+    profile = manifest.formats[fmt].get(profile_key) if profile_key else None
     batch_name = sample_dim(sig.inputs)
     for spec in sig.inputs:
         sizes = _warmup_sizes(sig.dims, profile, spec, batch_name)
@@ -247,6 +259,22 @@ def deploy_triton(
     atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
     written.append(model_dir / "config.pbtxt")
     return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
+
+
+def default_format(manifest: Manifest, engine: str | None = None) -> str:
+    """The format Triton serves: ``engine``'s own where a backend serves it and the artifact holds it; with no
+    engine, the first backend (by preference) the artifact holds; else the first that needs no profile
+    (``tk serve`` describes an engine Triton has no backend for as that model's)."""
+    from tk.registries import ENGINE_FILE_ROLE
+
+    served = backends()
+    own = ENGINE_FILE_ROLE.get(engine or "")
+    if own in served and own in manifest.formats:
+        return own
+    held = [fmt for fmt in served if fmt in manifest.formats]
+    if engine is None and held:
+        return held[0]
+    return next((fmt for fmt, cls in served.items() if cls.triton.profile_key is None), next(iter(served)))
 
 
 def require_trusted_file(root: Path, manifest: Manifest, fmt: str, trust: TrustPolicy | None) -> None:
@@ -291,7 +319,7 @@ def served_config(
     """The ``ModelConfig`` that ``tk serve`` reports for what it serves: the one ``tk deploy triton``
     writes (the plan for the trt engine, else the ONNX model's), with the server's own batch
     limit, batch delay and replica count, and ``platform`` naming tk's engine when that is neither."""
-    fmt = "trt" if engine == "trt" and "trt" in manifest.formats else "onnx"
+    fmt = default_format(manifest, engine)
     config = triton_config(
         manifest,
         fmt,
@@ -300,7 +328,9 @@ def served_config(
         max_queue_delay_us=int(max_delay_ms * 1000),
         require_file=False,
     )
-    if engine not in ("onnx", "trt"):
+    from tk.runtime import engine_class
+
+    if engine_class(engine).triton is None:  # an engine Triton has no backend for: named as tk's
         config.platform = f"tk_{engine}"
         config.ClearField("default_model_filename")
     if config.max_batch_size > 0:

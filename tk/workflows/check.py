@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tk.errors import ParityError, UsageError
+from tk.export import writer
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import (
@@ -66,8 +67,8 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
         log_noise_floor(runs.floor)
         for fmt in formats:
             fmt_device = device
-            if fmt == "onnx" and device == "cuda" and unavailable_reason("onnx", "cuda"):
-                fmt_device = "cpu"  # the ONNX file is device-free; check it where onnxruntime runs
+            if device != "cpu" and writer(fmt).device_free and unavailable_reason(fmt, device):
+                fmt_device = "cpu"  # the file runs on any device (ONNX): check it where its engine runs
             # the native code was compiled by this process a moment ago; the artifact is signed after the check
             built_here = choice.replace(device=fmt_device, trust=TrustPolicy(trust_artifact_code=True, warn=False))
             with open_engine(root, built_here, fmt, manifest=manifest) as candidate:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +44,6 @@ from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
 from tk.workflows.user_inputs import read_user_inputs
 
-ENGINES = ("torch", "aoti", "onnx")
 GROWTH_FLOOR = 1e-7  # relative error treated as exact when computing growth (float32 rounding)
 REDUCED = ("fp16", "bf16")  # captured through tk's cast-policy wrapper, whose module paths start with "module."
 
@@ -315,14 +314,12 @@ def locate(
     Tolerances: the artifact's (as ``tk check``), or ``rtol``/``atol``. CPU only. ``trust``:
     whose signatures let the aoti package load (checked first, before any work).
     """
-    if engine not in ENGINES:
-        raise UsageError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine not in READERS:
+        raise UsageError(f"--engine: expected one of {', '.join(READERS)}, got {engine!r}")
     root = Path(root)
     manifest = verify_artifact(root)
-    if manifest.precision == "int8" and engine != "onnx":
-        raise UsageError("an int8 artifact holds only the onnx format: use --engine onnx")
+    manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error, naming what it holds, when the artifact lacks the format
     if loads_native_code(root, manifest, ENGINE_FILE_ROLE[engine]):
-        manifest.file(engine)
         require_trusted_code(root, manifest, trust, engine)
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
     feeds = choose_feeds(manifest, inputs=inputs, samples=samples, seed=seed)
@@ -351,14 +348,60 @@ def locate(
     if found.first is not None and found.engine_passed:
         notes.append(
             f"the {engine} engine's own outputs are within tolerance: the divergence above appears only in the "
-            "instrumented graph"
-            + (
-                " (its extra outputs keep float16 values onnxruntime otherwise computes in float32)"
-                if engine == "onnx"
-                else ""
-            )
+            f"instrumented graph{READERS[engine].divergence}"
         )
     return found
+
+
+@dataclass(frozen=True)
+class GraphReader:
+    """How one engine's graph gives up its intermediate values: ``read(root, manifest, model, args, feeds,
+    records, trust)`` -> values by module path; ``via`` says how; ``note`` goes under the table; ``divergence``
+    is added where only the instrumented graph diverges."""
+
+    read: Callable[..., dict[str, Any]]
+    via: str
+    note: str = ""
+    divergence: str = ""
+
+
+def _program_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
+                    records: dict[str, Any], trust: TrustPolicy | None) -> dict[str, Any]:  # fmt: skip
+    program = load_artifact_program(root, manifest, trust)
+    return _outputs_from_program(_program_values(program, args, manifest.precision in REDUCED), records)
+
+
+def _recapture_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
+                      records: dict[str, Any], trust: TrustPolicy | None) -> dict[str, Any]:  # fmt: skip
+    program = _recaptured_program(model, manifest)
+    return _outputs_from_program(_program_values(program, args, manifest.precision in REDUCED), records)
+
+
+def _onnx_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
+                 records: dict[str, Any], trust: TrustPolicy | None) -> dict[str, Any]:  # fmt: skip
+    try:
+        return _onnx_values(root, manifest, feeds, records)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"--engine onnx needs onnxruntime and onnx_ir: {exc}") from exc
+
+
+# engine -> how its graph is read; the engines tk debug locate takes (a registry: nothing else names them)
+READERS: dict[str, GraphReader] = {
+    "torch": GraphReader(_program_reader, "the saved torch.export program, node by node"),
+    "aoti": GraphReader(
+        _recapture_reader,
+        "the exported program captured again at the artifact's precision (aoti's compiled kernels keep no intermediates)",
+        "aoti: module errors come from the torch.export program at the artifact's precision, not from the compiled "
+        "package; the package's own outputs are compared below",
+    ),
+    "onnx": GraphReader(
+        _onnx_reader,
+        "a copy of the ONNX graph with module outputs added, on onnxruntime (CPU)",
+        "onnx: the module outputs were added as graph outputs of a copy; this can change which fusions onnxruntime "
+        "runs, so the engine's own outputs are compared below",
+        " (its extra outputs keep float16 values onnxruntime otherwise computes in float32)",
+    ),
+}
 
 
 def _graph_values(
@@ -373,31 +416,12 @@ def _graph_values(
     trust: TrustPolicy | None = None,
 ) -> tuple[dict[str, Any], str]:
     """The module outputs ``engine``'s graph computes (matched to ``records``), and how they were read; adds notes."""
-    wrapped = manifest.precision in REDUCED
-    if engine == "torch":
-        program = load_artifact_program(root, manifest, trust)
-        values = _outputs_from_program(_program_values(program, args, wrapped), records)
-        via = "the saved torch.export program, node by node"
-    elif engine == "aoti":
-        manifest.file("aoti")  # a clear error when the artifact lacks the format
-        program = _recaptured_program(model, manifest)
-        values = _outputs_from_program(_program_values(program, args, wrapped), records)
-        via = f"the exported program captured again at {manifest.precision} (aoti's compiled kernels keep no intermediates)"
-        notes.append(
-            "aoti: module errors come from the torch.export program at the artifact's precision, "
-            "not from the compiled package; the package's own outputs are compared below"
-        )
-    else:
-        try:
-            values = _onnx_values(root, manifest, feeds, records)
-        except ImportError as exc:
-            raise BackendUnavailableError(f"--engine onnx needs onnxruntime and onnx_ir: {exc}") from exc
-        via = "a copy of the ONNX graph with module outputs added, on onnxruntime (CPU)"
-        notes.append(
-            "onnx: the module outputs were added as graph outputs of a copy; this can change which "
-            "fusions onnxruntime runs, so the engine's own outputs are compared below"
-        )
-    return values, via
+    reader = READERS[engine]
+    manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error when the artifact lacks the format
+    values = reader.read(root, manifest, model, args, feeds, records, trust)
+    if reader.note:
+        notes.append(reader.note)
+    return values, reader.via
 
 
 def _module_rows(
