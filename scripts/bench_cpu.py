@@ -9,12 +9,12 @@ with eager fp32 on one batch of 8, then time all rows interleaved with ``tk.work
 Hand-built peers (a plain ``torch.compile`` with freezing, a plain onnxruntime session) give the
 "best hand-tuned peer" the goals compare with; tk's call overhead is measured at batch 1 against
 the same sessions called directly. The machine's fp32 and bf16 matmul rates at the model's own
-linear shapes are sampled between the rows' calls (``tk.workflows.roofline``), a load guard marks
+linear shapes are sampled between the rows' calls (``tk.measure.roofline``), a load guard marks
 rows timed on a busy machine (``--wait-quiet``), and ``tk.models.train.compare_training`` compares
 an eager and a compiled training loop. The scenario lives in ``benchmarks.cpu_table``.
 
 Prints the tables and writes ``<out>/<UTC stamp>-bench-cpu.json`` in the benchmarks' envelope
-(``tk.workflows.results``), plus one PNG per size.
+(``tk.measure.results``), plus one PNG per size.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from rich.console import Console
 from benchmarks.cpu_table.report import goals, goals_table, overhead_table, results_table, train_table
 from benchmarks.cpu_table.rows import BF16_ROWS, ROWS, ordered_rows
 from benchmarks.cpu_table.run import MODEL, PARITY_BATCH, TableSettings, bench_size, train_compare
+from tk.measure.hardware import cpu_precision_reason
+from tk.measure.load_guard import LoadGuard
+from tk.measure.results import BenchRun, add_run_arguments, settings_of
 from tk.models.transformer import SIZES
-from tk.workflows.hardware import cpu_precision_reason
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 
 RECOMPILE_LIMIT = 64  # dynamo's per-function cache: several compiled copies of one model share it
 TRAIN_SIZE = "small"

@@ -16,7 +16,7 @@ Hugging Face BERT exported by tk against Optimum's export of the same directory.
   the timed rounds.
 - bf16 (``--bf16-sizes``, default base): AOTInductor bf16 artifact timed at the same shape; its rate
   (FlopCounterMode's FLOPs / p50) as a share of the median bf16 rate at the model's own linear
-  shapes (``tk.workflows.roofline.ShapePeak``: fp32, bf16 where the CPU has it, int8 through
+  shapes (``tk.measure.roofline.ShapePeak``: fp32, bf16 where the CPU has it, int8 through
   oneDNN's quantized linear), sampled once per timed round between the model's calls, with its
   spread; the Inductor settings the package was compiled with (the manifest's) and its compile time.
   ``--profile-bf16`` compiles the same program a second time with ``cpp.enable_kernel_profile`` (so
@@ -59,8 +59,8 @@ from benchmarks.goals.pick import PickSettings, bench_pick
 from benchmarks.goals.report import render, render_pick
 from benchmarks.goals.transformer import GoalSettings, bench_transformer
 from tk.errors import TkError
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.results import BenchRun, add_run_arguments, settings_of
+from tk.measure.load_guard import LoadGuard
+from tk.measure.results import BenchRun, add_run_arguments, settings_of
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

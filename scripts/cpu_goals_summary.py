@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goals.transformer import BF16_PEAK_GOAL
+from tk.measure.hardware import machine_description
 from tk.tolerances import MIN_SQNR_DB
-from tk.workflows.hardware import machine_description
 from tk.workflows.optimize.table import TIE  # within it the more accurate candidate wins
 
 OPTIMIZE_SECONDS = 300.0

@@ -45,6 +45,9 @@ from rich.console import Console
 
 from tk.export import ExportOptions
 from tk.manifest import read_manifest
+from tk.measure.hardware import usable_cores
+from tk.measure.load_guard import LoadGuard
+from tk.measure.results import BenchRun, add_run_arguments, settings_of
 from tk.models import build_model
 from tk.runtime import load
 from tk.serve.config import read_settings
@@ -60,9 +63,6 @@ from tk.serve.load.scenarios import (
 )
 from tk.tolerances import artifact_tolerance
 from tk.workflows.export import export
-from tk.workflows.hardware import usable_cores
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.results import BenchRun, add_run_arguments, settings_of
 
 __all__ = ["main", "perf_analyzer_rows"]  # tests/serve/test_triton_http.py imports perf_analyzer_rows from here
 

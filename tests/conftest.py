@@ -78,9 +78,9 @@ def own_signing_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
 def quiet_machine() -> Iterator[None]:
     """Every load guard of the code under test reads a quiet machine (load 0, no other process on the
     CPU): no test's verdict may depend on what else runs beside the suite. A test of the busy path hands
-    its guard readers of its own, or replaces these (``tk.workflows.load_guard.system``). Session-wide,
+    its guard readers of its own, or replaces these (``tk.measure.load_guard.system``). Session-wide,
     so module fixtures that run tk optimize or tk bench see it too."""
-    from tk.workflows import load_guard
+    from tk.measure import load_guard
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(load_guard.system, "load", lambda: 0.0)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from rich.console import Console
 
+from tk.measure.hardware import machine_description
+from tk.measure.load_guard import OTHERS_ALONE_BUSY_CORES, OTHERS_BUSY_CORES, LoadGuard
 from tk.runtime import load
 from tk.workflows.bench import BenchReport, measure, render_table, save_json, save_plot
-from tk.workflows.hardware import machine_description
-from tk.workflows.load_guard import OTHERS_ALONE_BUSY_CORES, OTHERS_BUSY_CORES, LoadGuard
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

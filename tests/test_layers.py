@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("formats", ("tk.formats",)),
     ("export", ("tk.export",)),
     ("runtime", ("tk.runtime",)),
+    ("measure", ("tk.measure",)),
     ("workflows", ("tk.workflows",)),
     ("serve", ("tk.serve",)),
     ("cli", ("tk.cli", "tk.__main__")),

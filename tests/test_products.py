@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tk.formats import products
 from tk.formats.products import PRECISION_DTYPES, packed_linear, product_ratio
-from tk.workflows.hardware import cpu_precision_reason
+from tk.measure.hardware import cpu_precision_reason
 
 # float16 on a CPU without AVX512-FP16 is emulated but still computed; bf16 likewise where oneDNN lacks it
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.1, "fp16": 0.02}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tk.workflows.results import BenchRun, jsonable
+from tk.measure.results import BenchRun, jsonable
 
 
 def test_file_names_carry_the_utc_start_and_the_command(tmp_path):

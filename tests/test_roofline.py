@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from torch import nn
 
 from tk.cli import cli
-from tk.workflows.hardware import cpu_precision_reason
-from tk.workflows.roofline import (
+from tk.measure.hardware import cpu_precision_reason
+from tk.measure.roofline import (
     LinearShape,
     Roofline,
     ShapePeak,
@@ -22,7 +22,7 @@ from tk.workflows.roofline import (
     model_flops,
     peak_unavailable_reason,
 )
-from tk.workflows.timing import Spread, interleave, timed
+from tk.measure.timing import Spread, interleave, timed
 
 
 class Tiny(nn.Module):
@@ -91,7 +91,7 @@ def test_bf16_peak_needs_its_cpu_flags():
 
 
 def test_peaks_sampled_between_the_timed_calls_fill_the_shares(monkeypatch):
-    monkeypatch.setattr("tk.workflows.roofline.MIN_PEAK_GFLOP", 0.0)  # Tiny's products are too small to have a rate
+    monkeypatch.setattr("tk.measure.roofline.MIN_PEAK_GFLOP", 0.0)  # Tiny's products are too small to have a rate
     model = Tiny()
     roofline = Roofline(model, (torch.randn(1, 8, 16),), ["fp32", "nope", "fp32"])
     assert roofline.skipped == {"nope": "no matrix-product peak for precision 'nope'"}
@@ -148,7 +148,7 @@ def test_products_too_small_to_have_a_rate_give_no_share():
 
 
 def test_bench_roofline_reports_each_engines_share_of_the_measured_peak(exported, tmp_path, monkeypatch):
-    monkeypatch.setattr("tk.workflows.roofline.MIN_PEAK_GFLOP", 0.0)  # the tiny model's products: no rate, no share
+    monkeypatch.setattr("tk.measure.roofline.MIN_PEAK_GFLOP", 0.0)  # the tiny model's products: no rate, no share
     root = exported("transformer", ("onnx",)).root
     out = tmp_path / "bench.json"
     args = ["bench", str(root), "--engine", "onnx", "--batch-sizes", "2", "--iters", "3", "--roofline"]

@@ -6,8 +6,8 @@ import gc
 
 import pytest
 
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.timing import CallTime, interleave, interleave_calls, ms, timed
+from tk.measure.load_guard import LoadGuard
+from tk.measure.timing import CallTime, interleave, interleave_calls, ms, timed
 
 
 def fake(label: str, seconds: float, log: list[str]):

@@ -1,6 +1,6 @@
 """One model size of the CPU table: export, open and check every row, then time them all
 interleaved (``tk.workflows.bench.measure``) with the matrix-product rates at the model's own
-linear shapes sampled between their calls (``tk.workflows.roofline``); tk's call overhead against
+linear shapes sampled between their calls (``tk.measure.roofline``); tk's call overhead against
 the same backends called directly; eager against compiled training."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from benchmarks.cpu_table.exports import export_artifacts, one_line
 from benchmarks.cpu_table.parity import open_and_check
 from benchmarks.cpu_table.rows import OVERHEAD_ROWS, ROWS
 from tk.errors import TkError
+from tk.measure.load_guard import LoadGuard
+from tk.measure.roofline import Roofline
 from tk.models import build_model
 from tk.models.train import CompileOptions, compare_training
 from tk.models.transformer import SIZES
@@ -27,8 +29,6 @@ from tk.runtime import load
 from tk.runtime.base import Engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.bench import BenchReport, measure, save_plot
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.roofline import Roofline
 
 MODEL = "transformer"
 PARITY_BATCH = 8  # parity is measured on one batch of this size at the benchmark's sequence length

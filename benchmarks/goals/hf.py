@@ -24,13 +24,13 @@ import torch
 
 from tk.errors import UsageError
 from tk.export import ExportOptions
+from tk.measure.load_guard import LoadGuard
+from tk.measure.roofline import Roofline
+from tk.measure.timing import CallTime, interleave_calls, ms
 from tk.models import build_model
 from tk.spec import random_feeds
 from tk.workflows.export import export
-from tk.workflows.load_guard import LoadGuard
 from tk.workflows.ort_session import plain_session
-from tk.workflows.roofline import Roofline
-from tk.workflows.timing import CallTime, interleave_calls, ms
 
 HF_SPEEDUP_GOAL = 1.1
 HF_ABS_GOAL = 1e-4

@@ -27,13 +27,13 @@ from tk.accuracy import measure_outputs
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.export.onnx import OnnxOptions
+from tk.measure.load_guard import LoadGuard
+from tk.measure.timing import interleave_calls, ms
 from tk.models import build_model
 from tk.signing import TrustPolicy
 from tk.spec import random_feeds
 from tk.workflows.export import export
-from tk.workflows.load_guard import LoadGuard
 from tk.workflows.ort_session import plain_session
-from tk.workflows.timing import interleave_calls, ms
 
 PICK_SPEEDUP_GOAL = 1.3  # x the faster rival
 PICK_COSINE_GOAL = 0.9999

@@ -18,6 +18,9 @@ from benchmarks.goals.profiles import profile_aoti_artifact, profile_aoti_export
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.manifest import Manifest, verify_artifact
+from tk.measure.load_guard import LoadGuard
+from tk.measure.roofline import Roofline
+from tk.measure.timing import interleave_calls, ms
 from tk.models import ModelSpec, build_model
 from tk.parity import compare_output
 from tk.runtime import load
@@ -25,9 +28,6 @@ from tk.runtime.base import Engine
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.roofline import Roofline
-from tk.workflows.timing import interleave_calls, ms
 
 INT8_SPEEDUP_GOAL = 3.0
 BF16_PEAK_GOAL = 0.70  # issue 22: the whole call at >= 70% of the bf16 rate at its own shapes (issue 13 asked 80%)

@@ -14,7 +14,7 @@ from benchmarks.goals.hf import OPTIMUM, TK, KeywordCall, versus_optimum
 from benchmarks.goals.profiles import op_type_shares
 from benchmarks.goals.report import render
 from benchmarks.goals.transformer import EAGER, GoalSettings, bf16_row, int8_row, shares
-from tk.workflows.timing import CallTime
+from tk.measure.timing import CallTime
 
 
 def test_shares_are_the_calls_rate_over_the_median_rates():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from tk.measure.load_guard import LoadGuard
 from tk.runtime import load
 from tk.serve.load.clients import LoadResult
 from tk.serve.load.report import goals_line, render, serving_goals
@@ -21,7 +22,6 @@ from tk.serve.load.scenarios import (
     mismatches,
     scenario_row,
 )
-from tk.workflows.load_guard import LoadGuard
 
 MODEL = "transformer"
 

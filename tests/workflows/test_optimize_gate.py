@@ -18,7 +18,7 @@ from tk.export import ExportOptions, write_artifact
 from tk.export.context import Int8Share
 from tk.manifest import verify_artifact
 from tk.models import build_model
-from tk.workflows import load_guard
+from tk.measure import load_guard
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize import OptimizeOptions, gate, optimize
 from tk.workflows.optimize.candidates import Candidate

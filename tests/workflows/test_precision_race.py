@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tk.export.onnx import OnnxOptions
+from tk.measure.roofline import Roofline
 from tk.models import build_model
 from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
@@ -21,7 +22,6 @@ from tk.workflows.optimize.precision_race import (
     skip_reason,
 )
 from tk.workflows.optimize.run import export_groups, int8_before_fp32, linear_int8_share
-from tk.workflows.roofline import Roofline
 
 
 def _race(

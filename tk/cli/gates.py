@@ -267,8 +267,8 @@ def _speed_baseline_for(path: Path, max_slowdown: float | None, any_cpu: bool, k
     """The speed baseline at ``path``, refused (one line) where the run could not be compared with it; its
     batch sizes, ``--seq`` and ``--io`` put in ``kwargs`` where the user left them out."""
     from tk.errors import UsageError
+    from tk.measure.hardware import machine_description
     from tk.workflows.baseline import check_max_slowdown, load_speed_baseline, refuse_other_cpu
-    from tk.workflows.hardware import machine_description
 
     if max_slowdown is not None:
         check_max_slowdown(max_slowdown)

@@ -3,7 +3,7 @@
 ``packed_linear`` builds one linear the way a frozen AOTInductor package calls it: oneDNN's packed
 linear (``mkldnn._linear_pointwise`` on a ``_reorder_linear_weight``) for float32, bfloat16 and
 float16, oneDNN's quantized linear (``onednn.qlinear_pointwise`` on a ``qlinear_prepack``-ed weight,
-float32 out) for int8. The roofline (``tk.workflows.roofline``) times it at a model's own shapes.
+float32 out) for int8. The roofline (``tk.measure.roofline``) times it at a model's own shapes.
 
 ``bf16_outruns_fp32`` answers the question a flag cannot: an AVX512-BF16 flag says that bfloat16 dot
 products exist, not that they are faster. On an Intel Xeon (model 207) with AVX512-BF16 and no AMX,

@@ -10,12 +10,12 @@ from typing import Any
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
+from tk.measure.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
+from tk.measure.roofline import Roofline, engine_precision
 from tk.runtime import EngineChoice, open_engines
 from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
-from tk.workflows.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
-from tk.workflows.roofline import Roofline, engine_precision
 
 BASELINES = ("eager", "compile")  # always timed beside the engines asked for
 
@@ -54,8 +54,8 @@ def bench_artifact(
     declares; the onnxruntime threads' spinning is turned off when several engines are
     interleaved (spinning threads keep the cores from the engine timed next). ``roofline`` measures this machine's
     matrix-product rate at the model's linear shapes, between the engines' calls, and each
-    engine's share of it (``tk.workflows.roofline``). Each batch size's rounds wait up to
-    ``wait_quiet`` seconds for a quiet machine and are marked busy otherwise (``tk.workflows.load_guard``).
+    engine's share of it (``tk.measure.roofline``). Each batch size's rounds wait up to
+    ``wait_quiet`` seconds for a quiet machine and are marked busy otherwise (``tk.measure.load_guard``).
     With ``all`` or ``auto``, engines running native code that ``choice.trust`` does not allow are left out with a note.
     """
     if seconds is not None and iters is not None:

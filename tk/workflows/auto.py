@@ -63,7 +63,7 @@ def check_candidates(
     reference: Any, engines: dict[str, Any], manifest: Manifest, shape: dict[str, int]
 ) -> list[Candidate]:
     """Each engine's parity against ``reference`` at ``shape``, under the artifact's precision tolerances."""
-    from tk.workflows.hardware import cpu_precision_reason
+    from tk.measure.hardware import cpu_precision_reason
 
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model)
     candidates = []

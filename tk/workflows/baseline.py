@@ -653,7 +653,7 @@ def refuse_other_cpu(
 
 
 def busy_reason(report: BenchReport) -> dict[int, str]:
-    """Batch sizes whose rows the load guard marked busy (``tk.workflows.load_guard``), with the readings."""
+    """Batch sizes whose rows the load guard marked busy (``tk.measure.load_guard``), with the readings."""
     reasons: dict[int, str] = {}
     cores = report.machine.get("cores")
     for row in report.rows:

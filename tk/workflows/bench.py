@@ -2,7 +2,7 @@
 
 ``measure`` gives every engine the same valid random NumPy feeds at each batch size, warms each
 one up, then times them interleaved (one call of each engine in turn, in a new seeded random
-order each round, ``tk.workflows.timing.interleave``), so machine noise hits all of them alike,
+order each round, ``tk.measure.timing.interleave``), so machine noise hits all of them alike,
 with the load guard around each batch size's rounds. It reports percentiles of the per-call
 latency, never the mean alone. ``render_table``, ``save_json`` and ``save_plot`` show
 the same numbers to people and to machines.
@@ -22,12 +22,10 @@ import numpy as np
 
 from tk.errors import BackendUnavailableError, InputError, UsageError
 from tk.fileio import atomic_write_bytes, atomic_write_json
-from tk.runtime.base import Engine
-from tk.runtime.inputs import random_inputs, sample_dim
-from tk.workflows.hardware import machine_description
-from tk.workflows.load_guard import LoadGuard
-from tk.workflows.results import BenchRun, utc_now
-from tk.workflows.timing import (
+from tk.measure.hardware import machine_description
+from tk.measure.load_guard import LoadGuard
+from tk.measure.results import BenchRun, utc_now
+from tk.measure.timing import (
     IO_MODES,
     CallTime,
     CallTimer,
@@ -35,6 +33,8 @@ from tk.workflows.timing import (
     peak_gpu_memory_mb,
     peak_gpu_memory_reset,
 )
+from tk.runtime.base import Engine
+from tk.runtime.inputs import random_inputs, sample_dim
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -65,7 +65,7 @@ class BenchRow:
     peak_share: float | None = None  # gflops / the median matrix-product rate of its precision (--roofline)
     load_before: float | None = None  # 1-minute load average when this batch size's rounds began
     load_after: float | None = None  # and when they ended
-    busy: bool = False  # other work competed for the cores (tk.workflows.load_guard.LoadMark.busy)
+    busy: bool = False  # other work competed for the cores (tk.measure.load_guard.LoadMark.busy)
     others_cores: float | None = None  # cores other processes kept busy during the rounds (None: unmeasured)
 
 
@@ -81,7 +81,7 @@ class BenchReport:
         return {"rows": [asdict(r) for r in self.rows], "skipped": self.skipped}
 
     def to_json(self, command: str = "tk bench") -> dict[str, Any]:
-        """The report in the benchmarks' one envelope (``tk.workflows.results``)."""
+        """The report in the benchmarks' one envelope (``tk.measure.results``)."""
         run = BenchRun(command, self.settings, started=self.started, machine=self.machine)
         return run.envelope(self.results())
 
@@ -106,7 +106,7 @@ def measure(
     per batch size) is spent, whichever comes first. An engine that does not accept a batch size
     (outside its range) is skipped there, with the reason in ``report.skipped``. Defaults: a
     2.0 s budget, 3 warm-up calls, other dimensions at ``sizes`` or their opt size, seed 0, ``io``
-    host (see ``tk.workflows.timing``). Each engine's first call at each batch size is timed apart
+    host (see ``tk.measure.timing``). Each engine's first call at each batch size is timed apart
     (``cold_ms``); on CUDA each row also has its copy and compute times and peak GPU memory.
     ``guard`` (default: one that marks but does not wait) reads the load around each batch size's
     rounds and marks its rows busy; ``between(batch_size)`` gives untimed calls run in every round

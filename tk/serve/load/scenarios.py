@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from tk.measure.load_guard import LoadGuard, quiet_or_marked
+from tk.measure.timing import interleave_calls
 from tk.runtime import EngineChoice, load
 from tk.serve.config import ServeConfig, apply_settings, resolve
 from tk.serve.ingress import free_ports
@@ -34,8 +36,6 @@ from tk.serve.lifecycle import redeploy, start, stop
 from tk.serve.load.clients import LoadResult, client, health_latency_ms, infer_inputs, send_requests
 from tk.serve.load.perf_analyzer import find_perf_analyzer, run_perf_analyzer
 from tk.spec import TensorSpec, random_feeds
-from tk.workflows.load_guard import LoadGuard, quiet_or_marked
-from tk.workflows.timing import interleave_calls
 
 Feeds = dict[str, np.ndarray]
 OUTPUT = "logits"

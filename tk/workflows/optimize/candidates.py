@@ -186,7 +186,7 @@ def hardware_reason(precision: str, device: str, flags: frozenset[str] | None = 
     if device != "cpu":
         return None
     from tk.formats.aoti import cpu_flags
-    from tk.workflows.hardware import cpu_precision_reason
+    from tk.measure.hardware import cpu_precision_reason
 
     flags = cpu_flags() if flags is None else flags
     if precision == "bf16":

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tk.errors import UsageError
-from tk.export.calibration import require_finite
+from tk.export.int8.calibration import require_finite
 from tk.models import ModelSpec
 from tk.runtime.inputs import random_inputs
 from tk.spec import Dim

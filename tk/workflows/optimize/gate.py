@@ -51,12 +51,12 @@ import numpy as np
 
 from tk.export.context import Int8Share
 from tk.manifest import Manifest
+from tk.measure.load_guard import LoadGuard
+from tk.measure.timing import interleave_calls, ms
 from tk.runtime import EngineChoice, engine_class, open_engine
 from tk.runtime.inputs import random_inputs
-from tk.workflows.load_guard import LoadGuard
 from tk.workflows.optimize.candidates import Candidate, engine_for, writer_of
 from tk.workflows.optimize.table import TIE
-from tk.workflows.timing import interleave_calls, ms
 
 log = logging.getLogger("tk.optimize")
 

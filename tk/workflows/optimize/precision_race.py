@@ -2,7 +2,7 @@
 
 Before the first candidate group is written, the rates of float32, each reduced float precision among
 the candidates and int8 are measured at the model's own linear shapes at the timing size
-(``tk.workflows.roofline``'s ``ShapePeak``: oneDNN-packed, as the packages run them), interleaved, about
+(``tk.measure.roofline``'s ``ShapePeak``: oneDNN-packed, as the packages run them), interleaved, about
 3 s for the small Transformer at 32 x 128. Three rules read them, each only where the products carry
 most of the model's FLOPs and a call is large enough for a rate to mean something:
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from tk.formats.products import OUTRUNS_BY
 
 if TYPE_CHECKING:
-    from tk.workflows.roofline import Roofline
+    from tk.measure.roofline import Roofline
 
 FASTER_BY = 1.5  # a rate over another's that decides a skip
 LINEAR_SHARE = 0.8  # of the model's FLOPs in its nn.Linear products

@@ -422,7 +422,7 @@ class _Run:
         return linear_int8_share(self.spec.module, quant.get("excluded", []))
 
     def _race(self, precisions: set[str]) -> PrecisionRace | None:
-        from tk.workflows.roofline import Roofline
+        from tk.measure.roofline import Roofline
 
         # counted at batch 1 on the user's own model (as the reference is), scaled to the timing batch
         example = self.spec.example_inputs({**self.sizes, "batch": 1})

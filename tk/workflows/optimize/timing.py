@@ -1,7 +1,7 @@
 """Timing the candidates that kept the accuracy: interleaved in one process, beside eager float32,
 at the user's batch and sequence (``tk.workflows.bench.measure``), under the load guard (rows timed
 on a busy machine are marked), and each one's share of its precision's matrix-product rate at the
-model's own linear shapes, sampled between the calls (``tk.workflows.roofline``)."""
+model's own linear shapes, sampled between the calls (``tk.measure.roofline``)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from tk.manifest import Manifest
+from tk.measure.load_guard import LoadGuard
+from tk.measure.roofline import Roofline
 from tk.runtime import EngineChoice, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.bench import measure
-from tk.workflows.load_guard import LoadGuard
 from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.judge import BuiltModel
-from tk.workflows.roofline import Roofline
 
 EAGER = "eager"
 

@@ -7,9 +7,9 @@ Every benchmark (``tk bench --json``, ``scripts/bench_cpu.py``, ``bench_goals.py
      "machine": {...}, "versions": {...}, "load_average": {"before": [...], "after": [...]},
      "settings": {...}, "results": {...}}
 
-``machine`` is ``tk.workflows.hardware.machine_description()`` taken when the run starts (its
+``machine`` is ``tk.measure.hardware.machine_description()`` taken when the run starts (its
 ``versions`` are lifted to the top level); the load averages are read at the start and at the end
-of the run (each timed row also carries its own, see ``tk.workflows.load_guard``).
+of the run (each timed row also carries its own, see ``tk.measure.load_guard``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tk.fileio import atomic_write_json
-from tk.workflows.hardware import load_average, machine_description
+from tk.measure.hardware import load_average, machine_description
 
 STAMP = "%Y%m%dT%H%M%SZ"  # sorts by time; Z: UTC whatever the machine's zone
 DEFAULT_OUT = "benchmarks/results"

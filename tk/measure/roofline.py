@@ -13,7 +13,7 @@ share of "peak" meaningless. Here:
   for fp32, bf16 and fp16, and for int8 oneDNN's quantized linear, fp32 out, what PT2E/x86 int8
   packages run; not ``torch._int_mm``). One call gives one rate sample: the shapes' FLOPs
   (each weighted by how often the model calls it) over their time;
-- the samples are taken between the model's calls (``tk.workflows.timing.interleave``'s
+- the samples are taken between the model's calls (``tk.measure.timing.interleave``'s
   ``between``), and the rate an artifact is judged against is their median (with quartiles and
   range beside it).
 
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from tk.formats.products import PRECISION_DTYPES, packed_linear
-from tk.workflows.hardware import cpu_precision_reason
-from tk.workflows.timing import Spread
+from tk.measure.hardware import cpu_precision_reason
+from tk.measure.timing import Spread
 
 # Below this many FLOPs a call, a product's time is its call overhead, not a rate: the tiny Transformer's
 # linears (32 wide) "ran" at 0-52 GFLOP/s and its packages at 44x that "peak"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tk.workflows.load_guard import LoadGuard, LoadMark, quiet_or_marked
+from tk.measure.load_guard import LoadGuard, LoadMark, quiet_or_marked
 
 IO_MODES = ("host", "device")
 
