@@ -227,29 +227,7 @@ def parse_infer_request(
 
     ``max_samples`` bounds the samples of one request (the server's max batch).
     """
-    lowered = {k.lower(): v for k, v in headers.items()}
-    header_length = lowered.get(HEADER_LENGTH)
-    if header_length is not None:
-        try:
-            json_length = int(header_length)
-        except ValueError:
-            raise InputError(
-                f"header Inference-Header-Content-Length: expected an integer, got {header_length!r}"
-            ) from None
-        if not 0 < json_length <= len(body):
-            raise InputError(
-                f"header Inference-Header-Content-Length is {json_length}, expected 1 to the body's {len(body)} bytes"
-            )
-    else:
-        json_length = len(body)
-    try:
-        request = json.loads(body[:json_length])
-    except RecursionError:
-        raise InputError("malformed JSON in the request body: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers past Python's digit limit
-        raise InputError(f"malformed JSON in the request body: {first_line(exc)}") from None
-    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
-        raise InputError('request: expected a JSON object with an "inputs" list')
+    request, json_length = _request_json(body, headers)
     binary = memoryview(body)[json_length:]
     by_name = {s.name: s for s in specs}
     feeds: dict[str, np.ndarray] = {}
@@ -281,6 +259,34 @@ def parse_infer_request(
     )
 
 
+def _request_json(body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], int]:
+    """The request's JSON object and its length at the start of ``body`` (binary tensor data follows it)."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    header_length = lowered.get(HEADER_LENGTH)
+    if header_length is not None:
+        try:
+            json_length = int(header_length)
+        except ValueError:
+            raise InputError(
+                f"header Inference-Header-Content-Length: expected an integer, got {header_length!r}"
+            ) from None
+        if not 0 < json_length <= len(body):
+            raise InputError(
+                f"header Inference-Header-Content-Length is {json_length}, expected 1 to the body's {len(body)} bytes"
+            )
+    else:
+        json_length = len(body)
+    try:
+        request = json.loads(body[:json_length])
+    except RecursionError:
+        raise InputError("malformed JSON in the request body: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, integers past Python's digit limit
+        raise InputError(f"malformed JSON in the request body: {first_line(exc)}") from None
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+        raise InputError('request: expected a JSON object with an "inputs" list')
+    return request, json_length
+
+
 def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: int) -> tuple[np.ndarray, int]:
     """One input's array from its JSON entry (``data``) or the binary section; the new offset."""
     prefix = f"input {spec.name!r}"
@@ -295,24 +301,36 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
             f'{prefix}: expected rank {len(spec.shape)} (a "shape" of {len(spec.shape)} sizes), got {len(shape)}'
         )
     dtype = numpy_dtype(spec.dtype)
-    count = math.prod(shape)
     parameters = item.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
-        if not isinstance(size, int) or size != count * dtype.itemsize:
-            raise InputError(
-                f"{prefix}: binary_data_size is {_short(size)}, expected {count * dtype.itemsize} bytes for shape {shape} "
-                f"of {expected}"
-            )
-        if offset + size > len(binary):
-            raise InputError(f"{prefix}: expected {size} bytes of binary data, the body holds {len(binary) - offset}")
-        array = np.frombuffer(binary[offset : offset + size], dtype=dtype).reshape(shape).copy()
-        _require_finite(array, prefix, expected)
-        return array, offset + size
+        return _binary_tensor(binary[offset:], size, prefix, expected, dtype, shape), offset + size
     if "data" not in item:
         raise InputError(f'{prefix}: expected "data" or parameters.binary_data_size')
+    return _json_tensor(item["data"], prefix, expected, dtype, shape), offset
+
+
+def _binary_tensor(
+    binary: memoryview, size: Any, prefix: str, expected: str, dtype: np.dtype, shape: list[int]
+) -> np.ndarray:
+    """An input's array from the first ``size`` bytes of ``binary`` (what is left of the binary section)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not isinstance(size, int) or size != nbytes:
+        raise InputError(
+            f"{prefix}: binary_data_size is {_short(size)}, expected {nbytes} bytes for shape {shape} of {expected}"
+        )
+    if size > len(binary):
+        raise InputError(f"{prefix}: expected {size} bytes of binary data, the body holds {len(binary)}")
+    array = np.frombuffer(binary[:size], dtype=dtype).reshape(shape).copy()
+    _require_finite(array, prefix, expected)
+    return array
+
+
+def _json_tensor(data: Any, prefix: str, expected: str, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    """An input's array from its JSON ``data``, checked against its datatype's kind and range."""
+    count = math.prod(shape)
     try:
-        raw = np.asarray(item["data"])
+        raw = np.asarray(data)
     except ValueError as exc:
         raise InputError(f'{prefix}: "data" is not a regular array ({exc})') from None
     kinds = {"INT64": "iu", "INT32": "iu", "BOOL": "b"}.get(expected, "iuf")
@@ -346,7 +364,7 @@ def _tensor(item: dict[str, Any], spec: TensorSpec, binary: memoryview, offset: 
         finite = np.isfinite(_as_float(array)).reshape(-1)
         if not finite.all():  # finite before the cast: 1e39 for FP32, 1e5 for FP16
             raise InputError(f"{prefix}: value {raw.reshape(-1)[~finite][0]} is outside the range of {expected}")
-    return array, offset
+    return array
 
 
 def _as_float(array: np.ndarray) -> np.ndarray:
