@@ -13,7 +13,7 @@ from tk.errors import UsageError
 from tk.registries import ENGINES
 from tk.runtime import EngineChoice, engine_class, load, open_engine
 from tk.runtime.eager import CompileOptions
-from tk.runtime.onnxrt import OnnxOptions
+from tk.runtime.onnxrt import OnnxSessionOptions
 from tk.spec import random_feeds
 
 ONNX = ("onnx",)
@@ -91,20 +91,20 @@ def test_open_engine_refuses_before_loading_and_opens_with_the_declared_options(
     with pytest.raises(UsageError, match=r"^--mode applies to the compile engine, not onnx$"):
         open_engine(e.root, EngineChoice("onnx", options={"mode": "max-autotune"}))
     engine = open_engine(e.root, EngineChoice("onnx", options={"threads": 1, "provider": "cpu"}))
-    assert engine.options == OnnxOptions(threads=1, provider="cpu")
+    assert engine.options == OnnxSessionOptions(threads=1, provider="cpu")
     with pytest.raises(UsageError, match=r"engine 'onnx': unknown option\(s\) optimisation"):
         open_engine(e.root, EngineChoice("onnx", options={"optimisation": "basic"}))  # no engine declares it
 
 
 def test_options_arrive_typed_and_settings_report_them(exported):
     e = exported("linear", ONNX)
-    with load(e.root, "onnx", options=OnnxOptions(threads=1, optimization="basic")) as engine:
-        assert engine.options == OnnxOptions(threads=1, optimization="basic")
+    with load(e.root, "onnx", options=OnnxSessionOptions(threads=1, optimization="basic")) as engine:
+        assert engine.options == OnnxSessionOptions(threads=1, optimization="basic")
         settings = engine.settings()
         assert settings["threads"] == 1 and settings["intra_op_threads"] == 1
         assert settings["optimization"] == "basic" and settings["graph_optimization_level"] == "ORT_ENABLE_BASIC"
-    with pytest.raises(UsageError, match="expected CompileOptions, got OnnxOptions"):
-        load(e.root, "compile", options=OnnxOptions())
+    with pytest.raises(UsageError, match="expected CompileOptions, got OnnxSessionOptions"):
+        load(e.root, "compile", options=OnnxSessionOptions())
     assert CompileOptions().freezing and CompileOptions().dynamic
 
 

@@ -1,6 +1,6 @@
 """The ``onnx`` engine: onnxruntime on the artifact's ONNX file.
 
-Options (``OnnxOptions``): ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name;
+Options (``OnnxSessionOptions``): ``provider`` (cpu, cuda, tensorrt, or an onnxruntime provider name;
 default: the best one installed for the device), ``threads`` (intra-op threads; default: every
 core this process may use), ``optimization`` (all, extended, basic or disable; default all),
 ``spinning`` (whether idle worker threads spin for the next run: lower latency, but they keep the
@@ -63,7 +63,7 @@ def usable_cores() -> int:
 
 
 @dataclass(frozen=True)
-class OnnxOptions(EngineOptions):
+class OnnxSessionOptions(EngineOptions):
     provider: str | None = None  # cpu, cuda, tensorrt or a provider name; default: the best for the device
     optimization: str = "all"  # graph optimization level: all, extended, basic, disable
     spinning: bool = True  # idle intra-op threads spin (onnxruntime's default); off when interleaving engines
@@ -81,7 +81,7 @@ class OnnxOptions(EngineOptions):
 class OnnxRuntimeEngine(Engine):
     name = "onnx"
     native = "numpy"
-    Options = OnnxOptions
+    Options = OnnxSessionOptions
 
     triton = TritonBackend("onnxruntime_onnx", "model.onnx", preference=1)
 
@@ -95,7 +95,7 @@ class OnnxRuntimeEngine(Engine):
 
     @classmethod
     def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
-        session = cpu_session(model, OnnxOptions(spinning=False))  # serialized ONNX bytes
+        session = cpu_session(model, OnnxSessionOptions(spinning=False))  # serialized ONNX bytes
         return lambda: session.run(None, feeds)
 
     @classmethod
@@ -278,7 +278,7 @@ class OnnxRuntimeEngine(Engine):
         del self._session
 
 
-def session_options(ort: Any, engine_options: OnnxOptions) -> Any:
+def session_options(ort: Any, engine_options: OnnxSessionOptions) -> Any:
     """The ``onnxruntime.SessionOptions`` this engine runs with under ``engine_options``."""
     options = ort.SessionOptions()
     level = OPTIMIZATION_LEVELS[engine_options.optimization]
@@ -289,7 +289,7 @@ def session_options(ort: Any, engine_options: OnnxOptions) -> Any:
     return options
 
 
-def cpu_session(model: bytes, engine_options: OnnxOptions) -> Any:
+def cpu_session(model: bytes, engine_options: OnnxSessionOptions) -> Any:
     """A CPU session of a serialized ONNX model (one not yet in an artifact: ``tk optimize`` times an int8
     graph before its exclusion search) with the options this engine's sessions get."""
     import onnxruntime as ort

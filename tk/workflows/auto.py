@@ -19,7 +19,7 @@ from tk.workflows.bench import measure
 
 
 @dataclass
-class Candidate:
+class EngineCandidate:
     engine: str
     passed: bool
     max_rel: float
@@ -31,7 +31,7 @@ class Candidate:
 class AutoChoice:
     engine: str
     batch_size: int
-    candidates: list[Candidate] = field(default_factory=list)
+    candidates: list[EngineCandidate] = field(default_factory=list)
     recommended: str | None = None  # why: tk optimize chose this engine for the artifact (its manifest says so)
 
     @property
@@ -61,7 +61,7 @@ class AutoChoice:
 
 def check_candidates(
     reference: Any, engines: dict[str, Any], manifest: Manifest, shape: dict[str, int]
-) -> list[Candidate]:
+) -> list[EngineCandidate]:
     """Each engine's parity against ``reference`` at ``shape``, under the artifact's precision tolerances."""
     from tk.measure.hardware import cpu_precision_reason
 
@@ -69,11 +69,11 @@ def check_candidates(
     candidates = []
     for name, engine in engines.items():
         if name == "eager":
-            candidates.append(Candidate(name, True, 0.0))
+            candidates.append(EngineCandidate(name, True, 0.0))
             continue
         no_hardware = cpu_precision_reason(manifest.precision) if getattr(engine, "device", "cpu") == "cpu" else None
         if no_hardware:  # never auto-pick emulated reduced precision (every engine but eager runs at it)
-            candidates.append(Candidate(name, False, 0.0, note=no_hardware))
+            candidates.append(EngineCandidate(name, False, 0.0, note=no_hardware))
             continue
         report = check_engines(
             reference,
@@ -86,14 +86,14 @@ def check_candidates(
             batch_invariance=False,
         )
         worst = max((o.max_rel for o in report.outputs), default=0.0)
-        candidates.append(Candidate(name, report.passed, worst, note="" if report.passed else "fails parity"))
+        candidates.append(EngineCandidate(name, report.passed, worst, note="" if report.passed else "fails parity"))
     return candidates
 
 
-def pick(candidates: list[Candidate], rows: list[Any], batch_size: int) -> AutoChoice:
+def pick(candidates: list[EngineCandidate], rows: list[Any], batch_size: int) -> AutoChoice:
     """The fastest passing candidate at ``batch_size`` among benchmark ``rows``."""
     p50 = {row.engine: row.p50_ms for row in rows if row.batch_size == batch_size}
-    timed = [Candidate(c.engine, c.passed, c.max_rel, p50.get(c.engine), c.note) for c in candidates]
+    timed = [EngineCandidate(c.engine, c.passed, c.max_rel, p50.get(c.engine), c.note) for c in candidates]
     best = min((c for c in timed if c.passed and c.p50_ms is not None), key=lambda c: c.p50_ms)
     return AutoChoice(best.engine, batch_size, timed)
 
@@ -134,7 +134,7 @@ def choose_engine(
     ):
         how = manifest.optimize.get("recommended", {})
         why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
-        return AutoChoice(recommended, batch_size, [Candidate(recommended, True, 0.0)], recommended=why)
+        return AutoChoice(recommended, batch_size, [EngineCandidate(recommended, True, 0.0)], recommended=why)
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
         names = trusted_engines(root, manifest, available_engines(manifest, choice.device), choice.trust)
