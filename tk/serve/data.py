@@ -191,10 +191,35 @@ def infer_ray(
     import time
 
     try:
-        import ray
-        import ray.data
+        import ray.data  # noqa: F401  (present before anything is checked or started)
     except ImportError as exc:
         raise UsageError(f"tk infer --ray needs Ray Data: pip install 'tk[serve]' ({first_line(exc)})") from exc
+    choice = _actor_choice(root, choice, actors=actors, cpus_per_actor=cpus_per_actor, batch_size=batch_size)
+    shards = list_shards(inputs)
+    out = Path(out)
+    targets = _targets(shards, out)
+    budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
+    connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
+    started = time.perf_counter()
+    try:
+        samples, engine_seconds = _run_shards(
+            root, choice, shards, targets, actors=actors, cpus=cpus_per_actor, gpus=gpus_per_actor,
+            batch_size=batch_size, progress=progress,
+        )  # fmt: skip
+    except Exception as exc:
+        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
+        if cause is not None:
+            raise type(cause)(first_line(cause)) from exc
+        raise
+    finally:
+        disconnect(connection)
+    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+
+
+def _actor_choice(
+    root: str | Path, choice: EngineChoice, *, actors: int, cpus_per_actor: float, batch_size: int | None
+) -> EngineChoice:
+    """``choice`` as each actor opens it, after what an actor would refuse is refused here, before Ray starts."""
     if choice.name == "auto":
         raise UsageError("--ray: name an engine (--engine onnx, torch, ...); auto is for single-process tk infer")
     if actors < 1:
@@ -206,47 +231,47 @@ def infer_ray(
     probe = open_engine(root, choice, manifest=manifest)  # what an actor would refuse, refused before Ray starts
     if batch_size is not None:  # the same refusal single-process tk infer gives
         BatchRunner(probe, batch_size)
-    shards = list_shards(inputs)
-    out = Path(out)
-    targets = _targets(shards, out)
-    budget = os.environ.get(limits.ENV)  # the actors hold the same memory budget as this process
-    connection = connect(address=address, env_vars={limits.ENV: budget} if budget else None)
-    started = time.perf_counter()
+    return choice
+
+
+def _run_shards(
+    root: str | Path,
+    choice: EngineChoice,
+    shards: list[Path],
+    targets: list[Path],
+    *,
+    actors: int,
+    cpus: float,
+    gpus: float,
+    batch_size: int | None,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[int, float]:
+    """Each shard through a pool of ``actors`` ``ShardRunner``s, in order; the samples and engine seconds."""
+    import ray.data
+
     samples = 0
     engine_seconds = 0.0
     done = 0
-    try:
-        with _ordered_quiet(ray.data.DataContext.get_current()):
-            dataset = ray.data.from_items(
-                [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
-            )
-            results = dataset.map_batches(
-                ShardRunner,
-                fn_constructor_kwargs={
-                    "root": str(Path(root).resolve()),
-                    "choice": choice,
-                    "batch_size": batch_size,
-                },
-                batch_size=1,
-                batch_format="numpy",
-                compute=ray.data.ActorPoolStrategy(size=actors),
-                num_cpus=cpus_per_actor,
-                num_gpus=gpus_per_actor or None,
-            )
-            for row in results.iter_rows():
-                samples += int(row["samples"])
-                engine_seconds += float(row["seconds"])
-                done += 1
-                if progress is not None:
-                    progress(done, len(shards))
-    except Exception as exc:
-        cause = _tk_error_in(exc)  # a bad shard: the actor's one-line TkError, not Ray's wrapping
-        if cause is not None:
-            raise type(cause)(first_line(cause)) from exc
-        raise
-    finally:
-        disconnect(connection)
-    return RayInferResult(len(shards), samples, engine_seconds, time.perf_counter() - started, out, targets)
+    with _ordered_quiet(ray.data.DataContext.get_current()):
+        dataset = ray.data.from_items(
+            [{"shard": str(s.resolve()), "out": str(t.resolve())} for s, t in zip(shards, targets, strict=True)]
+        )
+        results = dataset.map_batches(
+            ShardRunner,
+            fn_constructor_kwargs={"root": str(Path(root).resolve()), "choice": choice, "batch_size": batch_size},
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=cpus,
+            num_gpus=gpus or None,
+        )
+        for row in results.iter_rows():
+            samples += int(row["samples"])
+            engine_seconds += float(row["seconds"])
+            done += 1
+            if progress is not None:
+                progress(done, len(shards))
+    return samples, engine_seconds
 
 
 def _targets(shards: list[Path], out: Path) -> list[Path]:
