@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from tk.cli import cli
 from tk.export import ExportOptions
-from tk.export.calibration import JUDGE_SEEDS, judge_feeds
 from tk.export.context import ExportContext
+from tk.export.int8.calibration import JUDGE_SEEDS, judge_feeds
 from tk.models import build_model
 from tk.spec import Dim, TensorSpec, fitted_samples, shapes_to_check
 from tk.workflows.export import export

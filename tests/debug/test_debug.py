@@ -16,11 +16,12 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.errors import ParityError
 from tk.export import ExportOptions
+from tk.export.int8.search import minimize
 from tk.export.onnx import OnnxOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.workflows.debug.locate import locate
-from tk.workflows.debug.precision import find_fp32_modules, minimize
+from tk.workflows.debug.precision import find_fp32_modules
 from tk.workflows.export import export
 
 PLANTED = "tests.planted:build"

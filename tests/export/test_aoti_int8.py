@@ -26,12 +26,12 @@ from tk.export.aoti import unavailable_reason as aoti_unavailable
 from tk.export.aoti_int8 import (
     excluded_run_in_bf16,
     int8_program,
-    int8_share,
-    layer_macs,
     quantizable_modules,
     run_linears_in_bf16,
+    unit_macs,
 )
 from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
+from tk.export.int8.search import int8_share
 from tk.export.onnx import OnnxOptions
 from tk.export.torch_program import exported_program_from_module
 from tk.models import build_model
@@ -152,10 +152,10 @@ def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(m
     """The exclusion rounds judge a screen of the batches (here the calibration batches alone); what they
     keep is judged on every batch, held-out ones included, before it is returned."""
     from tk.export.aoti_int8 import _outputs
-    from tk.export.calibration import MARGIN_DB
+    from tk.export.int8.search import MARGIN_DB
     from tk.parity import worst_sqnr_db
 
-    monkeypatch.setattr("tk.export.calibration.SCREEN_EVERY", 10**6)
+    monkeypatch.setattr("tk.export.int8.search.SCREEN_EVERY", 10**6)
     spec, dims, example, program = _tiny_transformer_program(trained=True)
     calibration, held_out = _batches(spec, 2, 100), _batches(spec, 6, 300, seq=24)
     _, plain = int8_program(program, spec.signature, dims, example, calibration, judge=held_out)
@@ -190,23 +190,23 @@ def test_keep_fp32_modules_are_never_quantized():
     assert fed_by_dequantize == expected
 
 
-def test_layer_macs_count_each_linear_and_the_share_left_int8():
+def test_unit_macs_count_each_linear_and_the_share_left_int8():
     _, _, example, program = _tiny_transformer_program()
     graph = program.module()
     batch, seq = example[0].shape
     weights = dict(graph.named_parameters())
     names = quantizable_modules(graph)
-    macs = layer_macs(graph, example)
+    macs = unit_macs(graph, example)
     assert set(macs) == set(names)
     for name in names:
         out_features, in_features = weights[f"{name}.weight"].shape
         rows = batch if name == "head" else batch * seq  # the head reads the first token only
         assert macs[name] == rows * out_features * in_features, name
-    kept = int8_share(graph, example, names, ["head", "blocks.1.ffn.up"])
+    kept = int8_share(macs, names, ["head", "blocks.1.ffn.up"])
     left_out = macs["head"] + macs["blocks.1.ffn.up"]
     assert (kept.int8_layers, kept.layers) == (len(names) - 2, len(names))
     assert kept.share == pytest.approx(1 - left_out / sum(macs.values()), abs=1e-12)
-    assert int8_share(graph, example, names, []).share == 1.0
+    assert int8_share(macs, names, []).share == 1.0
 
 
 def test_excluded_linears_run_in_bf16_and_stay_close_to_float32():
@@ -230,7 +230,7 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
     """Left-out modules run in bf16 where its products outrun float32's; where every module in bf16 is
     itself under the search's target, no exclusion could reach it, and the search starts again with
     them in float32 (the manifest says why). Where bf16 reaches the target, they stay in bf16."""
-    from tk.export.calibration import MARGIN_DB
+    from tk.export.int8.search import MARGIN_DB
 
     spec, dims, example, program = _tiny_transformer_program(trained=True)
     calibration, held_out = _batches(spec, 2, 100), _batches(spec, 2, 300, seq=24)
@@ -308,7 +308,7 @@ def test_the_share_gate_is_asked_before_the_costs_with_the_lightest_module_out()
         )  # fmt: skip
     (first,) = asked
     assert first.bound and (first.int8_layers, first.layers) == (8, 9)
-    macs = layer_macs(program.module(), tuple(torch.from_numpy(calibration[0][s.name]) for s in spec.signature.inputs))
+    macs = unit_macs(program.module(), tuple(torch.from_numpy(calibration[0][s.name]) for s in spec.signature.inputs))
     assert first.share == pytest.approx(1 - min(macs.values()) / sum(macs.values()))
 
 
@@ -489,10 +489,10 @@ def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
 def test_a_judge_runs_a_candidate_only_on_the_batches_it_has_no_sqnr_for():
     """The exclusion rounds keep each set's SQNR per batch across screens: asked again once a batch has
     joined the screen, a set runs on that batch alone, and reads the others from what it knew."""
-    from tk.export.aoti_int8 import _Judge
+    from tk.export.aoti_int8 import program_evaluator
 
     batches = [(torch.full((2, 3), float(i)),) for i in range(5)]
-    judge = _Judge.of(lambda x: x, batches)
+    judge = program_evaluator(lambda x: x, batches)
     ran: list[float] = []
 
     def candidate(x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""The int8 exclusion search (tk.export.calibration.exclude_costliest): costliest first, doubling, then
+"""The int8 exclusion search (tk.export.int8.search.exclude_costliest): costliest first, doubling, then
 bisected back so no layer leaves int8 that did not have to; the last judge call is the returned set's."""
 
 from __future__ import annotations
 
 import pytest
 
-from tk.export.calibration import exclude_costliest
+from tk.export.int8.search import exclude_costliest
 
 COSTS = {f"layer{i}": float(i) for i in range(10)}  # layer0 costs the most
 
@@ -81,7 +81,7 @@ def test_sets_under_the_target_on_a_smaller_screen_are_not_judged_again(needed: 
 
 
 def test_screened_exclusion_judges_the_kept_set_on_every_batch_and_grows_the_screen_on_a_failure():
-    from tk.export.calibration import SCREEN_EVERY, screened_exclusion
+    from tk.export.int8.search import SCREEN_EVERY, screened_exclusion
 
     screens: list[list[int]] = []
     judged: list[list[str]] = []

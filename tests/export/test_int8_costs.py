@@ -11,7 +11,8 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
-from tk.export.aoti_int8 import _Judge, _Quantizer, one_at_a_time_sqnr_db, quantizable_modules
+from tk.export.aoti_int8 import ProgramUnits, _Quantizer, program_evaluator, quantizable_modules
+from tk.export.int8.search import one_at_a_time_sqnr_db
 from tk.models import build_model
 
 
@@ -28,7 +29,7 @@ class _TwoLinears(nn.Module):
 def _costs(module: nn.Module, batches: list[tuple[torch.Tensor, ...]], names: list[str]) -> dict[str, float]:
     program = torch.export.export(module.eval(), batches[0])
     quantizer = _Quantizer(program, batches, "histogram", [], excluded_in_bf16=False)
-    return one_at_a_time_sqnr_db(quantizer, _Judge.of(quantizer.float_module, batches), names)
+    return one_at_a_time_sqnr_db(ProgramUnits(quantizer, names), program_evaluator(quantizer.float_module, batches))
 
 
 def test_an_outlier_channel_ranks_its_layer_costliest():
@@ -53,7 +54,7 @@ def test_a_failing_round_stops_at_its_first_batch_under_the_target():
     torch.manual_seed(0)
     model = _TwoLinears().eval()
     batches = [(torch.randn(8, 16),) for _ in range(4)]
-    judge = _Judge.of(model, batches)
+    judge = program_evaluator(model, batches)
     calls = []
 
     def noisy(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def test_headroom_is_the_least_sqnr_over_each_batchs_own_target():
     torch.manual_seed(0)
     model = _TwoLinears().eval()
     batches = [(torch.randn(8, 16),) for _ in range(3)]
-    judge = _Judge.of(model, batches)
+    judge = program_evaluator(model, batches)
     noise = [torch.randn(8, 4) * scale for scale in (0.001, 0.01, 0.1)]  # batch i gets 10x the noise of i-1
     calls = []
 
@@ -114,9 +115,9 @@ def test_references_run_when_a_batch_is_first_judged_and_the_lower_target_only_u
         return model(x)
 
     with torch.no_grad():
-        sqnr = _Judge.of(model, batches).per_batch(noisy)
+        sqnr = program_evaluator(model, batches).per_batch(noisy)
         assert sqnr[2] < min(sqnr[0], sqnr[1], sqnr[3]) - 20  # 100x the noise: 40 dB under the others
-        judge = _Judge.of(float_model, batches)
+        judge = program_evaluator(float_model, batches)
         assert referenced == []
         screen = judge.subset([0, 2])
         target = sqnr[2] + 10

@@ -237,7 +237,8 @@ def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_qu
     import nncf
     import openvino as ov
 
-    from tk.export.openvino import _Judge, one_at_a_time_sqnr_db, weight_products
+    from tk.export.int8.search import one_at_a_time_sqnr_db
+    from tk.export.openvino_int8 import NncfUnits, ir_evaluator, weight_products
 
     torch.manual_seed(0)
     model = ov.convert_model(torch.export.export(_ThreeInputs().eval(), (torch.randn(32, 16),)))
@@ -248,8 +249,8 @@ def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_qu
     dataset = nncf.Dataset(batches)
     transformer = nncf.ModelType.TRANSFORMER  # as tk quantizes models with attention: no elementwise quantizers
     quantized = nncf.quantize(model, dataset, subset_size=3, model_type=transformer)
-    costs = one_at_a_time_sqnr_db(quantized, model, layers, batches)
-    judge = _Judge(model, batches)
+    costs = one_at_a_time_sqnr_db(NncfUnits(model, quantized, layers), ir_evaluator(model, batches))
+    judge = ir_evaluator(model, batches)
     alone = {  # the reference: NNCF quantizing that product only
         name: judge.sqnr_db(
             nncf.quantize(
@@ -289,7 +290,8 @@ def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_we
     import nncf
     import openvino as ov
 
-    from tk.export.openvino import _Judge, one_at_a_time_sqnr_db, quantized_units, weight_products
+    from tk.export.int8.search import one_at_a_time_sqnr_db
+    from tk.export.openvino_int8 import NncfUnits, ir_evaluator, quantized_units, weight_products
 
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (4, 16))
@@ -304,9 +306,9 @@ def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_we
     kinds = {op.get_friendly_name(): op.get_type_name() for op in quantized.get_ordered_ops()}
     assert set(weight_products(model)) <= set(units) and len(weight_products(model)) == 4
     assert sorted({kinds[u] for u in units}) == ["Gather", "MatMul", "ScaledDotProductAttention"]
-    costs = one_at_a_time_sqnr_db(quantized, model, units, batches)
+    costs = one_at_a_time_sqnr_db(NncfUnits(model, quantized, units), ir_evaluator(model, batches))
     assert set(costs) == set(units) and all(np.isfinite(v) and v > 10.0 for v in costs.values()), costs
-    judge = _Judge(model, batches)
+    judge = ir_evaluator(model, batches)
     everything_out = nncf.quantize(
         model, dataset, subset_size=3, model_type=transformer, ignored_scope=nncf.IgnoredScope(units)
     )
@@ -322,7 +324,7 @@ def test_openvino_units_multiply_adds_count_products_and_attention_at_the_batchs
     import nncf
     import openvino as ov
 
-    from tk.export.openvino import quantized_units, unit_macs
+    from tk.export.openvino_int8 import quantized_units, unit_macs
 
     torch.manual_seed(0)
     model = ov.convert_model(torch.export.export(_Encoder().eval(), (torch.randint(0, 64, (4, 16)),)))
@@ -348,7 +350,7 @@ def test_openvino_judge_runs_the_first_batches_whole_then_stops_at_the_first_und
     import openvino as ov
     from openvino import opset13 as ops
 
-    from tk.export.openvino import _Judge
+    from tk.export.openvino_int8 import ir_evaluator
 
     x = ops.parameter([2, 4], np.float32, name="x")
     reference = ov.Model([ops.multiply(x, np.float32(1.0))], [x])
@@ -356,8 +358,8 @@ def test_openvino_judge_runs_the_first_batches_whole_then_stops_at_the_first_und
     rng = np.random.default_rng(0)
     scales = (1.0, 0.01, 1.0, 0.01, 1.0)  # batches 1 and 3: 40 dB under the others
     batches = [{"x": (s * rng.standard_normal((2, 4))).astype(np.float32)} for s in scales]
-    judge = _Judge(reference, batches)
-    every = [_Judge(reference, [b]).sqnr_db(shifted) for b in batches]
+    judge = ir_evaluator(reference, batches)
+    every = [ir_evaluator(reference, [b]).sqnr_db(shifted) for b in batches]
     assert every[1] < every[0] - 30 and every[3] < every[2] - 30
     target = every[1] + 10
 

@@ -59,7 +59,7 @@ def test_int8_verdict_follows_its_sqnr_floor(tmp_path, monkeypatch):
 
     # random weights lose every layer to the int8 floor (and such an export fails); 100 training steps
     # keep most int8, as a trained model does. 3 judged batches per check shape keep the test short
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.int8.calibration.JUDGE_SEEDS", 3)
     try:
         _export(tmp_path, "int8", ("onnx",), train_steps=100)
     except ParityError:

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("onnxruntime")
 
 from tk.export import ExportOptions
-from tk.export.calibration import calibration_batches
+from tk.export.int8.calibration import calibration_batches
 from tk.export.onnx import OnnxOptions
 from tk.export.qdq_variants import QdqVariants
 from tk.export.quantize import weight_type

@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 from tk.cli import cli
 from tk.errors import UsageError
 from tk.export import ExportOptions
-from tk.export.calibration import calibration_batches
+from tk.export.int8.calibration import calibration_batches
 from tk.export.onnx import OnnxOptions
 from tk.export.quantize import weight_type
 from tk.export.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
@@ -60,7 +60,7 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.slow
 def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monkeypatch, caplog, trained_checkpoint):
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)  # 3 judged batches per check shape: shorter
+    monkeypatch.setattr("tk.export.int8.calibration.JUDGE_SEEDS", 3)  # 3 judged batches per check shape: shorter
     out = tmp_path / "int8"
     caplog.set_level("INFO", logger="tk.export")
     options = ExportOptions(formats=("onnx",), precision="int8", checkpoint=trained_checkpoint)
@@ -95,8 +95,8 @@ def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tm
     assert len(strict.layer_sqnr_db) == plain.quantizable
 
 
-def test_node_macs_count_each_products_output_times_its_reduced_dimension(fp32_onnx):
-    from tk.export.static_int8 import node_macs
+def test_unit_macs_count_each_products_output_times_its_reduced_dimension(fp32_onnx):
+    from tk.export.static_int8 import unit_macs
 
     spec = build_model("transformer", size="tiny")
     hidden, ffn = spec.module.blocks[0].ffn.up.in_features, spec.module.blocks[0].ffn.up.out_features
@@ -106,7 +106,7 @@ def test_node_macs_count_each_products_output_times_its_reduced_dimension(fp32_o
     weights = {i.name: tuple(i.dims) for i in graph.initializer}
     shape = {n.name: weights[n.input[1]] for n in graph.node if n.name in nodes}
     op = {n.name: n.op_type for n in graph.node}
-    macs = node_macs(fp32_onnx, nodes, feeds)
+    macs = unit_macs(fp32_onnx, nodes, feeds)
     assert set(macs) == set(nodes)
     rows = 3 * 11  # every token of every sample
     expected = {
@@ -184,7 +184,7 @@ def test_unknown_method_and_empty_calibration_are_usage_errors(fp32_onnx, tmp_pa
 
 @pytest.mark.slow
 def test_cli_calibrates_from_an_inputs_file_and_refuses_invalid_ones(tmp_path, monkeypatch, trained_checkpoint):
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.int8.calibration.JUDGE_SEEDS", 3)
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     feeds = random_feeds(spec.signature.inputs, {"batch": 16, "seq": 16}, seed=9)
@@ -213,7 +213,7 @@ def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(
 ):
     """onnxruntime stacks the histogram methods' activations across batches: random:N calibration
     (which otherwise cycles through sequence lengths) and a file of 13 samples must both work."""
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.int8.calibration.JUDGE_SEEDS", 3)
     torch.manual_seed(0)
     spec = build_model("transformer", size="tiny")
     uneven = tmp_path / "calib.npz"
@@ -231,7 +231,7 @@ def test_histogram_methods_calibrate_on_random_inputs_and_uneven_files(
 def test_min_sqnr_sets_the_exclusion_target_and_the_checks_floor(tmp_path, monkeypatch):
     """An untrained model loses every layer to the 35 dB floor; with ``--min-sqnr`` below its
     all-int8 SQNR the export keeps them int8, and the floor travels in the manifest to ``tk check``."""
-    monkeypatch.setattr("tk.export.calibration.JUDGE_SEEDS", 3)
+    monkeypatch.setattr("tk.export.int8.calibration.JUDGE_SEEDS", 3)
     out = tmp_path / "art"
     args = ["export", "transformer", "--size", "tiny", "--precision", "int8", "--no-fuse", "--out", str(out)]
     torch.manual_seed(0)
@@ -270,8 +270,8 @@ def test_min_sqnr_is_refused_where_it_means_nothing(tmp_path, extra, says):
 )
 def test_a_static_batch_calibrates_in_batches_of_its_size(tmp_path, calibration, sizes):
     """A static batch dimension takes one size: calibration batches of 8 made onnxruntime refuse the graph's inputs."""
-    from tk.export.calibration import calibration_feeds
     from tk.export.context import ExportContext
+    from tk.export.int8.calibration import calibration_feeds
     from tk.spec import Dim
 
     spec = build_model("transformer", size="tiny")
@@ -306,18 +306,19 @@ def test_static_int8_export_at_a_static_batch_passes(tmp_path):
 def test_the_judge_runs_the_float_graph_only_on_the_batches_it_judges(fp32_onnx, tmp_path):
     """References are computed when a batch is first judged, in one float32 session its head shares: a
     graph under the target on its first batch leaves the other batches' references uncomputed."""
-    from tk.export.static_int8 import _Judge
+    from tk.export.static_int8 import graph_evaluator
 
     batches = _calibration(32)
     assert len(batches) >= 3
     quantized = tmp_path / "int8.onnx"
     static_int8_onnx_from_onnx(fp32_onnx, quantized, batches[:2])
-    judge = _Judge(fp32_onnx, batches)
+    judge = graph_evaluator(fp32_onnx, batches)
     first = judge.sqnr_db(quantized, target_db=1000.0)  # int8 is under 1000 dB on its first batch
-    assert 10 < first < 100 and sorted(judge._references) == [0] and len(judge._float) == 1
-    head = judge.head(2)
-    assert head.sqnr_db(fp32_onnx) == float("inf") and sorted(judge._references) == [0, 1]
-    assert head._float is judge._float
+    assert 10 < first < 100 and sorted(judge.references) == [0] and judge.runner.float_run is not None
+    session = judge.runner.float_run
+    head = judge.subset(range(2))
+    assert head.sqnr_db(fp32_onnx) == float("inf") and sorted(judge.references) == [0, 1]
+    assert head.runner.float_run is session
     full = judge.sqnr_db(quantized)
-    assert sorted(judge._references) == list(range(len(batches)))
-    assert full <= first and full == _Judge(fp32_onnx, batches).sqnr_db(quantized)
+    assert sorted(judge.references) == list(range(len(batches))) and judge.runner.float_run is session
+    assert full <= first and full == graph_evaluator(fp32_onnx, batches).sqnr_db(quantized)

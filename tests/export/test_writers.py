@@ -18,8 +18,8 @@ from tk.cli import cli
 from tk.errors import ConversionError, UsageError
 from tk.export import ExportOptions
 from tk.export.aoti import AotiOptions
-from tk.export.calibration import require_int8_layers
 from tk.export.context import ExportContext
+from tk.export.int8.search import require_int8_layers
 from tk.export.onnx import OnnxOptions
 from tk.export.tensorrt import TrtOptions
 from tk.export.writer import Writer

@@ -193,7 +193,7 @@ def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, 
     checked_sqnr_floor(options.min_sqnr_db, options.precision)
     if options.precision != "int8" and (options.calibrate is not None or options.calibration_data is not None):
         raise UsageError(f"--calibrate: applies to --precision int8 only; this export is {options.precision}")
-    from tk.export.calibration import require_finite
+    from tk.export.int8.calibration import require_finite
 
     if options.calibration_data is not None:
         require_finite(options.calibration_data, f"--calibrate {options.calibrate or 'data'}")

@@ -157,7 +157,8 @@ def _int8_program(
     computes."""
     from tk.export.aoti_int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
     from tk.export.aoti_passes import ATTENTION_IN_BF16, attention_as_matmuls
-    from tk.export.calibration import calibration_feeds, int8_floor_db, int8_gate, judge_feeds, require_int8_layers
+    from tk.export.int8.calibration import calibration_feeds, judge_feeds
+    from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
 
     assert ctx.program is not None
     in_bf16 = ctx.options.device == "cpu" and excluded_run_in_bf16()

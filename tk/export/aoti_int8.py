@@ -17,10 +17,10 @@ run near the machine's int8 matrix-product peak (``torch._int_mm``).
 Layers whose quantization costs the most signal are left out automatically: while the outputs'
 SQNR (the quantized program run by PyTorch against the float32 one, on the calibration batches and
 held-out batches at the shapes the export check uses) is below the floor plus a margin, the
-costliest are excluded, a few more per round. A layer's cost is the program's SQNR on the calibration
-batches with that layer alone in int8 (``one_at_a_time_sqnr_db``, as the onnx and openvino searches
-rank theirs), a failing round stops at its first batch under the target, and the rounds
-are judged on a screen (the calibration batches and every 4th held-out one; the set they keep is
+costliest are excluded, a few more per round, by the search every int8 writer runs
+(``tk.export.int8.search``; ``ProgramUnits`` is this format's adapter). A layer's cost is the program's
+SQNR on the calibration batches with that layer alone in int8 (``one_at_a_time_sqnr_db``), a failing
+round stops at its first batch under the target, and the rounds are judged on a screen (the calibration batches and every 4th held-out one; the set they keep is
 then judged on every batch, and a batch under the target there joins the screen for another search). Where
 the CPU's bfloat16 products outrun its float32 ones (``tk.formats.products.bf16_outruns_fp32``: measured,
 since an AVX512-BF16 flag alone does not make them faster) the excluded modules run in bfloat16 (casts
@@ -56,11 +56,11 @@ import numpy as np
 import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
-from tk.export.calibration import MARGIN_DB, exclude_costliest, screened_exclusion
 from tk.export.context import Int8Share
+from tk.export.int8.evaluator import Evaluator
+from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.export.quantize import saturating_int8_products
 from tk.export.smoothing import SmoothingPlan, apply_smoothing, plan_smoothing
-from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature
 
 log = logging.getLogger("tk.export")
@@ -68,6 +68,9 @@ log = logging.getLogger("tk.export")
 METHODS = ("histogram", "minmax")  # activation observers: torchao's x86 default (HistogramObserver), or MinMaxObserver
 DEFAULT_METHOD = "histogram"
 MAX_ROUNDS = 6  # exclusion rounds (1, 2, 4, ... layers more each) before the check reports the SQNR
+# its judge runs each candidate program in PyTorch: the rounds judge a screen; the speed gate is asked before
+# the costs and, with what the search kept, before the package is compiled
+POLICY = RoundsPolicy(max_rounds=MAX_ROUNDS, screened=True, asks_before_ranking=True, asks_after_search=True)
 # tried in turn when the program with every layer int8 is under the floor; the best one (or none) is kept:
 # SmoothQuant's default and a stronger one, which suits encoders with larger outlier channels
 SMOOTHING_ALPHAS = (0.5, 0.8)
@@ -424,99 +427,51 @@ def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
     return module
 
 
+class ProgramRunner:
+    """The evaluator's runner for PT2E programs: run in PyTorch, a candidate program through its
+    ``judged_module`` (the same values, faster)."""
+
+    def __init__(self, float_module: Callable[..., Any]) -> None:
+        self.float_module = float_module
+
+    def reference(self, batch: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+        return _outputs(self.float_module, batch)
+
+    def candidate(self, model: Callable[..., Any]) -> Callable[[tuple[torch.Tensor, ...]], list[np.ndarray]]:
+        fast = judged_module(model) if isinstance(model, torch.fx.GraphModule) else model
+        return functools.partial(_outputs, fast)
+
+    def shape(self, batch: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+        return tuple(batch[0].shape)
+
+
+def program_evaluator(float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> Evaluator:
+    """The int8 search's evaluator of programs quantized from ``float_module``, on ``batches`` (argument tuples)."""
+    return Evaluator.of(ProgramRunner(float_module), batches)
+
+
 @dataclass
-class _Judge:
-    """The float32 program's outputs on some batches, and how far a candidate is from them.
+class ProgramUnits:
+    """The search's adapter for a PT2E program: its units are the quantizable modules not kept in float32; a
+    candidate is the program quantized without some (in bfloat16 where ``excluded_in_bf16``)."""
 
-    A batch's reference is computed when it is first judged, once for a judge and its subsets: a search
-    whose rounds judge a screen, or a gate that ends the export, never runs the float32 program on the rest
-    (on the small Transformer the 44 judged batches' references took ~19 s of the export)."""
-
-    float_module: Callable[..., Any]
-    all_batches: list[tuple[torch.Tensor, ...]]
-    indices: list[int]  # this judge's batches, as indices of ``all_batches``
-    references: dict[int, list[np.ndarray]]  # shared with the judge's subsets
-    worst_shape: tuple[int, ...] = ()  # the first input's shape in the worst batch of the last call
-    worst_sqnr_db: float = math.inf  # the worst batch's SQNR in the last call
-    judged_sqnr_db: list[float] = field(default_factory=list)  # each judged batch's SQNR in the last call
-    # the last candidate judged and its judged_module, shared with the judge's subsets
-    _judged: list[Any] = field(default_factory=list, repr=False)
-
-    @classmethod
-    def of(cls, float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> _Judge:
-        return cls(float_module, list(batches), list(range(len(batches))), {})
+    quantizer: _Quantizer
+    units: list[str]
+    args: tuple[torch.Tensor, ...] = ()  # the first calibration batch: what the multiply-adds are counted on
+    noun: str = "modules"
 
     @property
-    def batches(self) -> list[tuple[torch.Tensor, ...]]:
-        return [self.all_batches[i] for i in self.indices]
+    def excluded_dtype(self) -> str:
+        return "bf16" if self.quantizer.excluded_in_bf16 else "fp32"
 
-    def subset(self, indices: Sequence[int]) -> _Judge:
-        """A judge of some of the batches (the same references)."""
-        chosen = [self.indices[i] for i in indices]
-        return _Judge(self.float_module, self.all_batches, chosen, self.references, _judged=self._judged)
+    def without(self, excluded: Sequence[str]) -> torch.fx.GraphModule:
+        return self.quantizer.quantize(exclude=excluded)
 
-    def reference(self, index: int) -> list[np.ndarray]:
-        """The float32 program's outputs on ``all_batches[index]``."""
-        if index not in self.references:
-            self.references[index] = _outputs(self.float_module, self.all_batches[index])
-        return self.references[index]
+    def only(self, unit: str) -> torch.fx.GraphModule:
+        return self.quantizer.quantize(only=[unit])
 
-    def sqnr_on(self, candidate: Callable[..., Any], index: int) -> float:
-        """``candidate``'s SQNR on ``all_batches[index]``."""
-        return worst_sqnr_db([self.reference(index)], [_outputs(self._fast(candidate), self.all_batches[index])])
-
-    def _fast(self, candidate: Callable[..., Any]) -> Callable[..., Any]:
-        """``candidate`` as ``judged_module`` runs it (made once while a judge and its subsets judge it)."""
-        if not self._judged or self._judged[0] is not candidate:
-            fast = judged_module(candidate) if isinstance(candidate, torch.fx.GraphModule) else candidate
-            self._judged[:] = [candidate, fast]
-        return self._judged[1]
-
-    def sqnr_db(self, candidate: Callable[..., Any]) -> float:
-        """The worst SQNR over the batches."""
-        return self.headroom_db(candidate, None)
-
-    def per_batch(self, candidate: Callable[..., Any]) -> list[float]:
-        self.headroom_db(candidate, None)
-        return list(self.judged_sqnr_db)
-
-    def headroom_db(
-        self,
-        candidate: Callable[..., Any],
-        targets: Sequence[float] | None,
-        *,
-        judge_first: int = 0,
-        held_to: Callable[[int], float] | None = None,
-        known: dict[int, float] | None = None,
-    ) -> float:
-        """The least SQNR - target over the batches (``targets``: one per batch; None: no targets,
-        and the result is the worst SQNR), stopping at the first batch under its target once the
-        first ``judge_first`` batches are judged. ``held_to(index)``: on a batch under its target, a
-        lower target that batch is held to instead (of ``all_batches[index]``), asked only there.
-        ``known``: ``candidate``'s SQNR on batches (by index of ``all_batches``) judged before, used
-        instead of running it there again; the batches judged now are added."""
-        headroom, self.worst_sqnr_db = math.inf, math.inf
-        self.judged_sqnr_db = []
-        for i, index in enumerate(self.indices):
-            if known is not None and index in known:
-                sqnr = known[index]
-            else:
-                sqnr = self.sqnr_on(candidate, index)
-                if known is not None:
-                    known[index] = sqnr
-            self.judged_sqnr_db.append(sqnr)
-            if sqnr < self.worst_sqnr_db:
-                self.worst_sqnr_db, self.worst_shape = sqnr, tuple(self.all_batches[index][0].shape)
-            if targets is None:
-                headroom = min(headroom, sqnr)
-                continue
-            target = targets[i]
-            if sqnr < target and held_to is not None:
-                target = min(target, held_to(index))
-            headroom = min(headroom, sqnr - target)
-            if headroom < 0 and i + 1 >= judge_first:
-                break
-        return headroom
+    def unit_macs(self) -> dict[str, int]:
+        return unit_macs(self.quantizer.float_module, self.args)
 
 
 def _outputs(module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
@@ -604,68 +559,91 @@ def _int8_program_once(
     def as_args(feeds: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
 
+    def recaptured(module: torch.fx.GraphModule) -> torch.export.ExportedProgram:
+        from tk.export.torch_program import exported_program_from_module
+
+        return exported_program_from_module(module, example_inputs, signature, dims)
+
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            kept = list(keep_fp32)  # any module path: the quantizer leaves out every linear inside it
             batches = [as_args(f) for f in calibration]
-            quantizer = _Quantizer(program, batches, method, kept, in_bf16)
+            # keep_fp32: any module path; the quantizer leaves out every linear inside it
+            quantizer = _Quantizer(program, batches, method, list(keep_fp32), in_bf16)
+            evaluator = program_evaluator(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
             candidates = quantizable_modules(quantizer.float_module)
-            under_kept = [n for n in candidates if any(n == k or n.startswith(k + ".") for k in kept)]
-            judged = _Judge.of(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
-            ranked = [n for n in candidates if n not in under_kept]
-            result = AotiInt8Result(
-                -math.inf,
-                list(kept),
-                quantizable=len(candidates),
-                method=method,
-                excluded_dtype="bf16" if in_bf16 else "fp32",
-            )
-            if in_bf16 and min_sqnr_db is not None:
-                # before any int8 try: on a model bf16 already moves past the target, each would be wasted
-                # (the small Transformer's smoothing tries, gate and costs: ~70 s of its export)
-                with _phase(result, "bf16_check"):
-                    every_bf16 = quantizer.quantize(exclude=ranked)
-                    _require_bf16_reaches(every_bf16, judged.subset(range(len(batches))), min_sqnr_db + MARGIN_DB)
-            with _phase(result, "all_int8"):
-                quantized = _all_int8(quantizer, judged, min_sqnr_db, result)
-            if min_sqnr_db is not None and result.sqnr_db < min_sqnr_db + MARGIN_DB:
-                if gate is not None:
-                    with _phase(result, "gate"):
-                        gate(lambda: _recaptured(quantized, example_inputs, signature, dims))
-                macs: dict[str, int] = {}  # counted at the gate's first question
-
-                def share(excluded: list[str], bound: bool = False) -> Int8Share:
-                    if not macs:
-                        macs.update(layer_macs(quantizer.float_module, batches[0]))
-                    return int8_share(quantizer.float_module, batches[0], ranked, excluded, macs=macs, bound=bound)
-
-                at_least = None if share_gate is None else (lambda excluded: share_gate(share(excluded, bound=True)))
-                if at_least is not None and len(ranked) > 1:
-                    # the search leaves out one module at least: at best the lightest, asked before the costs
-                    # (a quantize and judge per module: ~22 s of the small Transformer's export)
-                    with _phase(result, "gate"):
-                        share([])
-                        at_least([min(ranked, key=lambda name: macs.get(name, 0))])
-                calibrated = judged.subset(range(len(batches)))
-                with _phase(result, "costs"):
-                    result.layer_sqnr_db = one_at_a_time_sqnr_db(quantizer, calibrated, ranked)
-                with _phase(result, "rounds"):
-                    quantized = _exclude_costliest(quantizer, judged, min_sqnr_db, result, at_least=at_least)
-                if share_gate is not None:
-                    with _phase(result, "gate"):
-                        share_gate(share(result.automatic))
-            result.int8_modules = len(candidates) - len(under_kept) - len(result.automatic)
-            from tk.export.torch_program import exported_program_from_module
-
-            return exported_program_from_module(quantized, example_inputs, signature, dims), result
+            kept = quantizer.keep_fp32
+            ranked = [n for n in candidates if not any(n == k or n.startswith(k + ".") for k in kept)]
+            units = ProgramUnits(quantizer, ranked, batches[0])
+            result = AotiInt8Result(-math.inf, list(kept), quantizable=len(candidates), method=method)
+            result.excluded_dtype = units.excluded_dtype
+            quantized = _searched(units, evaluator, result, min_sqnr_db, gate, share_gate, recaptured)
+            return recaptured(quantized), result
     except (UsageError, ConversionError, CannotWinError, _Bf16BelowTarget):
         raise
     except Exception as exc:  # torchao and torch.export raise many types; each is a conversion failure
         raise ConversionError(f"torchao could not quantize the program to int8: {first_line(exc)}") from exc
 
 
-def _require_bf16_reaches(every_bf16: torch.fx.GraphModule, judge: _Judge, target: float) -> None:
+def _searched(
+    units: ProgramUnits,
+    evaluator: Evaluator,
+    result: AotiInt8Result,
+    min_sqnr_db: float | None,
+    gate: Callable[[Any], None] | None,
+    share_gate: Callable[[Int8Share], None] | None,
+    recaptured: Callable[[torch.fx.GraphModule], torch.export.ExportedProgram],
+) -> torch.fx.GraphModule:
+    """The program all-int8 (``_all_int8``) and, under the floor plus the margin, without the modules the
+    int8 search leaves out (``result`` is filled in). ``gate`` is asked before the search with a function
+    that captures the all-int8 program; ``share_gate`` by the search (``tk.export.int8.search``)."""
+    quantizer, calibrated = units.quantizer, len(units.quantizer.calibration)
+    target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
+    if quantizer.excluded_in_bf16 and target is not None:
+        # before any int8 try: on a model bf16 already moves past the target, each would be wasted
+        # (the small Transformer's smoothing tries, gate and costs: ~70 s of its export)
+        with _phase(result, "bf16_check"):
+            every_bf16 = quantizer.quantize(exclude=units.units)
+            _require_bf16_reaches(every_bf16, evaluator.subset(range(calibrated)), target)
+    with _phase(result, "all_int8"):
+        quantized = _all_int8(quantizer, evaluator, min_sqnr_db, result)
+    if min_sqnr_db is not None and target is not None and result.sqnr_db < target:
+        if gate is not None:
+            with _phase(result, "gate"):
+                gate(lambda: recaptured(quantized))
+        found = search_exclusions(
+            units, evaluator, min_sqnr_db, calibrated, POLICY, share_gate=share_gate,
+            held_to=_bf16_held_to(units, evaluator, target), phase=functools.partial(_phase, result),
+        )  # fmt: skip
+        result.layer_sqnr_db, result.automatic = found.costs, found.excluded
+        if found.model is not None and found.sqnr_db is not None:
+            quantized, result.sqnr_db = found.model, found.sqnr_db
+    result.excluded = [*quantizer.keep_fp32, *result.automatic]
+    result.int8_modules = len(units.units) - len(result.automatic)
+    return quantized
+
+
+def _bf16_held_to(units: ProgramUnits, evaluator: Evaluator, target: float) -> Callable[[int], float] | None:
+    """Where left-out modules run in bfloat16: the lower target a batch under the target is held to, the
+    target itself once the program with every module in bfloat16 is seen to reach it there. Where that
+    stays under the target (a model whose outputs bfloat16 already moves that much), no exclusion can
+    reach it, and ``_Bf16BelowTarget`` ends the search (``int8_program`` runs it again with the float part
+    in float32). Only the batches some round is under are judged so (judging every batch first took
+    ~15 s of the small Transformer's export)."""
+    if not units.quantizer.excluded_in_bf16 or not units.units:
+        return None
+    every_bf16: list[torch.fx.GraphModule] = []
+
+    def bf16_reaches(index: int) -> float:
+        if not every_bf16:
+            every_bf16.append(units.quantizer.quantize(exclude=units.units))
+        _require_bf16_reaches(every_bf16[0], evaluator.subset([index]), target)
+        return target
+
+    return functools.cache(bf16_reaches)
+
+
+def _require_bf16_reaches(every_bf16: torch.fx.GraphModule, judge: Evaluator, target: float) -> None:
     """Raise ``_Bf16BelowTarget`` where ``every_bf16`` (the program with every module in bfloat16) is under
     ``target`` on a batch of ``judge``."""
     for index in judge.indices:
@@ -674,26 +652,7 @@ def _require_bf16_reaches(every_bf16: torch.fx.GraphModule, judge: _Judge, targe
             raise _Bf16BelowTarget(sqnr, tuple(judge.all_batches[index][0].shape), target)
 
 
-def int8_share(
-    float_module: torch.fx.GraphModule,
-    args: tuple[torch.Tensor, ...],
-    quantized: Sequence[str],
-    excluded: Sequence[str],
-    *,
-    macs: dict[str, int] | None = None,
-    bound: bool = False,
-) -> Int8Share:
-    """What is left int8 of the ``quantized`` modules once ``excluded`` are not: layers, and multiply-adds
-    on ``args`` (``layer_macs``, or ``macs`` where they were counted already)."""
-    macs = layer_macs(float_module, args) if macs is None else macs
-    left_out = set(excluded)
-    kept = [n for n in quantized if n not in left_out]
-    total = sum(macs.get(n, 0) for n in quantized)
-    share = sum(macs.get(n, 0) for n in kept) / total if total else 0.0
-    return Int8Share(len(kept), len(quantized), share, bound=bound)
-
-
-def layer_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> dict[str, int]:
+def unit_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> dict[str, int]:
     """Multiply-adds of the linears and convolutions of each module of ``graph_module`` called on ``args``:
     output elements times the weight's elements per output channel."""
     macs: dict[str, int] = {}
@@ -712,22 +671,6 @@ def layer_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...
     return macs
 
 
-def _recaptured(
-    module: torch.fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], signature: Signature, dims: dict[str, Dim]
-) -> torch.export.ExportedProgram:
-    from tk.export.torch_program import exported_program_from_module
-
-    return exported_program_from_module(module, example_inputs, signature, dims)
-
-
-def one_at_a_time_sqnr_db(quantizer: _Quantizer, judge: _Judge, modules: Sequence[str]) -> dict[str, float]:
-    """Each module's int8 cost: the program's worst SQNR on ``judge``'s batches with that module alone in
-    int8 (the kept smoothing applied), one quantize and judge per module. It replaced the cheaper cost of
-    each module's own output (one pass), which ranked so much worse that the search kept far fewer
-    modules int8 (benchmarks/history.md, "the speed gate and the aoti ranking")."""
-    return {name: judge.sqnr_db(quantizer.quantize(only=[name])) for name in modules}
-
-
 def module_path(node: torch.fx.Node) -> str | None:
     """The innermost module (``blocks.0.attn.qkv``) a node of a captured program was called in."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -735,7 +678,7 @@ def module_path(node: torch.fx.Node) -> str | None:
 
 
 def _all_int8(
-    quantizer: _Quantizer, judged: _Judge, min_sqnr_db: float | None, result: AotiInt8Result
+    quantizer: _Quantizer, judged: Evaluator, min_sqnr_db: float | None, result: AotiInt8Result
 ) -> torch.fx.GraphModule:
     """Every module int8: as captured, then (while under the floor plus the margin) smoothed with each of
     ``SMOOTHING_ALPHAS``; the best is kept (``result`` is filled in)."""
@@ -768,116 +711,3 @@ def _all_int8(
     quantizer.smoothing = plans[result.smoothing_alpha]  # the exclusion rounds quantize the kept program
     assert best is not None
     return best
-
-
-def _exclude_costliest(
-    quantizer: _Quantizer,
-    judged: _Judge,
-    min_sqnr_db: float,
-    result: AotiInt8Result,
-    *,
-    at_least: Callable[[list[str]], None] | None = None,
-) -> torch.fx.GraphModule:
-    """``exclude_costliest`` by ``result.layer_sqnr_db`` until ``judged`` clears the floor plus the
-    margin; the last round's program. A round stops at the first batch under its target. ``at_least``:
-    ``exclude_costliest``'s (the speed gate, asked mid-search).
-
-    Where excluded modules run in bfloat16, a batch under the target is judged with every module in
-    bfloat16 too: where that stays under the target (a model whose outputs bfloat16 already moves that
-    much), no exclusion can reach it, and ``_Bf16BelowTarget`` ends this search (``int8_program`` runs
-    it again with the float part in float32). Only the batches some round is under are judged so
-    (judging every batch first took ~15 s of the small Transformer's export)."""
-    target = min_sqnr_db + MARGIN_DB
-    targets = [target] * len(judged.batches)
-
-    every_bf16: list[torch.fx.GraphModule] = []
-
-    def bf16_reaches(index: int) -> float:
-        """The target itself, once every module in bfloat16 is seen to reach it on this batch."""
-        if not every_bf16:
-            every_bf16.append(quantizer.quantize(exclude=list(result.layer_sqnr_db)))
-        _require_bf16_reaches(every_bf16[0], judged.subset([index]), target)  # judged: every batch, in order
-        return target
-
-    lowered = functools.cache(bf16_reaches) if quantizer.excluded_in_bf16 and result.layer_sqnr_db else None
-    rounds: list[torch.fx.GraphModule] = []
-    # the passing rounds, by their set: the bisection ends by asking again for the one it keeps
-    passed: dict[frozenset[str], tuple[torch.fx.GraphModule, float, float, tuple[int, ...]]] = {}
-    failed: set[frozenset[str]] = set()  # the sets under the target on some screen: on any larger one too
-    # each set's SQNR on each batch judged so far, and the programs of the sets that passed a screen, across
-    # screens: when a batch joins the screen, the rounds that ask again for a set that passed before (a set
-    # under the target is never asked again: ``failed``) run it on the new batch alone
-    modules: dict[frozenset[str], torch.fx.GraphModule] = {}
-    seen: dict[frozenset[str], dict[int, float]] = {}
-
-    def program_without(automatic: list[str]) -> torch.fx.GraphModule:
-        module = modules.get(frozenset(automatic))
-        return quantizer.quantize(exclude=automatic) if module is None else module
-
-    def search(judge: _Judge, targets: list[float]) -> tuple[list[str], float | None]:
-        passed.clear()
-
-        def judge_without(automatic: list[str]) -> float:
-            if frozenset(automatic) in passed:
-                module, value, judge.worst_sqnr_db, judge.worst_shape = passed[frozenset(automatic)]
-                rounds[:] = [module]
-                return value
-            rounds[:] = [program_without(automatic)]
-            known = seen.setdefault(frozenset(automatic), {})
-            headroom = judge.headroom_db(rounds[0], targets, held_to=lowered, known=known)
-            at = "x".join(map(str, judge.worst_shape))
-            stopped = f" (a batch at {at} under its target: the rest not run)" if headroom < 0 else ""
-            log.info(
-                "export int8   %d modules %s: SQNR %.1f dB on %d batches%s",
-                len(automatic), result.excluded_dtype, judge.worst_sqnr_db, len(judge.batches), stopped,
-            )  # fmt: skip
-            if headroom >= 0:
-                passed[frozenset(automatic)] = (rounds[0], target + headroom, judge.worst_sqnr_db, judge.worst_shape)
-                modules[frozenset(automatic)] = rounds[0]
-            return target + headroom
-
-        return exclude_costliest(
-            result.layer_sqnr_db, judge_without, target, MAX_ROUNDS, failed_before=failed, at_least=at_least
-        )
-
-    def judge_all(automatic: list[str]) -> tuple[float, int | None]:
-        # the screen's batches were judged on this very program by the round that kept it: only the rest run
-        # (a third of the judge's batches on the small Transformer, ~10 s of its export)
-        screen = screens[0]
-        on_screen = set(screen.indices)
-        rest = judged.subset([i for i in range(len(judged.batches)) if i not in on_screen])
-        known = seen.setdefault(frozenset(automatic), {})
-        headroom = rest.headroom_db(rounds[0], [targets[i] for i in rest.indices], held_to=lowered, known=known)
-        failed = rest.indices[len(rest.judged_sqnr_db) - 1]  # the batch it stopped at
-        worst = min((screen.worst_sqnr_db, screen.worst_shape), (rest.worst_sqnr_db, rest.worst_shape))
-        log.info(
-            "export int8   %d modules %s: SQNR %.1f dB on all %d batches%s",
-            len(automatic), result.excluded_dtype, worst[0], len(judged.batches),
-            "" if headroom >= 0 else f": batch {failed} ({'x'.join(map(str, judged.batches[failed][0].shape))}) under the "
-            "target joins the screen and the rounds run again",
-        )  # fmt: skip
-        if headroom >= 0:
-            judged.worst_sqnr_db, judged.worst_shape = worst
-            screens[:] = [judged]
-        return target + headroom, None if headroom >= 0 else failed
-
-    screens: list[_Judge] = []  # the judge that judged the returned set last: a screen's, or every batch's
-
-    def screened(screen: list[int]) -> tuple[list[str], float | None]:
-        screens[:] = [judged.subset(screen)]
-        return search(screens[0], [targets[i] for i in screen])
-
-    calibrated = len(quantizer.calibration)
-    result.automatic, last, _ = screened_exclusion(len(judged.batches), calibrated, screened, judge_all, target)
-    final = screens[0]
-    if last is not None:
-        result.sqnr_db = final.worst_sqnr_db
-        if last < target:  # the rounds ran out: the export check on the package decides
-            log.warning(
-                "export int8   %d of %d modules left out of int8 and a judged batch is still under its target "
-                "(%.1f dB at %s): the export check on the package decides",
-                len(result.automatic), len(result.layer_sqnr_db), final.worst_sqnr_db,
-                "x".join(map(str, final.worst_shape)),
-            )  # fmt: skip
-    result.excluded = [*quantizer.keep_fp32, *result.automatic]
-    return rounds[0] if rounds else quantizer.quantize()

@@ -66,13 +66,8 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
         kept_modules = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
         excluded += kept_modules + [f"{name}_MatMul" for name in kept_modules]  # a Gemm splits into NAME_MatMul + Add
     if mode == "static":
-        from tk.export.calibration import (
-            calibration_feeds,
-            int8_floor_db,
-            int8_gate,
-            judge_feeds,
-            require_int8_layers,
-        )
+        from tk.export.int8.calibration import calibration_feeds, judge_feeds
+        from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
         from tk.export.static_int8 import static_int8_onnx_from_onnx
 
         result = static_int8_onnx_from_onnx(

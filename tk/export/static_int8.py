@@ -18,14 +18,17 @@ calibration inputs. While it is below the floor (``MIN_SQNR_DB["int8"]`` plus ``
 the export check's fresh inputs also pass), layers are excluded from quantization: each layer's
 cost is measured one layer at a time on the calibration batches (only that layer quantized, its
 output SQNR against float32), and the costliest are excluded first, a few more per round, each
-round judged on the calibration and held-out batches. Calibration and quantization run once: each
-ranked or judged graph is the fully quantized one with some nodes reading float32 again
+round judged on the calibration and held-out batches: the search every int8 writer runs
+(``tk.export.int8.search``; ``QdqUnits`` is this format's adapter). Calibration and quantization run
+once: each ranked or judged graph is the fully quantized one with some nodes reading float32 again
 (``tk.export.qdq_variants``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -36,17 +39,20 @@ from typing import Any
 import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
-from tk.export.calibration import MARGIN_DB, exclude_costliest
 from tk.export.context import Int8Share
+from tk.export.int8.evaluator import Evaluator, FeedsRunner
+from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.export.qdq_variants import QdqVariants
 from tk.export.quantize import quant_type, weight_record, weight_type
-from tk.parity import worst_sqnr_db
+from tk.fileio import atomic_write_bytes
 
 log = logging.getLogger("tk.export")
 
 METHODS = ("minmax", "entropy", "percentile")
 QUANTIZED_OPS = ["MatMul", "Gemm"]
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
+# the search judges every batch each round (a session per candidate is quick): no screen
+POLICY = RoundsPolicy(max_rounds=MAX_ROUNDS, screened=False, asks_before_ranking=True)
 OUTPUT_QUANTIZATION = False  # products write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul)
 
 
@@ -119,7 +125,7 @@ def weight_matmul_nodes(path: Path) -> list[str]:
     ]
 
 
-def node_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
+def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
     """Multiply-adds of each weight MatMul/Gemm node of ``names`` in ``source`` on ``feeds``: its output's
     elements (read by running the graph with those outputs exposed) times the weight's reduced dimension."""
     import onnx
@@ -183,57 +189,56 @@ def _quantize(
     )
 
 
-class _Judge:
-    """The float32 graph's outputs on some batches, and the SQNR of a candidate against them.
+class GraphRunner(FeedsRunner):
+    """The evaluator's runner for ONNX graphs: onnxruntime on the CPU, a session per candidate (a file, or a
+    serialized model), the float32 graph's made once."""
 
-    A batch's reference is computed when it is first judged, in one session of the float32 graph shared
-    with the judge's ``head``: a graph under the target on its first batch, or a gate that ends the
-    export, never runs the float32 graph on the rest (benchmarks/history.md, "The int8 search's judge":
-    a session per batch, every batch before the first verdict, had been most of the small Transformer's
-    onnx int8 export)."""
+    def open(self, model: Path | bytes) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+        session = _session(model)
+        return lambda batch: session.run(None, batch)
 
-    def __init__(self, source: Path, batches: Sequence[dict[str, np.ndarray]]) -> None:
-        self.source = source
-        self.batches = list(batches)
-        self._references: dict[int, list[np.ndarray]] = {}
-        self._float: list[Any] = []  # the float32 graph's session, once made; shared with ``head``'s judges
 
-    def head(self, count: int) -> _Judge:
-        """A judge of the first ``count`` batches (the same references and session)."""
-        judge = _Judge(self.source, self.batches[:count])
-        judge._references, judge._float = self._references, self._float
-        return judge
+def _session(graph: Path | bytes) -> Any:
+    import onnxruntime as ort
 
-    def reference(self, index: int) -> list[np.ndarray]:
-        if index not in self._references:
-            if not self._float:
-                self._float.append(self._session(self.source))
-            self._references[index] = self._run(self.source, self.batches[index], self._float[0])
-        return self._references[index]
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    source = graph if isinstance(graph, bytes) else str(graph)
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
-    @staticmethod
-    def _session(graph: Path | bytes) -> Any:
-        import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        source = graph if isinstance(graph, bytes) else str(graph)
-        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+def graph_evaluator(source: Path, batches: Sequence[dict[str, np.ndarray]]) -> Evaluator:
+    """The int8 search's evaluator of graphs quantized from ``source`` (float32), on ``batches``."""
+    return Evaluator.of(GraphRunner(source), batches)
 
-    def _run(self, graph: Path | bytes, feeds: dict[str, np.ndarray], session: Any = None) -> list[np.ndarray]:
-        return (session or self._session(graph)).run(None, feeds)
 
-    def sqnr_db(self, graph: Path | bytes, *, target_db: float | None = None) -> float:
-        """The worst SQNR over batches and outputs of ``graph`` (a file, or a serialized model), as the
-        export check judges; with ``target_db``, the first batch under it ends the judging (its SQNR is
-        returned: the graph fails whatever the rest would say)."""
-        session = self._session(graph)
-        worst = float("inf")
-        for index, feeds in enumerate(self.batches):
-            worst = min(worst, worst_sqnr_db([self.reference(index)], [self._run(graph, feeds, session)]))
-            if target_db is not None and worst < target_db:
-                break
-        return worst
+@dataclass
+class QdqUnits:
+    """The search's adapter for a QDQ graph: its units are the weight MatMul/Gemm nodes ``quantize_static``
+    was asked for; a candidate is the quantized graph with some of them reading float32 again
+    (``QdqVariants``: calibration and quantization run once)."""
+
+    source: Path  # the float32 graph
+    quantized: Path  # the graph with every unit int8
+    units: list[str]
+    feeds: dict[str, np.ndarray]  # the first calibration batch: what the multiply-adds are counted on
+    noun: str = "layers"
+    excluded_dtype: str = "float32"
+
+    @functools.cached_property
+    def variants(self) -> QdqVariants:
+        import onnx
+
+        return QdqVariants(onnx.load(str(self.quantized)), onnx.load(str(self.source)), self.units)
+
+    def without(self, excluded: Sequence[str]) -> bytes:
+        return self.variants.with_float(excluded)
+
+    def only(self, unit: str) -> bytes:
+        return self.variants.with_float(n for n in self.units if n != unit)
+
+    def unit_macs(self) -> dict[str, int]:
+        return unit_macs(self.source, self.units, self.feeds)
 
 
 def static_int8_onnx_from_onnx(
@@ -251,18 +256,16 @@ def static_int8_onnx_from_onnx(
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
-    With ``min_sqnr_db``, layers are excluded automatically (costliest first, measured one layer
-    at a time) until the outputs' SQNR on the calibration batches reaches ``min_sqnr_db + MARGIN_DB``.
-    ``nodes_to_exclude`` are always left in float32. The SQNR is measured on the calibration batches
-    plus ``judge`` (held-out batches, e.g. at the shapes the export check uses). Default method: minmax.
+    With ``min_sqnr_db``, layers are excluded automatically (``tk.export.int8.search``: costliest first,
+    measured one layer at a time) until the outputs' SQNR reaches ``min_sqnr_db + MARGIN_DB`` on the
+    calibration batches plus ``judge`` (held-out batches, e.g. at the shapes the export check uses).
+    ``nodes_to_exclude`` are always left in float32. Default method: minmax.
     ``weights``: ``int8`` or ``uint8``; by default ``weight_type()`` (uint8 where int8 products saturate).
-    ``gate`` (``tk.export.calibration.int8_gate``) sees the all-int8 graph before it is judged (with a
+    ``gate`` (``tk.export.int8.search.int8_gate``) sees the all-int8 graph before it is judged (with a
     floor), and may end the export; ``share_gate`` is asked before the layers are ranked (one left out,
     at best the lightest) and after each exclusion round under the target, with the most the search can
-    still keep in int8 (``Int8Share``, by ``node_macs`` on the first
-    calibration batch), and may end it too.
+    still keep in int8 (``Int8Share``, by ``unit_macs`` on the first calibration batch), and may end it too.
     """
-    judge_batches = list(judge)
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     _method(method)
@@ -272,88 +275,47 @@ def static_int8_onnx_from_onnx(
     unknown = [n for n in exclude if n not in candidates]
     if unknown:
         log.info("int8: nodes_to_exclude names no weight MatMul/Gemm: %s", unknown[:5])
+    keep = [n for n in candidates if n not in exclude]
     try:
         with tempfile.TemporaryDirectory(prefix="tk-int8-") as tmp:
-            cache = Path(tmp) / "ranges.json"
             reader = _Reader(calibration)
-            keep = [n for n in candidates if n not in exclude]
-            _quantize(source, target, method, cache, reader, keep, wtype)  # calibrates once, fills the cache
-            target_db = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
-            if gate is not None and target_db is not None:
-                gate(target.read_bytes())  # before the judge: a graph that cannot win needs no verdict
-            judge = _Judge(source, [*calibration, *judge_batches])
-            sqnr = judge.sqnr_db(target, target_db=target_db)
-            result = StaticInt8Result(sqnr, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
-            result.int8_nodes = len([n for n in candidates if n not in exclude])
-            if target_db is None or sqnr >= target_db:
-                log.info("export int8   SQNR %.1f dB on %d batches", sqnr, len(judge.batches))
-                return result
-            log.info("export int8   SQNR %.1f dB on a batch, under the target %.1f dB", sqnr, target_db)
-            import onnx
-
-            macs: dict[str, int] = {}  # counted at the first question
-
-            def counted() -> bool:
-                """Whether each layer's multiply-adds are known (counted at the first question)."""
-                if not macs:
-                    try:
-                        macs.update(node_macs(source, keep, calibration[0]))
-                    except Exception as exc:  # the gate saves time; a graph it cannot count is still searched
-                        log.info("export int8   the speed gate is not asked: %s", first_line(exc))
-                        macs.update(dict.fromkeys(keep, 0))
-                return any(macs.values())
-
-            def at_least(excluded: list[str]) -> None:
-                assert share_gate is not None
-                if not counted():
-                    return
-                left_out = set(excluded)
-                total = sum(macs.values())
-                kept = sum(v for n, v in macs.items() if n not in left_out)
-                share = kept / total if total else 0.0
-                share_gate(Int8Share(len([n for n in keep if n not in left_out]), len(keep), share, bound=True))
-
-            if share_gate is not None and len(keep) > 1 and counted():
-                # the search leaves out one layer at least: at best the lightest, asked before the ranking
-                # (one quantized variant judged per layer: 25-40 s of the small Transformer's export)
-                at_least([min(keep, key=macs.__getitem__)])
-            variants = QdqVariants(onnx.load(str(target)), onnx.load(str(source)), keep)
-            ranking = judge.head(len(calibration))  # ranks layers; the held-out batches judge each round
-            for node in keep:
-                result.layer_sqnr_db[node] = ranking.sqnr_db(variants.with_float(n for n in keep if n != node))
-            trial = Path(tmp) / "trial.onnx"
-            judged: dict[frozenset[str], float] = {}  # the bisection asks again for the set it keeps
-
-            def judge_without(automatic: list[str]) -> float:
-                graph = variants.with_float(automatic)
-                trial.write_bytes(graph)
-                key = frozenset(automatic)
-                if key not in judged:
-                    judged[key] = judge.sqnr_db(graph, target_db=target_db)
-                    log.info(
-                        "export int8   %d layers float32: SQNR %.1f dB%s",
-                        len(exclude) + len(automatic),
-                        judged[key],
-                        "" if judged[key] >= target_db else " (a batch under the target: the rest not run)",
-                    )
-                trial.replace(target)
-                return judged[key]
-
-            result.automatic, last = exclude_costliest(
-                result.layer_sqnr_db,
-                judge_without,
-                target_db,
-                MAX_ROUNDS,
-                at_least=at_least if share_gate is not None else None,
-            )
-            if last is not None:
-                result.sqnr_db = last
-            result.excluded = exclude + result.automatic
-            result.int8_nodes = len([n for n in candidates if n not in result.excluded])
-            return result
+            _quantize(source, target, method, Path(tmp) / "ranges.json", reader, keep, wtype)  # calibrates once
+            result = StaticInt8Result(math.nan, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
+            units = QdqUnits(source, target, keep, calibration[0])
+            _judge_and_search(units, [*calibration, *judge], len(calibration), result, min_sqnr_db, gate, share_gate)
     except (UsageError, ConversionError, CannotWinError):
         raise
     except Exception as exc:  # the quantizer raises many types; each is a conversion failure
         raise ConversionError(
             f"onnxruntime could not quantize {source.name} to static int8: {first_line(exc)}"
         ) from exc
+    result.excluded = exclude + result.automatic
+    result.int8_nodes = len([n for n in candidates if n not in result.excluded])
+    return result
+
+
+def _judge_and_search(
+    units: QdqUnits,
+    batches: list[dict[str, np.ndarray]],
+    calibration: int,
+    result: StaticInt8Result,
+    min_sqnr_db: float | None,
+    gate: Callable[[bytes], None] | None,
+    share_gate: Callable[[Int8Share], None] | None,
+) -> None:
+    """Judge the all-int8 graph at ``units.quantized``; under the floor plus the margin, search for the
+    layers that leave int8 and write the graph without them there (``result`` is filled in)."""
+    target_db = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
+    if gate is not None and target_db is not None:
+        gate(units.quantized.read_bytes())  # before the judge: a graph that cannot win needs no verdict
+    evaluator = graph_evaluator(units.source, batches)
+    result.sqnr_db = evaluator.sqnr_db(units.quantized, target_db=target_db)
+    if min_sqnr_db is None or target_db is None or result.sqnr_db >= target_db:
+        log.info("export int8   SQNR %.1f dB on %d batches", result.sqnr_db, len(batches))
+        return
+    log.info("export int8   SQNR %.1f dB on a batch, under the target %.1f dB", result.sqnr_db, target_db)
+    found = search_exclusions(units, evaluator, min_sqnr_db, calibration, POLICY, share_gate=share_gate)
+    result.layer_sqnr_db, result.automatic = found.costs, found.excluded
+    if found.model is not None and found.sqnr_db is not None:
+        atomic_write_bytes(units.quantized, found.model)
+        result.sqnr_db = found.sqnr_db

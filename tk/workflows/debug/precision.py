@@ -12,6 +12,8 @@ every dimension):
   where this one fails.
 - int8: the float32 ONNX graph written once, then quantized per trial with the modules' nodes
   excluded (``nodes_to_exclude``), run by onnxruntime.
+Trials run through the int8 search's evaluator (``tk.export.int8.evaluator``: each shape's reference
+computed once) and its unranked bisection (``tk.export.int8.search.minimize``, ``refine``).
 The result is what ``tk export --keep-fp32`` applies.
 """
 
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError
+from tk.export.int8.evaluator import Evaluator, FeedsRunner
+from tk.export.int8.search import minimize, refine
 from tk.manifest import Manifest, verify_artifact
 from tk.parity import OutputParity, compare
 from tk.runtime.eager import module_from_manifest
@@ -111,16 +115,13 @@ def _summary(keep: tuple[str, ...], results: list[OutputParity]) -> Trial:
 
 
 class _Judge:
-    """Runs one trial (a set of modules kept in float32) and caches the verdict."""
+    """Judges one trial (a set of modules kept in float32) and caches the verdict: the candidate is run by
+    the int8 search's evaluator (``tk.export.int8.evaluator``: the reference outputs computed once), and
+    compared output by output as the check compares them (tolerances and SQNR floor)."""
 
-    def __init__(
-        self,
-        run: Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]],
-        reference: list[dict[str, np.ndarray]],
-        tolerance: tuple[float, float, float | None],
-    ) -> None:
-        self.run = run
-        self.reference = reference
+    def __init__(self, evaluator: Evaluator, names: list[str], tolerance: tuple[float, float, float | None]) -> None:
+        self.evaluator = evaluator
+        self.names = names
         self.rtol, self.atol, self.min_sqnr = tolerance
         self.cache: dict[frozenset[str], Trial] = {}
         self.history: list[Trial] = []
@@ -130,11 +131,13 @@ class _Judge:
         if key not in self.cache:
             if len(self.cache) >= MAX_TRIALS:
                 raise UsageError(f"tk debug precision: no answer within {MAX_TRIALS} trials")
-            outputs = self.run(tuple(sorted(key)))
+            kept = tuple(sorted(key))
             results: list[OutputParity] = []
-            for ref, cand in zip(self.reference, outputs, strict=True):
-                results += compare(ref, cand, rtol=self.rtol, atol=self.atol, min_sqnr_db=self.min_sqnr)
-            trial = _summary(tuple(sorted(key)), results)
+            for index in self.evaluator.indices:
+                reference = dict(zip(self.names, self.evaluator.reference(index), strict=True))
+                outputs = dict(zip(self.names, self.evaluator.outputs_on(kept, index), strict=True))
+                results += compare(reference, outputs, rtol=self.rtol, atol=self.atol, min_sqnr_db=self.min_sqnr)
+            trial = _summary(kept, results)
             self.cache[key] = trial
             self.history.append(trial)
             log.info("debug  keep %-40s %s", ",".join(trial.keep) or "(none)", "pass" if trial.passed else "fail")
@@ -144,34 +147,26 @@ class _Judge:
         return self(keep).passed
 
 
-def minimize(items: list[str], fixed: list[str], passes: Callable[[list[str]], bool]) -> list[str]:
-    """A small subset S of ``items`` with ``passes(fixed + S)``, given ``passes(fixed + items)``.
-
-    Bisection: keep one half if it is enough, else each half with the other fixed.
-    """
-    if len(items) <= 1:
-        return list(items)
-    half = len(items) // 2
-    a, b = items[:half], items[half:]
-    if passes(fixed + a):
-        return minimize(a, fixed, passes)
-    if passes(fixed + b):
-        return minimize(b, fixed, passes)
-    kept_a = minimize(a, fixed + b, passes)
-    kept_b = minimize(b, fixed + kept_a, passes)
-    return kept_a + kept_b
+# how a trial's candidate is built: the modules kept in float32 -> a function that runs it on a batch
+Keeping = Callable[[tuple[str, ...]], Callable[[dict[str, np.ndarray]], list[np.ndarray]]]
 
 
-def refine(chosen: list[str], children: dict[str, list[str]], passes: Callable[[list[str]], bool]) -> list[str]:
-    """Replace each chosen module by a subset of its children while the check still passes."""
-    result = list(chosen)
-    for module in chosen:
-        kids = children.get(module, [])
-        others = [m for m in result if m != module]
-        if kids and passes(others + kids):
-            smaller = refine(minimize(kids, others, passes), children, passes)
-            result = others + smaller
-    return result
+class _Runner(FeedsRunner):
+    """The evaluator's runner: the float model run eagerly for the references; a candidate is a set of
+    modules kept in float32, run as ``keeping`` builds it (the model under a cast policy, or a graph
+    quantized with their nodes left out)."""
+
+    def __init__(self, model: nn.Module, manifest: Manifest, names: list[str]) -> None:
+        super().__init__(model)
+        self.manifest, self.names = manifest, names
+        self.keeping: Keeping | None = None  # set once the references are recorded
+
+    def reference(self, batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return list(_run_module(self.model, self.manifest, batch, self.names).values())
+
+    def open(self, model: tuple[str, ...]) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+        assert self.keeping is not None
+        return self.keeping(model)
 
 
 def _tree(executed: list[str]) -> dict[str, list[str]]:
@@ -215,45 +210,20 @@ def find_fp32_modules(
     shapes = shapes_to_check(manifest.signature.dims)
     feeds = [random_feeds(manifest.signature.inputs, sizes, seed=seed + i) for i, sizes in enumerate(shapes)]
     names = [s.name for s in manifest.signature.outputs]
+    runner = _Runner(model, manifest, names)
+    evaluator = Evaluator.of(runner, feeds)
     with recording(model) as records:
-        reference = [_run_module(model, manifest, f, names) for f in feeds]
+        for index in evaluator.indices:
+            evaluator.reference(index)
     executed = [r.path for r in sorted(records.values(), key=lambda r: r.call)]
     children = _tree(executed)
     with tempfile.TemporaryDirectory(prefix="tk-debug-int8-") as tmp:  # the int8 trials' graphs, removed after
         if manifest.precision == "int8":
-            run, judged_by = _int8_runner(model, manifest, feeds, names, Path(tmp))
+            runner.keeping, judged_by = _int8_keeping(model, manifest, names, Path(tmp))
         else:
-            run, judged_by = _mixed_runner(model, manifest, feeds, names)
-        return _search(root, manifest, run, judged_by, reference, tolerance, children, executed, start)
-
-
-def _search(
-    root: str | Path,
-    manifest: Manifest,
-    run: Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]],
-    judged_by: str,
-    reference: list[dict[str, np.ndarray]],
-    tolerance: Any,
-    children: dict[str, list[str]],
-    executed: list[str],
-    start: float,
-) -> PrecisionResult:
-    judge = _Judge(run, reference, tolerance)
-    before = judge([])
-    keep: list[str] = []
-    after: Trial | None = before
-    if not before.passed:
-        top = children.get("", [])
-        if not judge.passes(top):
-            every = judge(executed)
-            if not every.passed:
-                raise UsageError(
-                    f"{root}: the check fails even with every module kept in float32 (max abs error "
-                    f"{every.max_abs:.3g}); the difference is not in the modules' precision"
-                )
-            top = executed
-        keep = refine(minimize(top, [], judge.passes), children, judge.passes)
-        after = judge(keep)
+            runner.keeping, judged_by = _mixed_keeping(model, manifest, names)
+        judge = _Judge(evaluator, names, tolerance)
+        keep, before, after = _search(root, judge, children, executed)
     return PrecisionResult(
         manifest.precision,
         keep,
@@ -268,6 +238,27 @@ def _search(
     )
 
 
+def _search(
+    root: str | Path, judge: _Judge, children: dict[str, list[str]], executed: list[str]
+) -> tuple[list[str], Trial, Trial | None]:
+    """The modules to keep (``minimize`` over the top level, then ``refine`` into children), the trial with
+    none kept and the one with them kept."""
+    before = judge([])
+    if before.passed:
+        return [], before, before
+    top = children.get("", [])
+    if not judge.passes(top):
+        every = judge(executed)
+        if not every.passed:
+            raise UsageError(
+                f"{root}: the check fails even with every module kept in float32 (max abs error "
+                f"{every.max_abs:.3g}); the difference is not in the modules' precision"
+            )
+        top = executed
+    keep = refine(minimize(top, [], judge.passes), children, judge.passes)
+    return keep, before, judge(keep)
+
+
 def _run_module(
     module: nn.Module, manifest: Manifest, feeds: dict[str, np.ndarray], names: list[str]
 ) -> dict[str, np.ndarray]:
@@ -278,21 +269,17 @@ def _run_module(
     return {n: v.float().numpy() for n, v in zip(names, values, strict=True)}
 
 
-def _mixed_runner(
-    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str]
-) -> tuple[Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]], str]:
+def _mixed_keeping(model: nn.Module, manifest: Manifest, names: list[str]) -> tuple[Keeping, str]:
     from tk.export.precision import module_at_precision
 
-    def run(keep: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+    def keeping(keep: tuple[str, ...]) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
         wrapped = module_at_precision(model, manifest.precision, "cpu", keep)
-        return [_run_module(wrapped, manifest, f, names) for f in feeds]
+        return lambda feeds: list(_run_module(wrapped, manifest, feeds, names).values())
 
-    return run, f"the model under tk's {manifest.precision} cast policy, run eagerly (what torch and aoti capture)"
+    return keeping, f"the model under tk's {manifest.precision} cast policy, run eagerly (what torch and aoti capture)"
 
 
-def _int8_runner(
-    model: nn.Module, manifest: Manifest, feeds: list[dict[str, np.ndarray]], names: list[str], tmp: Path
-) -> tuple[Callable[[tuple[str, ...]], list[dict[str, np.ndarray]]], str]:
+def _int8_keeping(model: nn.Module, manifest: Manifest, names: list[str], tmp: Path) -> tuple[Keeping, str]:
     import onnx
     import onnxruntime as ort
 
@@ -310,12 +297,12 @@ def _int8_runner(
     onnx_from_exported_program(program, fp32, sig, sig.dims, opset=opset)
     graph = onnx.load(str(fp32))
 
-    def run(keep: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+    def keeping(keep: tuple[str, ...]) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
         excluded = nodes_in_modules(graph, keep) if keep else []
         excluded += [f"{n}_MatMul" for n in excluded]
         target = tmp / "int8.onnx"
         int8_onnx_from_onnx(fp32, target, nodes_to_exclude=excluded)
         session = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
-        return [dict(zip(names, session.run(names, f), strict=True)) for f in feeds]
+        return lambda feeds: session.run(names, feeds)
 
-    return run, "the float32 ONNX graph quantized per trial (onnxruntime dynamic int8), on onnxruntime"
+    return keeping, "the float32 ONNX graph quantized per trial (onnxruntime dynamic int8), on onnxruntime"
