@@ -138,7 +138,6 @@ def tune_command(
     import os
 
     from rich.console import Console
-    from rich.table import Table
 
     from tk.serve.config import write_settings
     from tk.serve.load.tune import TuneGrid, parse_range, recommended_settings, tune
@@ -155,18 +154,6 @@ def tune_command(
         _numbers("--tune-batch", tune_batch, int), _numbers("--tune-delay-ms", tune_delay_ms, float), replicas
     )
 
-    def on_point(point: Any) -> None:
-        click.echo(
-            f"replicas {point.replicas} x {point.engine_threads or 'default'} threads, "
-            + (
-                f"max batch {point.max_batch}, delay {point.max_delay_ms:g} ms: "
-                if point.batching
-                else "batching off: "
-            )
-            + f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
-            err=True,
-        )
-
     result = tune(
         config,
         grid,
@@ -177,10 +164,33 @@ def tune_command(
         seq=seq,
         budget_s=tune_budget_s,
         cpus=cpus,
-        on_point=on_point,
+        on_point=_say_point,
     )
-    sizes = _traffic(samples, seq)
-    table = Table(title=f"tk serve --tune: {tune_clients} clients, {sizes}, p99 budget {p99_ms:g} ms")
+    Console(width=140).print(_points_table(result, f"{tune_clients} clients, {_traffic(samples, seq)}", p99_ms))
+    settings = recommended_settings(result, config)
+    write_settings(tune_out, settings)
+    verdict = "" if result.within_budget else f" (no point met p99 <= {p99_ms:g} ms: lowest p99 chosen)"
+    click.echo(
+        f"recommended: {', '.join(f'{k} {v}' for k, v in settings.items())}{verdict}; wrote {tune_out} "
+        f"(tk serve ARTIFACT --config {tune_out})"
+    )
+
+
+def _say_point(point: Any) -> None:
+    """One line on stderr per grid point, as the tune measures it."""
+    click.echo(
+        f"replicas {point.replicas} x {point.engine_threads or 'default'} threads, "
+        + (f"max batch {point.max_batch}, delay {point.max_delay_ms:g} ms: " if point.batching else "batching off: ")
+        + f"{point.samples_per_s:.1f} samples/s, p99 {point.p99_ms:.1f} ms, {point.failed} failed",
+        err=True,
+    )
+
+
+def _points_table(result: Any, load: str, p99_ms: float) -> Any:
+    """The tune's points for people (rich), the best marked; ``load``: the clients and traffic, in words."""
+    from rich.table import Table
+
+    table = Table(title=f"tk serve --tune: {load}, p99 budget {p99_ms:g} ms")
     columns = ("replicas", "threads", "max batch", "delay ms", "requests", "failed", "samples/s", "p50 ms", "p99 ms")
     for column in (*columns, "fits"):
         table.add_column(column, justify="right")
@@ -206,14 +216,7 @@ def tune_command(
             str(p.failed),
             f"{p.samples_per_s:.1f}", f"{p.p50_ms:.1f}", f"{p.p99_ms:.1f}", mark,
         )  # fmt: skip
-    Console(width=140).print(table)
-    settings = recommended_settings(result, config)
-    write_settings(tune_out, settings)
-    verdict = "" if result.within_budget else f" (no point met p99 <= {p99_ms:g} ms: lowest p99 chosen)"
-    click.echo(
-        f"recommended: {', '.join(f'{k} {v}' for k, v in settings.items())}{verdict}; wrote {tune_out} "
-        f"(tk serve ARTIFACT --config {tune_out})"
-    )
+    return table
 
 
 def _traffic(samples: tuple[int, int], seq: tuple[int, int] | None) -> str:
