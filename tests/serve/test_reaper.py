@@ -41,7 +41,7 @@ def test_reap_stops_the_haproxy_of_its_directory_only(tmp_path: Path) -> None:
     mine, other = _fake_haproxy(ours), _fake_haproxy(theirs)
     try:
         deadline = time.monotonic() + 10
-        while not haproxies_of(ours) and time.monotonic() < deadline:  # the cmdline is there once exec'd
+        while not (haproxies_of(ours) and haproxies_of(theirs)) and time.monotonic() < deadline:  # both exec'd
             time.sleep(0.05)
         assert haproxies_of(ours) == [mine.pid] and haproxies_of(theirs) == [other.pid]
         assert reap(ours) == [mine.pid]
