@@ -280,7 +280,9 @@ def static_int8_onnx_from_onnx(
         with tempfile.TemporaryDirectory(prefix="tk-int8-") as tmp:
             reader = _Reader(calibration)
             _quantize(source, target, method, Path(tmp) / "ranges.json", reader, keep, wtype)  # calibrates once
-            result = StaticInt8Result(math.nan, list(exclude), quantizable=len(candidates), method=method, weights=wtype)
+            result = StaticInt8Result(
+                math.nan, list(exclude), quantizable=len(candidates), method=method, weights=wtype
+            )
             units = QdqUnits(source, target, keep, calibration[0])
             _judge_and_search(units, [*calibration, *judge], len(calibration), result, min_sqnr_db, gate, share_gate)
     except (UsageError, ConversionError, CannotWinError):

@@ -108,7 +108,9 @@ class RoundsPolicy:
     margin_db: float = MARGIN_DB
 
 
-def int8_share(macs: dict[str, int], units: Sequence[str], excluded: Iterable[str], *, bound: bool = False) -> Int8Share:
+def int8_share(
+    macs: dict[str, int], units: Sequence[str], excluded: Iterable[str], *, bound: bool = False
+) -> Int8Share:
     """What is left int8 of ``units`` once ``excluded`` are not: units, and their share of the multiply-adds."""
     left_out = set(excluded)
     kept = [n for n in units if n not in left_out]
@@ -131,14 +133,14 @@ class Ranker:
     def __init__(self, units: Int8Units, share_gate: Callable[[Int8Share], None] | None = None) -> None:
         self.units = units
         self.share_gate = share_gate
-        self._macs: dict[str, int] = {}
+        self._macs: dict[str, int] | None = None
 
     def sensitivity(self, evaluator: Evaluator) -> dict[str, float]:
         return one_at_a_time_sqnr_db(self.units, evaluator)
 
     def macs(self) -> dict[str, int]:
         """Each unit's multiply-adds; all 0 where the model cannot be counted (the gate is then not asked)."""
-        if not self._macs:
+        if self._macs is None:
             try:
                 self._macs = dict(self.units.unit_macs())
             except Exception as exc:  # the gate saves time; a model it cannot count is still searched
@@ -171,8 +173,6 @@ class Exclusions:
     costs: dict[str, float]  # unit -> the model's SQNR with it alone in int8
     model: Any  # the model without ``excluded`` (None: no round ran)
     sqnr_db: float | None  # its worst SQNR on the batches that judged it last (None: no round ran)
-    worst_shape: tuple[int, ...]
-    reached: bool  # it cleared the target (else the rounds ran out: the export check decides)
 
 
 def _no_phase(name: str) -> AbstractContextManager[None]:
@@ -251,8 +251,7 @@ class _Rounds:
                 "x".join(map(str, self.screen.worst_shape)),
             )  # fmt: skip
         sqnr = None if last is None else self.screen.worst_sqnr_db
-        reached = last is not None and last >= self.target
-        return Exclusions(excluded, costs, self.model, sqnr, self.screen.worst_shape, reached)
+        return Exclusions(excluded, costs, self.model, sqnr)
 
     def _search(self, screen: list[int]) -> tuple[list[str], float | None]:
         self.screen = self.evaluator.subset(screen)
