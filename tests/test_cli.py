@@ -134,7 +134,7 @@ def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path, monkeyp
     assert invoke("export", "examples.user_model:scorer", "--format", "torch", "--out", str(out)).exit_code == 0
     own = invoke("check", str(out), "--engine", "torch")  # signed with the user's own key: trusted
     assert own.exit_code == 0, own.output
-    from tk.signing import ensure_own_key
+    from tk.keys import ensure_own_key
 
     signer = ensure_own_key()[1]
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))  # someone else receives it

@@ -21,16 +21,9 @@ from click.testing import CliRunner
 from tests.test_signing import key_pair
 from tk.cli import cli
 from tk.errors import UsageError
+from tk.keys import PUBLIC_KEY, TRUSTED_DIR, TRUSTED_KEYS_ENV, config_dir, ensure_own_key
 from tk.manifest import read_manifest
-from tk.signing import (
-    PUBLIC_KEY,
-    TRUSTED_DIR,
-    TRUSTED_KEYS_ENV,
-    check_signature,
-    config_dir,
-    ensure_own_key,
-    sign_artifact,
-)
+from tk.signing import check_signature, sign_artifact
 
 
 @pytest.fixture

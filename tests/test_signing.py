@@ -24,23 +24,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from tests.conftest import rehash
 from tk.cli import cli
 from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
-from tk.manifest import manifest_bytes, read_manifest
-from tk.runtime import load
-from tk.runtime.eager import module_from_manifest
-from tk.signing import (
+from tk.keys import (
     PRIVATE_KEY,
     PUBLIC_KEY,
-    SIGNATURE,
     TRUSTED_DIR,
     TRUSTED_KEYS_ENV,
-    TrustPolicy,
-    check_signature,
     config_dir,
     ensure_own_key,
     fingerprint_of_file,
-    sign_artifact,
     trusted_key_files,
 )
+from tk.manifest import manifest_bytes, read_manifest
+from tk.runtime import load
+from tk.runtime.eager import module_from_manifest
+from tk.signing import SIGNATURE, TrustPolicy, check_signature, sign_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_SIGNING = Path(sys.executable).with_name("model_signing")

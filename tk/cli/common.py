@@ -33,6 +33,31 @@ def model_options(fn: Any) -> Any:
     return fn
 
 
+def option_group(name: str, make: Callable[..., Any], *options: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A decorator that adds ``options`` to a command and hands it ``name=make(**their values)`` in their place,
+    so that a command with many flags takes one object; the options keep their order in ``--help``."""
+
+    def probe() -> None:  # decorated only to learn the options' parameter names
+        pass
+
+    learnt: Any = probe
+    for option in options:
+        learnt = option(learnt)
+    names = [param.name for param in learnt.__click_params__]
+
+    def decorate(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            values = {key: kwargs.pop(key) for key in names}
+            return fn(**kwargs, **{name: make(**values)})
+
+        for option in reversed(options):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
+
+
 SEED = click.IntRange(0, 2**32 - 1)  # what numpy's and torch's generators take from every caller
 
 
@@ -224,7 +249,7 @@ def _remember_keys(ctx: click.Context, param: click.Parameter, value: Any) -> An
     """``--public-key`` files, each read as a PEM public key now: a named key that cannot be used is an
     error whether or not the command meets native code (docs/security.md), never skipped."""
     from tk.errors import TkError
-    from tk.signing import check_public_key_file
+    from tk.keys import check_public_key_file
 
     for path in value or ():
         try:

@@ -27,7 +27,8 @@ def sign_cmd(artifact: Path | None, private_key: Path | None, show_public_key: b
 
     Verify it with `model_signing verify key ARTIFACT --signature ARTIFACT/model.sig --public_key PUB`.
     """
-    from tk.signing import ensure_own_key, fingerprint_of_file, sign_artifact
+    from tk.keys import ensure_own_key, fingerprint_of_file
+    from tk.signing import sign_artifact
 
     if show_public_key:
         if artifact is not None or private_key is not None:
