@@ -1,4 +1,4 @@
-"""Accuracy and speed baselines: files, recipes, margins and verdicts (tk.workflows.baseline)."""
+"""Accuracy and speed baselines: files, recipes, margins and verdicts (tk.workflows.baseline, baseline_accuracy, baseline_speed)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,19 @@ import pytest
 
 from tk.errors import ParityError, UsageError
 from tk.parity import ParityReport, compare_output
-from tk.workflows.baseline import (
+from tk.workflows.baseline_accuracy import (
     SQNR_CAP_DB,
     Margins,
     Recipe,
     accuracy_baseline,
     accuracy_gate,
     load_accuracy_baseline,
-    load_speed_baseline,
     parse_margins,
     recipe_of,
     resolve_recipe,
     save_accuracy_baseline,
-    save_speed_baseline,
-    speed_baseline,
-    speed_gate,
 )
+from tk.workflows.baseline_speed import load_speed_baseline, save_speed_baseline, speed_baseline, speed_gate
 from tk.workflows.bench import BenchReport, BenchRow
 from tk.workflows.check import CheckResult
 

@@ -6,7 +6,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from tests.test_baseline import bench_report, check_result
-from tk.workflows.baseline import Recipe, accuracy_baseline, accuracy_gate, speed_baseline, speed_gate
+from tk.workflows.baseline_accuracy import Recipe, accuracy_baseline, accuracy_gate
+from tk.workflows.baseline_speed import speed_baseline, speed_gate
 from tk.workflows.junit import write_junit, write_junit_error
 
 

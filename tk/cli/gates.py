@@ -56,13 +56,8 @@ class CheckGates:
     def finish(self, result: Any) -> None:
         """Judge ``result`` (a ``CheckResult``) against the baseline, write the files, raise on a failure."""
         from tk.errors import UsageError
-        from tk.workflows.baseline import (
-            accuracy_baseline,
-            accuracy_gate,
-            recipe_of,
-            render_gate,
-            save_accuracy_baseline,
-        )
+        from tk.workflows.baseline import render_gate
+        from tk.workflows.baseline_accuracy import accuracy_baseline, accuracy_gate, recipe_of, save_accuracy_baseline
         from tk.workflows.junit import write_junit
 
         gate = accuracy_gate(result, self.loaded, self.margins, allow_missing=self.allow_missing)
@@ -105,14 +100,14 @@ def check_gates(fn: Any) -> Any:
         junit_path: Path | None,
         **kwargs: Any,
     ) -> Any:
-        from tk.workflows.baseline import parse_margins
+        from tk.workflows.baseline_accuracy import parse_margins
 
         gates = CheckGates(save_baseline_path, baseline_path, junit=junit_path, allow_missing=allow_missing)
         with _junit_on_error(gates, "tk.check", kwargs.get("artifact")):
             _refuse_without_baseline(baseline_path, margin=bool(margins), allow_missing=allow_missing)
             gates.margins = parse_margins(margins)
             if baseline_path is not None:
-                from tk.workflows.baseline import load_accuracy_baseline, resolve_recipe
+                from tk.workflows.baseline_accuracy import load_accuracy_baseline, resolve_recipe
 
                 gates.loaded = load_accuracy_baseline(baseline_path)
                 given = {f: kwargs[name] for name, f in CHECK_RECIPE.items() if name in kwargs and _given(name)}
@@ -167,9 +162,9 @@ class BenchGates:
     def finish(self, report: Any) -> None:
         """Judge ``report`` (a ``BenchReport``) against the baseline, write the files, raise on a slowdown."""
         from tk.errors import UsageError
-        from tk.workflows.baseline import (
+        from tk.workflows.baseline import render_gate
+        from tk.workflows.baseline_speed import (
             DEFAULT_MAX_SLOWDOWN_PCT,
-            render_gate,
             save_speed_baseline,
             speed_baseline,
             speed_gate,
@@ -268,7 +263,7 @@ def _speed_baseline_for(path: Path, max_slowdown: float | None, any_cpu: bool, k
     batch sizes, ``--seq`` and ``--io`` put in ``kwargs`` where the user left them out."""
     from tk.errors import UsageError
     from tk.measure.hardware import machine_description
-    from tk.workflows.baseline import check_max_slowdown, load_speed_baseline, refuse_other_cpu
+    from tk.workflows.baseline_speed import check_max_slowdown, load_speed_baseline, refuse_other_cpu
 
     if max_slowdown is not None:
         check_max_slowdown(max_slowdown)
