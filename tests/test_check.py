@@ -150,3 +150,25 @@ def test_a_noise_floor_survives_its_json():
     missing = NoiseFloor(batch={"y": 1e-6}, note="the model cannot run in float64 (x)")
     assert "per_run" not in missing.to_json() and NoiseFloor.from_json(missing.to_json()) == missing
     assert not missing.measured and missing.largest() == {}
+
+
+def test_a_tolerance_the_user_gives_is_the_whole_rule():
+    from tk.parity import NoiseFloor, report_from_outputs
+
+    ref = {"y": np.array([[0.0, 1.0]]), "z": np.array([[0.0, 1.0]])}
+    cand = {"y": ref["y"] + 5e-5, "z": ref["z"] + 5e-5}
+    floor = NoiseFloor([{"y": 1e-5, "z": 1e-5}])
+
+    def judged(noise_floor, tolerances=None):
+        report = report_from_outputs(
+            "onnx", ref, cand, precision="fp32", rtol=1e-4, atol=1e-5, noise_floor=noise_floor, tolerances=tolerances
+        )
+        return {o.name: o.passed for o in report.outputs}
+
+    assert judged(floor) == {"y": True, "z": True}  # 5e-5 is within 1e-5 + 8 floors
+    assert judged(floor, {"y": (1e-4, 1e-5)}) == {"y": False, "z": True}  # --tol y=...: no floor for y
+    assert judged(NoiseFloor([{"y": 1e-5, "z": 1e-5}], applied=False)) == {"y": False, "z": False}  # --rtol/--atol
+    assert judged(None) == {"y": False, "z": False}
+    report = report_from_outputs("onnx", ref, cand, precision="bf16", rtol=1e-4, atol=1e-5, noise_floor=floor)
+    assert report.noise_floor is None  # reduced precisions add no floor
+    assert NoiseFloor.from_json(NoiseFloor(applied=False).to_json()).applied  # applying is each check's choice

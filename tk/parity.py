@@ -173,7 +173,7 @@ def check_engines(
 def _compare_runs(report: ParityReport, candidate: Any, runs: ReferenceRuns) -> Mapping[str, np.ndarray] | None:
     """Run ``candidate`` on each of ``runs`` and fill ``report``'s shapes and outputs (the worst of each
     output over the runs); return its outputs at the largest batch, which the batch-invariance probe reads."""
-    floor = report.noise_floor
+    floor = report.noise_floor if report.noise_floor is not None and report.noise_floor.applied else None
     merged: dict[str, OutputParity] = {}
     largest, batched = largest_run(runs.feeds), None
     for index, (run_feeds, ref_out) in enumerate(zip(runs.feeds, runs.outputs, strict=True)):
@@ -182,7 +182,7 @@ def _compare_runs(report: ParityReport, candidate: Any, runs: ReferenceRuns) -> 
             batched = cand_out  # what the batch-invariance probe compares samples run alone with
         report.shapes.append(candidate.check_feeds(run_feeds))
         valid = padding_positions(candidate.inputs, candidate.outputs, run_feeds, ref_out)
-        floors = floor.per_run[index] if floor is not None and floor.measured else None
+        floors = _floors_at(floor, index, report.tolerances)
         compared = compare(
             ref_out,
             cand_out,
@@ -210,9 +210,20 @@ def _probe_batch_invariance(
     largest = largest_run(runs.feeds)
     if largest is None or batch_size(runs.feeds[largest]) <= 1 or not batch_dim_is_dynamic(candidate):
         return None
-    floors = _probe_floors(report.noise_floor, largest)
+    floor = report.noise_floor if report.noise_floor is not None and report.noise_floor.applied else None
+    floors = _probe_floors(floor, largest)
     probe = probe_invariance(candidate, runs.feeds[largest], batched, rtol=report.rtol, atol=report.atol, floors=floors)
     return worst_of(probe.values())
+
+
+def _floors_at(
+    floor: NoiseFloor | None, index: int, tolerances: Mapping[str, tuple[float, float]] | None
+) -> dict[str, float] | None:
+    """Each output's floor at run ``index``, but for outputs with a tolerance of their own (``--tol``): a
+    tolerance the user gives is the whole rule."""
+    if floor is None or not floor.measured:
+        return None
+    return {name: value for name, value in floor.per_run[index].items() if name not in (tolerances or {})}
 
 
 def _probe_floors(floor: NoiseFloor | None, index: int) -> dict[str, float] | None:
@@ -273,7 +284,7 @@ def report_from_outputs(
         min_sqnr_db=min_sqnr_db,
         tolerances=tolerances,
         valid=valid,
-        floors=floor.per_run[0] if floor is not None and floor.measured else None,
+        floors=_floors_at(floor if floor is not None and floor.applied else None, 0, tolerances),
     )
     _fail_where_the_reference_is_nan(report.outputs, [reference])
     mark_reference_signal(report, [reference], specs)

@@ -31,13 +31,15 @@ class NoiseFloor:
     output's max |eager float32 - eager float64| (the positions compared: padding left out); empty
     when the model could not run in float64, with ``note`` saying why (the table's tolerance then
     applies alone). ``batch``: each batched output's max |alone - in the batch| of eager itself, on
-    the samples the batch-invariance probe re-runs.
+    the samples the batch-invariance probe re-runs. ``applied``: False where the user gave the
+    tolerance (``--rtol``/``--atol``), which is then the whole rule: the floor is recorded, not added.
     """
 
     per_run: list[dict[str, float]] = field(default_factory=list)
     batch: dict[str, float] = field(default_factory=dict)
     note: str | None = None
     k: float = NOISE_FLOOR_K
+    applied: bool = True
 
     @property
     def measured(self) -> bool:
@@ -53,7 +55,8 @@ class NoiseFloor:
 
     def to_json(self) -> dict[str, Any]:
         measured = {"measured": "eager float32 vs float64", "per_run": self.per_run} if self.measured else {}
-        return {"k": self.k, **measured, "batch": self.batch, **({"note": self.note} if self.note else {})}
+        applied = {} if self.applied else {"applied": False}
+        return {"k": self.k, **measured, "batch": self.batch, **applied, **({"note": self.note} if self.note else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NoiseFloor:
