@@ -313,7 +313,7 @@ def test_data_splits_into_calibration_and_held_out_with_labels(tmp_path: Path) -
 
 def test_each_int8_format_is_its_own_export_and_the_others_share_a_capture() -> None:
     from tk.workflows.optimize.candidates import Candidate
-    from tk.workflows.optimize.run import export_groups
+    from tk.workflows.optimize.groups import export_groups
 
     fused = None
     static = None
@@ -361,7 +361,7 @@ def _timed(name: str, p50_ms: float, **accuracy: float) -> Any:
 
 
 def test_a_tie_within_the_margin_goes_to_the_most_accurate() -> None:
-    from tk.workflows.optimize.run import TIE, pick_winner
+    from tk.workflows.optimize.winner import TIE, pick_winner
 
     int8 = _timed("onnx int8 static", 228.0, cosine=0.999964)
     fp32 = _timed("onnx fp32", 228.0 * (1 + TIE) - 0.1, cosine=1.0)
@@ -372,7 +372,7 @@ def test_a_tie_within_the_margin_goes_to_the_most_accurate() -> None:
 
 
 def test_outside_the_margin_or_as_accurate_the_fastest_wins() -> None:
-    from tk.workflows.optimize.run import TIE, pick_winner
+    from tk.workflows.optimize.winner import TIE, pick_winner
 
     int8 = _timed("aoti int8 static", 156.0, sqnr=42.4)
     fp32 = _timed("aoti fp32", 156.0 * (1 + TIE) + 0.5, sqnr=140.9)

@@ -13,15 +13,16 @@ from tk.measure.roofline import Roofline
 from tk.models import build_model
 from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize
 from tk.workflows.optimize.candidates import Candidate
+from tk.workflows.optimize.groups import export_groups, int8_before_fp32
 from tk.workflows.optimize.precision_race import (
     PrecisionRace,
     int8_probe_reason,
     int8_skip_reason,
+    linear_int8_share,
     no_gain_reason,
     run_race,
     skip_reason,
 )
-from tk.workflows.optimize.run import export_groups, int8_before_fp32, linear_int8_share
 
 
 def _race(

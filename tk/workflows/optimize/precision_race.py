@@ -202,3 +202,16 @@ def run_race(roofline: Roofline, batch: int, rounds: int = ROUNDS) -> PrecisionR
         linear_share=min(1.0, linear / roofline.flops),
         rounds=rounds,
     )
+
+
+def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
+    """The share of ``module``'s ``nn.Linear`` multiply-adds per row (in x out features) outside the
+    ``excluded`` module paths (a path excludes every linear under it); None where it has no linear."""
+    from torch import nn
+
+    sizes = {name: m.in_features * m.out_features for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+    total = sum(sizes.values())
+    if not total:
+        return None
+    out = sum(n for name, n in sizes.items() if any(name == e or name.startswith(e + ".") for e in excluded))
+    return 1 - out / total

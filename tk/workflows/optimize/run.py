@@ -4,20 +4,24 @@ Capture once per precision and setting, write every candidate format (cached), j
 accuracy spec across its shape range and on held-out samples, time the ones that pass interleaved
 beside eager float32 at the user's batch and sequence, and write the fastest as an ordinary
 artifact whose manifest names the recommended engine and holds the whole candidates table.
+
+The stages, in order: sizes and ranges (here), the candidates (``candidates``), the export groups and
+their order (``groups``), the precision race's skips (``precision_race``, scheduled here), export and
+judge (``artifacts``, ``judge``; the int8 ``gate``), timing (``timing``), the winner (``winner``) and
+the winner's artifact with the record of the run (``artifacts.write_winner``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tk.accuracy import METRICS, AccuracySpec, parse_accuracy, unmeasurable
+from tk.accuracy import AccuracySpec, parse_accuracy, unmeasurable
 from tk.errors import BackendUnavailableError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
 from tk.fileio import sha256_file
@@ -36,17 +40,20 @@ from tk.workflows.optimize.candidates import (
 )
 from tk.workflows.optimize.data import OptimizeData, optimize_data
 from tk.workflows.optimize.gate import SpeedGate
+from tk.workflows.optimize.groups import REDUCED_FLOATS, compiled_probes, export_groups, int8_before_fp32
 from tk.workflows.optimize.judge import Reference, headline, judge_candidate
 from tk.workflows.optimize.precision_race import (
     PrecisionRace,
     int8_probe_reason,
     int8_skip_reason,
+    linear_int8_share,
     no_gain_reason,
     run_race,
     skip_reason,
 )
-from tk.workflows.optimize.table import TIE, Row, plot_bytes
+from tk.workflows.optimize.table import Row, plot_bytes
 from tk.workflows.optimize.timing import time_candidates
+from tk.workflows.optimize.winner import no_winner_reason, pick_winner
 
 log = logging.getLogger("tk.optimize")
 KEEP = ("best", "all")
@@ -171,75 +178,6 @@ def _export_options(
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
                          calibration_data=data.calibration, check_data=check_data,
                          min_sqnr_db=accuracy.sqnr_floor_db, int8_gate=gate)  # fmt: skip
-
-
-REDUCED_FLOATS = ("bf16", "fp16")
-
-
-def export_groups(tried: list[Candidate], *, reduced_first: bool = False) -> dict[Any, list[Candidate]]:
-    """The candidates written by one export each: one precision and setting (one capture for its formats),
-    but each int8 format alone: each quantizes with its own search, and a failing member of a shared
-    group is retried one format at a time, which would run the others' searches again. Groups keep
-    ``tried``'s order but for the int8 formats, which go in their writers' ``int8_rank`` (the likeliest
-    winner first, so the speed gate can skip a later search that cannot beat it); with ``reduced_first`` the
-    reduced float precisions (``REDUCED_FLOATS``) go before float32, whose groups the precision race may
-    then skip (``tk.workflows.optimize.precision_race``; where int8 leads, ``int8_before_fp32`` moves the
-    aoti int8 group before them too)."""
-
-    def rank(candidate: Candidate) -> int:
-        return writer_of(candidate.format).int8_rank if candidate.precision == "int8" else 0
-
-    groups: dict[Any, list[Candidate]] = {}
-    precisions = list(dict.fromkeys(c.precision for c in tried))
-    if reduced_first:
-        precisions.sort(key=lambda p: p not in REDUCED_FLOATS)  # stable: float32 and int8 keep their order
-    for candidate in sorted(tried, key=lambda c: (precisions.index(c.precision), rank(c))):
-        alone = candidate.format if candidate.precision == "int8" else None
-        groups.setdefault((candidate.group, alone), []).append(candidate)
-    return groups
-
-
-def int8_before_fp32(groups: dict[Any, list[Candidate]]) -> dict[Any, list[Candidate]]:
-    """``groups`` with the first int8 group (the likeliest winner: ``export_groups`` puts int8 formats in their
-    writers' ``int8_rank``) moved before the first float32 group (``PrecisionRace.int8_leads``)."""
-    order = list(groups.items())
-    int8 = next((i for i, (_, m) in enumerate(order) if m[0].precision == "int8"), None)
-    first_fp32 = next((i for i, (_, m) in enumerate(order) if m[0].precision == "fp32"), None)
-    if int8 is None or first_fp32 is None or int8 < first_fp32:
-        return groups
-    order.insert(first_fp32, order.pop(int8))
-    return dict(order)
-
-
-def compiled_probes(tried: list[Candidate]) -> list[str]:
-    """The int8 formats among ``tried`` whose all-int8 probe costs a compile (``Writer.int8_probe_compiles``)."""
-    return sorted({c.format for c in tried if c.precision == "int8" and writer_of(c.format).int8_probe_compiles})
-
-
-def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
-    """The share of ``module``'s ``nn.Linear`` multiply-adds per row (in x out features) outside the
-    ``excluded`` module paths (a path excludes every linear under it); None where it has no linear."""
-    from torch import nn
-
-    sizes = {name: m.in_features * m.out_features for name, m in module.named_modules() if isinstance(m, nn.Linear)}
-    total = sum(sizes.values())
-    if not total:
-        return None
-    out = sum(n for name, n in sizes.items() if any(name == e or name.startswith(e + ".") for e in excluded))
-    return 1 - out / total
-
-
-def no_winner_reason(rows: list[Row], accuracy: AccuracySpec, tried: set[str], shown: int = 6) -> str:
-    """Why no candidate won, in one line: those that failed the spec, or (none did) what became of each
-    candidate ``tried`` (those this machine cannot run, or not asked for, are in the table)."""
-    failed = [f"{r.candidate}: {r.reason}" for r in rows if r.status == "failed"]
-    if failed:
-        return f"no candidate keeps {accuracy}: " + "; ".join(failed)
-    fates = [
-        f"{r.candidate}: {r.status}" + (f" ({r.reason})" if r.reason else "") for r in rows if r.candidate in tried
-    ]
-    more = f"; and {len(fates) - shown} more" if len(fates) > shown else ""
-    return f"no candidate to pick: none failed {accuracy}, and none passed and was timed ({'; '.join(fates[:shown])}{more})"
 
 
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
@@ -496,31 +434,6 @@ class _Run:
         write_winner(
             self.out, root, manifest, candidate, judged, record, extras, others, self.cache, force=self.options.force
         )
-
-
-def pick_winner(timed: list[Row], metric: str) -> Row:
-    """The fastest of ``timed``, unless others ran within ``TIE`` of it: then the most accurate of
-    those (by ``metric`` on the held-out samples), whose row says why. An int8 model with most layers
-    left out runs within a percent or two of float32; a difference that size is the timing's noise on
-    these machines (history.md), and no reason to ship the less accurate artifact."""
-    fastest = min(timed, key=lambda r: r.p50_ms or math.inf)
-    tied = [r for r in timed if (r.p50_ms or math.inf) <= (fastest.p50_ms or math.inf) * (1 + TIE)]
-    lower_is_better = METRICS.get(metric) == "<="
-
-    def accuracy(row: Row) -> float:
-        value = row.accuracy.get(metric)
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return -math.inf
-        return -float(value) if lower_is_better else float(value)
-
-    winner = max(tied, key=lambda r: (accuracy(r), -(r.p50_ms or math.inf)))
-    if winner is not fastest and accuracy(winner) > accuracy(fastest):
-        tie = f"within {TIE:.0%} of {fastest.candidate}'s {fastest.p50_ms:.3g} ms (a tie) and more accurate"
-        winner.reason = f"{winner.reason}; {tie}" if winner.reason else tie  # an int8 row keeps its layer count
-    else:
-        winner = fastest
-    winner.winner = True
-    return winner
 
 
 def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
