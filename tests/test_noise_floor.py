@@ -189,3 +189,12 @@ def test_a_model_that_cannot_run_in_float64_is_judged_by_the_table(tmp_path, cap
     assert report["noise_floor"]["note"].startswith("the model cannot run in float64")
     assert "floor" not in report["outputs"][0]
     assert any("no noise floor" in r.getMessage() for r in caplog.records)
+
+
+def test_tolerances_the_user_gives_replace_the_rule(exported):
+    root = exported("mlp", ("onnx", "torch")).root
+    report = check_artifact(root, EngineChoice("onnx"), atol=1e-5).reports["onnx"]
+    assert report.noise_floor.measured and not report.noise_floor.applied  # measured and recorded, not added
+    assert "--rtol/--atol given apply alone" in report.noise_floor.note
+    assert all(o.floor is None for o in report.outputs)
+    assert report.to_json()["noise_floor"]["applied"] is False

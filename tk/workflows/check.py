@@ -64,6 +64,7 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                 "check  your samples fit %s: random inputs there (a dimension no mask input spans is not resized)",
                 "no shape of the range" if runs.inputs == "random" else "only some shapes; " + runs.inputs,
             )
+        given_tolerance(runs.floor, ctx.options.rtol, ctx.options.atol)
         log_noise_floor(runs.floor)
         for fmt in formats:
             fmt_device = device
@@ -97,17 +98,25 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
     manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"
 
 
+def given_tolerance(floor: NoiseFloor | None, rtol: float | None, atol: float | None) -> None:
+    """With ``--rtol``/``--atol`` given, that tolerance is the whole rule: the floor is recorded, not added."""
+    if floor is not None and (rtol is not None or atol is not None):
+        floor.applied = False
+        given = "the --rtol/--atol given apply alone; the floor is measured, not added"
+        floor.note = f"{floor.note}; {given}" if floor.note else given
+
+
 def log_noise_floor(floor: NoiseFloor | None) -> None:
     """One line: the floor per output and the rule it sets, or why there is none (fp32/tf32 only)."""
     if floor is None:
         return
     if floor.measured:
         per_output = ", ".join(f"{name} {value:.2e}" for name, value in floor.largest().items())
+        rule = f"an output passes within atol + rtol x |reference| + {floor.k:g} x its floor"
         log.info(
-            "check  noise floor (eager float32 vs float64, the largest over the runs): %s; an output passes "
-            "within atol + rtol x |reference| + %g x its floor",
+            "check  noise floor (eager float32 vs float64, the largest over the runs): %s; %s",
             per_output or "no floating output",
-            floor.k,
+            rule if floor.applied else floor.note,
         )
     else:
         log.info("check  note: no noise floor, %s; the table's tolerance applies alone", floor.note)
@@ -250,29 +259,40 @@ def check_artifact(
     among = names if stored is not None else [reference, *names]  # the engines opened: what the options apply to
     with contextlib.ExitStack() as stack:
         if stored is not None:
-            label = f"golden {Path(golden).name} ({stored.reference})"
-            ref = _Reference(label, ReferenceRuns(stored.shapes, stored.feeds, stored.outputs, "golden"))
+            ref = _golden_reference(Path(golden).name, stored)
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
-        if manifest.precision in FLOOR_PRECISIONS:
-            ref.runs.floor = _noise_floor(ref, manifest, batch_size)
-            log_noise_floor(ref.runs.floor)
+        ref.runs.floor = _noise_floor(ref, manifest, batch_size)
+        given_tolerance(ref.runs.floor, rtol, atol)
+        log_noise_floor(ref.runs.floor)
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
-        result = CheckResult({}, judge.rtol, judge.atol, count_nonfinite(ref.runs.feeds[0]) if ref.samples else {})
-        if ref.runs.inputs.startswith("random"):
-            result.exported_on_samples = [
-                n for n in names if str(manifest.check.get(n, {}).get("inputs", "random")).startswith("samples")
-            ]
+        result = _empty_result(ref, judge, manifest, names)
         for name in names:
             with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
-                report = ref.compare(candidate, judge, batch_size)
-            result.reports[name] = report
+                result.reports[name] = report = ref.compare(candidate, judge, batch_size)
             if len(result.reports) == 1:
                 warn_reference_signal(report)
             if on_report is not None:
                 on_report(name, report)
+    return result
+
+
+def _golden_reference(name: str, stored: Any) -> _Reference:
+    """A golden file (``tk.workflows.golden.Golden``) as the reference: its inputs and outputs, no model."""
+    label = f"golden {name} ({stored.reference})"
+    return _Reference(label, ReferenceRuns(stored.shapes, stored.feeds, stored.outputs, "golden"))
+
+
+def _empty_result(ref: _Reference, judge: _Judge, manifest: Manifest, names: list[str]) -> CheckResult:
+    """The result before any engine ran: the tolerances, the NaN/Inf in the user's file, and the engines whose
+    export check ran the user's samples where this check runs random inputs."""
+    result = CheckResult({}, judge.rtol, judge.atol, count_nonfinite(ref.runs.feeds[0]) if ref.samples else {})
+    if ref.runs.inputs.startswith("random"):
+        result.exported_on_samples = [
+            n for n in names if str(manifest.check.get(n, {}).get("inputs", "random")).startswith("samples")
+        ]
     return result
 
 
@@ -327,9 +347,11 @@ class _Reference:
         return report
 
 
-def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor:
-    """Measured again on this check's own inputs where the reference is the PyTorch model (eager);
-    against another engine or a golden file, the floor the export check recorded at the same shapes."""
+def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor | None:
+    """At fp32/tf32 (else None): measured again on this check's own inputs where the reference is the PyTorch
+    model (eager); against another engine or a golden file, the floor the export check recorded at the same shapes."""
+    if manifest.precision not in FLOOR_PRECISIONS:
+        return None
     if not isinstance(ref.reference, str) and ref.reference.name == "eager":
         run = BatchRunner(ref.reference, batch_size).run if ref.samples else None
         return measure_noise_floor(ref.reference, ref.runs, run=run, batch=not ref.samples)
