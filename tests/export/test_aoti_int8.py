@@ -23,16 +23,11 @@ from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
 from tk.export.aoti import AotiOptions
 from tk.export.aoti import unavailable_reason as aoti_unavailable
-from tk.export.aoti_int8 import (
-    excluded_run_in_bf16,
-    int8_program,
-    quantizable_modules,
-    run_linears_in_bf16,
-    unit_macs,
-)
+from tk.export.aoti_int8 import excluded_run_in_bf16, int8_program
 from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
 from tk.export.int8.search import int8_share
 from tk.export.onnx import OnnxOptions
+from tk.export.pt2e import quantizable_modules, run_linears_in_bf16, unit_macs
 from tk.export.torch_program import exported_program_from_module
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
@@ -151,8 +146,8 @@ def test_modules_are_excluded_costliest_first_until_the_floor_holds():
 def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(monkeypatch):
     """The exclusion rounds judge a screen of the batches (here the calibration batches alone); what they
     keep is judged on every batch, held-out ones included, before it is returned."""
-    from tk.export.aoti_int8 import _outputs
     from tk.export.int8.search import MARGIN_DB
+    from tk.export.pt2e import outputs_of
     from tk.parity import worst_sqnr_db
 
     monkeypatch.setattr("tk.export.int8.search.SCREEN_EVERY", 10**6)
@@ -167,8 +162,8 @@ def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(m
     names = [s.name for s in spec.signature.inputs]
     batches = [tuple(torch.from_numpy(b[n]) for n in names) for b in [*calibration, *held_out]]
     with torch.no_grad():
-        reference = [_outputs(program.module(), b) for b in batches]
-        got = [_outputs(quantized.module(), b) for b in batches]
+        reference = [outputs_of(program.module(), b) for b in batches]
+        got = [outputs_of(quantized.module(), b) for b in batches]
     assert worst_sqnr_db(reference, got) >= floor + MARGIN_DB - 0.5  # every batch, recaptured program
     # the kept set's SQNR is the worst of every batch (the screen's, judged in its round, and the rest's)
     assert strict.sqnr_db == pytest.approx(worst_sqnr_db(reference, got), abs=0.5)
@@ -412,7 +407,7 @@ def test_a_computed_but_unused_pooler_does_not_stop_quantization():
 def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
     """The quantizer calibrates once per smoothing plan and copies the observers' statistics into later
     copies; every copy must compute exactly what a copy calibrated on its own computes."""
-    from tk.export.aoti_int8 import _outputs, _Quantizer, quantizable_modules
+    from tk.export.pt2e import Quantizer, outputs_of, quantizable_modules
     from tk.export.smoothing import plan_smoothing
 
     spec, _, _, program = _tiny_transformer_program(trained=True)
@@ -421,14 +416,14 @@ def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
     probe = tuple(
         torch.from_numpy(random_feeds(spec.signature.inputs, {"batch": 4, "seq": 16}, seed=7)[n]) for n in names
     )
-    kept = _Quantizer(program, calibration, "histogram", [], False)
+    kept = Quantizer(program, calibration, "histogram", [], False)
     modules = quantizable_modules(kept.float_module)
     with torch.no_grad():
         kept.quantize()  # calibrates every observer
         for only, exclude in (([modules[0]], []), (None, modules[:3]), (None, modules[-2:])):
-            fresh = _Quantizer(program, calibration, "histogram", [], False)
-            want = _outputs(fresh.quantize(only=only, exclude=exclude), probe)
-            got = _outputs(kept.quantize(only=only, exclude=exclude), probe)
+            fresh = Quantizer(program, calibration, "histogram", [], False)
+            want = outputs_of(fresh.quantize(only=only, exclude=exclude), probe)
+            got = outputs_of(kept.quantize(only=only, exclude=exclude), probe)
             assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True))
         assert kept.calibrations == 1
         kept.smoothing = plan_smoothing(kept.float_module, calibration, 0.5)  # other values: calibrated anew
@@ -439,7 +434,7 @@ def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
 def test_the_judged_module_computes_exactly_what_the_quantized_program_computes():
     """The search judges a copy with each quantize/dequantize pair as one call and the weights
     dequantized once; its outputs must equal the program's own, with left-out linears in bf16 too."""
-    from tk.export.aoti_int8 import _outputs, _Quantizer, fake_quantized, judged_module, quantizable_modules
+    from tk.export.pt2e import Quantizer, fake_quantized, judged_module, outputs_of, quantizable_modules
 
     spec, _, _, program = _tiny_transformer_program(trained=True)
     names = [s.name for s in spec.signature.inputs]
@@ -451,10 +446,10 @@ def test_the_judged_module_computes_exactly_what_the_quantized_program_computes(
     decomposed = torch.ops.quantized_decomposed
     with torch.no_grad():
         for in_bf16 in (False, True):
-            quantizer = _Quantizer(program, calibration, "histogram", [], in_bf16)
+            quantizer = Quantizer(program, calibration, "histogram", [], in_bf16)
             modules = quantizable_modules(quantizer.float_module)
             converted = quantizer.quantize(exclude=modules[:2])
-            before = _outputs(converted, probes[0])
+            before = outputs_of(converted, probes[0])
             judged = judged_module(converted)
             targets = [n.target for n in judged.graph.nodes if n.op == "call_function"]
             assert fake_quantized in targets
@@ -463,9 +458,9 @@ def test_the_judged_module_computes_exactly_what_the_quantized_program_computes(
             )
             assert decomposed.quantize_per_tensor.default in {n.target for n in converted.graph.nodes}  # untouched
             for probe in probes:
-                want, got = _outputs(converted, probe), _outputs(judged, probe)
+                want, got = outputs_of(converted, probe), outputs_of(judged, probe)
                 assert all(w.shape == g.shape and np.array_equal(w, g) for w, g in zip(want, got, strict=True))
-            after = _outputs(converted, probes[0])  # the program itself is untouched by its copy
+            after = outputs_of(converted, probes[0])  # the program itself is untouched by its copy
             assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
 
 
@@ -473,7 +468,7 @@ def test_the_judged_module_computes_exactly_what_the_quantized_program_computes(
     ("dtype", "low", "high"), [(torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.uint8, 0, 127)]
 )
 def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
-    from tk.export.aoti_int8 import fake_quantized
+    from tk.export.pt2e import fake_quantized
 
     decomposed = torch.ops.quantized_decomposed
     x = torch.randn(3, 70, 33, generator=torch.Generator().manual_seed(0)) * 4
@@ -489,7 +484,7 @@ def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
 def test_a_judge_runs_a_candidate_only_on_the_batches_it_has_no_sqnr_for():
     """The exclusion rounds keep each set's SQNR per batch across screens: asked again once a batch has
     joined the screen, a set runs on that batch alone, and reads the others from what it knew."""
-    from tk.export.aoti_int8 import program_evaluator
+    from tk.export.pt2e import program_evaluator
 
     batches = [(torch.full((2, 3), float(i)),) for i in range(5)]
     judge = program_evaluator(lambda x: x, batches)

@@ -11,8 +11,9 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
-from tk.export.aoti_int8 import ProgramUnits, _Quantizer, program_evaluator, quantizable_modules
+from tk.export.aoti_int8 import ProgramUnits
 from tk.export.int8.search import one_at_a_time_sqnr_db
+from tk.export.pt2e import Quantizer, program_evaluator, quantizable_modules
 from tk.models import build_model
 
 
@@ -28,7 +29,7 @@ class _TwoLinears(nn.Module):
 
 def _costs(module: nn.Module, batches: list[tuple[torch.Tensor, ...]], names: list[str]) -> dict[str, float]:
     program = torch.export.export(module.eval(), batches[0])
-    quantizer = _Quantizer(program, batches, "histogram", [], excluded_in_bf16=False)
+    quantizer = Quantizer(program, batches, "histogram", [], excluded_in_bf16=False)
     return one_at_a_time_sqnr_db(ProgramUnits(quantizer, names), program_evaluator(quantizer.float_module, batches))
 
 
