@@ -123,19 +123,7 @@ def write_artifact(
     options = options or ExportOptions()
     out = Path(out)
     formats, skipped, settings = _plan(options)
-    checkpoint_sha = None
-    if options.checkpoint is not None:
-        from tk.models.checkpoint import load_weights
-
-        load_weights(spec.module, options.checkpoint)
-        checkpoint_sha = sha256_file(options.checkpoint)
-    spec.module.eval()
-    dims = resolve_dims(spec, options.dims, options.dynamic)
-    opt = {n: d.opt for n, d in dims.items()}
-    for name, dim in dims.items():  # the check runs each dimension at its max: size that before any work
-        sizes = {**opt, name: dim.max}
-        require_within_budget(feeds_nbytes(spec.signature.inputs, sizes), f"inputs at sizes {sizes}")
-    example = spec.example_inputs(opt)
+    checkpoint_sha, dims, example = _prepare_model(spec, options)
     recover_interrupted(out)
     require_replaceable(out, force=options.force)  # before any work: never replace what tk did not write
     try:
@@ -165,7 +153,33 @@ def write_artifact(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    result = ExportResult(out, manifest, skipped)
+    _raise_on_failures(manifest, out)
+    return ExportResult(out, manifest, skipped)
+
+
+def _prepare_model(
+    spec: ModelSpec, options: ExportOptions
+) -> tuple[str | None, dict[str, Dim], tuple[torch.Tensor, ...]]:
+    """The checkpoint's weights loaded (and its sha256), the model in eval mode, the resolved dimensions
+    (the largest inputs the check will run sized against the memory budget first) and the example inputs."""
+    checkpoint_sha = None
+    if options.checkpoint is not None:
+        from tk.models.checkpoint import load_weights
+
+        load_weights(spec.module, options.checkpoint)
+        checkpoint_sha = sha256_file(options.checkpoint)
+    spec.module.eval()
+    dims = resolve_dims(spec, options.dims, options.dynamic)
+    opt = {n: d.opt for n, d in dims.items()}
+    for name, dim in dims.items():  # the check runs each dimension at its max: size that before any work
+        sizes = {**opt, name: dim.max}
+        require_within_budget(feeds_nbytes(spec.signature.inputs, sizes), f"inputs at sizes {sizes}")
+    return checkpoint_sha, dims, spec.example_inputs(opt)
+
+
+def _raise_on_failures(manifest: Manifest, out: Path) -> None:
+    """``PartialExportError`` where a format failed to convert (the others kept), ``ParityError`` where the
+    check failed (the artifact kept, marked failed)."""
     failures = [f"{fmt}: {line}" for fmt, rep in manifest.check.items() for line in _failures(rep)]
     if manifest.failed:
         held = f"{', '.join(manifest.formats)} ({manifest.status}{': ' + '; '.join(failures) if failures else ''})"
@@ -175,7 +189,6 @@ def write_artifact(
         )
     if manifest.status == "failed":
         raise ParityError(f"export check failed, artifact kept at {out} and marked failed: " + "; ".join(failures))
-    return result
 
 
 def _plan(options: ExportOptions) -> tuple[list[str], dict[str, str], dict[str, object]]:

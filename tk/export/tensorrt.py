@@ -114,12 +114,7 @@ def engine_from_onnx(
     returns the settings used."""
     import tensorrt as trt
 
-    level_name = HARDWARE_COMPATIBILITY[options.hardware_compatibility]
-    level = getattr(trt.HardwareCompatibilityLevel, level_name, None)
-    if level is None:
-        raise UsageError(
-            f"--trt-hardware-compat {options.hardware_compatibility}: TensorRT {trt.__version__} does not offer it"
-        )
+    level = _compatibility_level(trt, options)
     logger = trt_logger()
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
@@ -131,21 +126,8 @@ def engine_from_onnx(
             f"TensorRT {trt.__version__}'s ONNX parser rejected the model ({len(errors)} error(s); first: {first}); "
             "try another --opset, or export --format onnx and run it with onnxruntime"
         )
-    config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * 2**30))
-    config.builder_optimization_level = options.optimization_level
-    config.hardware_compatibility_level = level
-    tf32 = getattr(trt.BuilderFlag, "TF32", None)
-    if tf32 is not None:
-        config.clear_flag(tf32)  # TF32 rounds float32 products to 10 mantissa bits: no float32 parity
     shapes = profile_shapes(signature, dims)
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        name = network.get_input(i).name
-        if name not in shapes:
-            raise ConversionError(f"the ONNX graph has input {name!r}, which the signature lacks ({', '.join(shapes)})")
-        profile.set_shape(name, shapes[name]["min"], shapes[name]["opt"], shapes[name]["max"])
-    config.add_optimization_profile(profile)
+    config = _builder_config(trt, builder, network, options, level, shapes)
     cache_path = Path(options.timing_cache or DEFAULT_TIMING_CACHE)
     _attach_timing_cache(config, cache_path)
     try:
@@ -173,6 +155,38 @@ def engine_from_onnx(
         "profile": shapes,
         "timing_cache": str(cache_path),
     }
+
+
+def _compatibility_level(trt: Any, options: TrtOptions) -> Any:
+    """The ``trt.HardwareCompatibilityLevel`` of ``--trt-hardware-compat``; one line where this TensorRT lacks it."""
+    level = getattr(trt.HardwareCompatibilityLevel, HARDWARE_COMPATIBILITY[options.hardware_compatibility], None)
+    if level is None:
+        raise UsageError(
+            f"--trt-hardware-compat {options.hardware_compatibility}: TensorRT {trt.__version__} does not offer it"
+        )
+    return level
+
+
+def _builder_config(
+    trt: Any, builder: Any, network: Any, options: TrtOptions, level: Any, shapes: dict[str, dict[str, list[int]]]
+) -> Any:
+    """The build's settings: workspace, optimization and compatibility levels, no TF32, and one
+    optimization profile spanning every input's min, opt and max ``shapes``."""
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * 2**30))
+    config.builder_optimization_level = options.optimization_level
+    config.hardware_compatibility_level = level
+    tf32 = getattr(trt.BuilderFlag, "TF32", None)
+    if tf32 is not None:
+        config.clear_flag(tf32)  # TF32 rounds float32 products to 10 mantissa bits: no float32 parity
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        name = network.get_input(i).name
+        if name not in shapes:
+            raise ConversionError(f"the ONNX graph has input {name!r}, which the signature lacks ({', '.join(shapes)})")
+        profile.set_shape(name, shapes[name]["min"], shapes[name]["opt"], shapes[name]["max"])
+    config.add_optimization_profile(profile)
+    return config
 
 
 def _network_flags(trt: Any) -> int:

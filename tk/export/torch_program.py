@@ -213,23 +213,40 @@ def write_capture_report(
     from tk.fileio import atomic_write_bytes
 
     cause = error.__cause__ or error
-    lines = [
-        "# tk export: torch.export could not capture the model",
+    lines = ["# tk export: torch.export could not capture the model", "", f"**Error:** {error}", ""]
+    lines += _specialization_fix(cause)
+    failures, names, trouble = _draft_export_failures(module, example_inputs, signature, dims)
+    lines += trouble
+    if failures:
+        lines += [f"## What `torch.export.draft_export` found ({len(failures)} issue(s))", ""]
+    for i, failure in enumerate(failures, 1):
+        lines += _failure_section(i, failure, names, signature)
+    lines += ["## torch.export's own message", "", "```", *str(cause).strip().splitlines()[:60], "```", ""]
+    atomic_write_bytes(path, "\n".join(lines).encode())
+    return path
+
+
+def _specialization_fix(cause: BaseException) -> list[str]:
+    """The report's Fix section where the model's code fixes a dimension to one size, else nothing."""
+    special = _SPECIALIZED.search(str(cause))
+    if not special:
+        return []
+    name, value = special[1], int(special[2])
+    return [
+        "## Fix",
         "",
-        f"**Error:** {error}",
+        f"- the model's code fixes dimension `{name}` to {value} (see the source line below): export with "
+        f"`{dim_flag(name, f'{value}:{value}:{value}')}` (or `--static`), or change that line so it does not assume the size "
+        f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})",
         "",
     ]
-    special = _SPECIALIZED.search(str(cause))
-    if special:
-        name, value = special[1], int(special[2])
-        lines += [
-            "## Fix",
-            "",
-            f"- the model's code fixes dimension `{name}` to {value} (see the source line below): export with "
-            f"`{dim_flag(name, f'{value}:{value}:{value}')}` (or `--static`), or change that line so it does not assume the size "
-            f"(for example `x.reshape(x.shape[0], -1)` instead of a literal {value})",
-            "",
-        ]
+
+
+def _draft_export_failures(
+    module: nn.Module, example_inputs: tuple[torch.Tensor, ...], signature: Signature, dims: dict[str, Dim]
+) -> tuple[list[Any], dict[Any, str], list[str]]:
+    """``torch.export.draft_export``'s failures, the file names its frames index, and the report's lines
+    where draft_export itself fails (then no failures)."""
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # draft_export logs every issue (and graphs) as warnings; the report has them
     try:
@@ -247,17 +264,10 @@ def write_capture_report(
         # only the entries new to this call, so a second export in one process needs the table
         names = {index: name for name, index in INTERN_TABLE.items()} | dict(draft._report.str_to_filename)
     except Exception as exc:  # draft_export fails in its own ways; the torch.export error below still explains
-        failures, names = [], {}
-        lines += [f"`torch.export.draft_export` failed as well: {type(exc).__name__}: {first_line(exc)}", ""]
+        return [], {}, [f"`torch.export.draft_export` failed as well: {type(exc).__name__}: {first_line(exc)}", ""]
     finally:
         logging.disable(previous)
-    if failures:
-        lines += [f"## What `torch.export.draft_export` found ({len(failures)} issue(s))", ""]
-    for i, failure in enumerate(failures, 1):
-        lines += _failure_section(i, failure, names, signature)
-    lines += ["## torch.export's own message", "", "```", *str(cause).strip().splitlines()[:60], "```", ""]
-    atomic_write_bytes(path, "\n".join(lines).encode())
-    return path
+    return failures, names, []
 
 
 def _failure_section(i: int, failure: Any, filenames: dict[Any, str], signature: Signature) -> list[str]:

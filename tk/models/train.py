@@ -161,12 +161,77 @@ def train(
     if compile_options is not None:
         model = _compile(module, compile_options)
 
+    counted = counts_before if compile_options is not None else None
+    run = _run_steps(
+        model,
+        optimizer,
+        task,
+        data_gen,
+        dev,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        on_step=on_step,
+        counts_before=counted,
+    )
+    result = _result(module, task, val_batch, run, compiled=compile_options is not None)
+    if compile_options is not None:
+        _add_compile_counts(result, counts_before, run.frames_after_first, breaks_before)
+    return result
+
+
+def _result(module: nn.Module, task: TrainingTask, val_batch: Any, run: _Steps, *, compiled: bool) -> TrainResult:
+    """The run's losses and rates, and the trained model's loss and accuracy on the validation batch."""
+    losses, steps_done = run.losses, len(run.losses)
+    steady_steps = steps_done - min(WARMUP_STEPS, steps_done)
+    rate = steady_steps / (run.end - run.steady_start) if steady_steps > 0 else steps_done / (run.end - run.start)
+    val_loss, val_acc = evaluate(module, task, val_batch)
+    return TrainResult(
+        steps=steps_done,
+        final_loss=sum(losses[-task.average_over :]) / len(losses[-task.average_over :]),
+        first_loss=losses[0],
+        val_loss=val_loss,
+        val_accuracy=val_acc,
+        seconds=run.end - run.start,
+        steps_per_s=rate,
+        first_step_s=run.first_step_s,
+        compiled=compiled,
+        losses=losses,
+    )
+
+
+@dataclass
+class _Steps:
+    """What the training steps measured: each step's loss and the clock's readings."""
+
+    losses: list[float]
+    start: float
+    steady_start: float  # after the warm-up steps
+    end: float
+    first_step_s: float
+    frames_after_first: int  # frames Dynamo compiled by the end of the first step (compiled runs)
+
+
+def _run_steps(
+    model: Callable[..., torch.Tensor],
+    optimizer: Any,
+    task: TrainingTask,
+    data_gen: torch.Generator,
+    dev: torch.device,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    on_step: Callable[[int, float], None] | None,
+    counts_before: dict[str, int] | None,
+) -> _Steps:
+    """Up to ``steps`` steps, stopping once the task's target loss is reached; a loss that is not finite
+    is one ``UsageError`` line. ``counts_before``: Dynamo's counters before the run, for a compiled model."""
     losses: list[float] = []
     first_step_s = 0.0
     steady_start = time.perf_counter()
     start = steady_start
     frames_after_first = 0
-    steps_done = 0
     for step in range(steps):
         inputs, target = _to(task.make_batch(data_gen, batch_size), dev)
         t0 = time.perf_counter()
@@ -176,10 +241,9 @@ def train(
                 f"training diverged: the loss is {loss_value} at step {step + 1} (learning rate {lr:g}); "
                 "no checkpoint was saved: lower --lr"
             )
-        steps_done = step + 1
         if step == 0:
             first_step_s = time.perf_counter() - t0
-            if compile_options is not None:
+            if counts_before is not None:
                 frames_after_first = _dynamo_counters()["frames"] - counts_before["frames"]
         if step + 1 == min(WARMUP_STEPS, steps):
             steady_start = time.perf_counter()
@@ -188,25 +252,7 @@ def train(
             on_step(step + 1, loss_value)
         if _reached_target(task, losses):
             break
-    end = time.perf_counter()
-    steady_steps = steps_done - min(WARMUP_STEPS, steps_done)
-    rate = steady_steps / (end - steady_start) if steady_steps > 0 else steps_done / (end - start)
-    val_loss, val_acc = evaluate(module, task, val_batch)
-    result = TrainResult(
-        steps=steps_done,
-        final_loss=sum(losses[-task.average_over :]) / len(losses[-task.average_over :]),
-        first_loss=losses[0],
-        val_loss=val_loss,
-        val_accuracy=val_acc,
-        seconds=end - start,
-        steps_per_s=rate,
-        first_step_s=first_step_s,
-        compiled=compile_options is not None,
-        losses=losses,
-    )
-    if compile_options is not None:
-        _add_compile_counts(result, counts_before, frames_after_first, breaks_before)
-    return result
+    return _Steps(losses, start, steady_start, time.perf_counter(), first_step_s, frames_after_first)
 
 
 def _add_compile_counts(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,53 +80,75 @@ def check_arrays(
     got = "found" if source else "got"
     require_names([s.name for s in specs], list(arrays), f"{source}: arrays" if source else "inputs")
     batch = specs[0].shape[0] if specs and specs[0].shape and isinstance(specs[0].shape[0], str) else None
-    sizes: dict[str, int] = {}
-    first_input: dict[str, str] = {}
+    named = _NamedSizes(source, batch, dims or {}, free, check_batch_range)
     for spec in specs:
         value = arrays[spec.name]
         prefix = f"{source}: input {spec.name!r}" if source else f"input {spec.name!r}"
         if not isinstance(value, (np.ndarray, torch.Tensor)):
             raise InputError(f"{prefix}: expected a NumPy array or torch tensor, {got} {type(value).__name__}")
-        found = dtype_name(value)
-        if found != spec.dtype:
-            if exact_dtype or isinstance(value, torch.Tensor):
-                raise InputError(f"{prefix}: expected dtype {spec.dtype}, {got} {found}")
-            if not castable(value.dtype, numpy_dtype(spec.dtype)):
-                raise InputError(
-                    f"{prefix}: expected dtype {spec.dtype} (or a narrower type of the same kind), found {found}; "
-                    f"convert it with .astype(np.{spec.dtype}) if that is what you mean"
-                )
+        _check_dtype(value, spec, prefix, got, exact=exact_dtype)
         shape = tuple(value.shape)
         if len(shape) != len(spec.shape):
             raise InputError(f"{prefix}: expected rank {len(spec.shape)} {_shape_text(spec)}, {got} shape {shape}")
         for axis, (want, size) in enumerate(zip(spec.shape, shape, strict=True)):
-            if isinstance(want, int):
-                if size != want:
-                    raise InputError(
-                        f"{prefix}: expected size {want} on axis {axis} {_shape_text(spec)}, {got} shape {shape}"
-                    )
-                continue
-            if sizes.setdefault(want, size) != size:
-                if not source:
-                    raise InputError(
-                        f"inputs disagree on dimension {want!r}: {sizes[want]} and {size} (input {spec.name!r})"
-                    )
-                what = "sample counts" if want == batch else f"dimension {want!r}"
+            if not isinstance(want, int):
+                named.add(want, size, spec.name, axis, prefix)
+            elif size != want:
                 raise InputError(
-                    f"{source}: {what} differ: {first_input[want]!r} has {sizes[want]}, {spec.name!r} has {size}"
-                )
-            first_input.setdefault(want, spec.name)
-            limits = (dims or {}).get(want)
-            in_range = want not in free and (check_batch_range or want != batch)
-            if in_range and limits is not None and not limits.min <= size <= limits.max:
-                raise InputError(
-                    f"{prefix}: dimension {want!r} (axis {axis}) must be in [{limits.min}, {limits.max}] "
-                    f"for this artifact, {got} {size}"
+                    f"{prefix}: expected size {want} on axis {axis} {_shape_text(spec)}, {got} shape {shape}"
                 )
         if 0 in shape:
             raise InputError(f"{prefix}: expected every size to be at least 1, {got} shape {shape}")
         _check_values(value, spec, prefix)
-    return sizes
+    return named.sizes
+
+
+def _check_dtype(value: Any, spec: TensorSpec, prefix: str, got: str, *, exact: bool) -> None:
+    """The spec's dtype; from a file (NumPy, not ``exact``) also a narrower type of the same kind."""
+    found = dtype_name(value)
+    if found == spec.dtype:
+        return
+    if exact or isinstance(value, torch.Tensor):
+        raise InputError(f"{prefix}: expected dtype {spec.dtype}, {got} {found}")
+    if not castable(value.dtype, numpy_dtype(spec.dtype)):
+        raise InputError(
+            f"{prefix}: expected dtype {spec.dtype} (or a narrower type of the same kind), found {found}; "
+            f"convert it with .astype(np.{spec.dtype}) if that is what you mean"
+        )
+
+
+@dataclass
+class _NamedSizes:
+    """Each named dimension's size as the inputs give it: the same in every input and, given its ``Dim``,
+    inside its range (the batch only with ``check_batch_range``; never the ``free`` ones)."""
+
+    source: str | None  # a file's name, or None for an engine's feeds
+    batch: str | None
+    dims: Mapping[str, Dim]
+    free: tuple[str, ...]
+    check_batch_range: bool
+    sizes: dict[str, int] = field(default_factory=dict)
+    first_input: dict[str, str] = field(default_factory=dict)  # the input that gave each size first
+
+    def add(self, want: str, size: int, name: str, axis: int, prefix: str) -> None:
+        got = "found" if self.source else "got"
+        if self.sizes.setdefault(want, size) != size:
+            if not self.source:
+                raise InputError(
+                    f"inputs disagree on dimension {want!r}: {self.sizes[want]} and {size} (input {name!r})"
+                )
+            what = "sample counts" if want == self.batch else f"dimension {want!r}"
+            raise InputError(
+                f"{self.source}: {what} differ: {self.first_input[want]!r} has {self.sizes[want]}, {name!r} has {size}"
+            )
+        self.first_input.setdefault(want, name)
+        limits = self.dims.get(want)
+        in_range = want not in self.free and (self.check_batch_range or want != self.batch)
+        if in_range and limits is not None and not limits.min <= size <= limits.max:
+            raise InputError(
+                f"{prefix}: dimension {want!r} (axis {axis}) must be in [{limits.min}, {limits.max}] "
+                f"for this artifact, {got} {size}"
+            )
 
 
 def _check_values(value: Any, spec: TensorSpec, prefix: str) -> None:

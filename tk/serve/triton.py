@@ -31,7 +31,7 @@ from tk.outdir import refuse_inside, require_empty
 from tk.runtime.inputs import sample_dim
 from tk.serve.protocol import check_model_name, default_model_name
 from tk.signing import NATIVE_CODE_FORMATS, TrustPolicy, check_signature, how_to_trust, untrusted_reason
-from tk.spec import TensorSpec, random_feeds
+from tk.spec import Dim, Signature, TensorSpec, random_feeds
 
 log = logging.getLogger("tk.serve.triton")
 
@@ -101,16 +101,7 @@ def triton_config(
     sig = manifest.signature
     batch_name = sample_dim(sig.inputs)
     batch = sig.dims.get(batch_name)
-    profile = manifest.formats.get(fmt, {}).get(backend.profile_key) if backend.profile_key else None
-    if backend.profile_key:
-        if not profile:
-            raise UsageError(
-                f"the artifact's {fmt} settings hold no optimization profile; re-export --format {fmt}"
-            )
-        first = sig.inputs[0].name
-        batch_min, batch_max = profile[first]["min"][0], profile[first]["max"][0]
-    else:
-        batch_min, batch_max = (batch.min, batch.max) if batch else (1, 1)
+    profile, batch_min, batch_max = _profile_and_batch(manifest, fmt, backend.profile_key, batch)
     batching = batch is not None and not batch.static
     if batching and profile and batch_min > 1:
         raise UsageError(
@@ -119,32 +110,18 @@ def triton_config(
         )
     config = pb.ModelConfig(name=name, platform=backend.platform, default_model_filename=backend.model_file)
     config.max_batch_size = batch_max if batching else 0
-
-    def dims_of(spec: TensorSpec, io_profile: dict[str, list[int]] | None) -> list[int]:
-        dims = []
-        for axis, dim in enumerate(spec.shape):
-            if batching and axis == 0:
-                continue
-            if io_profile is not None:  # the engine's profile decides
-                low, high = io_profile["min"][axis], io_profile["max"][axis]
-                dims.append(low if low == high else -1)
-            elif isinstance(dim, int):
-                dims.append(dim)
-            else:
-                limits = sig.dims.get(dim)
-                dims.append(limits.min if limits is not None and limits.static else -1)
-        return dims
-
     for spec in sig.inputs:
         config.input.add(
             name=spec.name,
             data_type=pb.DataType.Value(TRITON_TYPES[spec.dtype]),
-            dims=dims_of(spec, profile[spec.name] if profile else None),
+            dims=_config_dims(spec, profile[spec.name] if profile else None, sig.dims, batching),
         )
     for spec in sig.outputs:
         out_profile = _output_profile(spec, sig.dims, profile, sig.inputs) if profile else None
         config.output.add(
-            name=spec.name, data_type=pb.DataType.Value(TRITON_TYPES[spec.dtype]), dims=dims_of(spec, out_profile)
+            name=spec.name,
+            data_type=pb.DataType.Value(TRITON_TYPES[spec.dtype]),
+            dims=_config_dims(spec, out_profile, sig.dims, batching),
         )
     if batching:
         assert batch is not None
@@ -152,6 +129,47 @@ def triton_config(
         config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
     group_kind = kind or ("KIND_GPU" if backend.gpu or manifest.device == "cuda" else "KIND_CPU")
     config.instance_group.add(count=instances, kind=pb.ModelInstanceGroup.Kind.Value(group_kind))
+    _add_warmup(config, sig, profile, batch_name, batching)
+    return config
+
+
+def _profile_and_batch(
+    manifest: Manifest, fmt: str, profile_key: str | None, batch: Dim | None
+) -> tuple[dict[str, Any] | None, int, int]:
+    """The ``fmt`` file's optimization profile (where its backend needs one; none recorded is one
+    ``UsageError`` line) and the batch sizes it allows: the profile's, else the batch dimension's."""
+    if not profile_key:
+        low, high = (batch.min, batch.max) if batch else (1, 1)
+        return None, low, high
+    profile = manifest.formats.get(fmt, {}).get(profile_key)
+    if not profile:
+        raise UsageError(f"the artifact's {fmt} settings hold no optimization profile; re-export --format {fmt}")
+    first = manifest.signature.inputs[0].name
+    return profile, profile[first]["min"][0], profile[first]["max"][0]
+
+
+def _config_dims(
+    spec: TensorSpec, io_profile: dict[str, list[int]] | None, dims: dict[str, Dim], batching: bool
+) -> list[int]:
+    """A tensor's dims as Triton's config states them: without the batch axis when Triton batches, -1
+    where the size varies (by the engine's profile where it has one)."""
+    out = []
+    for axis, dim in enumerate(spec.shape):
+        if batching and axis == 0:
+            continue
+        if io_profile is not None:  # the engine's profile decides
+            low, high = io_profile["min"][axis], io_profile["max"][axis]
+            out.append(low if low == high else -1)
+        elif isinstance(dim, int):
+            out.append(dim)
+        else:
+            limits = dims.get(dim)
+            out.append(limits.min if limits is not None and limits.static else -1)
+    return out
+
+
+def _add_warmup(config: Any, sig: Signature, profile: Any, batch_name: str, batching: bool) -> None:
+    """One warmup sample at the opt sizes and batch 1, read from a file per input (``deploy_triton`` writes them)."""
     warmup = config.model_warmup.add(name="tk_opt_sample", batch_size=1)
     for spec, entry in zip(sig.inputs, config.input, strict=True):
         sizes = _warmup_sizes(sig.dims, profile, spec, batch_name)
@@ -159,7 +177,6 @@ def triton_config(
         warm.data_type = entry.data_type
         warm.dims.extend([size for axis, size in enumerate(spec.concrete_shape(sizes)) if not (batching and axis == 0)])
         warm.input_data_file = spec.name
-    return config
 
 
 def _warmup_sizes(dims: dict[str, Any], profile: Any, spec: TensorSpec, batch_name: str) -> dict[str, int]:
@@ -245,20 +262,26 @@ def deploy_triton(
         target = version_dir / file_name
         atomic_write_bytes(target, data)
         written.append(target)
-    warmup_dir = model_dir / "warmup"
+    written += _write_warmup_samples(model_dir / "warmup", manifest, fmt)
+    atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
+    written.append(model_dir / "config.pbtxt")
+    return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
+
+
+def _write_warmup_samples(warmup_dir: Path, manifest: Manifest, fmt: str) -> list[Path]:
+    """The warmup sample ``config.pbtxt`` names (``_add_warmup``): one file of raw values per input."""
     warmup_dir.mkdir(exist_ok=True)
     sig = manifest.signature
     profile_key = _backend(fmt).profile_key
     profile = manifest.formats[fmt].get(profile_key) if profile_key else None
     batch_name = sample_dim(sig.inputs)
+    written = []
     for spec in sig.inputs:
         sizes = _warmup_sizes(sig.dims, profile, spec, batch_name)
         array = random_feeds([spec], sizes, seed=0)[spec.name]
         atomic_write_bytes(warmup_dir / spec.name, np.ascontiguousarray(array).tobytes())
         written.append(warmup_dir / spec.name)
-    atomic_write_bytes(model_dir / "config.pbtxt", text_format.MessageToString(config).encode())
-    written.append(model_dir / "config.pbtxt")
-    return TritonModel(model_dir, config, [p.relative_to(out) for p in written])
+    return written
 
 
 def default_format(manifest: Manifest, engine: str | None = None) -> str:

@@ -13,7 +13,7 @@ from tk.manifest import verify_artifact
 from tk.measure.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
 from tk.measure.roofline import Roofline, engine_precision
 from tk.runtime import EngineChoice, open_engines
-from tk.workflows.auto import AutoChoice, check_candidates, default_shape, pick
+from tk.workflows.auto import AutoChoice, EngineCandidate, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
 from tk.workflows.check import engines_to_check
 
@@ -64,14 +64,9 @@ def bench_artifact(
         raise UsageError("--roofline measures the CPU's matrix-product peak: use it with --device cpu")
     manifest = verify_artifact(root)
     auto = choice.name == "auto"
+    baseline_names = BASELINES if baselines else ()
     names = engines_to_check(
-        choice.name,
-        manifest,
-        choice.device,
-        baselines=BASELINES if baselines else (),
-        keep_eager=True,
-        root=root,
-        trust=choice.trust,
+        choice.name, manifest, choice.device, baselines=baseline_names, keep_eager=True, root=root, trust=choice.trust
     )
     choice = choice.with_defaults({"spinning": len(names) == 1}, names)
     untimed = ["eager"] if "eager" not in names and (roofline or auto) else []  # the FLOPs and parity need it
@@ -79,11 +74,8 @@ def bench_artifact(
         opened = open_engines(stack, root, choice, [*names, *untimed], manifest=manifest)
         eager = opened.get("eager")
         opened = {name: opened[name] for name in names}
-        candidates = None
-        if auto:
-            batch_dim = manifest.signature.dims.get("batch")
-            shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
-            candidates = check_candidates(eager, opened, manifest, shape)
+        candidates = _parity_at_opt(eager, opened, manifest, sizes) if auto else None
+        if candidates is not None:
             opened = {c.engine: opened[c.engine] for c in candidates if c.passed}
         peaks = _roofline(opened, eager, manifest, sizes) if roofline else None
         report = measure(
@@ -98,6 +90,15 @@ def bench_artifact(
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
         report.settings["auto"] = [auto_choice.to_json() for auto_choice in choices]
     return report, choices
+
+
+def _parity_at_opt(
+    eager: Any, opened: dict[str, Any], manifest: Any, sizes: dict[str, int] | None
+) -> list[EngineCandidate]:
+    """``--engine auto``'s candidates: each engine's parity with eager at the opt batch (``check_candidates``)."""
+    batch_dim = manifest.signature.dims.get("batch")
+    shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
+    return check_candidates(eager, opened, manifest, shape)
 
 
 def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str, int] | None) -> Roofline:

@@ -23,7 +23,7 @@ import numpy as np
 from tk.errors import BackendUnavailableError, InputError, UsageError
 from tk.fileio import atomic_write_bytes, atomic_write_json
 from tk.measure.hardware import machine_description
-from tk.measure.load_guard import LoadGuard
+from tk.measure.load_guard import LoadGuard, LoadMark
 from tk.measure.results import BenchRun, utc_now
 from tk.measure.timing import (
     IO_MODES,
@@ -115,7 +115,6 @@ def measure(
     seconds = _check_arguments(engines, seconds, iters, warmup, io)
     first = next(iter(engines.values()))
     specs, dims = first.inputs, first.dims
-    cuda = any(getattr(e, "device", "cpu") == "cuda" for e in engines.values())
     started, machine = utc_now(), machine_description()  # before timing: the load is not the benchmark's own
     guard = guard or LoadGuard()
     say = progress or (lambda _: None)
@@ -123,35 +122,11 @@ def measure(
     skipped: list[dict[str, Any]] = []
     for size in batch_sizes:
         feeds = random_inputs(specs, dims, size, seed=seed, sizes=sizes)
-        active: dict[str, CallTimer] = {}
-        extra: dict[str, dict[str, Any]] = {}
-        for label, engine in engines.items():
-            try:
-                engine.load()
-                timer = CallTimer(engine, feeds, io)
-            except InputError as exc:
-                skipped.append({"engine": label, "batch_size": size, "reason": str(exc)})
-                say(f"batch {size}: {label} skipped: {exc}")
-                continue
-            say(f"batch {size}: {label} warm-up")
-            extra[label] = _warm_up(timer, warmup, io, cuda)
-            active[label] = timer
+        active, extra = _warm_up_engines(engines, feeds, size, io=io, warmup=warmup, skipped=skipped, say=say)
         calls = between(size) if between and active else ()
         with guard.row() as mark:
             times = interleave(active, iters=iters, seconds=seconds, min_rounds=MIN_ROUNDS, between=calls, seed=0)
-        load = {
-            "load_before": mark.before,
-            "load_after": mark.after,
-            "busy": mark.busy,
-            "others_cores": mark.to_json()["others_cores"],
-        }
-        batch_rows = [_row(label, size, t, extra[label] | load) for label, t in times.items()]
-        reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
-        for row in batch_rows:
-            row.speedup = reference.p50_ms / row.p50_ms if reference is not None and row.p50_ms > 0 else None
-            busy = " (busy machine)" if row.busy else ""
-            say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls{busy}")
-        rows.extend(batch_rows)
+        rows.extend(_batch_rows(times, size, extra, mark, say))
     if not rows and skipped:  # every engine refused every size: a run that measured nothing is the user's error
         first = skipped[0]
         raise UsageError(f"nothing could be timed: {first['engine']} at batch {first['batch_size']}: {first['reason']}")
@@ -169,6 +144,59 @@ def measure(
         "cores": guard.cores,
     }
     return BenchReport(rows, machine, settings, skipped, started)
+
+
+def _warm_up_engines(
+    engines: dict[str, Engine],
+    feeds: dict[str, Any],
+    size: int,
+    *,
+    io: str,
+    warmup: int,
+    skipped: list[dict[str, Any]],
+    say: Callable[[str], None],
+) -> tuple[dict[str, CallTimer], dict[str, dict[str, Any]]]:
+    """Load and warm up each engine that accepts batch ``size`` (the others go to ``skipped``, with the
+    reason): their timers, and what each warm-up measured (cold call, CUDA copies, peak memory)."""
+    cuda = any(getattr(e, "device", "cpu") == "cuda" for e in engines.values())
+    active: dict[str, CallTimer] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for label, engine in engines.items():
+        try:
+            engine.load()
+            timer = CallTimer(engine, feeds, io)
+        except InputError as exc:
+            skipped.append({"engine": label, "batch_size": size, "reason": str(exc)})
+            say(f"batch {size}: {label} skipped: {exc}")
+            continue
+        say(f"batch {size}: {label} warm-up")
+        extra[label] = _warm_up(timer, warmup, io, cuda)
+        active[label] = timer
+    return active, extra
+
+
+def _batch_rows(
+    times: dict[str, list[CallTime]],
+    size: int,
+    extra: dict[str, dict[str, Any]],
+    mark: LoadMark,
+    say: Callable[[str], None],
+) -> list[BenchRow]:
+    """One batch size's rows, with the load readings around its rounds (``mark``) and each engine's
+    speed-up over the reference."""
+    load = {
+        "load_before": mark.before,
+        "load_after": mark.after,
+        "busy": mark.busy,
+        "others_cores": mark.to_json()["others_cores"],
+    }
+    batch_rows = [_row(label, size, t, extra[label] | load) for label, t in times.items()]
+    reference = next((r for r in batch_rows if r.engine == REFERENCE), None)
+    for row in batch_rows:
+        row.speedup = reference.p50_ms / row.p50_ms if reference is not None and row.p50_ms > 0 else None
+        busy = " (busy machine)" if row.busy else ""
+        say(f"batch {size}: {row.engine} p50 {row.p50_ms:.3f} ms over {row.iters} calls{busy}")
+    return batch_rows
 
 
 def _check_arguments(
