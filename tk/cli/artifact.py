@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from tk.cli.common import (
     RegistryChoice,
     build,
     model_options,
+    option_group,
     path_option,
     print_check_reports,
     public_key_option,
@@ -39,6 +41,33 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
             raise UsageError(f"--dim: expected NAME=MIN:OPT:MAX such as seq=1:128:512, got {item!r}")
         parsed[name] = Dim.parse(name, value)
     return parsed
+
+
+# the flags of format options grouped on the command line (the others are the command's own parameters)
+_FLAG_NAMES = {
+    "fuse": "--fuse/--no-fuse",
+    "keep_unfused": "--keep-unfused",
+    "freeze": "--freeze/--no-freeze",
+    "trt_workspace": "--trt-workspace",
+    "trt_opt_level": "--trt-opt-level",
+    "trt_hardware_compat": "--trt-hardware-compat",
+    "trt_timing_cache": "--trt-timing-cache",
+}
+
+
+def _flags_by_name(**values: Any) -> dict[str, Any]:
+    """Format options by their flag, as ``tk.export.settings_from_flags`` reads them (None: not given)."""
+    return {_FLAG_NAMES[name]: value for name, value in values.items()}
+
+
+@dataclass(frozen=True)
+class _Ranges:
+    """--dynamic/--static, --batch, --seq and --dim as given (parsed by ``_parse_dims``)."""
+
+    dynamic: bool
+    batch: str | None
+    seq: str | None
+    dims: tuple[str, ...]
 
 
 @click.command("export")
@@ -84,45 +113,65 @@ def _parse_dims(batch: str | None, seq: str | None, dims: tuple[str, ...]) -> di
     help="Static int8 activation ranges. onnx: minmax (default), entropy or percentile; "
     "aoti: histogram (torchao's x86 default) or minmax.",
 )
-@click.option(
-    "--fuse/--no-fuse", default=None, help="onnxruntime's transformer fusions on the ONNX graph (default: on)."
+@option_group(
+    "graph_flags",
+    _flags_by_name,
+    click.option(
+        "--fuse/--no-fuse", default=None, help="onnxruntime's transformer fusions on the ONNX graph (default: on)."
+    ),
+    click.option(
+        "--keep-unfused",
+        is_flag=True,
+        default=None,
+        help="Also ship the ONNX graph before fusion (model.unfused.onnx).",
+    ),
+    click.option(
+        "--freeze/--no-freeze",
+        default=None,
+        help="aoti on the CPU: Inductor's freezing, weights packed for this CPU (default: on for bf16/fp16/int8, off "
+        "for fp32, where it is faster on some CPUs and slower on others: tk optimize times both).",
+    ),
 )
-@click.option(
-    "--keep-unfused", is_flag=True, default=None, help="Also ship the ONNX graph before fusion (model.unfused.onnx)."
+@option_group(
+    "ranges",
+    _Ranges,
+    click.option(
+        "--dynamic/--static",
+        default=True,
+        show_default=True,
+        help="Dynamic dimensions, or every size fixed at its opt.",
+    ),
+    click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64."),
+    click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Range of the sequence dimension, e.g. 1:128:512."),
+    click.option(
+        "--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other named dimension."
+    ),
 )
-@click.option(
-    "--freeze/--no-freeze",
-    default=None,
-    help="aoti on the CPU: Inductor's freezing, weights packed for this CPU (default: on for bf16/fp16/int8, off "
-    "for fp32, where it is faster on some CPUs and slower on others: tk optimize times both).",
-)
-@click.option(
-    "--dynamic/--static", default=True, show_default=True, help="Dynamic dimensions, or every size fixed at its opt."
-)
-@click.option("--batch", default=None, metavar="MIN:OPT:MAX", help="Range of the batch dimension, e.g. 1:8:64.")
-@click.option("--seq", default=None, metavar="MIN:OPT:MAX", help="Range of the sequence dimension, e.g. 1:128:512.")
-@click.option("--dim", "dims", multiple=True, metavar="NAME=MIN:OPT:MAX", help="Range of any other named dimension.")
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; at least 18).")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--no-check", is_flag=True, help="Skip the export-time parity check (the manifest says unchecked).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance of the check (default: by precision).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance of the check (default: by precision).")
-@click.option("--trt-workspace", type=float, default=None, help="TensorRT workspace limit, GiB (default 4).")
-@click.option(
-    "--trt-opt-level",
-    type=click.IntRange(0, 5),
-    default=None,
-    help="TensorRT builder optimization level (default 3).",
-)
-@click.option(
-    "--trt-hardware-compat",
-    type=click.Choice(["ampere+", "same-compute-capability", "none"]),
-    default=None,
-    help="TensorRT engine's hardware compatibility (default ampere+).",
-)
-@path_option(
-    "--trt-timing-cache",
-    help="TensorRT timing cache file, reused across builds (default: ~/.cache/tk/trt-timing.cache).",
+@option_group(
+    "trt_flags",
+    _flags_by_name,
+    click.option("--trt-workspace", type=float, default=None, help="TensorRT workspace limit, GiB (default 4)."),
+    click.option(
+        "--trt-opt-level",
+        type=click.IntRange(0, 5),
+        default=None,
+        help="TensorRT builder optimization level (default 3).",
+    ),
+    click.option(
+        "--trt-hardware-compat",
+        type=click.Choice(["ampere+", "same-compute-capability", "none"]),
+        default=None,
+        help="TensorRT engine's hardware compatibility (default ampere+).",
+    ),
+    path_option(
+        "--trt-timing-cache",
+        help="TensorRT timing cache file, reused across builds (default: ~/.cache/tk/trt-timing.cache).",
+    ),
 )
 @path_option("--json", "json_path", help="Also write the manifest's check as JSON here.")
 @click.option(
@@ -155,22 +204,14 @@ def export_cmd(
     calibrate: str | None,
     check_inputs: Path | None,
     calibration_method: str | None,
-    fuse: bool | None,
-    keep_unfused: bool | None,
-    freeze: bool | None,
-    dynamic: bool,
-    batch: str | None,
-    seq: str | None,
-    dims: tuple[str, ...],
+    graph_flags: dict[str, Any],
+    ranges: _Ranges,
     opset: int | None,
     device: str,
     no_check: bool,
     rtol: float | None,
     atol: float | None,
-    trt_workspace: float | None,
-    trt_opt_level: int | None,
-    trt_hardware_compat: str | None,
-    trt_timing_cache: Path | None,
+    trt_flags: dict[str, Any],
     json_path: Path | None,
     keep_fp32: str | None,
     min_sqnr: float | None,
@@ -179,30 +220,19 @@ def export_cmd(
 ) -> None:
     """Export MODEL to static-graph artifacts and check each against PyTorch."""
     from tk.export import ExportOptions, settings_from_flags
-    from tk.workflows.export import export
 
     formats = formats or ("onnx",)
-    flags = {  # each format's options dataclass takes the ones it declares (tk.export.writer); None: not given
-        "--int8-mode": int8_mode,
-        "--calibration-method": calibration_method,
-        "--fuse/--no-fuse": fuse,
-        "--keep-unfused": keep_unfused,
-        "--freeze/--no-freeze": freeze,
-        "--opset": opset,
-        "--trt-workspace": trt_workspace,
-        "--trt-opt-level": trt_opt_level,
-        "--trt-hardware-compat": trt_hardware_compat,
-        "--trt-timing-cache": trt_timing_cache,
-    }
-    settings = settings_from_flags(formats, flags)
+    # each format's options dataclass takes the ones it declares (tk.export.writer); None: not given
+    flags = {"--int8-mode": int8_mode, "--calibration-method": calibration_method, **graph_flags, "--opset": opset}
+    settings = settings_from_flags(formats, {**flags, **trt_flags})
     spec = build(model, size, inputs, task)
     options = ExportOptions(
         formats=formats,
         precision=precision,
         calibrate=calibrate,
         check_inputs=check_inputs,
-        dynamic=dynamic,
-        dims=_parse_dims(batch, seq, dims),
+        dynamic=ranges.dynamic,
+        dims=_parse_dims(ranges.batch, ranges.seq, ranges.dims),
         device=device,
         check=not no_check,
         rtol=rtol,
@@ -217,6 +247,14 @@ def export_cmd(
     default_name = f"hf-{Path(spec.name[3:]).name}" if spec.name.startswith("hf:") else spec.name.replace(":", "-")
     out = out or Path("artifacts") / (f"{spec.name}-{spec.size}" if spec.size else default_name)
     refuse_writes_into(out, json=json_path)  # the artifact is written whole and swapped into place
+    _export_and_show(spec, out, options, json_path)
+
+
+def _export_and_show(spec: Any, out: Path, options: Any, json_path: Path | None) -> None:
+    """Export, then show the check's tables and the artifact's status (also when the artifact was written
+    with a failure); the check as JSON at ``json_path``."""
+    from tk.workflows.export import export
+
     try:
         result = export(spec, out, options)
     except (ParityError, PartialExportError):  # the artifact was written: show what its check found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -60,8 +61,6 @@ def locate_cmd(
     trust_model_code: bool,
 ) -> None:
     """Compare ENGINE's intermediate values with the float32 model's, module by module."""
-    from rich.table import Table
-
     from tk.fileio import atomic_write_json
     from tk.workflows.debug.locate import locate
 
@@ -90,6 +89,21 @@ def locate_cmd(
                 f"{first.nonfinite} NaN/Inf"
             )
         )
+    console().print(_growth_table(result, top))
+    for out in result.engine_outputs:
+        verdict = "pass" if out.passed else f"FAIL: {out.problem}"
+        click.echo(
+            printable(f"engine {engine} output {out.name}: max abs {_abs(out.max_abs, out.nan + out.inf)}, {verdict}")
+        )
+    if json_path:
+        atomic_write_json(json_path, result.to_json())
+        click.echo(f"json: {json_path}")
+
+
+def _growth_table(result: Any, top: int) -> Any:
+    """The ``top`` modules of a ``locate`` result where the error grows most, for people (rich)."""
+    from rich.table import Table
+
     table = Table(title=f"modules where the error grows most (rtol {result.rtol:g}, atol {result.atol:g})")
     for column in ("#", "module", "type", "max abs", "max rel", "SQNR dB", "NaN/Inf", "growth", "result"):
         table.add_column(column, justify="left" if column in ("module", "type", "result") else "right")
@@ -105,15 +119,7 @@ def locate_cmd(
             _num(row.growth, ".3g") + ("x" if math.isfinite(row.growth) else ""),
             "pass" if row.passed else "FAIL",
         )
-    console().print(table)
-    for out in result.engine_outputs:
-        verdict = "pass" if out.passed else f"FAIL: {out.problem}"
-        click.echo(
-            printable(f"engine {engine} output {out.name}: max abs {_abs(out.max_abs, out.nan + out.inf)}, {verdict}")
-        )
-    if json_path:
-        atomic_write_json(json_path, result.to_json())
-        click.echo(f"json: {json_path}")
+    return table
 
 
 @debug_group.command("precision")

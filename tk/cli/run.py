@@ -63,16 +63,37 @@ def infer_cmd(
     With --ray, --inputs is a directory of shards (.npz, .npy, .parquet) and --out a directory
     that gets one .npz per shard.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from tk.workflows.infer import infer_artifact
-
     refuse_writes_into(artifact, out=out)
     if use_ray:
         _infer_ray(artifact, choice, inputs_path, out, batch_size, address, actors)
         return
     if address is not None:
         raise UsageError("--address applies to --ray")
+    result = _infer_here(artifact, choice, out, inputs_path, random_samples, batch_size, seed)
+    rate = result.samples / result.seconds if result.seconds else float("inf")
+    click.echo(
+        f"{result.samples} samples in {result.batches} batches, {result.seconds:.2f} s ({rate:.1f} samples/s) -> {result.out}"
+    )
+    for label_text, counts in (("input", result.nonfinite_inputs), ("output", result.nonfinite_outputs)):
+        for name, count in counts.items():
+            if count:
+                click.echo(f"warning: {count} NaN/Inf values in {label_text} {name!r}", err=True)
+
+
+def _infer_here(
+    artifact: Path,
+    choice: EngineChoice,
+    out: Path,
+    inputs_path: Path | None,
+    random_samples: int | None,
+    batch_size: int | None,
+    seed: int,
+) -> Any:
+    """``infer_artifact`` in this process, with a progress bar that names the engine (``auto``'s pick once made)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tk.workflows.infer import infer_artifact
+
     label = {"name": choice.name}
 
     def on_choice(choice: Any) -> None:
@@ -96,7 +117,7 @@ def infer_cmd(
         progress.update(task_id, completed=done, total=total)
 
     try:
-        result = infer_artifact(
+        return infer_artifact(
             artifact,
             choice,
             out,
@@ -109,14 +130,6 @@ def infer_cmd(
         )
     finally:
         progress.stop()
-    rate = result.samples / result.seconds if result.seconds else float("inf")
-    click.echo(
-        f"{result.samples} samples in {result.batches} batches, {result.seconds:.2f} s ({rate:.1f} samples/s) -> {result.out}"
-    )
-    for label_text, counts in (("input", result.nonfinite_inputs), ("output", result.nonfinite_outputs)):
-        for name, count in counts.items():
-            if count:
-                click.echo(f"warning: {count} NaN/Inf values in {label_text} {name!r}", err=True)
 
 
 def _infer_ray(
@@ -237,6 +250,17 @@ def check_cmd(
         save_golden=save_golden_path,
         tolerances=parse_tolerances(tols),
     )
+    reports = _print_check_result(result)
+    if save_golden_path:
+        click.echo(f"golden: {save_golden_path}")
+    if json_path:
+        atomic_write_json(json_path, reports)
+    gates.finish(result)
+    click.echo(f"parity passed for {', '.join(reports)}")
+
+
+def _print_check_result(result: Any) -> dict[str, Any]:
+    """A ``CheckResult``'s warnings and notes (stderr), its reports' table and top-1 agreements; the reports as JSON."""
     for name, count in result.nonfinite_inputs.items():
         if count:
             click.echo(f"warning: {count} NaN/Inf values in input {name!r}", err=True)
@@ -256,12 +280,7 @@ def check_cmd(
                 click.echo(
                     printable(f"top-1 agreement {engine} {out.name}: {out.top1_rate:.1%} of {out.top1_total} samples")
                 )
-    if save_golden_path:
-        click.echo(f"golden: {save_golden_path}")
-    if json_path:
-        atomic_write_json(json_path, reports)
-    gates.finish(result)
-    click.echo(f"parity passed for {', '.join(reports)}")
+    return reports
 
 
 @click.command("bench")

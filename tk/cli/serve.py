@@ -14,6 +14,7 @@ from tk.serve.ingress import INGRESSES
 
 if TYPE_CHECKING:
     from tk.runtime.choice import EngineChoice
+    from tk.serve.lifecycle import RunningServer
 
 
 @click.command("serve")
@@ -97,7 +98,7 @@ def serve_cmd(
 
     --config FILE starts from a settings file (flags given win); --tune load-tests a grid and writes one."""
     from tk.serve.config import ServeConfig
-    from tk.serve.lifecycle import RunningServer, serve_forever
+    from tk.serve.lifecycle import serve_forever
 
     config = ServeConfig(
         artifact=str(artifact),
@@ -119,38 +120,44 @@ def serve_cmd(
 
     config = with_settings(config, tuning.pop("config_file"))
     if tuning.pop("tune"):
-        from tk.errors import UsageError
-
-        if address:
-            raise UsageError(
-                f"--tune: expected a local Ray instance of its own (it starts one), got --address {address}; "
-                "tune on a machine like those that will serve, without --address"
-            )
-        tune_command(config, **tuning)
+        _tune(config, address, tuning)
         return
+    serve_forever(config, address=address, on_ready=_say_ready)
+    click.echo("stopped", err=True)
 
-    def on_ready(running: RunningServer) -> None:
-        resolved = running.config
+
+def _tune(config: Any, address: str | None, tuning: dict[str, Any]) -> None:
+    """``--tune``: the load test on a local Ray instance of its own, which writes the settings file."""
+    from tk.errors import UsageError
+
+    if address:
+        raise UsageError(
+            f"--tune: expected a local Ray instance of its own (it starts one), got --address {address}; "
+            "tune on a machine like those that will serve, without --address"
+        )
+    tune_command(config, **tuning)
+
+
+def _say_ready(running: RunningServer) -> None:
+    """Where the server listens and with which settings, once every replica is ready (stderr)."""
+    resolved = running.config
+    click.echo(
+        f"serving {resolved.name} ({resolved.engine.name}, {resolved.replicas} replica(s), {resolved.ingress} ingress, "
+        + (
+            f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
+            if resolved.batching
+            else "no batching, "
+        )
+        + f"max queue {resolved.max_queue}, max request {resolved.max_request_bytes} bytes) at {running.url}/v2/models/{resolved.name}/infer; "
+        f"metrics at {running.url}/metrics; Ctrl-C stops",
+        err=True,
+    )
+    if running.haproxy_ports:
         click.echo(
-            f"serving {resolved.name} ({resolved.engine.name}, {resolved.replicas} replica(s), {resolved.ingress} ingress, "
-            + (
-                f"max batch {resolved.max_batch}, max delay {resolved.max_delay_ms:g} ms, "
-                if resolved.batching
-                else "no batching, "
-            )
-            + f"max queue {resolved.max_queue}, max request {resolved.max_request_bytes} bytes) at {running.url}/v2/models/{resolved.name}/infer; "
-            f"metrics at {running.url}/metrics; Ctrl-C stops",
+            f"HAProxy: statistics on port {running.haproxy_ports['stats']} (/stats) and Prometheus on port "
+            f"{running.haproxy_ports['metrics']} (/metrics), on every interface",
             err=True,
         )
-        if running.haproxy_ports:
-            click.echo(
-                f"HAProxy: statistics on port {running.haproxy_ports['stats']} (/stats) and Prometheus on port "
-                f"{running.haproxy_ports['metrics']} (/metrics), on every interface",
-                err=True,
-            )
-
-    serve_forever(config, address=address, on_ready=on_ready)
-    click.echo("stopped", err=True)
 
 
 def _request_bytes(text: str | None) -> int | None:

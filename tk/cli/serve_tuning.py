@@ -9,81 +9,78 @@ import click
 
 from tk.limits import MAX_THREADS, MAX_TUNE_REQUESTS
 
+_TUNING_OPTIONS = [  # --config and the --tune flags, in their --help order
+    click.option(
+        "--config",
+        "config_file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        help="Start from this JSON settings file (what --tune writes); flags given on the command line win.",
+    ),
+    click.option("--tune", is_flag=True, help="Load-test a grid of settings on loopback, write the best, and exit."),
+    click.option("--p99-ms", type=float, default=100.0, show_default=True, help="--tune: p99 latency budget, in ms."),
+    click.option(
+        "--tune-batch", default="1,8,32", show_default=True, help="--tune: max batch sizes to try (comma list)."
+    ),
+    click.option(
+        "--tune-delay-ms",
+        default="0,5",
+        show_default=True,
+        help="--tune: batch delays to try, in ms (comma list; a max batch of 1 is tried at the smallest only).",
+    ),
+    click.option(
+        "--tune-replicas",
+        default=None,
+        help="--tune: replica counts to try (comma list; default 1 up to the CPUs at --cpus-per-replica).",
+    ),
+    click.option(
+        "--tune-requests",
+        type=click.IntRange(1, MAX_TUNE_REQUESTS),
+        default=200,
+        show_default=True,
+        help=f"--tune: requests per point (at most {MAX_TUNE_REQUESTS}; their memory counts against --max-memory).",
+    ),
+    click.option(
+        "--tune-clients",
+        type=click.IntRange(1, MAX_THREADS),
+        default=16,
+        show_default=True,
+        help="--tune: concurrent clients (threads).",
+    ),
+    click.option(
+        "--tune-samples",
+        default="1",
+        show_default=True,
+        help="--tune: samples per request, N or A-B (each request's count drawn from A to B): the sizes your "
+        "clients send. Above 1, a max batch of 1 is the point with batching off.",
+    ),
+    click.option(
+        "--tune-seq",
+        default=None,
+        metavar="N|A-B",
+        help="--tune: tokens per sample, N or A-B (each request's length drawn from A to B; default the "
+        "artifact's opt). Requests of different lengths never share an engine call.",
+    ),
+    click.option(
+        "--tune-budget-s",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="--tune: no point starts after this many seconds (the rest are reported skipped).",
+    ),
+    click.option(
+        "--tune-out",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=Path("tk-serve.json"),
+        show_default=True,
+        help="--tune: where to write the recommended settings (read back with --config).",
+    ),
+]
+
 
 def tuning_options(command: Any) -> Any:
     """``--config`` and the ``--tune`` flags of ``tk serve``."""
-    options = [
-        click.option(
-            "--config",
-            "config_file",
-            type=click.Path(path_type=Path, dir_okay=False),
-            default=None,
-            help="Start from this JSON settings file (what --tune writes); flags given on the command line win.",
-        ),
-        click.option(
-            "--tune", is_flag=True, help="Load-test a grid of settings on loopback, write the best, and exit."
-        ),
-        click.option(
-            "--p99-ms", type=float, default=100.0, show_default=True, help="--tune: p99 latency budget, in ms."
-        ),
-        click.option(
-            "--tune-batch", default="1,8,32", show_default=True, help="--tune: max batch sizes to try (comma list)."
-        ),
-        click.option(
-            "--tune-delay-ms",
-            default="0,5",
-            show_default=True,
-            help="--tune: batch delays to try, in ms (comma list; a max batch of 1 is tried at the smallest only).",
-        ),
-        click.option(
-            "--tune-replicas",
-            default=None,
-            help="--tune: replica counts to try (comma list; default 1 up to the CPUs at --cpus-per-replica).",
-        ),
-        click.option(
-            "--tune-requests",
-            type=click.IntRange(1, MAX_TUNE_REQUESTS),
-            default=200,
-            show_default=True,
-            help=f"--tune: requests per point (at most {MAX_TUNE_REQUESTS}; their memory counts against --max-memory).",
-        ),
-        click.option(
-            "--tune-clients",
-            type=click.IntRange(1, MAX_THREADS),
-            default=16,
-            show_default=True,
-            help="--tune: concurrent clients (threads).",
-        ),
-        click.option(
-            "--tune-samples",
-            default="1",
-            show_default=True,
-            help="--tune: samples per request, N or A-B (each request's count drawn from A to B): the sizes your "
-            "clients send. Above 1, a max batch of 1 is the point with batching off.",
-        ),
-        click.option(
-            "--tune-seq",
-            default=None,
-            metavar="N|A-B",
-            help="--tune: tokens per sample, N or A-B (each request's length drawn from A to B; default the "
-            "artifact's opt). Requests of different lengths never share an engine call.",
-        ),
-        click.option(
-            "--tune-budget-s",
-            type=float,
-            default=300.0,
-            show_default=True,
-            help="--tune: no point starts after this many seconds (the rest are reported skipped).",
-        ),
-        click.option(
-            "--tune-out",
-            type=click.Path(path_type=Path, dir_okay=False),
-            default=Path("tk-serve.json"),
-            show_default=True,
-            help="--tune: where to write the recommended settings (read back with --config).",
-        ),
-    ]
-    for option in reversed(options):
+    for option in reversed(_TUNING_OPTIONS):
         command = option(command)
     return command
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tk.cli.common import SEED, build, console, model_options, path_option
+from tk.cli.common import SEED, build, console, model_options, option_group, path_option
 from tk.errors import UsageError, first_line
 from tk.registries import DEVICES
 
@@ -45,6 +45,13 @@ def models_cmd(as_json: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------- train
+def _compile_options(mode: str, dynamic: bool | None, fullgraph: bool, backend: str) -> Any:
+    """``tk train``'s torch.compile flags as one ``CompileOptions`` (imported only when a command runs)."""
+    from tk.models.train import CompileOptions
+
+    return CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
+
+
 @click.command("train")
 @click.argument("model")
 @model_options
@@ -54,12 +61,19 @@ def models_cmd(as_json: bool) -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed for weights and data.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--compile", "use_compile", is_flag=True, help="Train under torch.compile.")
-@click.option(
-    "--mode", type=click.Choice(["default", "reduce-overhead", "max-autotune"]), default="default", show_default=True
+@option_group(
+    "compile_options",
+    _compile_options,
+    click.option(
+        "--mode",
+        type=click.Choice(["default", "reduce-overhead", "max-autotune"]),
+        default="default",
+        show_default=True,
+    ),
+    click.option("--dynamic/--no-dynamic", default=None, help="torch.compile dynamic shapes (default: torch decides)."),
+    click.option("--fullgraph", is_flag=True, help="Fail on any graph break instead of splitting the graph."),
+    click.option("--backend", default="inductor", show_default=True, help="torch.compile backend."),
 )
-@click.option("--dynamic/--no-dynamic", default=None, help="torch.compile dynamic shapes (default: torch decides).")
-@click.option("--fullgraph", is_flag=True, help="Fail on any graph break instead of splitting the graph.")
-@click.option("--backend", default="inductor", show_default=True, help="torch.compile backend.")
 @click.option("--compare", is_flag=True, help="Train eager and compiled from the same start and compare speed.")
 @path_option("--out", help="Checkpoint path (default: runs/MODEL-SIZE.safetensors).")
 @click.option(
@@ -80,10 +94,7 @@ def train_cmd(
     seed: int,
     device: str,
     use_compile: bool,
-    mode: str,
-    dynamic: bool | None,
-    fullgraph: bool,
-    backend: str,
+    compile_options: Any,
     compare: bool,
     out: Path | None,
     json_path: Path | None,
@@ -91,18 +102,8 @@ def train_cmd(
     samples_count: int,
 ) -> None:
     """Train MODEL on its synthetic task and save a safetensors checkpoint."""
-    from tk.models.train import CompileOptions
-
-    options = CompileOptions(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend)
     if use_compile or compare:
-        import torch
-
-        known = torch.compiler.list_backends(exclude_tags=())
-        if backend not in known:
-            raise UsageError(
-                "--backend: expected a torch.compile backend such as inductor, eager or aot_eager "
-                f"(torch.compiler.list_backends()), got {backend!r}"
-            )
+        _require_compile_backend(compile_options.backend)
     kwargs = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "device": device}
     if compare:
         if out is not None or samples_path is not None:
@@ -110,7 +111,7 @@ def train_cmd(
             raise UsageError(
                 f"{option}: --compare trains two copies to compare their speed and saves no checkpoint; drop one"
             )
-        _train_compare(model, size, inputs, options, kwargs, json_path)
+        _train_compare(model, size, inputs, compile_options, kwargs, json_path)
         return
     spec = build(model, size, inputs, seed=seed)
     out = out or Path("runs") / f"{spec.name}-{spec.size}.safetensors"
@@ -121,7 +122,26 @@ def train_cmd(
 
         _refuse_artifact_parent(samples_path, "--samples")
         samples = task_samples(spec, samples_count, seed=seed)
-    result = _train_with_progress(spec, kwargs, options if use_compile else None)
+    result = _train_with_progress(spec, kwargs, compile_options if use_compile else None)
+    _save_training(spec, result, out, json_path, samples_path, samples)
+
+
+def _require_compile_backend(backend: str) -> None:
+    import torch
+
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        raise UsageError(
+            "--backend: expected a torch.compile backend such as inductor, eager or aot_eager "
+            f"(torch.compiler.list_backends()), got {backend!r}"
+        )
+
+
+def _save_training(
+    spec: Any, result: Any, out: Path, json_path: Path | None, samples_path: Path | None, samples: Any
+) -> None:
+    """The checkpoint with its JSON sidecar (the model, the training's summary, the library versions), the
+    held-out samples, and the same JSON at ``json_path``."""
     from tk.fileio import atomic_write_json
     from tk.models.checkpoint import save_checkpoint
     from tk.versions import library_versions
