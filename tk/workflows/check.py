@@ -263,9 +263,7 @@ def check_artifact(
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
-        ref.runs.floor = _noise_floor(ref, manifest, batch_size)
-        given_tolerance(ref.runs.floor, rtol, atol)
-        log_noise_floor(ref.runs.floor)
+        _set_noise_floor(ref, manifest, batch_size, rtol, atol)
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
         result = _empty_result(ref, judge, manifest, names)
@@ -345,6 +343,16 @@ class _Reference:
         )
         report.inputs = self.runs.inputs
         return report
+
+
+def _set_noise_floor(
+    ref: _Reference, manifest: Manifest, batch_size: int | None, rtol: float | None, atol: float | None
+) -> None:
+    """The floor the candidates are judged with (``_noise_floor``), recorded but not added where the user gave
+    a tolerance (``given_tolerance``), and logged."""
+    ref.runs.floor = _noise_floor(ref, manifest, batch_size)
+    given_tolerance(ref.runs.floor, rtol, atol)
+    log_noise_floor(ref.runs.floor)
 
 
 def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor | None:
