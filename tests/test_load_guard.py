@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tk.measure.load_guard import LoadGuard, LoadMark, cpu_seconds, one_minute_load, quiet_or_marked
 from tk.measure import load_guard
+from tk.measure.load_guard import LoadGuard, LoadMark, cpu_seconds, one_minute_load, quiet_or_marked
 
 
 class FakeClock:

@@ -17,8 +17,8 @@ import torch
 from tk.export import ExportOptions, write_artifact
 from tk.export.context import Int8Share
 from tk.manifest import verify_artifact
-from tk.models import build_model
 from tk.measure import load_guard
+from tk.models import build_model
 from tk.workflows.check import run_export_check
 from tk.workflows.optimize import OptimizeOptions, gate, optimize
 from tk.workflows.optimize.candidates import Candidate
