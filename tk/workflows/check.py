@@ -270,7 +270,8 @@ def check_artifact(
         for name in names:
             with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
                 result.reports[name] = report = ref.compare(candidate, judge, batch_size)
-            if len(result.reports) == 1:
+            if len(result.reports) == 1:  # said once a candidate ran: a refused engine ends in its one line
+                log_noise_floor(ref.runs.floor)
                 warn_reference_signal(report)
             if on_report is not None:
                 on_report(name, report)
@@ -349,10 +350,9 @@ def _set_noise_floor(
     ref: _Reference, manifest: Manifest, batch_size: int | None, rtol: float | None, atol: float | None
 ) -> None:
     """The floor the candidates are judged with (``_noise_floor``), recorded but not added where the user gave
-    a tolerance (``given_tolerance``), and logged."""
+    a tolerance (``given_tolerance``)."""
     ref.runs.floor = _noise_floor(ref, manifest, batch_size)
     given_tolerance(ref.runs.floor, rtol, atol)
-    log_noise_floor(ref.runs.floor)
 
 
 def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor | None:
