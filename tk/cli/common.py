@@ -109,26 +109,19 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
     from tk.text import printable, table_cell
 
     table = Table(title=title)
-    for column in ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", "NaN", "Inf", "result"):
+    floors = any(o.get("floor_ratio") is not None for r in reports.values() for o in _report_rows(r))
+    columns = ("engine", "output", "max abs", "max rel", "cosine", "SQNR dB", *(["x floor"] if floors else []),
+               "NaN", "Inf", "result")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right" if column not in ("engine", "output", "result") else "left")
     for engine, report in reports.items():
-        rows = list(report["outputs"])
-        if report.get("batch_invariance"):
-            rows.append(report["batch_invariance"])
-        for o in rows:
+        for o in _report_rows(report):
             sqnr = "inf" if o["sqnr_db"] is None else f"{o['sqnr_db']:.1f}"
             result = "pass" if o["passed"] else f"FAIL: {o['problem']}"
-            table.add_row(
-                table_cell(engine),
-                table_cell(o["name"]),
-                f"{o['max_abs']:.2e}",
-                f"{o['max_rel']:.2e}",
-                f"{o['cosine']:.6f}",
-                sqnr,
-                str(o["nan"]),
-                str(o["inf"]),
-                table_cell(result),
-            )
+            ratio = o.get("floor_ratio")
+            floor = [f"{ratio:.1f}" if isinstance(ratio, (int, float)) else "-"] if floors else []
+            table.add_row(table_cell(engine), table_cell(o["name"]), f"{o['max_abs']:.2e}", f"{o['max_rel']:.2e}",
+                          f"{o['cosine']:.6f}", sqnr, *floor, str(o["nan"]), str(o["inf"]), table_cell(result))  # fmt: skip
     console().print(table)
     tol = next(iter(reports.values()), None)
     if tol:
@@ -141,6 +134,11 @@ def print_check_reports(reports: dict[str, dict[str, Any]], title: str = "parity
     if skipped:
         counts = ", ".join(f"{n} of {name}" for name, n in skipped.items())
         click.echo(printable(f"not compared: the values at padding positions (attention mask 0): {counts}"))
+
+
+def _report_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """A report's output rows, its batch-invariance probe last."""
+    return [*report["outputs"], *([report["batch_invariance"]] if report.get("batch_invariance") else [])]
 
 
 class RegistryChoice(click.Choice):
