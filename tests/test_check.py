@@ -172,3 +172,51 @@ def test_a_tolerance_the_user_gives_is_the_whole_rule():
     report = report_from_outputs("onnx", ref, cand, precision="bf16", rtol=1e-4, atol=1e-5, noise_floor=floor)
     assert report.noise_floor is None  # reduced precisions add no floor
     assert NoiseFloor.from_json(NoiseFloor(applied=False).to_json()).applied  # applying is each check's choice
+
+
+@pytest.mark.parametrize(
+    ("record", "fragment"),
+    [({"k": 8, "per_run": [{"logits": "abc"}]}, "not the record tk writes"),
+     ({"k": 8, "per_run": [{"logits": float("inf")}]}, "not the record tk writes"),
+     ({"k": 8, "per_run": [{"logits": -1.0}]}, "not the record tk writes"),
+     ({"k": 1e6, "per_run": [{"logits": 1e-6}]}, "tk judges with 8")],
+)  # fmt: skip
+def test_a_recorded_floor_that_tk_did_not_write_is_one_line(record, fragment):
+    from tk.errors import IntegrityError
+    from tk.reference import NoiseFloor
+
+    with pytest.raises(IntegrityError, match=fragment):
+        NoiseFloor.from_json(record)
+    assert NoiseFloor.from_json({"k": 8, "per_run": [], "applied": False}).applied is False
+
+
+def test_an_unsigned_manifest_cannot_widen_the_golden_check(exported, tmp_path):
+    """A tampered graph with its manifest's floor raised to 1e3 and re-hashed (no key needed): the recorded
+    floor is ignored, so the golden check still fails."""
+    import shutil
+
+    import onnx
+    from click.testing import CliRunner
+
+    from tests.conftest import rehash
+    from tk.cli import cli
+    from tk.manifest import manifest_bytes, read_manifest
+
+    root = tmp_path / "art"
+    shutil.copytree(exported("mlp", ("onnx",)).root, root)
+    golden = tmp_path / "golden.npz"
+    saved = CliRunner().invoke(cli, ["check", str(root), "--engine", "onnx", "--save-golden", str(golden)])
+    assert saved.exit_code == 0, saved.output
+    model = onnx.load(str(root / "model.onnx"))
+    weight = next(i for i in model.graph.initializer if len(i.dims) == 2)
+    values = onnx.numpy_helper.to_array(weight) * 1.5
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    manifest = read_manifest(root)
+    for report in manifest.check.values():
+        report["noise_floor"] = {**report.get("noise_floor", {}), "k": 8,
+                                 "per_run": [{"logits": 1e3}] * len(report["shapes"])}  # fmt: skip
+    (root / "manifest.json").write_bytes(manifest_bytes(manifest))
+    rehash(root, {"model.onnx": model.SerializeToString()})
+    result = CliRunner().invoke(cli, ["check", str(root), "--engine", "onnx", "--golden", str(golden)])
+    assert result.exit_code == 1, result.output
+    assert "parity failed for onnx" in result.output or "FAIL" in result.output, result.output

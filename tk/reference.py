@@ -18,7 +18,7 @@ import numpy as np
 
 from tk.batch_probe import batch_dim_is_dynamic, batch_size, largest_run, probe_invariance
 from tk.comparison import padding_positions
-from tk.errors import CaptureError, EngineError, TkError, first_line
+from tk.errors import CaptureError, EngineError, IntegrityError, TkError, first_line
 from tk.spec import fitted_samples, random_feeds
 from tk.tolerances import NOISE_FLOOR_K
 
@@ -60,9 +60,24 @@ class NoiseFloor:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> NoiseFloor:
-        per_run = [{str(k): float(v) for k, v in run.items()} for run in data.get("per_run", [])]
-        batch = {str(k): float(v) for k, v in data.get("batch", {}).items()}
-        return cls(per_run, batch, data.get("note"), float(data.get("k", NOISE_FLOOR_K)))
+        """The floor a report recorded; ``IntegrityError`` (one line) unless its values are finite and 0 or more,
+        and its K is tk's own (a recorded floor widens the tolerance: it must be the one tk measured)."""
+        try:
+            per_run = [{str(k): _floor_value(v) for k, v in run.items()} for run in data.get("per_run", [])]
+            batch = {str(k): _floor_value(v) for k, v in data.get("batch", {}).items()}
+            k = float(data.get("k", NOISE_FLOOR_K))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise IntegrityError(f"manifest.json: a noise floor that is not the record tk writes ({exc})") from exc
+        if k != NOISE_FLOOR_K:
+            raise IntegrityError(f"manifest.json: a noise floor with K {k:g}; tk judges with {NOISE_FLOOR_K:g}")
+        return cls(per_run, batch, data.get("note"), k, applied=data.get("applied", True) is not False)
+
+
+def _floor_value(value: Any) -> float:
+    number = float(value)
+    if isinstance(value, bool) or not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"expected a finite floor of 0 or more, found {value!r}")
+    return number
 
 
 @dataclass

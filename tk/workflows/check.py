@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tk.errors import ParityError, UsageError
+from tk.errors import IntegrityError, ParityError, UsageError
 from tk.export import writer
 from tk.export.context import ExportContext
 from tk.manifest import Manifest, verify_artifact
@@ -263,7 +263,7 @@ def check_artifact(
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
-        _set_noise_floor(ref, manifest, batch_size, rtol, atol)
+        _set_noise_floor(ref, manifest, batch_size, (rtol, atol), lambda: trusted_artifact(root, manifest, choice.trust))
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
         result = _empty_result(ref, judge, manifest, names)
@@ -346,23 +346,34 @@ class _Reference:
         return report
 
 
-def _set_noise_floor(
-    ref: _Reference, manifest: Manifest, batch_size: int | None, rtol: float | None, atol: float | None
-) -> None:
-    """The floor the candidates are judged with (``_noise_floor``), recorded but not added where the user gave
-    a tolerance (``given_tolerance``)."""
-    ref.runs.floor = _noise_floor(ref, manifest, batch_size)
-    given_tolerance(ref.runs.floor, rtol, atol)
+def _set_noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None,
+                     given: tuple[float | None, float | None], trusted: Callable[[], bool]) -> None:  # fmt: skip
+    """The floor the candidates are judged with (``_noise_floor``; ``trusted`` asked only where the floor would
+    come from the manifest), recorded but not added where the user gave a tolerance (``given_tolerance``)."""
+    eager = not isinstance(ref.reference, str) and ref.reference.name == "eager"
+    ref.runs.floor = _noise_floor(ref, manifest, batch_size, trusted=eager or trusted())
+    given_tolerance(ref.runs.floor, *given)
 
 
-def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) -> NoiseFloor | None:
+def trusted_artifact(root: str | Path, manifest: Manifest, trust: TrustPolicy | None) -> bool:
+    """Whether a key the user trusts signed the artifact (what lets its recorded figures judge it)."""
+    from tk.signing import check_signature
+
+    return check_signature(root, manifest, trust).trusted
+
+
+def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None, trusted: bool) -> NoiseFloor | None:
     """At fp32/tf32 (else None): measured again on this check's own inputs where the reference is the PyTorch
-    model (eager); against another engine or a golden file, the floor the export check recorded at the same shapes."""
+    model (eager); against another engine or a golden file, the floor the export check recorded at the same shapes,
+    where a key the user trusts signed the artifact (``trusted``)."""
     if manifest.precision not in FLOOR_PRECISIONS:
         return None
     if not isinstance(ref.reference, str) and ref.reference.name == "eager":
         run = BatchRunner(ref.reference, batch_size).run if ref.samples else None
         return measure_noise_floor(ref.reference, ref.runs, run=run, batch=not ref.samples)
+    if not trusted:  # a manifest anyone can rewrite must not widen the tolerance it is judged by
+        return NoiseFloor(note="the export check's recorded floor is used only from an artifact a trusted key "
+                               "signed; the table's tolerance applies alone")  # fmt: skip
     recorded = recorded_floor(manifest, ref.runs.shapes)
     if recorded is not None:
         return recorded
@@ -370,11 +381,17 @@ def _noise_floor(ref: _Reference, manifest: Manifest, batch_size: int | None) ->
 
 
 def recorded_floor(manifest: Manifest, shapes: list[dict[str, int]]) -> NoiseFloor | None:
-    """The noise floor a format's export check recorded in the manifest, where it ran ``shapes``."""
+    """The noise floor a format's export check recorded in the manifest, where it ran ``shapes`` (one run per
+    shape); ``IntegrityError`` (one line) for a record that is not the one tk writes."""
     for report in manifest.check.values():
         floor = report.get("noise_floor") if isinstance(report, dict) else None
         if floor and floor.get("per_run") and report.get("shapes") == shapes:
-            return NoiseFloor.from_json(floor)
+            recorded = NoiseFloor.from_json(floor)
+            if len(recorded.per_run) != len(shapes):
+                raise IntegrityError(
+                    f"manifest.json: a noise floor of {len(recorded.per_run)} runs for {len(shapes)} shapes; re-export it"
+                )
+            return recorded
     return None
 
 
