@@ -350,3 +350,19 @@ def test_a_head_the_directory_has_no_weights_for_is_warned_of(hf_dirs, caplog):
     assert "no weights in the directory for classifier.bias, classifier.weight" in caplog.text
     assert "they are random (saved for another task?)" in caplog.text
     assert spec.signature.outputs[0].shape == ("batch", 2)
+
+
+def test_a_config_transformers_maps_to_several_classes_loads(tmp_path):
+    """DeiT's config maps to a tuple of classes (with and without the distillation head): the one loaded is
+    the one its architectures name, and its attention is read from that class."""
+    import transformers
+
+    from tk.models.hf import load_hf_module
+
+    torch.manual_seed(0)
+    config = transformers.DeiTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=5)  # fmt: skip
+    transformers.DeiTForImageClassification(config).save_pretrained(tmp_path, safe_serialization=True)
+    model, _ = load_hf_module(tmp_path, "image-classification")
+    assert type(model).__name__ == "DeiTForImageClassification"
+    assert model.config._attn_implementation == "sdpa"

@@ -169,6 +169,14 @@ def estimated_bytes(directory: Path, task: str) -> int:
         ) from exc
 
 
+def _supports_sdpa(auto_cls: Any, config: Any) -> bool:
+    """Whether the class ``auto_cls`` loads for ``config`` has SDPA attention (transformers maps some configs to
+    several classes, DeiT's to a tuple: the one matching the config's architectures is the one loaded)."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return bool(getattr(_get_model_class(config, auto_cls._model_mapping), "_supports_sdpa", False))
+
+
 def load_hf_module(directory: Path, task: str, attention: str | None = None) -> tuple[nn.Module, Any]:
     """The transformers model for ``task`` at ``directory`` in float32 eval mode, and its config;
     refused before anything is allocated when it would exceed tk's memory budget. ``attention``: the
@@ -178,7 +186,7 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
     config = _config(directory, task)
     auto_cls = _auto_class(config, task, f"hf:{directory}")
     if attention is None:  # named always, so that no config.json can choose an implementation fetched from the Hub
-        attention = "sdpa" if auto_cls._model_mapping[type(config)]._supports_sdpa else "eager"
+        attention = "sdpa" if _supports_sdpa(auto_cls, config) else "eager"
     try:
         model, loading = auto_cls.from_pretrained(
             str(directory),
