@@ -156,3 +156,32 @@ def test_compiled_members_are_found_by_place_name_and_magic():
     assert found == ["p/data/aotinductor/model/x.json", "p/extra/helper.so", "p/data/weights/weight_9"]
     with pytest.raises(IntegrityError, match="holds compiled code"):
         load_exported_program(out.getvalue())
+
+
+@pytest.mark.parametrize("damage", ["encrypted", "corrupt"])
+def test_a_member_that_cannot_be_read_is_one_line(exported, tmp_path, damage):
+    """A member flagged encrypted, or a deflated one whose stream is garbage: tk inspect and tk check end
+    in one line naming it (review: both were tracebacks)."""
+    root = tmp_path / "art"
+    shutil.copytree(exported("mlp", ("torch",)).root, root)
+    program = zipfile.ZipFile(io.BytesIO((root / "program.pt2").read_bytes()))
+    top = program.infolist()[0].filename.split("/", 1)[0]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info in program.infolist():
+            archive.writestr(info, program.read(info))
+        archive.writestr(zipfile.ZipInfo(f"{top}/extra/blob"), b"x" * 64, compress_type=zipfile.ZIP_DEFLATED)
+    data = bytearray(out.getvalue())
+    local = data.rfind(b"PK\x03\x04")  # the last member's local header
+    central = data.rfind(b"PK\x01\x02")  # and its central directory entry
+    if damage == "encrypted":
+        for header, flag_at in ((central, 8), (local, 6)):
+            data[header + flag_at] |= 0x01
+    else:
+        start = local + 30 + len(f"{top}/extra/blob")
+        end = data.find(b"PK\x01\x02", start)  # the deflated bytes end where the central directory begins
+        data[start:end] = b"\xff" * (end - start)
+    rehash(root, {"program.pt2": bytes(data)})
+    for args in (["inspect", str(root)], ["check", str(root), "--engine", "torch"]):
+        code, stderr = run_cli(*args)
+        assert_one_line(code, stderr, "extra/blob")

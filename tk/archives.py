@@ -42,8 +42,11 @@ def compiled_members(archive: zipfile.ZipFile) -> list[str]:
             continue
         if info.is_dir() or info.file_size == 0:
             continue
-        with archive.open(info) as member:
-            head = member.read(4)
+        try:
+            with archive.open(info) as member:
+                head = member.read(4)
+        except Exception as exc:  # an encrypted flag (RuntimeError), a corrupt stream (zlib.error), a bad CRC ...
+            raise IntegrityError(f"{name}: a zip member that cannot be read ({type(exc).__name__}: {first_line(exc)})") from exc
         if head.startswith(CODE_MAGIC):
             found.append(name)
     return found
@@ -56,7 +59,9 @@ def compiled_members_of_bytes(data: bytes, source: str) -> list[str]:
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             return compiled_members(archive)
-    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError) as exc:
+    except IntegrityError as exc:
+        raise IntegrityError(f"{source}: {exc}") from exc
+    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, ValueError) as exc:
         raise IntegrityError(f"{source}: a damaged zip archive ({first_line(exc)})") from exc
 
 
@@ -69,13 +74,27 @@ def compiled_code_in(root: str | Path, manifest: Manifest, role: str) -> list[st
         if entry.role != role:
             continue
         try:
-            with open_inside(root, entry.path) as (fd, _):
-                with open(fd, "rb", closefd=False) as f:
-                    if f.read(4) != ZIP_MAGIC:
-                        continue
-                    f.seek(0)
-                    with zipfile.ZipFile(f) as archive:
-                        found += [f"{entry.path}:{name}" for name in compiled_members(archive)]
-        except (TkError, OSError, zipfile.BadZipFile, EOFError, NotImplementedError):
+            found += [f"{entry.path}:{name}" for name in _compiled_members_at(root, entry.path)]
+        except _Unreadable as exc:  # one line, never "no code": the trust gate asks before anything loads
+            raise IntegrityError(str(exc)) from exc
+        except (TkError, OSError, zipfile.BadZipFile, EOFError, NotImplementedError, ValueError):
             continue  # the engine reads the verified bytes and refuses a missing or damaged file itself
     return found
+
+
+def _compiled_members_at(root: str | Path, relative: str) -> list[str]:
+    """``compiled_members`` of the file ``root/relative`` when it is a zip archive (else none); a member that
+    cannot be read is an ``IntegrityError`` naming it, raised past the caller's open errors."""
+    with open_inside(root, relative) as (fd, _), open(fd, "rb", closefd=False) as f:
+        if f.read(4) != ZIP_MAGIC:
+            return []
+        f.seek(0)
+        with zipfile.ZipFile(f) as archive:
+            try:
+                return compiled_members(archive)
+            except IntegrityError as exc:
+                raise _Unreadable(f"{Path(root) / relative}: {exc}") from exc
+
+
+class _Unreadable(Exception):
+    """A member of an artifact's archive that cannot be read: not left to the loader (the trust gate asks first)."""
