@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.coverage.catalog import ARCHS, Arch
+from tests.model_coverage.catalog import ARCHS, Arch
 from tk.errors import ParityError, PartialExportError, TkError, first_line
 from tk.export import ExportOptions
 from tk.manifest import MANIFEST, Manifest, read_manifest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tests.coverage.catalog import VOCAB
+from tests.model_coverage.catalog import VOCAB
 from tk.cli import cli
 from tk.manifest import read_manifest
 

@@ -1,6 +1,6 @@
 """The architectures of the coverage suite, as a user would bring them.
 
-torchvision's classifiers are user models (``tests.coverage.catalog:NAME``, each a ``tk.models.UserModel``
+torchvision's classifiers are user models (``tests.model_coverage.catalog:NAME``, each a ``tk.models.UserModel``
 taking ``images``), built with ``weights=None`` at 64x64 (the tiny ViT at 32x32). Hugging Face models are
 tiny random configs (2 layers, hidden 32) saved with ``save_pretrained`` and exported through
 ``hf:DIR --task TASK``; an encoder-decoder directory gives two rows, its encoder and its decoder step.
@@ -27,7 +27,7 @@ from tk.models.user import UserModel
 FORMATS = ("torch", "onnx", "openvino")  # every CPU format; aoti (AOTInductor) only where Arch.aoti
 IMAGE_SIZE = 32  # torchvision's CNNs: small (the float64 reference of the check is slow), each still runs
 VOCAB = 100
-CATALOG = "tests.coverage.catalog"
+CATALOG = "tests.model_coverage.catalog"
 
 
 @dataclass(frozen=True)

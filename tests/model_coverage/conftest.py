@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.coverage.catalog import save_hf_models
-from tests.coverage.cells import CoverageRun
-from tests.coverage.table import OUT_ENV
+from tests.model_coverage.catalog import save_hf_models
+from tests.model_coverage.cells import CoverageRun
+from tests.model_coverage.table import OUT_ENV
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.coverage.catalog import ARCHS, Arch, mobilenet_v3_small
-from tests.coverage.cells import Cell, CoverageRun, reason_problems, run_arch
-from tests.coverage.table import DOCS_PAGE, WRITE_DOCS_ENV, machine, render, verdicts_in, write_docs, write_results
+from tests.model_coverage.catalog import ARCHS, Arch, mobilenet_v3_small
+from tests.model_coverage.cells import Cell, CoverageRun, reason_problems, run_arch
+from tests.model_coverage.table import (
+    DOCS_PAGE,
+    WRITE_DOCS_ENV,
+    machine,
+    render,
+    verdicts_in,
+    write_docs,
+    write_results,
+)
 from tk.registries import HF_TASKS
 
 GOAL = 0.97  # the goal: this share of model x format cells export and pass the check
@@ -59,7 +67,7 @@ def test_docs_coverage_lists_the_verdicts_of_this_run(coverage_run: CoverageRun)
     ran = {(c.arch, c.format): c.verdict for c in coverage_run.all_cells()}
     shown = verdicts_in(DOCS_PAGE.read_text())
     differ = {key: (shown.get(key), ran.get(key)) for key in ran.keys() | shown.keys() if shown.get(key) != ran.get(key)}
-    hint = f"regenerate it: {WRITE_DOCS_ENV}=1 pytest tests/coverage, or python -m tests.coverage.report"
+    hint = f"regenerate it: {WRITE_DOCS_ENV}=1 pytest tests/model_coverage, or python -m tests.model_coverage.report"
     assert not differ, f"docs/coverage.md differs from this run (page, run): {differ}; {hint}"
 
 

@@ -1,4 +1,4 @@
-"""``python -m tests.coverage.report``: the coverage suite's table without pytest.
+"""``python -m tests.model_coverage.report``: the coverage suite's table without pytest.
 
 Exports every architecture of the catalog (a few minutes on two cores), writes ``coverage.md`` and its JSON
 twin ``coverage.json`` under ``--out``, and rewrites the table of docs/coverage.md (``--no-docs``: not).
@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.coverage.cells import Cell, CoverageRun
-from tests.coverage.table import cells_from_json, machine, write_docs, write_results
+from tests.model_coverage.cells import Cell, CoverageRun
+from tests.model_coverage.table import cells_from_json, machine, write_docs, write_results
 
 META_KEYS = ("date", "cpu", "cores", "cpu_flags", "versions")
 
 
 def _measured(work: Path) -> tuple[list[Cell], dict[str, Any]]:
-    from tests.coverage.catalog import save_hf_models
+    from tests.model_coverage.catalog import save_hf_models
 
     os.environ["XDG_CONFIG_HOME"] = str(work / "config")  # the artifacts' signing key: a throwaway one
     run = CoverageRun(work / "artifacts", save_hf_models(work / "hf"))
@@ -31,7 +31,7 @@ def _measured(work: Path) -> tuple[list[Cell], dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.coverage.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.model_coverage.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="source", type=Path, help="render this coverage.json instead of exporting")
     parser.add_argument("--out", type=Path, default=Path("coverage-results"), help="where coverage.md/.json go")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/coverage.md as it is")
