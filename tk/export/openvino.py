@@ -137,7 +137,11 @@ def _float32_ir(ctx: ExportContext) -> tuple[Any, str | None]:
         try:
             onnx_file = ctx.require("onnx-plain")
         except ConversionError:
-            raise ConversionError(f"{failed}; nor is there an ONNX graph of the program to convert (torch.onnx failed)") from exc
+            cause = failed.split("; export --format")[0]  # its advice names onnx, which failed too
+            raise ConversionError(
+                f"{cause}; nor is there an ONNX graph of the program to convert (torch.onnx failed too): export "
+                "--format torch or aoti instead"
+            ) from exc
         try:
             model = named_and_bounded(_converted(str(onnx_file.path), "tk's ONNX of the program"), ctx)
         except ConversionError as second:

@@ -319,6 +319,9 @@ def locate(
     root = Path(root)
     manifest = verify_artifact(root)
     manifest.file(ENGINE_FILE_ROLE[engine])  # a clear error, naming what it holds, when the artifact lacks the format
+    if manifest.precision == "int8" and not READERS[engine].reads_int8:
+        int8 = ", ".join(name for name, reader in READERS.items() if reader.reads_int8)
+        raise UsageError(f"--engine {engine}: its graph is read at float precision, not int8; use --engine {int8}")
     if loads_native_code(root, manifest, ENGINE_FILE_ROLE[engine]):
         require_trusted_code(root, manifest, trust, engine)
     rtol, atol, min_sqnr = artifact_tolerance(manifest.precision, manifest.model, rtol=rtol, atol=atol)
@@ -363,6 +366,7 @@ class GraphReader:
     via: str
     note: str = ""
     divergence: str = ""
+    reads_int8: bool = False  # the values read are the int8 graph's own (a recaptured program is float)
 
 
 def _program_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
@@ -400,6 +404,7 @@ READERS: dict[str, GraphReader] = {
         "onnx: the module outputs were added as graph outputs of a copy; this can change which fusions onnxruntime "
         "runs, so the engine's own outputs are compared below",
         " (its extra outputs keep float16 values onnxruntime otherwise computes in float32)",
+        reads_int8=True,
     ),
 }
 
