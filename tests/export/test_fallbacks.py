@@ -101,3 +101,28 @@ def test_failure_site_names_the_operator_and_the_cause():
         site = failure_site(outer)
     assert site.startswith("torch.ops.aten.view.default: ValueError: Cannot view a tensor"), site
     assert json.dumps(site)  # one plain line
+
+
+def test_optimize_keeps_the_formats_of_a_group_that_converted_and_caches_them(tmp_path):
+    """A shared fp32 group where onnx cannot convert: torch is judged from the same export, onnx is a failed
+    row with the conversion's reason, and a second run reuses the cached artifact (review: every run exported
+    the group again, then each format alone)."""
+    from tk.models import build_model
+    from tk.workflows.optimize import OptimizeOptions, optimize
+
+    def run() -> dict:
+        options = OptimizeOptions(formats=("torch", "onnx"), precisions=("fp32",), seconds=0.1,
+                                  cache_dir=tmp_path / "cache")  # fmt: skip
+        result = optimize(build_model("tests.planted:no_converter"), tmp_path / "out", options)
+        return {"rows": {r.candidate: r for r in result.rows}, "exports": result.exports, "hits": result.cache_hits,
+                "winner": result.winner}  # fmt: skip
+
+    first = run()
+    assert first["winner"] is not None and first["winner"].candidate == "torch fp32"
+    onnx = next(r for name, r in first["rows"].items() if name.startswith("onnx fp32"))
+    assert onnx.status == "failed" and "no ONNX function" in onnx.reason, (onnx.status, onnx.reason)
+    second = run()
+    # the shared group and onnx's unfused one, each once: no second try of the shared group one format at a time;
+    # the second run reuses the shared group (onnx's own group wrote nothing to reuse: it is tried again)
+    assert first["exports"] == 2
+    assert second["exports"] == 1 and second["hits"] == 1

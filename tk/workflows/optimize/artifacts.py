@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tk.errors import CannotWinError, IntegrityError, ParityError, TkError, UsageError, first_line
+from tk.errors import CannotWinError, IntegrityError, ParityError, PartialExportError, TkError, UsageError, first_line
 from tk.export import ExportOptions, write_artifact
 from tk.fileio import atomic_write_bytes
 from tk.formats.aoti import packing_features
@@ -123,9 +123,19 @@ def cached(root: Path, formats: list[str]) -> tuple[Manifest | None, str]:
         return None, first_line(exc)
     if not found.trusted:
         return None, f"its signature: {found.reason}"
-    if manifest.status == "unchecked" or any(f not in manifest.check for f in formats):
+    if found.fingerprint != own_fingerprint():  # the cache is this user's own: a key trusted for others' artifacts is not
+        return None, "its signature is not your own key's"
+    if manifest.status == "unchecked" or any(f not in manifest.check and f not in manifest.failed for f in formats):
         return None, ""
     return manifest, ""
+
+
+def own_fingerprint() -> str | None:
+    """The fingerprint of the user's own public key (None before it exists)."""
+    from tk.keys import fingerprint_of_file, own_key_paths
+
+    public = own_key_paths()[1]
+    return fingerprint_of_file(public) if public.is_file() else None
 
 
 def clear_for_export(root: Path, reason: str) -> Path:
@@ -166,8 +176,7 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
     if manifest is not None:
         log.info("optimize cache hit: %s (%s)", root.name, ", ".join(c.name for c in candidates))
         written.cache_hits = 1
-        written.artifacts = {c: (root, manifest) for c in candidates}
-        return written
+        return _from_artifact(written, candidates, root, manifest)
     root = clear_for_export(root, reason)
     export_options = group_export_options(candidates, base)
     try:
@@ -178,6 +187,8 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
     except CannotWinError as exc:  # only int8 groups ask the gate, and each holds one format
         written.skipped = {c: first_line(exc) for c in candidates}
         return written
+    except PartialExportError:  # written with the formats that converted; the manifest names the others
+        pass
     except (TkError, RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:  # a writer's failure
         if len(candidates) > 1:
             log.info(
@@ -186,8 +197,16 @@ def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: 
             return _one_at_a_time(spec, root, candidates, base)
         written.errors[candidates[0]] = f"export failed: {type(exc).__name__}: {first_line(exc)}"
         return written
-    manifest = verify_artifact(root)
-    written.artifacts = {c: (root, manifest) for c in candidates}
+    return _from_artifact(written, candidates, root, verify_artifact(root))
+
+
+def _from_artifact(written: Written, candidates: list[Candidate], root: Path, manifest: Manifest) -> Written:
+    """``written`` with each candidate's artifact, or the failure its format's conversion recorded."""
+    for candidate in candidates:
+        if candidate.format in manifest.failed:
+            written.errors[candidate] = f"export failed: {manifest.failed[candidate.format]}"
+        else:
+            written.artifacts[candidate] = (root, manifest)
     return written
 
 
