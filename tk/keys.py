@@ -91,7 +91,7 @@ def _require_safe_key_file(path: Path, info: os.stat_result, what: str, *, secre
             f"{path}: expected a private key only you can read, found mode {mode:04o}; "
             f"refusing to sign with it: chmod 600 {path}"
         )
-    if _others_can_write(info):
+    if others_can_write(info):
         raise UsageError(
             f"{path}: expected a {what} file only you can change, found mode {mode:04o} (writable by others); "
             f"refusing to trust it: chmod go-w {path}"
@@ -110,7 +110,7 @@ def _require_safe_directory(directory: Path, what: str, *, sticky_ok: bool = Fal
         raise UsageError(f"{directory}: cannot read {what}: {exc.strerror or exc}") from exc
     if yours:
         _require_yours(directory, info, what)
-    if _others_can_write(info) and not (sticky_ok and info.st_mode & stat.S_ISVTX):
+    if others_can_write(info) and not (sticky_ok and info.st_mode & stat.S_ISVTX):
         mode = stat.S_IMODE(info.st_mode)
         raise UsageError(
             f"{directory}: expected {what} only you can write, found mode {mode:04o}: whoever can write there "
@@ -134,7 +134,7 @@ def _require_yours(path: Path, info: os.stat_result, what: str) -> None:
         )
 
 
-def _others_can_write(info: os.stat_result) -> bool:
+def others_can_write(info: os.stat_result) -> bool:
     """Whether anyone but the owner can write: other users, or a group with members besides you (a
     user private group, the default on Debian and Ubuntu with umask 002, is you alone: ssh allows it too)."""
     if info.st_mode & stat.S_IWOTH:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tk.errors import TkError, UsageError, first_line
 from tk.fileio import exchange_paths, exclusive_temp_dir
+from tk.keys import others_can_write
 from tk.manifest import MANIFEST, read_manifest, verify_artifact
 from tk.signing import SIGNATURE, TrustPolicy, check_signature
 
@@ -235,7 +236,7 @@ def _not_private(path: Path) -> str:
         return "not a directory"
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return f"{path.name} belongs to user id {info.st_uid}, not to you"
-    if info.st_mode & 0o022:
+    if others_can_write(info):  # group write is fine where the group is the user alone (umask 002's default)
         return f"{path.name} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
     return ""
 

@@ -30,6 +30,7 @@ from tk.errors import CannotWinError, IntegrityError, ParityError, PartialExport
 from tk.export import ExportOptions, write_artifact
 from tk.fileio import atomic_write_bytes
 from tk.formats.aoti import packing_features
+from tk.keys import others_can_write
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, read_manifest, verify_artifact
 from tk.models import ModelSpec
 from tk.outdir import NESTED, recover_interrupted, require_replaceable, staging_dir, swap_into_place
@@ -164,7 +165,7 @@ def _made_by_tk(root: Path) -> bool:
         read_manifest(root)
     except (OSError, TkError):
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not others_can_write(info)
 
 
 def write_group(spec: ModelSpec, root: Path, candidates: list[Candidate], base: ExportOptions) -> Written:
