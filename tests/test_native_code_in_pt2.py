@@ -50,19 +50,29 @@ def planted(exported, tmp_path):
     root = tmp_path / "planted-artifact"
     shutil.copytree(exported("mlp", ("torch", "onnx", "aoti")).root, root)
     package = zipfile.ZipFile(io.BytesIO((root / "model.aoti.pt2").read_bytes()))
+
+    def plant(archive: zipfile.ZipFile, top: str) -> None:
+        for info in package.infolist():
+            if "/data/aotinductor/" in info.filename:  # the .so, its .cpp and metadata, under the program's folder
+                name = f"{top}/{info.filename.split('/', 1)[1]}"
+                archive.writestr(name, library.read_bytes() if name.endswith(".so") else package.read(info))
+
+    out = program_with(root, plant)
+    rehash(root, {"program.pt2": out.getvalue()})
+    verify_artifact(root)  # every hash matches: only the signature (and the archive's contents) can tell
+    return root, marker
+
+
+def program_with(root, add) -> io.BytesIO:
+    """``root/program.pt2``'s members, then what ``add(archive, top_folder)`` writes, as a new archive."""
     program = zipfile.ZipFile(io.BytesIO((root / "program.pt2").read_bytes()))
     top = program.infolist()[0].filename.split("/", 1)[0]
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as archive:
         for info in program.infolist():
             archive.writestr(info, program.read(info))
-        for info in package.infolist():
-            if "/data/aotinductor/" in info.filename:  # the .so, its .cpp and metadata, under the program's folder
-                name = f"{top}/{info.filename.split('/', 1)[1]}"
-                archive.writestr(name, library.read_bytes() if name.endswith(".so") else package.read(info))
-    rehash(root, {"program.pt2": out.getvalue()})
-    verify_artifact(root)  # every hash matches: only the signature (and the archive's contents) can tell
-    return root, marker
+        add(archive, top)
+    return out
 
 
 def test_the_planted_program_is_a_real_attack(planted):
@@ -166,11 +176,8 @@ def test_a_member_that_cannot_be_read_is_one_line(exported, tmp_path, damage):
     shutil.copytree(exported("mlp", ("torch",)).root, root)
     program = zipfile.ZipFile(io.BytesIO((root / "program.pt2").read_bytes()))
     top = program.infolist()[0].filename.split("/", 1)[0]
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for info in program.infolist():
-            archive.writestr(info, program.read(info))
-        archive.writestr(zipfile.ZipInfo(f"{top}/extra/blob"), b"x" * 64, compress_type=zipfile.ZIP_DEFLATED)
+    out = program_with(root, lambda archive, top: archive.writestr(
+        zipfile.ZipInfo(f"{top}/extra/blob"), b"x" * 64, compress_type=zipfile.ZIP_DEFLATED))  # fmt: skip
     data = bytearray(out.getvalue())
     local = data.rfind(b"PK\x03\x04")  # the last member's local header
     central = data.rfind(b"PK\x01\x02")  # and its central directory entry
