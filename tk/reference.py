@@ -70,7 +70,7 @@ class NoiseFloor:
             raise IntegrityError(f"manifest.json: a noise floor that is not the record tk writes ({exc})") from exc
         if k != NOISE_FLOOR_K:
             raise IntegrityError(f"manifest.json: a noise floor with K {k:g}; tk judges with {NOISE_FLOOR_K:g}")
-        return cls(per_run, batch, data.get("note"), k, applied=data.get("applied", True) is not False)
+        return cls(per_run, batch, data.get("note"), k)  # applied or not is each check's own choice (given_tolerance)
 
 
 def _floor_value(value: Any) -> float:
