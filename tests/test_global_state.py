@@ -13,7 +13,7 @@ import torch
 
 from tk.errors import ConversionError
 from tk.export import ExportOptions
-from tk.export.onnx import OnnxOptions
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.models.train import CompileOptions, train
 from tk.runtime import load

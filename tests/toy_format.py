@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from tk.export.base import Writer, option
 from tk.export.context import ExportContext
-from tk.export.writer import Writer, option
 from tk.formats.torch_program import load_exported_program, save_exported_program
 from tk.manifest import read_verified
 from tk.runtime.torch_engine import TorchEngine

@@ -29,13 +29,13 @@ ENGINE_FILE_ROLE: dict[str, str] = {
     "openvino": "openvino",
 }
 
-# export format -> its writer object, "module:OBJECT" (a tk.export.writer.Writer; see tk.export.writers)
+# export format -> its writer object, "module:OBJECT" (a tk.export.base.Writer; see tk.export.registry)
 FORMATS: dict[str, str] = {
-    "torch": "tk.export.torch_writer:WRITER",
-    "onnx": "tk.export.onnx:WRITER",
-    "aoti": "tk.export.aoti:WRITER",
-    "trt": "tk.export.tensorrt:WRITER",
-    "openvino": "tk.export.openvino:WRITER",
+    "torch": "tk.export.program.writer:WRITER",
+    "onnx": "tk.export.onnx.writer:WRITER",
+    "aoti": "tk.export.aoti.writer:WRITER",
+    "trt": "tk.export.tensorrt.writer:WRITER",
+    "openvino": "tk.export.openvino.writer:WRITER",
 }
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8")

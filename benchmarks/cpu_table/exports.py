@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.cpu_table.rows import formats_by_artifact
 from tk.export import ExportOptions
-from tk.export.onnx import OnnxOptions
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import ModelSpec
 from tk.workflows.export import export
 

@@ -26,7 +26,7 @@ import torch
 from tk.accuracy import measure_outputs
 from tk.errors import UsageError
 from tk.export import ExportOptions
-from tk.export.onnx import OnnxOptions
+from tk.export.onnx.writer import OnnxOptions
 from tk.measure.load_guard import LoadGuard
 from tk.measure.timing import interleave_calls, ms
 from tk.models import build_model

@@ -61,7 +61,7 @@ def profile_package(model: Any, manifest: Manifest, feeds: dict[str, np.ndarray]
 def profile_aoti_artifact(root: Path, manifest: Manifest, feeds: dict[str, np.ndarray], work: Path) -> list[dict]:
     """The top operators of an artifact's AOTInductor package: its program (the artifact must hold
     the torch format) compiled again with its Inductor settings and graph passes plus ``cpp.enable_kernel_profile``."""
-    from tk.export.aoti import aoti_package_from_exported_program
+    from tk.export.aoti.writer import aoti_package_from_exported_program
     from tk.formats.torch_program import FILE as PROGRAM
     from tk.formats.torch_program import load_exported_program
 

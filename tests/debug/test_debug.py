@@ -17,7 +17,7 @@ from tk.cli import cli
 from tk.errors import ParityError
 from tk.export import ExportOptions
 from tk.export.int8.search import minimize
-from tk.export.onnx import OnnxOptions
+from tk.export.onnx.writer import OnnxOptions
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.workflows.debug.locate import locate

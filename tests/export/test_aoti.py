@@ -7,7 +7,7 @@ import pytest
 from tests.export.conftest import passed_check
 from tk.errors import InputError
 from tk.export import ExportOptions
-from tk.export.aoti import AotiOptions, inductor_configs_for
+from tk.export.aoti.writer import AotiOptions, inductor_configs_for
 from tk.models import build_model
 from tk.runtime import load
 from tk.spec import random_feeds

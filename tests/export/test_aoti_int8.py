@@ -21,14 +21,14 @@ from tests.conftest import package_source
 from tk.cli import cli
 from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
-from tk.export.aoti import AotiOptions
-from tk.export.aoti import unavailable_reason as aoti_unavailable
-from tk.export.aoti_int8 import excluded_run_in_bf16, int8_program
-from tk.export.aoti_int8 import unavailable_reason as int8_unavailable
+from tk.export.aoti.int8 import excluded_run_in_bf16, int8_program
+from tk.export.aoti.int8 import unavailable_reason as int8_unavailable
+from tk.export.aoti.pt2e import quantizable_modules, run_linears_in_bf16, unit_macs
+from tk.export.aoti.writer import AotiOptions
+from tk.export.aoti.writer import unavailable_reason as aoti_unavailable
+from tk.export.capture import exported_program_from_module
 from tk.export.int8.search import int8_share
-from tk.export.onnx import OnnxOptions
-from tk.export.pt2e import quantizable_modules, run_linears_in_bf16, unit_macs
-from tk.export.torch_program import exported_program_from_module
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
 from tk.runtime import load
@@ -61,8 +61,8 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     packed_floats = {} if excluded_run_in_bf16() else {"cpp.weight_prepack": False}
     assert aoti["inductor_configs"] == {"freezing": True, **packed_floats} and aoti["packed_for"]
     # attention as two bf16 products where bf16 products outrun float32 ones, not aten's float32 flash kernel
-    in_bf16 = ["tk.export.aoti_passes.attention_as_matmuls/2+bf16"] if excluded_run_in_bf16() else []
-    assert aoti["graph_passes"] == [*in_bf16, "tk.export.aoti_passes.SizesFromInputs/1"]
+    in_bf16 = ["tk.export.aoti.passes.attention_as_matmuls/2+bf16"] if excluded_run_in_bf16() else []
+    assert aoti["graph_passes"] == [*in_bf16, "tk.export.aoti.passes.SizesFromInputs/1"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
     quantized = quant["int8_modules"]
@@ -78,7 +78,7 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert f"{quantized} of 9 layers int8" in line and f"SQNR at export {quant['sqnr_db_export']} dB" in line
     source = package_source(out)
     assert source.count("qlinear_pointwise") >= quantized  # one oneDNN int8 linear per quantized layer
-    # GELU fused into each int8 up-projection under the package's dynamic shapes (tk.export.aoti_passes)
+    # GELU fused into each int8 up-projection under the package's dynamic shapes (tk.export.aoti.passes)
     int8_ups = [f"blocks.{i}.ffn.up" for i in range(2) if f"blocks.{i}.ffn.up" not in quant["excluded"]]
     assert source.count('"gelu"') >= len(int8_ups), quant["excluded"]
     if not excluded_run_in_bf16():  # the layers left out run in float32 as the float32 package runs them: not packed
@@ -146,8 +146,8 @@ def test_modules_are_excluded_costliest_first_until_the_floor_holds():
 def test_rounds_judged_on_a_screen_keep_a_set_that_holds_on_every_judged_batch(monkeypatch):
     """The exclusion rounds judge a screen of the batches (here the calibration batches alone); what they
     keep is judged on every batch, held-out ones included, before it is returned."""
+    from tk.export.aoti.pt2e import outputs_of
     from tk.export.int8.search import MARGIN_DB
-    from tk.export.pt2e import outputs_of
     from tk.parity import worst_sqnr_db
 
     monkeypatch.setattr("tk.export.int8.search.SCREEN_EVERY", 10**6)
@@ -407,8 +407,8 @@ def test_a_computed_but_unused_pooler_does_not_stop_quantization():
 def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
     """The quantizer calibrates once per smoothing plan and copies the observers' statistics into later
     copies; every copy must compute exactly what a copy calibrated on its own computes."""
-    from tk.export.pt2e import Quantizer, outputs_of, quantizable_modules
-    from tk.export.smoothing import plan_smoothing
+    from tk.export.aoti.pt2e import Quantizer, outputs_of, quantizable_modules
+    from tk.export.aoti.smoothing import plan_smoothing
 
     spec, _, _, program = _tiny_transformer_program(trained=True)
     names = [s.name for s in spec.signature.inputs]
@@ -434,7 +434,7 @@ def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
 def test_the_judged_module_computes_exactly_what_the_quantized_program_computes():
     """The search judges a copy with each quantize/dequantize pair as one call and the weights
     dequantized once; its outputs must equal the program's own, with left-out linears in bf16 too."""
-    from tk.export.pt2e import Quantizer, fake_quantized, judged_module, outputs_of, quantizable_modules
+    from tk.export.aoti.pt2e import Quantizer, fake_quantized, judged_module, outputs_of, quantizable_modules
 
     spec, _, _, program = _tiny_transformer_program(trained=True)
     names = [s.name for s in spec.signature.inputs]
@@ -468,7 +468,7 @@ def test_the_judged_module_computes_exactly_what_the_quantized_program_computes(
     ("dtype", "low", "high"), [(torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.uint8, 0, 127)]
 )
 def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
-    from tk.export.pt2e import fake_quantized
+    from tk.export.aoti.pt2e import fake_quantized
 
     decomposed = torch.ops.quantized_decomposed
     x = torch.randn(3, 70, 33, generator=torch.Generator().manual_seed(0)) * 4
@@ -484,7 +484,7 @@ def test_fake_quantized_equals_the_decomposed_pair(dtype, low, high):
 def test_a_judge_runs_a_candidate_only_on_the_batches_it_has_no_sqnr_for():
     """The exclusion rounds keep each set's SQNR per batch across screens: asked again once a batch has
     joined the screen, a set runs on that batch alone, and reads the others from what it knew."""
-    from tk.export.pt2e import program_evaluator
+    from tk.export.aoti.pt2e import program_evaluator
 
     batches = [(torch.full((2, 3), float(i)),) for i in range(5)]
     judge = program_evaluator(lambda x: x, batches)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tk.export.aoti_passes import SizesFromInputs, _attention, attention_as_matmuls
+from tk.export.aoti.passes import SizesFromInputs, _attention, attention_as_matmuls
 
 
 def _up_gelu_then_flatten(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def test_sizes_are_read_from_inputs_so_the_linear_output_feeds_only_its_gelu():
 
 
 def test_the_pass_has_a_stable_cache_key():
-    assert SizesFromInputs().uuid() == SizesFromInputs().uuid() == "tk.export.aoti_passes.SizesFromInputs/1"
+    assert SizesFromInputs().uuid() == SizesFromInputs().uuid() == "tk.export.aoti.passes.SizesFromInputs/1"
 
 
 @pytest.mark.parametrize(

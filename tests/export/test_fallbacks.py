@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from tk.cli import cli
 from tk.export import ExportOptions
-from tk.export.onnx import failure_site
+from tk.export.onnx.writer import failure_site
 from tk.manifest import read_manifest
 from tk.models import build_model
 from tk.models.base import ModelSpec

@@ -11,9 +11,9 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
-from tk.export.aoti_int8 import ProgramUnits
+from tk.export.aoti.int8 import ProgramUnits
+from tk.export.aoti.pt2e import Quantizer, program_evaluator, quantizable_modules
 from tk.export.int8.search import one_at_a_time_sqnr_db
-from tk.export.pt2e import Quantizer, program_evaluator, quantizable_modules
 from tk.models import build_model
 
 

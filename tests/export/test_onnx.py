@@ -12,8 +12,8 @@ import torch
 from tests.export.conftest import passed_check
 from tk.errors import ConversionError, InputError, IntegrityError, UsageError
 from tk.export import ExportOptions
-from tk.export.onnx import OnnxOptions
-from tk.export.torch_program import exported_program_from_module
+from tk.export.capture import exported_program_from_module
+from tk.export.onnx.writer import OnnxOptions
 from tk.manifest import MANIFEST, FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import build_model
 from tk.parity import check_engines
@@ -38,7 +38,7 @@ def test_export_passes_its_check(exported, name):
     report = passed_check(m, "onnx")
     assert (report["rtol"], report["atol"]) == tolerance(e.spec)
     onnx_info = dict(m.formats["onnx"])
-    assert isinstance(onnx_info.pop("fusions")["applied"], bool)  # tk.export.onnx_optimize ran
+    assert isinstance(onnx_info.pop("fusions")["applied"], bool)  # tk.export.onnx.fusions ran
     assert onnx_info == {
         "file": "model.onnx",
         "opset": 20,
@@ -94,7 +94,7 @@ def test_transformer_inputs_are_batch_by_seq(exported):
 
 def test_axes_are_renamed_when_the_exporter_does_not(monkeypatch, tmp_path):
     """The exporter names axes s0, s1… unless told; tk renames them everywhere in the graph."""
-    import tk.export.onnx as onnx_writer
+    import tk.export.onnx.writer as onnx_writer
 
     monkeypatch.setattr(onnx_writer, "_axis_names", lambda signature, dims: None)
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ def test_another_models_onnx_file_fails_the_check(exported, tmp_path):
 def test_large_models_keep_weights_in_external_data(monkeypatch, tmp_path, eager_outputs, close):
     import onnxruntime as ort
 
-    import tk.export.onnx as onnx_writer
+    import tk.export.onnx.writer as onnx_writer
 
     monkeypatch.setattr(onnx_writer, "SINGLE_FILE_LIMIT", 0)  # every model counts as large
     torch.manual_seed(0)

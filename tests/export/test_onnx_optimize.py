@@ -14,8 +14,8 @@ pytest.importorskip("onnxruntime")
 
 from tk.cli import cli
 from tk.export import ExportOptions
-from tk.export.onnx import OnnxOptions
-from tk.export.onnx_optimize import fused_op_counts, layer_norms_for_cpu, optimized_onnx_from_onnx
+from tk.export.onnx.fusions import fused_op_counts, layer_norms_for_cpu, optimized_onnx_from_onnx
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.runtime import load
 from tk.workflows.export import export

@@ -118,7 +118,7 @@ def test_tk_check_engine_all_runs_openvino(exported, tmp_path):
 
 
 def test_precisions_and_options_it_cannot_honour_are_refused():
-    from tk.export.openvino import WRITER
+    from tk.export.openvino.writer import WRITER
 
     assert "export --device cpu" in WRITER.unavailable_reason("cuda", "fp32")  # also where a GPU is present
     assert WRITER.precisions == ("fp32", "bf16", "int8")
@@ -238,7 +238,7 @@ def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_qu
     import openvino as ov
 
     from tk.export.int8.search import one_at_a_time_sqnr_db
-    from tk.export.openvino_int8 import NncfUnits, ir_evaluator, weight_products
+    from tk.export.openvino.int8 import NncfUnits, ir_evaluator, weight_products
 
     torch.manual_seed(0)
     model = ov.convert_model(torch.export.export(_ThreeInputs().eval(), (torch.randn(32, 16),)))
@@ -291,7 +291,7 @@ def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_we
     import openvino as ov
 
     from tk.export.int8.search import one_at_a_time_sqnr_db
-    from tk.export.openvino_int8 import NncfUnits, ir_evaluator, quantized_units, weight_products
+    from tk.export.openvino.int8 import NncfUnits, ir_evaluator, quantized_units, weight_products
 
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (4, 16))
@@ -324,7 +324,7 @@ def test_openvino_units_multiply_adds_count_products_and_attention_at_the_batchs
     import nncf
     import openvino as ov
 
-    from tk.export.openvino_int8 import quantized_units, unit_macs
+    from tk.export.openvino.int8 import quantized_units, unit_macs
 
     torch.manual_seed(0)
     model = ov.convert_model(torch.export.export(_Encoder().eval(), (torch.randint(0, 64, (4, 16)),)))
@@ -350,7 +350,7 @@ def test_openvino_judge_runs_the_first_batches_whole_then_stops_at_the_first_und
     import openvino as ov
     from openvino import opset13 as ops
 
-    from tk.export.openvino_int8 import ir_evaluator
+    from tk.export.openvino.int8 import ir_evaluator
 
     x = ops.parameter([2, 4], np.float32, name="x")
     reference = ov.Model([ops.multiply(x, np.float32(1.0))], [x])

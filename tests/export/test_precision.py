@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import package_source
 from tk.export import ExportOptions
-from tk.export.aoti_passes import ATTENTION_AS_MATMULS
+from tk.export.aoti.passes import ATTENTION_AS_MATMULS
 from tk.formats.aoti import packing_features
 from tk.models import build_model
 from tk.tolerances import MIN_SQNR_DB, TOLERANCES

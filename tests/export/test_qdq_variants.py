@@ -12,10 +12,10 @@ pytest.importorskip("onnxruntime")
 
 from tk.export import ExportOptions
 from tk.export.int8.calibration import calibration_batches
-from tk.export.onnx import OnnxOptions
-from tk.export.qdq_variants import QdqVariants
-from tk.export.quantize import weight_type
-from tk.export.static_int8 import _quantize, _Reader, weight_matmul_nodes
+from tk.export.onnx.dynamic_int8 import weight_type
+from tk.export.onnx.qdq_variants import QdqVariants
+from tk.export.onnx.static_int8 import _quantize, _Reader, weight_matmul_nodes
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.spec import random_feeds
 from tk.workflows.export import export

@@ -11,7 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tk.errors import UsageError
-from tk.export.quantize import int8_onnx_from_onnx, saturating_int8_products, weight_type
+from tk.export.onnx.dynamic_int8 import int8_onnx_from_onnx, weight_type
+from tk.formats.products import saturating_int8_products
 
 K = 64  # products summed per output: 32 pairs, each pair can overflow int16 at full range
 

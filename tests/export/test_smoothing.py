@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
-from tk.export.aoti_int8 import int8_program
-from tk.export.pt2e import live_module
-from tk.export.smoothing import SMOOTHING_PREFIX, apply_smoothing, plan_smoothing
+from tk.export.aoti.int8 import int8_program
+from tk.export.aoti.pt2e import live_module
+from tk.export.aoti.smoothing import SMOOTHING_PREFIX, apply_smoothing, plan_smoothing
 from tk.parity import worst_sqnr_db
 from tk.spec import Dim, Signature, TensorSpec
 

@@ -14,9 +14,9 @@ from tk.cli import cli
 from tk.errors import UsageError
 from tk.export import ExportOptions
 from tk.export.int8.calibration import calibration_batches
-from tk.export.onnx import OnnxOptions
-from tk.export.quantize import weight_type
-from tk.export.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
+from tk.export.onnx.dynamic_int8 import weight_type
+from tk.export.onnx.static_int8 import static_int8_onnx_from_onnx, weight_matmul_nodes
+from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.spec import random_feeds
 from tk.workflows.export import export
@@ -96,7 +96,7 @@ def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tm
 
 
 def test_unit_macs_count_each_products_output_times_its_reduced_dimension(fp32_onnx):
-    from tk.export.static_int8 import unit_macs
+    from tk.export.onnx.static_int8 import unit_macs
 
     spec = build_model("transformer", size="tiny")
     hidden, ffn = spec.module.blocks[0].ffn.up.in_features, spec.module.blocks[0].ffn.up.out_features
@@ -306,7 +306,7 @@ def test_static_int8_export_at_a_static_batch_passes(tmp_path):
 def test_the_judge_runs_the_float_graph_only_on_the_batches_it_judges(fp32_onnx, tmp_path):
     """References are computed when a batch is first judged, in one float32 session its head shares: a
     graph under the target on its first batch leaves the other batches' references uncomputed."""
-    from tk.export.static_int8 import graph_evaluator
+    from tk.export.onnx.static_int8 import graph_evaluator
 
     batches = _calibration(32)
     assert len(batches) >= 3

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import tk.export.tensorrt as trt_writer
+import tk.export.tensorrt.writer as trt_writer
 import tk.formats.tensorrt as trt_format
 from tests.conftest import requires, run_in_threads
 from tk.errors import BackendUnavailableError, InputError, IntegrityError
 from tk.export import ExportOptions
-from tk.export.tensorrt import TrtOptions
+from tk.export.tensorrt.writer import TrtOptions
 from tk.models import build_model
 from tk.runtime import load
 from tk.spec import random_feeds

@@ -10,7 +10,7 @@ import torch
 
 from tk.errors import CaptureError, InputError
 from tk.export import ExportOptions, write_artifact
-from tk.export.torch_program import exported_program_from_module, exported_program_in_range, suggested_dims
+from tk.export.capture import exported_program_from_module, exported_program_in_range, suggested_dims
 from tk.manifest import FileEntry, manifest_bytes, read_manifest, verify_artifact
 from tk.models import ModelSpec, build_model
 from tk.parity import check_engines

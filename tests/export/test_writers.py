@@ -13,17 +13,17 @@ import torch
 from click.testing import CliRunner
 
 import tk.export
-import tk.export.writers
+import tk.export.registry
 from tk.cli import cli
 from tk.errors import ConversionError, UsageError
 from tk.export import ExportOptions
-from tk.export.aoti import AotiOptions
+from tk.export.aoti.writer import AotiOptions
+from tk.export.base import Writer
 from tk.export.context import ExportContext
 from tk.export.int8.search import require_int8_layers
-from tk.export.onnx import OnnxOptions
-from tk.export.tensorrt import TrtOptions
-from tk.export.writer import Writer
-from tk.export.writers import FORMATS, resolve_settings, settings_from_flags, writer
+from tk.export.onnx.writer import OnnxOptions
+from tk.export.registry import FORMATS, resolve_settings, settings_from_flags, writer
+from tk.export.tensorrt.writer import TrtOptions
 from tk.models import build_model
 from tk.workflows.export import export
 
@@ -40,7 +40,7 @@ def test_every_registered_format_is_one_writer_object_with_its_own_options():
 
 
 def test_the_orchestrator_names_no_format():
-    for module in (tk.export, tk.export.writers):
+    for module in (tk.export, tk.export.registry):
         source = inspect.getsource(module)
         named = [fmt for fmt in FORMATS if f'"{fmt}"' in source or f"'{fmt}'" in source]
         assert named == [], f"{module.__name__} names {named}"
@@ -67,7 +67,7 @@ PLAIN_ONNX_OPS = PlainOnnxOps()
 def test_a_writer_gets_the_standard_op_graph_it_requires_whatever_onnx_ships(monkeypatch, tmp_path):
     """What the trt writer relies on: ``ctx.require("onnx-plain")`` is the exporter's graph, not the
     fused ``model.onnx`` the onnx writer ships (onnxruntime contrib operators)."""
-    monkeypatch.setitem(tk.export.writers.REGISTRY, "plainops", "tests.export.test_writers:PLAIN_ONNX_OPS")
+    monkeypatch.setitem(tk.export.registry.REGISTRY, "plainops", "tests.export.test_writers:PLAIN_ONNX_OPS")
     torch.manual_seed(0)
     settings = {"onnx": OnnxOptions(keep_unfused=True)}
     options = ExportOptions(formats=("onnx", "plainops"), check=False, settings=settings)
@@ -143,7 +143,7 @@ def test_python_settings_are_checked_like_the_flags(tmp_path, caplog):
     with pytest.raises(UsageError, match=r"settings: expected format names .* got 'tflite'"):
         export(spec, tmp_path / "a", ExportOptions(formats=("onnx",), settings={"tflite": OnnxOptions()}))
     with pytest.raises(UsageError, match="--trt-opt-level: expected 0 to 5, got 9"):
-        tk.export.writers.writer("trt").validate(TrtOptions(optimization_level=9), ExportOptions())
+        tk.export.registry.writer("trt").validate(TrtOptions(optimization_level=9), ExportOptions())
     assert not (tmp_path / "a").exists()
     # under --format all, settings of a format this machine skips are harmless: a warning, not an error
     caplog.set_level(logging.WARNING, logger="tk.export")
@@ -191,7 +191,7 @@ def test_an_int8_export_in_which_no_layer_stayed_int8_fails_saying_what_to_try(t
 
 def test_an_int8_aoti_package_with_no_int8_layer_fails_before_compiling(tmp_path):
     pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
-    from tk.export.aoti_int8 import unavailable_reason
+    from tk.export.aoti.int8 import unavailable_reason
 
     if unavailable_reason("cpu"):
         pytest.skip(unavailable_reason("cpu"))

@@ -121,7 +121,7 @@ def test_onnx_refuses_an_altered_model_file(linear_onnx, tmp_path):
 
 
 def test_onnx_refuses_missing_external_data(monkeypatch, tmp_path):
-    import tk.export.onnx as onnx_writer
+    import tk.export.onnx.writer as onnx_writer
 
     monkeypatch.setattr(onnx_writer, "SINGLE_FILE_LIMIT", 0)  # every model counts as large
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import requires
 from tk.errors import UsageError
-from tk.formats.precision import matmul_precision
+from tk.formats.tf32 import matmul_precision
 from tk.runtime import load
 from tk.runtime.cuda import GraphCache, ShapeCache, signature_of
 from tk.spec import random_feeds

@@ -66,7 +66,7 @@ def test_external_data_is_copied(monkeypatch, tmp_path):
     import torch
 
     from tk.export import ExportOptions
-    from tk.export import onnx as onnx_writer
+    from tk.export.onnx import writer as onnx_writer
     from tk.models import build_model
     from tk.workflows.export import export
 

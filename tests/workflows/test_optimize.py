@@ -232,7 +232,7 @@ def test_candidates_skip_reduced_precision_this_cpu_cannot_run() -> None:
 
 def test_a_frozen_float32_package_is_its_own_candidate_on_the_cpu_only() -> None:
     from tk.export import ExportOptions
-    from tk.export.aoti import AotiOptions
+    from tk.export.aoti.writer import AotiOptions
     from tk.workflows.optimize.artifacts import group_export_options
 
     found = enumerate_candidates("cpu", formats=("aoti",), precisions=("fp32",))

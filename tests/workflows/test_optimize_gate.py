@@ -325,7 +325,7 @@ def test_the_float_end_is_the_precision_the_int8_models_left_out_layers_run_in(
     package (the fastest) 67.6, no OpenVINO fp32 timed (the race skipped float32). The IR's left-out layers
     run in float32, not bf16: the race's 73.3 ms gap gives the float end, and with 61% of the multiply-adds
     left int8 the search is at best 44.9 + 0.39 x 73.3 = 73.5 ms: it stops (bf16 standing in read 54.1)."""
-    import tk.export.aoti_int8 as aoti_int8
+    import tk.export.aoti.int8 as aoti_int8
     from tk.workflows.optimize.gate import int8_float_part
 
     aoti_bf16 = Candidate("aoti", "bf16", "aoti")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tk.export.onnx import OnnxOptions
+from tk.export.onnx.writer import OnnxOptions
 from tk.measure.roofline import Roofline
 from tk.models import build_model
 from tk.workflows.optimize import OptimizeOptions, OptimizeResult, optimize

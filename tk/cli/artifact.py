@@ -222,7 +222,7 @@ def export_cmd(
     from tk.export import ExportOptions, settings_from_flags
 
     formats = formats or ("onnx",)
-    # each format's options dataclass takes the ones it declares (tk.export.writer); None: not given
+    # each format's options dataclass takes the ones it declares (tk.export.base); None: not given
     flags = {"--int8-mode": int8_mode, "--calibration-method": calibration_method, **graph_flags, "--opset": opset}
     settings = settings_from_flags(formats, {**flags, **trt_flags})
     spec = build(model, size, inputs, task)

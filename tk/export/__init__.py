@@ -28,10 +28,10 @@ from tk.errors import (
     UsageError,
     first_line,
 )
+from tk.export.capture import exported_program_in_range
+from tk.export.casts import module_at_precision
 from tk.export.context import ExportContext, ExportOptions
-from tk.export.precision import module_at_precision
-from tk.export.torch_program import exported_program_in_range
-from tk.export.writers import (
+from tk.export.registry import (
     FORMATS,
     format_unavailable_reason,
     in_use,
@@ -42,7 +42,7 @@ from tk.export.writers import (
     writer_options_reason,
 )
 from tk.fileio import atomic_write_bytes, sha256_file
-from tk.formats.precision import matmul_precision
+from tk.formats.tf32 import matmul_precision
 from tk.limits import require_within_budget
 from tk.manifest import MANIFEST, FileEntry, Manifest, manifest_bytes, refuse_legacy_hmac_key
 from tk.models import ModelSpec
@@ -284,7 +284,7 @@ def _capture(ctx: ExportContext, out: Path) -> torch.export.ExportedProgram:
     """``exported_program_in_range``; ``ctx.dims`` becomes the ranges the program holds (narrowed where
     torch.export suggested), which the manifest and the other formats then use. On a failure, a report
     beside ``out`` that the error names."""
-    from tk.export.torch_program import write_capture_report
+    from tk.export.capture import write_capture_report
 
     try:
         program, ctx.dims = exported_program_in_range(ctx.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from tk.formats.aoti import runs_natively
+
+X86 = ("x86_64", "amd64", "i386", "i686")  # platform.machine() of the x86 CPUs
 
 log = logging.getLogger("tk.formats")
 
@@ -92,3 +95,12 @@ def bf16_outruns_fp32() -> bool:
     ratio = product_ratio("bf16", "fp32")
     log.info("bf16 products ran %.2fx float32's at %s (oneDNN, packed)", ratio, "x".join(map(str, PROBE_MKN)))
     return ratio >= OUTRUNS_BY
+
+
+def saturating_int8_products(machine: str | None = None, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU's uint8 x int8 products saturate (x86 without VNNI or AMX int8 instructions)."""
+    from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
+
+    machine = (machine if machine is not None else platform.machine()).lower()
+    flags = cpu_flags() if flags is None else flags
+    return machine in X86 and not any(f in flags for f in NATIVE_FLAGS["int8"])

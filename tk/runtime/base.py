@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tk.errors import TkError, UsageError, run_failure
-from tk.formats.precision import matmul_precision
+from tk.formats.tf32 import matmul_precision
 from tk.manifest import Manifest
 from tk.runtime.dtypes import Array
 from tk.runtime.inputs import check_arrays

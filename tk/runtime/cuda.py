@@ -1,6 +1,6 @@
 """CUDA graphs per input shape for the torch engines.
 
-TF32 scoping lives in ``tk.formats.precision`` (export compiles under it too).
+TF32 scoping lives in ``tk.formats.tf32`` (export compiles under it too).
 
 **CUDA graphs.** ``GraphCache`` captures a function once per input signature (shapes and dtypes)
 into a CUDA graph with static input and output buffers, all graphs sharing one memory pool, at

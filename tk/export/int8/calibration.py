@@ -1,7 +1,7 @@
 """Static int8's inputs: the calibration batches, and the held-out batches that judge a quantized graph.
 
-Shared by the int8 writers: onnxruntime's static QDQ graph (``tk.export.static_int8``), the
-PT2E-quantized AOTInductor package (``tk.export.aoti_int8``) and NNCF's OpenVINO IR (``tk.export.openvino``);
+Shared by the int8 writers: onnxruntime's static QDQ graph (``tk.export.onnx.static_int8``), the
+PT2E-quantized AOTInductor package (``tk.export.aoti.int8``) and NNCF's OpenVINO IR (``tk.export.openvino.writer``);
 the search that judges their graphs on these batches is ``tk.export.int8.search``.
 """
 

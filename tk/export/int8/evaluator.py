@@ -2,8 +2,8 @@
 candidate's outputs are from them (SQNR in dB, as the export check judges int8).
 
 One evaluator serves every int8 writer (and ``tk debug precision``); what differs is how a format runs its
-float model and a candidate, a ``Runner``: the PT2E program in PyTorch (``tk.export.aoti_int8``), a QDQ graph
-in onnxruntime (``tk.export.static_int8``), an IR compiled by OpenVINO (``tk.export.openvino``).
+float model and a candidate, a ``Runner``: the PT2E program in PyTorch (``tk.export.aoti.int8``), a QDQ graph
+in onnxruntime (``tk.export.onnx.static_int8``), an IR compiled by OpenVINO (``tk.export.openvino.writer``).
 
 A batch's reference is computed when it is first judged, once for an evaluator and all its subsets: a
 search whose rounds judge a screen of the batches, a candidate under the target on its first batch, or a

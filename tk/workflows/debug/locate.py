@@ -237,8 +237,8 @@ def _outputs_from_program(values: list[tuple[str, Any]], records: dict[str, Modu
 
 
 def _recaptured_program(model: nn.Module, manifest: Manifest) -> torch.export.ExportedProgram:
-    from tk.export.precision import module_at_precision
-    from tk.export.torch_program import exported_program_from_module
+    from tk.export.capture import exported_program_from_module
+    from tk.export.casts import module_at_precision
 
     keep = tuple(manifest.model.get("keep_fp32") or ())
     module = module_at_precision(model, manifest.precision, "cpu", keep)

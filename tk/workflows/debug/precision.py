@@ -6,7 +6,7 @@ small set whose float32 keeps the check passing, then each chosen module is refi
 children while the check still passes. Each trial is judged like the export check (the
 artifact's tolerances and SQNR floor, on random inputs at the min, opt, max and an odd size of
 every dimension):
-- fp16/bf16: the model under tk's cast policy (``tk.export.precision``) with the trial's
+- fp16/bf16: the model under tk's cast policy (``tk.export.casts``) with the trial's
   modules kept, run eagerly. That is the computation the torch and aoti programs capture;
   onnxruntime's CPU kernels compute float16 graphs in float32, so an ONNX fp16 check can pass
   where this one fails.
@@ -270,7 +270,7 @@ def _run_module(
 
 
 def _mixed_keeping(model: nn.Module, manifest: Manifest, names: list[str]) -> tuple[Keeping, str]:
-    from tk.export.precision import module_at_precision
+    from tk.export.casts import module_at_precision
 
     def keeping(keep: tuple[str, ...]) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
         wrapped = module_at_precision(model, manifest.precision, "cpu", keep)
@@ -283,9 +283,9 @@ def _int8_keeping(model: nn.Module, manifest: Manifest, names: list[str], tmp: P
     import onnx
     import onnxruntime as ort
 
-    from tk.export.onnx import onnx_from_exported_program
-    from tk.export.quantize import int8_onnx_from_onnx
-    from tk.export.torch_program import exported_program_from_module
+    from tk.export.capture import exported_program_from_module
+    from tk.export.onnx.dynamic_int8 import int8_onnx_from_onnx
+    from tk.export.onnx.writer import onnx_from_exported_program
     from tk.formats.onnx_scopes import nodes_in_modules
 
     sig = manifest.signature

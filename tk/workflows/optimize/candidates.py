@@ -72,8 +72,8 @@ class Candidate:
 
 
 def writer_of(fmt: str) -> Any:
-    """The writer of format ``fmt`` (``tk.export.writers.writer``)."""
-    from tk.export.writers import writer
+    """The writer of format ``fmt`` (``tk.export.registry.writer``)."""
+    from tk.export.registry import writer
 
     return writer(fmt)
 

@@ -168,7 +168,7 @@ def module_at_precision(
     """``module`` itself for fp32 and tf32 (float32 weights; tf32 only lets cuBLAS/cuDNN round inside
     matrix products) and int8 (quantized after export); wrapped in the cast policy otherwise.
 
-    ``keep_fp32`` names modules left in float32 (for int8 see ``tk.export.quantize``).
+    ``keep_fp32`` names modules left in float32 (for int8 see ``tk.export.onnx.dynamic_int8``).
     """
     for path in keep_fp32:
         resolve_module(module, path)  # a wrong name fails at every precision

@@ -13,7 +13,7 @@ post-norm encoder (BERT) also adds that LayerNorm's output to its residual, whic
 Inductor fuses the ``mul`` into the kernel that quantizes the activation. Written here rather than
 taken from a library: torchao's SmoothQuant is for its eager ``quantize_`` flow, onnxruntime's needs
 Intel Neural Compressor, and NNCF's runs on its own graphs; this one works on the PT2E program the
-x86 quantizer annotates. Whether it helps is measured per model (``tk.export.aoti_int8``).
+x86 quantizer annotates. Whether it helps is measured per model (``tk.export.aoti.int8``).
 """
 
 from __future__ import annotations

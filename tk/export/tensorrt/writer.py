@@ -1,7 +1,7 @@
 """The ``trt`` format: a TensorRT engine (``model.plan``) built from the exporter's standard-op ONNX graph.
 
 The network is strongly typed (TensorRT 11 builds nothing else): each layer runs in the dtype the
-ONNX graph gives it, and tk puts reduced precision into the graph (``tk.export.precision``), so
+ONNX graph gives it, and tk puts reduced precision into the graph (``tk.export.casts``), so
 no precision flag is set here. TF32 is turned off where TensorRT still has the flag, so float32
 engines keep float32 parity. One optimization profile spans every dimension's min/opt/max. The
 timing cache is read before and written after each build (atomically), so rebuilds are faster.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from tk.errors import ConversionError, UsageError
+from tk.export.base import Writer, option
 from tk.export.context import ExportContext, ExportOptions
-from tk.export.writer import Writer, option
 from tk.fileio import atomic_write_bytes
 from tk.formats.tensorrt import FILE, trt_logger, unavailable_reason
 from tk.spec import Dim, Signature

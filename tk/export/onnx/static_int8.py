@@ -10,7 +10,7 @@ product gets a QuantizeLinear/DequantizeLinear pair on its output, which onnxrun
 ``QLinearMatMul`` + ``DequantizeLinear`` and then adds the bias in float32 anyway; with it,
 ``DequantizeLinear -> MatMul`` becomes one ``MatMulIntegerToFloat`` (int8 product, float32 out):
 faster, and one rounding fewer per layer. Weights are uint8 where this CPU's int8 products saturate
-(``tk.export.quantize.weight_type``). The export fuses the float32 graph first (attention
+(``tk.export.onnx.dynamic_int8.weight_type``). The export fuses the float32 graph first (attention
 into ``MultiHeadAttention``, bias + GELU), so quantization sees the fused graph, which runs faster.
 
 Then the graph's signal is measured as the SQNR of its outputs against the float32 graph on the
@@ -21,7 +21,7 @@ output SQNR against float32), and the costliest are excluded first, a few more p
 round judged on the calibration and held-out batches: the search every int8 writer runs
 (``tk.export.int8.search``; ``QdqUnits`` is this format's adapter). Calibration and quantization run
 once: each ranked or judged graph is the fully quantized one with some nodes reading float32 again
-(``tk.export.qdq_variants``).
+(``tk.export.onnx.qdq_variants``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator, FeedsRunner
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
-from tk.export.qdq_variants import QdqVariants
-from tk.export.quantize import quant_type, weight_record, weight_type
+from tk.export.onnx.dynamic_int8 import quant_type, weight_record, weight_type
+from tk.export.onnx.qdq_variants import QdqVariants
 from tk.fileio import atomic_write_bytes
 
 log = logging.getLogger("tk.export")

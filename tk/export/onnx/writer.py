@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.base import REDUCED, Writer, given, option
 from tk.export.context import ExportContext, ExportOptions
-from tk.export.onnx_precision import INT8_MODES, fuse, fuses, quantize
-from tk.export.writer import REDUCED, Writer, given, option
+from tk.export.onnx.steps import INT8_MODES, fuse, fuses, quantize
 from tk.spec import Dim, Signature
 
 log = logging.getLogger("tk.export")
@@ -61,7 +61,7 @@ class OnnxOptions:
     """The ``onnx`` writer's settings; None means the default."""
 
     opset: int | None = option("--opset", shapes="onnx-plain")  # default 20, at least 18
-    # onnxruntime's transformer fusions (tk.export.onnx_optimize); default on
+    # onnxruntime's transformer fusions (tk.export.onnx.fusions); default on
     fusions: bool | None = option("--fuse/--no-fuse")
     keep_unfused: bool | None = option("--keep-unfused")  # also ship the graph before fusion, as model.unfused.onnx
     int8_mode: str | None = option("--int8-mode")  # static (calibrated QDQ, default) | dynamic (per call)
@@ -116,7 +116,7 @@ class OnnxWriter(Writer):
         if method is not None and mode == "dynamic":
             raise UsageError("--calibration-method: dynamic int8 is not calibrated; drop it or give --int8-mode static")
         if method is not None:
-            from tk.export.static_int8 import METHODS
+            from tk.export.onnx.static_int8 import METHODS
 
             if method not in METHODS:
                 raise UsageError(

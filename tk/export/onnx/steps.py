@@ -26,8 +26,8 @@ def fuses(precision: str, int8_mode: str) -> bool:
 
 
 def fuse(ctx: ExportContext, *, keep_unfused: bool) -> None:
-    """onnxruntime's transformer fusions on the shipped ``model.onnx`` (``tk.export.onnx_optimize``)."""
-    from tk.export.onnx_optimize import optimize_onnx_in_place
+    """onnxruntime's transformer fusions on the shipped ``model.onnx`` (``tk.export.onnx.fusions``)."""
+    from tk.export.onnx.fusions import optimize_onnx_in_place
 
     info = ctx.formats["onnx"]
     if info.get("external_data"):
@@ -52,7 +52,7 @@ def fuse(ctx: ExportContext, *, keep_unfused: bool) -> None:
 
 def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_exclude: tuple[str, ...]) -> None:
     """The shipped ``model.onnx`` in int8: ``static`` (calibrated QDQ, costly layers left out) or ``dynamic``."""
-    from tk.export.quantize import QUANTIZED_OPS, int8_onnx_from_onnx, weight_record, weight_type
+    from tk.export.onnx.dynamic_int8 import QUANTIZED_OPS, int8_onnx_from_onnx, weight_record, weight_type
 
     path = ctx.staging / ctx.formats["onnx"]["file"]
     quantized = path.with_name(".int8." + path.name)
@@ -68,7 +68,7 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
     if mode == "static":
         from tk.export.int8.calibration import calibration_feeds, judge_feeds
         from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
-        from tk.export.static_int8 import static_int8_onnx_from_onnx
+        from tk.export.onnx.static_int8 import static_int8_onnx_from_onnx
 
         result = static_int8_onnx_from_onnx(
             path,

@@ -54,12 +54,12 @@ import numpy as np
 import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
+from tk.export.aoti.pt2e import Quantizer, program_evaluator, quantizable_modules, unit_macs
+from tk.export.aoti.smoothing import SmoothingPlan, plan_smoothing
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
-from tk.export.pt2e import Quantizer, program_evaluator, quantizable_modules, unit_macs
-from tk.export.quantize import saturating_int8_products
-from tk.export.smoothing import SmoothingPlan, plan_smoothing
+from tk.formats.products import saturating_int8_products
 from tk.spec import Dim, Signature
 
 log = logging.getLogger("tk.export")
@@ -251,7 +251,7 @@ def _int8_program_once(
         return tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)
 
     def recaptured(module: torch.fx.GraphModule) -> torch.export.ExportedProgram:
-        from tk.export.torch_program import exported_program_from_module
+        from tk.export.capture import exported_program_from_module
 
         return exported_program_from_module(module, example_inputs, signature, dims)
 

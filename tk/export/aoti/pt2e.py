@@ -1,7 +1,7 @@
 """PT2E quantization of a captured program for the CPU: torchao's x86 Inductor quantizer on copies of one
 float32 program calibrated once (``Quantizer``: observer statistics shared between copies), the modules it
 quantizes (``quantizable_modules``, ``unit_macs``), the excluded linears in bfloat16 (``run_linears_in_bf16``),
-and the copy the int8 search judges (``judged_module``, run by ``ProgramRunner``). ``tk.export.aoti_int8``
+and the copy the int8 search judges (``judged_module``, run by ``ProgramRunner``). ``tk.export.aoti.int8``
 builds the aoti format's int8 package from them.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tk.export.aoti.smoothing import SmoothingPlan, apply_smoothing
 from tk.export.int8.evaluator import Evaluator
-from tk.export.quantize import saturating_int8_products
-from tk.export.smoothing import SmoothingPlan, apply_smoothing
+from tk.formats.products import saturating_int8_products
 
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
@@ -207,7 +207,7 @@ class Quantizer:
 
     @property
     def smoothing(self) -> SmoothingPlan | None:
-        """Applied to every fresh module (``tk.export.smoothing``); another plan observes other values."""
+        """Applied to every fresh module (``tk.export.aoti.smoothing``); another plan observes other values."""
         return self._smoothing
 
     @smoothing.setter

@@ -1,7 +1,7 @@
 """The format writers named in ``tk.registries.FORMATS``, and which formats each setting applies to.
 
 Nothing here names a format: a writer says what it takes (its ``Options`` fields, each set by one
-``tk export`` flag), what it provides and what it requires (``tk.export.writer``).
+``tk export`` flag), what it provides and what it requires (``tk.export.base``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tk.errors import BackendUnavailableError, UsageError
-from tk.export.writer import Writer, given, shapes
+from tk.export.base import Writer, given, shapes
 from tk.registries import FORMATS as REGISTRY
 
 log = logging.getLogger("tk.export")

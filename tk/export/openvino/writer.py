@@ -11,7 +11,7 @@ dimension ranges (``Dimension(min, max)``), and the outputs carry the signature'
 bf16 is written only on a CPU with bfloat16 dot products (avx512_bf16 or amx_bf16): elsewhere
 OpenVINO does not emulate bfloat16, it silently compiles f32, so the export check could not test
 what the artifact claims. int8: ``nncf.quantize`` calibrated on tk's calibration batches, judged and
-searched as the other int8 writers' models are (``tk.export.openvino_int8``).
+searched as the other int8 writers' models are (``tk.export.openvino.int8``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import logging
 from typing import Any
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.base import NoOptions, Writer
 from tk.export.context import ExportContext, ExportOptions
-from tk.export.writer import NoOptions, Writer
 from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
 
 log = logging.getLogger("tk.export")
@@ -97,7 +97,7 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
 
     from tk.export.int8.calibration import calibration_feeds, judge_feeds
     from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
-    from tk.export.openvino_int8 import int8_ir_from_ir
+    from tk.export.openvino.int8 import int8_ir_from_ir
 
     quantized, record = int8_ir_from_ir(
         model,
@@ -119,7 +119,7 @@ def _float32_program(ctx: ExportContext) -> Any:
     assert ctx.program is not None
     if ctx.options.precision != "bf16":
         return ctx.program
-    from tk.export.torch_program import exported_program_from_module
+    from tk.export.capture import exported_program_from_module
 
     return exported_program_from_module(ctx.spec.module, ctx.example_inputs, ctx.spec.signature, ctx.dims)
 

@@ -20,7 +20,7 @@ exponentials, which cost 3x the time. Scores accumulate in float32 inside the pr
 rounded to the low precision once before the float32 softmax; the probabilities are rounded again
 for the second product, as flash attention rounds them. An int8 package's attention (float32 around
 its int8 linears) runs the same way in bfloat16 where the CPU's bfloat16 products outrun its float32
-ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti``).
+ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti.writer``).
 Measurements: benchmarks/history.md.
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-ATTENTION_AS_MATMULS = "tk.export.aoti_passes.attention_as_matmuls/2"
-ATTENTION_IN_BF16 = "tk.export.aoti_passes.attention_as_matmuls/2+bf16"  # an int8 package's attention
+ATTENTION_AS_MATMULS = "tk.export.aoti.passes.attention_as_matmuls/2"
+ATTENTION_IN_BF16 = "tk.export.aoti.passes.attention_as_matmuls/2+bf16"  # an int8 package's attention
 
 
 class SizesFromInputs(CustomGraphPass):
@@ -61,7 +61,7 @@ class SizesFromInputs(CustomGraphPass):
                 self.moved += 1
 
     def uuid(self) -> str:  # Inductor's FX graph cache keys compiled graphs on it
-        return "tk.export.aoti_passes.SizesFromInputs/1"
+        return "tk.export.aoti.passes.SizesFromInputs/1"
 
 
 def attention_as_matmuls(

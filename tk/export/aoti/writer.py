@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.base import REDUCED, Writer, option
 from tk.export.context import ExportContext, ExportOptions
-from tk.export.writer import REDUCED, Writer, option
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
 
 
@@ -50,7 +50,7 @@ class AotiOptions:
 
 class AotiWriter(Writer):
     """``model.aoti.pt2``: the program compiled by AOTInductor; frozen under bf16/fp16/int8 on the CPU,
-    quantized by torchao's PT2E x86 quantizer under int8 (``tk.export.aoti_int8``)."""
+    quantized by torchao's PT2E x86 quantizer under int8 (``tk.export.aoti.int8``)."""
 
     name = "aoti"
     Options = AotiOptions
@@ -68,13 +68,13 @@ class AotiWriter(Writer):
 
     def int8_float_part(self) -> str:
         """bfloat16 where this CPU's bfloat16 products outrun float32's (``excluded_run_in_bf16``)."""
-        from tk.export.aoti_int8 import excluded_run_in_bf16
+        from tk.export.aoti.int8 import excluded_run_in_bf16
 
         return "bf16" if excluded_run_in_bf16() else "fp32"
 
     def unavailable_reason(self, device: str, precision: str) -> str | None:
         if precision == "int8":
-            from tk.export.aoti_int8 import unavailable_reason as int8_reason
+            from tk.export.aoti.int8 import unavailable_reason as int8_reason
 
             reason = int8_reason(device)
             if reason:
@@ -99,7 +99,7 @@ class AotiWriter(Writer):
             raise UsageError(
                 f"--calibration-method: applies to --precision int8 only; this export is {export.precision}"
             )
-        from tk.export.aoti_int8 import METHODS
+        from tk.export.aoti.int8 import METHODS
 
         if method not in METHODS:
             raise UsageError(
@@ -149,14 +149,14 @@ def unavailable_reason(device: str) -> str | None:
 def _int8_program(
     ctx: ExportContext, options: AotiOptions
 ) -> tuple[torch.export.ExportedProgram, dict[str, Any], list[str]]:
-    """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti_int8``), and the
+    """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti.int8``), and the
     graph passes applied before: where the CPU's bfloat16 products outrun its float32 ones
     (``excluded_run_in_bf16``), attention as two bfloat16 products (``attention_as_matmuls``: the small
     Transformer's all-int8 package ran 1.12-1.19x faster than with aten's float32 flash kernel on the
     AVX512-BF16 EPYC), applied before quantizing so that the exclusion search judges what the package
     computes."""
-    from tk.export.aoti_int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
-    from tk.export.aoti_passes import ATTENTION_IN_BF16, attention_as_matmuls
+    from tk.export.aoti.int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
+    from tk.export.aoti.passes import ATTENTION_IN_BF16, attention_as_matmuls
     from tk.export.int8.calibration import calibration_feeds, judge_feeds
     from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
 
@@ -212,7 +212,7 @@ def inductor_configs_for(
 
     Freezing makes the weights constants, so their casts are folded and the linears run on weights
     packed once for oneDNN (see the module docstring); for int8 it is what lowers each quantized
-    linear to one oneDNN ``qlinear`` (``tk.export.aoti_int8``). CUDA packages keep Inductor's defaults.
+    linear to one oneDNN ``qlinear`` (``tk.export.aoti.int8``). CUDA packages keep Inductor's defaults.
 
     float32 keeps Inductor's defaults unless asked: whether oneDNN's packed float32 linears beat the
     plain ones depends on the CPU (MiniLM's frozen package ran 1.4x slower on the AVX2 EPYC, and
@@ -231,7 +231,7 @@ def inductor_configs_for(
     linears are packed by torchao's own freezing pass either way. ``float_part_in_bf16``: what the
     int8 search settled (default: ``excluded_run_in_bf16()``, where it starts).
     """
-    from tk.export.aoti_int8 import excluded_run_in_bf16
+    from tk.export.aoti.int8 import excluded_run_in_bf16
 
     if device != "cpu":
         return {}
@@ -252,14 +252,14 @@ def aoti_package_from_exported_program(
     device: str = "cpu",
 ) -> list[str]:
     """Compile ``program`` (its tensors on ``device``) and package it at ``path``, with tk's graph
-    passes for ``precision`` (``tk.export.aoti_passes``); returns their names, the manifest's ``graph_passes``.
+    passes for ``precision`` (``tk.export.aoti.passes``); returns their names, the manifest's ``graph_passes``.
 
     ``inductor_configs`` are passed to AOTInductor (``torch._inductor.config`` names); default none.
     bf16/fp16 on the CPU: attention decomposed into two products (``attention_as_matmuls``). int8: a
     quantized program, compiled with ``SizesFromInputs`` so that torchao's fusions match under dynamic
     shapes. The compile runs with gradients off, which freezing needs and inference packages never use.
     """
-    from tk.export.aoti_passes import ATTENTION_AS_MATMULS, SizesFromInputs, attention_as_matmuls
+    from tk.export.aoti.passes import ATTENTION_AS_MATMULS, SizesFromInputs, attention_as_matmuls
 
     names, passes = [], {}
     if device == "cpu" and precision in ("bf16", "fp16"):

@@ -15,24 +15,14 @@ about 6 dB of SQNR. The choice is recorded in the manifest's quantization record
 from __future__ import annotations
 
 import importlib.util
-import platform
 from pathlib import Path
 from typing import Any
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.formats.products import saturating_int8_products
 
 QUANTIZED_OPS = ["MatMul", "Gemm"]
-X86 = ("x86_64", "amd64", "i386", "i686")
 WEIGHT_TYPES = ("int8", "uint8")
-
-
-def saturating_int8_products(machine: str | None = None, flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU's uint8 x int8 products saturate (x86 without VNNI or AMX int8 instructions)."""
-    from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
-
-    machine = (machine if machine is not None else platform.machine()).lower()
-    flags = cpu_flags() if flags is None else flags
-    return machine in X86 and not any(f in flags for f in NATIVE_FLAGS["int8"])
 
 
 def weight_type(weights: str | None = None) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tk.export.base import Writer
 from tk.export.context import ExportContext
-from tk.export.writer import Writer
 from tk.formats.torch_program import FILE, save_exported_program
 
 

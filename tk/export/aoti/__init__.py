@@ -1,0 +1,1 @@
+"""The ``aoti`` format's writer and what only it uses (``writer`` holds ``WRITER``)."""

@@ -1,0 +1,1 @@
+"""The ``tensorrt`` format's writer and what only it uses (``writer`` holds ``WRITER``)."""
