@@ -150,7 +150,8 @@ def test_killed_exports_leave_a_complete_artifact_or_an_incomplete_one(tmp_path)
 def test_a_full_disk_is_one_clear_error_and_keeps_the_old_artifact(tmp_path, monkeypatch):
     import errno
 
-    from tk.export import ExportOptions, torch_writer
+    from tk.export import ExportOptions
+    from tk.export.program import writer as program_writer
     from tk.models import build_model
     from tk.workflows.export import export
 
@@ -161,7 +162,7 @@ def test_a_full_disk_is_one_clear_error_and_keeps_the_old_artifact(tmp_path, mon
     def no_space(program, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(torch_writer, "save_exported_program", no_space)
+    monkeypatch.setattr(program_writer, "save_exported_program", no_space)
     with pytest.raises(
         UsageError, match=r"cannot write .*program.pt2 \(No space left on device\); nothing was replaced"
     ):
