@@ -35,7 +35,7 @@ def test_models_lists_every_builtin():
     result = invoke("models", "--json")
     assert result.exit_code == 0
     rows = json.loads(result.stdout)
-    assert {r["name"] for r in rows} == {"transformer", "linear", "mlp", "resnet18"}
+    assert {r["name"] for r in rows} == {"transformer", "decoder", "linear", "mlp", "resnet18"}
     assert all(r["sizes"] == ["tiny", "small", "base"] for r in rows)
 
 

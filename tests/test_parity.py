@@ -17,7 +17,7 @@ from tk.runtime import ENGINES, load, unavailable_reason
 from tk.tolerances import artifact_tolerance
 from tk.workflows.export import export
 
-MODELS = ["transformer", "mlp", "linear", "resnet18"]
+MODELS = ["transformer", "decoder", "mlp", "linear", "resnet18"]
 
 # engine -> (format its artifact needs, marks); eager is the reference itself
 ENGINE_CASES = {

@@ -46,7 +46,9 @@ def compiled_members(archive: zipfile.ZipFile) -> list[str]:
             with archive.open(info) as member:
                 head = member.read(4)
         except Exception as exc:  # an encrypted flag (RuntimeError), a corrupt stream (zlib.error), a bad CRC ...
-            raise IntegrityError(f"{name}: a zip member that cannot be read ({type(exc).__name__}: {first_line(exc)})") from exc
+            raise IntegrityError(
+                f"{name}: a zip member that cannot be read ({type(exc).__name__}: {first_line(exc)})"
+            ) from exc
         if head.startswith(CODE_MAGIC):
             found.append(name)
     return found

@@ -36,8 +36,15 @@ def batch_size(feeds: Mapping[str, np.ndarray]) -> int:
 
 
 def batch_dim_is_dynamic(engine: Any) -> bool:
+    """Whether a batch of one can run: the batch dimension goes down to 1 and leads the first input and every
+    input that has it (inputs without it, such as a decoder's ``cache_position``, serve every sample)."""
     dim = engine.dims.get("batch")
-    return dim is not None and dim.min <= 1 and all(s.shape and s.shape[0] == "batch" for s in engine.inputs)
+    shared_or_leading = all(_leads_with_batch(s) or "batch" not in s.shape for s in engine.inputs)
+    return dim is not None and dim.min <= 1 and _leads_with_batch(engine.inputs[0]) and shared_or_leading
+
+
+def _leads_with_batch(spec: Any) -> bool:
+    return bool(spec.shape) and spec.shape[0] == "batch"
 
 
 def probe_invariance(
@@ -53,7 +60,8 @@ def probe_invariance(
     of the first ``INVARIANCE_SAMPLES`` samples run alone against their rows of ``batched``."""
     worst: dict[str, OutputParity] = {}
     for i in range(min(INVARIANCE_SAMPLES, batch_size(feeds))):
-        sample = {name: value[i : i + 1] for name, value in feeds.items()}
+        per_sample = {spec.name for spec in engine.inputs if _leads_with_batch(spec)}
+        sample = {name: value[i : i + 1] if name in per_sample else value for name, value in feeds.items()}
         alone = engine.run(sample)
         valid = padding_positions(engine.inputs, engine.outputs, sample, alone)
         for name, value in alone.items():

@@ -59,6 +59,9 @@ class Manifest:
     # tk optimize: the recommendation (format, precision, engine, options) and the candidates table
     optimize: dict[str, Any] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # format -> why it could not be written (the others were)
+    # a decoder's generation facts: the entry points, the cache layout, special tokens, sampling defaults and
+    # its generation check per format (``check``); empty for other models
+    generation: dict[str, Any] = field(default_factory=dict)
     # sha256 of the manifest.json bytes this was parsed from ("" when built in memory): what a signature must name
     source_sha256: str = field(default="", compare=False, repr=False)
 
@@ -91,6 +94,7 @@ class Manifest:
             "check": self.check,
             **({"optimize": self.optimize} if self.optimize else {}),
             **({"failed": self.failed} if self.failed else {}),
+            **({"generation": self.generation} if self.generation else {}),
         }
 
     @classmethod
@@ -110,6 +114,7 @@ class Manifest:
             format_version=data["format_version"],
             optimize=data.get("optimize", {}),
             failed=data.get("failed", {}),
+            generation=data.get("generation", {}),
         )
 
 
@@ -178,7 +183,17 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 def schema_problem(data: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's structure (field: expected, found), or None; checked before any use."""
     try:
-        for key in ("model", "signature", "formats", "versions", "check", "timings", "optimize", "failed"):
+        for key in (
+            "model",
+            "signature",
+            "formats",
+            "versions",
+            "check",
+            "timings",
+            "optimize",
+            "failed",
+            "generation",
+        ):
             _need(isinstance(data.get(key, {}), dict), key, "an object", data.get(key))
         for fmt, why in data.get("failed", {}).items():
             _need(isinstance(why, str), f"failed.{fmt}", "a reason", why)
@@ -195,6 +210,8 @@ def schema_problem(data: dict[str, Any]) -> str | None:
         for fmt, info in data.get("formats", {}).items():
             _need(isinstance(info, dict), f"formats.{fmt}", "an object", info)
         _check_reports(data.get("check", {}))
+        if data.get("generation"):
+            _check_generation(data["generation"])
         for step, seconds in data.get("timings", {}).items():
             _need(_number(seconds), f"timings.{step}", "seconds", seconds)
     except _SchemaError as exc:
@@ -272,6 +289,23 @@ def _check_reports(reports: dict[str, Any]) -> None:
         for out in report["outputs"]:
             _need(isinstance(out, dict) and isinstance(out.get("passed"), bool) and _number(out.get("max_abs"))
                   and _number(out.get("max_rel")), f"{where}.outputs", "per-output results", out)  # fmt: skip
+
+
+def _check_generation(generation: dict[str, Any]) -> None:
+    cache = generation.get("cache")
+    _need(isinstance(cache, dict), "generation.cache", "an object", cache)
+    for key in ("slots", "layers", "heads", "head_dim"):
+        value = cache.get(key)
+        _need(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 20,
+              f"generation.cache.{key}", "an integer from 1 to 2^20", value)  # fmt: skip
+    vocab = generation.get("vocab_size")
+    _need(isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1, "generation.vocab_size",
+          "a positive integer", vocab)  # fmt: skip
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = generation.get(key)
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab)
+        _need(ok, f"generation.{key}", f"null or a token id below {vocab}", value)
+    _need(isinstance(generation.get("check", {}), dict), "generation.check", "an object", generation.get("check"))
 
 
 class _SchemaError(Exception):

@@ -78,8 +78,9 @@ class TensorSpec:
 
     ``shape`` holds ints for fixed sizes and dimension names for dynamic ones, e.g.
     ``("batch", "seq")``. ``low``/``high`` bound integer values as ``[low, high)``;
-    ``kind`` is ``"data"``, ``"ids"`` (token ids) or ``"mask"`` (an attention mask of 0/1
-    with padding on the right and at least one 1 per row).
+    ``kind`` is ``"data"``, ``"ids"`` (token ids), ``"mask"`` (an attention mask of 0/1
+    with padding on the right and at least one 1 per row) or ``"slots"`` (consecutive cache slots in
+    ``[low, high)``: a decoder's ``cache_position``).
     """
 
     name: str
@@ -168,6 +169,10 @@ def random_array(spec: TensorSpec, shape: tuple[int, ...], rng: np.random.Genera
         lengths.reshape(-1)[0] = shape[-1]  # one full row, so padding never shortens the batch
         positions = np.arange(shape[-1])
         return (positions < lengths[..., None]).astype(numpy_dtype(spec.dtype))
+    if spec.kind == "slots" and len(shape) == 1:
+        low, high = spec.low or 0, spec.high if spec.high is not None else shape[0]
+        start = int(rng.integers(low, max(low, high - shape[0]) + 1))
+        return np.arange(start, start + shape[0]).astype(numpy_dtype(spec.dtype))
     if spec.dtype in ("int64", "int32"):
         low = 0 if spec.low is None else spec.low
         high = 100 if spec.high is None else spec.high

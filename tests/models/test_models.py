@@ -21,9 +21,11 @@ def test_output_shapes_match_the_signature(name):
     inputs = spec.example_inputs({d: sizes.get(d, dim.opt) for d, dim in spec.signature.dims.items()})
     with torch.no_grad():
         out = spec.module(*inputs)
-    expected = spec.signature.outputs[0].concrete_shape({**sizes, "batch": BATCH})
-    assert tuple(out.shape) == expected
-    assert out.dtype == torch.float32
+    outputs = out if isinstance(out, tuple) else (out,)  # a decoder's step: logits and the new keys and values
+    assert len(outputs) == len(spec.signature.outputs)
+    for tensor, output in zip(outputs, spec.signature.outputs, strict=True):
+        assert tuple(tensor.shape) == output.concrete_shape({**sizes, "batch": BATCH})
+        assert tensor.dtype == torch.float32
 
 
 @pytest.mark.parametrize("size", ["tiny", "small"])

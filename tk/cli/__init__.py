@@ -118,12 +118,13 @@ def main() -> None:
 
 
 def _register() -> None:
-    from tk.cli import artifact, debug, optimize, run, serve, sign, train
+    from tk.cli import artifact, debug, generate, optimize, run, serve, sign, train
 
     for command in (
         *train.COMMANDS,
         *artifact.COMMANDS,
         *run.COMMANDS,
+        *generate.COMMANDS,
         *debug.COMMANDS,
         *optimize.COMMANDS,
         *serve.COMMANDS,

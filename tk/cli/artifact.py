@@ -148,6 +148,9 @@ class _Ranges:
     ),
 )
 @click.option("--opset", type=int, default=None, help="ONNX opset (default 20; at least 18).")
+@click.option(
+    "--max-cache-len", type=int, default=None, help="A decoder's static KV cache slots (default: its positions)."
+)
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--no-check", is_flag=True, help="Skip the export-time parity check (the manifest says unchecked).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance of the check (default: by precision).")
@@ -207,6 +210,7 @@ def export_cmd(
     graph_flags: dict[str, Any],
     ranges: _Ranges,
     opset: int | None,
+    max_cache_len: int | None,
     device: str,
     no_check: bool,
     rtol: float | None,
@@ -225,7 +229,7 @@ def export_cmd(
     # each format's options dataclass takes the ones it declares (tk.export.base); None: not given
     flags = {"--int8-mode": int8_mode, "--calibration-method": calibration_method, **graph_flags, "--opset": opset}
     settings = settings_from_flags(formats, {**flags, **trt_flags})
-    spec = build(model, size, inputs, task)
+    spec = build(model, size, inputs, task, cache_len=max_cache_len)
     options = ExportOptions(
         formats=formats,
         precision=precision,
@@ -344,6 +348,39 @@ def inspect_cmd(artifact: Path, as_json: bool) -> None:
         _show(
             f"check      {fmt}: {verdict}, max abs {worst_abs:.2e}, max rel {worst_rel:.2e} over {len(report['shapes'])} shapes (rtol {report['rtol']:g}, atol {report['atol']:g})"
         )
+    for line in _generation_lines(manifest.generation):
+        _show(line)
+
+
+def _generation_lines(generation: dict[str, Any]) -> list[str]:
+    """A decoder's entry points, cache, special tokens and generation checks (none for other models)."""
+    if not generation:
+        return []
+    lines = []
+    for name, entry in generation.get("entry_points", {}).items():
+        seq, batch = entry.get("seq", [0, 0]), entry.get("batch", [0, 0])
+        tokens = f"{seq[0]}" if seq[0] == seq[1] else f"{seq[0]} to {seq[1]}"
+        lines.append(
+            f"entry      {name}: {tokens} new token{'s' if seq[1] > 1 else ''}, batch {batch[0]} to {batch[1]} (graph {entry.get('graph')})"
+        )
+    cache = generation["cache"]
+    row = 2 * cache["layers"] * cache["heads"] * cache["slots"] * cache["head_dim"] * 4
+    lines.append(
+        f"cache      {cache['slots']} slots, {cache['layers']} layers x {cache['heads']} heads x {cache['head_dim']} "
+        f"({cache.get('layout')}), keys and values {size_text(row)} a row in float32"
+    )
+    special = ", ".join(
+        f"{k.removesuffix('_token_id')} {generation.get(k)}" for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+    )
+    lines.append(f"tokens     vocabulary {generation['vocab_size']}, {special}")
+    for engine, report in generation.get("check", {}).items():
+        verdict = "passed" if report.get("passed") else "FAILED"
+        agree = "identical" if report.get("identical") else f"{report.get('agreement', 0):.1%} agree"
+        lines.append(
+            f"generate   {engine}: {verdict}, {report.get('prompts')} prompts x {report.get('new_tokens')} greedy tokens "
+            f"{agree}, max logit error {report.get('max_logit_error', 0):.2e}"
+        )
+    return lines
 
 
 def _show(line: str) -> None:

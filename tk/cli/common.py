@@ -89,10 +89,17 @@ def task_option(fn: Any) -> Any:
     )(fn)
 
 
-def build(name: str, size: str | None, inputs: tuple[str, ...], task: str | None = None, seed: int = 0) -> Any:
+def build(
+    name: str,
+    size: str | None,
+    inputs: tuple[str, ...],
+    task: str | None = None,
+    seed: int = 0,
+    cache_len: int | None = None,
+) -> Any:
     from tk.models import build_model
 
-    return build_model(name, size=size, input_descriptions=inputs, task=task, seed=seed)
+    return build_model(name, size=size, input_descriptions=inputs, task=task, seed=seed, cache_len=cache_len)
 
 
 def size_text(n: int) -> str:

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 @click.option("--address", default=None, help="With --ray: join this Ray cluster (default: a local Ray instance).")
 @click.option("--actors", type=int, default=2, show_default=True, help="With --ray: actors, each with one engine.")
 @engine_choice(
-    choices=RegistryChoice(ENGINES, ("auto",)), help="Engine to run; auto picks the fastest one here whose parity passes."
+    choices=RegistryChoice(ENGINES, ("auto",)),
+    help="Engine to run; auto picks the fastest one here whose parity passes.",
 )
 def infer_cmd(
     artifact: Path,

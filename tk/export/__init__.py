@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,7 +185,8 @@ def _raise_on_failures(manifest: Manifest, out: Path) -> None:
     if manifest.failed:
         held = f"{', '.join(manifest.formats)} ({manifest.status}{': ' + '; '.join(failures) if failures else ''})"
         raise PartialExportError(
-            "export: " + "; ".join(f"{fmt} failed ({why})" for fmt, why in manifest.failed.items())
+            "export: "
+            + "; ".join(f"{fmt} failed ({why})" for fmt, why in manifest.failed.items())
             + f"; the artifact at {out} holds {held}, and its manifest names the failure"
         )
     if manifest.status == "failed":
@@ -322,7 +324,23 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
         versions=ctx.versions,
         timings=ctx.timings,
         created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        generation=entry_points(ctx.spec.generation, ctx.dims),
     )
+
+
+def entry_points(generation: dict[str, Any] | None, dims: dict[str, Dim]) -> dict[str, Any]:
+    """A decoder's ``generation`` facts with its two entry points (prefill and decode: the same graph, the
+    new tokens' ``seq`` from 1 to the cache's length, and exactly 1); empty for other models."""
+    if not generation:
+        return {}
+    seq, batch = dims["seq"], dims["batch"]
+    return {
+        **generation,
+        "entry_points": {
+            "prefill": {"graph": "step", "seq": [seq.min, seq.max], "batch": [batch.min, batch.max]},
+            "decode": {"graph": "step", "seq": [1, 1], "batch": [batch.min, batch.max]},
+        },
+    }
 
 
 def _write_manifest(staging: Path, manifest: Manifest) -> None:

@@ -98,7 +98,9 @@ def _loads_without_code(payload: bytes) -> bool:
     return True
 
 
-def load_exported_program(data: bytes, source: str = FILE, *, drop_compiled: bool = False) -> torch.export.ExportedProgram:
+def load_exported_program(
+    data: bytes, source: str = FILE, *, drop_compiled: bool = False
+) -> torch.export.ExportedProgram:
     """The program in ``data`` (the verified bytes of a ``.pt2``), refusing any archive that carries pickles.
 
     An archive holding compiled code (``tk.archives.compiled_members``: torch.export.load would dlopen

@@ -73,6 +73,8 @@ class ModelSpec:
     input_descriptions: tuple[str, ...] = ()  # a user model's --input descriptions, to rebuild it later
     # dimension -> the largest size the model takes (a learned position table's length); none: no limit
     max_sizes: dict[str, int] = field(default_factory=dict)
+    # a decoder's generation facts (cache layout, special tokens): the manifest's ``generation``; None: not a decoder
+    generation: dict[str, Any] | None = None
 
     def example_inputs(self, sizes: dict[str, int] | None = None, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Valid random inputs at ``sizes`` (default: each dimension's opt size), in input order."""

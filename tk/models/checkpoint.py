@@ -157,7 +157,9 @@ def load_weights(module: nn.Module, path: str | Path | bytes, *, source: str | N
     try:
         original_module(module).load_state_dict(ordered)
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # the module's own loading hooks refuse it
-        raise UsageError(f"checkpoint {path}: the model refused these weights ({type(exc).__name__}: {first_line(exc)})") from exc
+        raise UsageError(
+            f"checkpoint {path}: the model refused these weights ({type(exc).__name__}: {first_line(exc)})"
+        ) from exc
 
 
 def _versions_of_file(path: str | Path) -> dict[str, dict[str, Any]] | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,18 @@ def is_text_file(path: str | Path) -> bool:
     return Path(path).suffix.lower() in TEXT_SUFFIXES
 
 
+def load_tokenizer(model: str, *, what: str) -> Any:
+    """The tokenizer of ``model`` (``hf:DIR``), loaded offline without remote code; ``what`` (the file or flag
+    that needs it) starts the one-line error when the directory has none."""
+    directory = Path(model[len(PREFIX) :])
+    if not (directory / "tokenizer_config.json").is_file():
+        raise UsageError(f"{what}: texts need the model's tokenizer; {directory} has no tokenizer_config.json")
+    from transformers import AutoTokenizer
+
+    with offline():
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+
+
 def read_text_samples(
     path: str | Path, model: str, input_names: Sequence[str], *, min_seq: int, max_seq: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
@@ -44,14 +57,9 @@ def read_text_samples(
             f"{path}: a text file needs an hf:DIR model with a tokenizer; {model} takes arrays "
             "(give a .npz or .npy file)"
         )
+    tokenizer = load_tokenizer(model, what=str(path))
     directory = Path(model[len(PREFIX) :])
-    if not (directory / "tokenizer_config.json").is_file():
-        raise UsageError(f"{path}: texts need the model's tokenizer; {directory} has no tokenizer_config.json")
     texts, labels = _read_texts(path)
-    from transformers import AutoTokenizer
-
-    with offline():
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     names = list(input_names)
     require_within_budget(len(texts) * max_seq * 8 * len(names), f"{len(texts)} texts at up to {max_seq} tokens")
     tokens = tokenizer(texts, padding="longest", truncation=True, max_length=max_seq, return_tensors="np")

@@ -12,9 +12,9 @@ from tk.models.base import ModelEntry, ModelSpec
 
 
 def _entries() -> dict[str, ModelEntry]:
-    from tk.models import linear, mlp, resnet, transformer
+    from tk.models import decoder, linear, mlp, resnet, transformer
 
-    entries = [transformer.ENTRY, linear.ENTRY, mlp.ENTRY, resnet.ENTRY]
+    entries = [transformer.ENTRY, decoder.ENTRY, linear.ENTRY, mlp.ENTRY, resnet.ENTRY]
     return {e.name: e for e in entries}
 
 
@@ -39,6 +39,7 @@ def build_model(
     input_descriptions: tuple[str, ...] = (),
     task: str | None = None,
     seed: int = DEFAULT_SEED,
+    cache_len: int | None = None,
 ) -> ModelSpec:
     """A built-in model by registry name (``size``), a Hugging Face directory ``hf:DIR`` (``task``,
     or ``config["task"]``), or a user model given as ``package.module:callable``
@@ -46,12 +47,31 @@ def build_model(
 
     The model is built with torch's generator seeded with ``seed`` (the caller's generator state is
     kept): the same name and seed give the same initial weights in every process, so an untrained
-    model exported twice is the same model (``tk train --seed`` seeds weights and data)."""
+    model exported twice is the same model (``tk train --seed`` seeds weights and data).
+
+    ``cache_len``: a decoder's static KV cache slots (``tk export --max-cache-len``)."""
     import torch
 
+    if cache_len is not None:
+        size, config = None, _with_cache_len(name, size, config, cache_len)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _build(name, size, config, input_descriptions, task)
+
+
+def _with_cache_len(name: str, size: str | None, config: dict[str, Any] | None, cache_len: int) -> dict[str, Any]:
+    """The built-in decoder's config (of ``size`` or ``config``) with ``max_cache_len`` set."""
+    import dataclasses
+
+    entry = entries().get(name)
+    if entry is None or "max_cache_len" not in {f.name for f in dataclasses.fields(entry.config_cls)}:
+        raise UsageError(f"--max-cache-len applies to decoders (the built-in decoder), not to {name!r}")
+    if config is None:
+        size = size or "small"
+        if size not in entry.sizes:
+            raise UsageError(f"model {name!r}: expected a size in {', '.join(entry.sizes)}, got {size!r}")
+        config = dataclasses.asdict(entry.sizes[size])
+    return {**config, "max_cache_len": cache_len}
 
 
 def _build(

@@ -36,7 +36,9 @@ class UserModel:
     # default: output, or output_0, output_1, ...; for a forward that returns a dict, a ModelOutput or a
     # dataclass, its tensor fields by name (these names pick and order them)
     output_names: list[str] | None = None
-    max_sizes: dict[str, int] | None = None  # dimension -> the largest size the model takes; default: seq from a position table
+    max_sizes: dict[str, int] | None = (
+        None  # dimension -> the largest size the model takes; default: seq from a position table
+    )
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -133,7 +135,9 @@ def _as_tuple_hook(keys: list[str]) -> Any:
     return hook
 
 
-def _tensor_outputs(module: nn.Module, out: Any, names: list[str] | None) -> tuple[list[torch.Tensor], list[str] | None]:
+def _tensor_outputs(
+    module: nn.Module, out: Any, names: list[str] | None
+) -> tuple[list[torch.Tensor], list[str] | None]:
     """The forward's result as tensors, and their names; a named result makes the module return a tuple of
     the chosen fields from now on (a forward hook, so its weights keep their names)."""
     fields = named_fields(out)

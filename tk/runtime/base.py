@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -202,6 +202,13 @@ class Engine(ABC):
         except Exception as exc:  # any backend failure (onnxruntime's pybind errors, torch's) is one line
             raise run_failure(exc, self.name) from exc
         return {name: _convert(value, as_torch) for name, value in outputs.items()}
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, **options: Any) -> Any:
+        """Generate from a decoder artifact's ``prompts`` (token ids): ``tk.runtime.generation.generate_with_engine``
+        (``sampling``, ``stop_ids``, ``on_tokens``, ``keep_logits``); returns its ``Generated``."""
+        from tk.runtime.generation import generate_with_engine
+
+        return generate_with_engine(self, prompts, max_new_tokens=max_new_tokens, **options)
 
     def settings(self) -> dict[str, Any]:
         """The settings this engine runs with (recorded in benchmark JSON); subclasses add theirs."""

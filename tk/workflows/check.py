@@ -83,6 +83,10 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                     min_sqnr_db=min_sqnr,
                     runs=runs,
                 )
+                if manifest.generation:
+                    from tk.workflows.generation_check import record_generation_check
+
+                    record_generation_check(manifest, reference, candidate, rtol=rtol, atol=atol)
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
             log.info(
@@ -95,7 +99,9 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
             )
             if fmt == formats[0]:
                 warn_reference_signal(report)
-    manifest.status = "passed" if all(r["passed"] for r in manifest.check.values()) else "failed"
+    generated = manifest.generation.get("check", {}).values()
+    passed = all(r["passed"] for r in manifest.check.values()) and all(r["passed"] for r in generated)
+    manifest.status = "passed" if passed else "failed"
 
 
 def given_tolerance(floor: NoiseFloor | None, rtol: float | None, atol: float | None) -> None:
@@ -263,7 +269,9 @@ def check_artifact(
         else:
             engine = stack.enter_context(open_engine(root, choice, reference, manifest=manifest, among=among))
             ref = _run_reference(engine, manifest, inputs, samples, batch_size, seed)
-        _set_noise_floor(ref, manifest, batch_size, (rtol, atol), lambda: trusted_artifact(root, manifest, choice.trust))
+        _set_noise_floor(
+            ref, manifest, batch_size, (rtol, atol), lambda: trusted_artifact(root, manifest, choice.trust)
+        )
         if save_golden is not None:
             _save_golden(save_golden, ref, manifest, judge, reference)
         result = _empty_result(ref, judge, manifest, names)

@@ -218,7 +218,9 @@ def onnx_from_exported_program(
     return OnnxFile(path, model.opset_imports.get("", opset), data_path, model.ir_version, fallback)
 
 
-def _dynamo_export(program: torch.export.ExportedProgram, signature: Signature, dims: dict[str, Dim], opset: int) -> Any:
+def _dynamo_export(
+    program: torch.export.ExportedProgram, signature: Signature, dims: dict[str, Dim], opset: int
+) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter warns about every axis that shares a name
         return torch.onnx.export(

@@ -124,7 +124,9 @@ def cached(root: Path, formats: list[str]) -> tuple[Manifest | None, str]:
         return None, first_line(exc)
     if not found.trusted:
         return None, f"its signature: {found.reason}"
-    if found.fingerprint != own_fingerprint():  # the cache is this user's own: a key trusted for others' artifacts is not
+    if (
+        found.fingerprint != own_fingerprint()
+    ):  # the cache is this user's own: a key trusted for others' artifacts is not
         return None, "its signature is not your own key's"
     if manifest.status == "unchecked" or any(f not in manifest.check and f not in manifest.failed for f in formats):
         return None, ""

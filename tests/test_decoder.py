@@ -1,0 +1,263 @@
+"""The built-in decoder end to end: training on its rule, the cached step against the plain forward, the
+batched generation loop against a loop without cache, export per format with its generation check,
+``tk generate`` and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tk.cli import cli
+from tk.errors import IntegrityError, UsageError
+from tk.manifest import MANIFEST, manifest_bytes, read_manifest
+from tk.models import build_model
+from tk.models.decoder import SIZES, greedy_without_cache, rule_accuracy, rule_sequences
+from tk.models.train import train
+from tk.runtime import load
+from tk.runtime.generation import Generated, Sampling
+from tk.workflows.generation_check import compare_generation
+
+PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15], [60, 63], [1, 4, 7, 10, 13, 16, 19, 22, 25]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The tiny decoder trained on its rule (it stops at its target loss, ~100 steps), and its checkpoint."""
+    from tk.models.checkpoint import save_checkpoint
+
+    spec = build_model("decoder", size="tiny")
+    result = train(spec, seed=0)
+    assert result.final_loss < 0.05, result.summary()
+    path = tmp_path_factory.mktemp("decoder") / "decoder-tiny.safetensors"
+    save_checkpoint(spec.module, path, {**spec.reference(), "train": result.summary()})
+    return spec, path
+
+
+@pytest.fixture(scope="module")
+def artifact(trained, tmp_path_factory):
+    _, checkpoint = trained
+    out = tmp_path_factory.mktemp("art") / "decoder"
+    result = CliRunner().invoke(
+        cli,
+        ["export", "decoder", "--size", "tiny", "--checkpoint", str(checkpoint), "--out", str(out),
+         "--format", "torch", "--format", "onnx", "--format", "openvino"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    return out
+
+
+def test_the_cached_step_computes_what_the_plain_forward_does(trained):
+    spec, _ = trained
+    module = spec.module.eval()
+    ids = rule_sequences(SIZES["tiny"], torch.Generator().manual_seed(1), 3, 10)
+    slots, (batch, seq) = 64, ids.shape
+    keys = torch.zeros(batch, 2, 2, slots, 32)
+    mask = torch.zeros(batch, slots, dtype=torch.int64)
+    mask[:, :seq] = 1
+    with torch.no_grad():
+        logits, new_keys, _ = module(ids, torch.arange(seq).expand(batch, seq), torch.arange(seq), mask, keys, keys)
+        plain = module(ids)[:, -1]
+    assert new_keys.shape == (batch, 2, 2, seq, 32)
+    assert float((logits - plain).abs().max()) < 1e-5
+
+
+def test_the_trained_decoder_continues_its_rule(trained):
+    spec, _ = trained
+    cfg = SIZES["tiny"]
+    held_out = rule_sequences(cfg, torch.Generator().manual_seed(123), 16, 8)
+    prompts = [row[: 3 + i % 5].tolist() for i, row in enumerate(held_out)]
+    outputs = [greedy_without_cache(spec.module.eval(), p, 12) for p in prompts]
+    assert rule_accuracy(prompts, outputs, cfg.vocab_size) >= 0.95
+
+
+@pytest.mark.parametrize("engine", ["eager", "torch", "onnx", "openvino"])
+def test_batched_generation_matches_the_loop_without_cache(trained, artifact, engine):
+    """Prompts of four lengths in one left-padded batch: each row as if generated alone without a cache."""
+    spec, _ = trained
+    want = [greedy_without_cache(spec.module.eval(), p, 20) for p in PROMPTS]
+    with load(artifact, engine) as opened:
+        got = opened.generate(PROMPTS, max_new_tokens=20)
+    assert got.tokens == want
+    assert got.finish == ["length"] * len(PROMPTS) and len(got.step_seconds) == 20
+
+
+def test_the_export_records_entry_points_and_a_generation_check_per_format(artifact):
+    manifest = read_manifest(artifact)
+    assert manifest.status == "passed"
+    assert manifest.generation["entry_points"]["decode"]["seq"] == [1, 1]
+    assert manifest.generation["entry_points"]["prefill"]["seq"] == [1, 64]
+    assert manifest.generation["cache"] == {"slots": 64, "layers": 2, "heads": 2, "head_dim": 32,
+                                            "layout": "batch, layer, head, slot, head_dim"}  # fmt: skip
+    for fmt in ("torch", "onnx", "openvino"):
+        report = manifest.generation["check"][fmt]
+        assert report["passed"] and report["identical"] and report["prompts"] == 8 and report["new_tokens"] == 16
+        assert report["max_logit_error"] < 1e-4
+        assert report["task_accuracy"] >= 0.95  # the rule's continuations, held out from training
+    shown = CliRunner().invoke(cli, ["inspect", str(artifact)]).output
+    assert "entry      decode: 1 new token, batch 1 to 8" in shown
+    assert "generate   onnx: passed, 8 prompts x 16 greedy tokens identical" in shown
+
+
+def test_stop_tokens_end_their_row_only(artifact):
+    with load(artifact, "onnx") as opened:
+        free = opened.generate(PROMPTS[:2], max_new_tokens=6)
+        stop = free.tokens[0][2]  # the third token of the first prompt
+        got = opened.generate(PROMPTS[:2], max_new_tokens=6, stop_ids=[stop])
+    assert got.tokens[0] == free.tokens[0][:3] and got.finish[0] == "stop"
+    assert got.tokens[1] == free.tokens[1] and got.finish[1] == "length"
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(artifact):
+    with load(artifact, "onnx") as opened:
+        greedy = opened.generate(PROMPTS, max_new_tokens=8).tokens
+        hot = Sampling(temperature=5.0, seed=3)
+        first = opened.generate(PROMPTS, max_new_tokens=8, sampling=hot).tokens
+        again = opened.generate(PROMPTS, max_new_tokens=8, sampling=hot).tokens
+        other = opened.generate(PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=5.0, seed=4)).tokens
+        top1 = opened.generate(PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=5.0, top_k=1)).tokens
+        nucleus = opened.generate(PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0, top_p=1e-6)).tokens
+    assert first == again and first != other and first != greedy
+    assert top1 == greedy and nucleus == greedy
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"temperature": -1.0}, "--temperature: expected a number >= 0"),
+        ({"top_k": -2}, "--top-k: expected 0"),
+        ({"top_p": 0.0}, r"--top-p: expected a number in \(0, 1\]"),
+    ],
+)
+def test_bad_sampling_is_one_line(values, message):
+    with pytest.raises(UsageError, match=message):
+        Sampling(**values)
+
+
+def _generated(tokens, logits):
+    return Generated([[1]] * len(tokens), tokens, ["length"] * len(tokens), [np.asarray(s, np.float32) for s in logits])
+
+
+def test_a_difference_at_a_near_tie_is_reported_not_failed_in_reduced_precision():
+    # row 0 differs at step 1, where the reference's margin is 0.01; row 1 agrees with a logit error of 0.02
+    reference = _generated([[0, 1], [0, 0]], [[[5.0, 1.0], [5.0, 1.0]], [[2.0, 2.01], [5.0, 1.0]]])
+    candidate = _generated([[0, 0], [0, 0]], [[[5.0, 1.0], [5.0, 1.0]], [[2.02, 2.0], [5.02, 1.0]]])
+    reduced = compare_generation(reference, candidate, engine="x", rtol=0, atol=1e-3, reduced=True)
+    assert reduced.passed and not reduced.identical and reduced.agreement == 0.75
+    d = reduced.divergence
+    assert (d.prompt, d.step, d.reference_token, d.candidate_token, d.near_tie) == (0, 1, 1, 0, True)
+    assert d.margin == pytest.approx(0.01, abs=1e-6) and d.logit_error == pytest.approx(0.02, abs=1e-6)
+    assert "prompt 0 step 1 (0 for 1, margin 1.00e-02" in reduced.summary()
+    fp32 = compare_generation(reference, candidate, engine="x", rtol=0, atol=1e-3, reduced=False)
+    assert not fp32.passed  # in float32 any different token fails
+
+
+def test_a_difference_that_is_no_near_tie_fails():
+    reference = _generated([[0, 0]], [[[5.0, 1.0]], [[5.0, 1.0]]])
+    candidate = _generated([[0, 1]], [[[5.0, 1.0]], [[1.0, 5.0]]])
+    report = compare_generation(reference, candidate, engine="x", rtol=0, atol=1e-3, reduced=True)
+    assert not report.passed and not report.divergence.near_tie and report.divergence.margin == 4.0
+
+
+def test_identical_tokens_with_logits_beyond_tolerance_fail_in_fp32():
+    reference = _generated([[0]], [[[5.0, 1.0]]])
+    candidate = _generated([[0]], [[[5.5, 1.0]]])
+    report = compare_generation(reference, candidate, engine="x", rtol=0, atol=1e-3, reduced=False)
+    assert report.identical and not report.passed and report.max_logit_error == pytest.approx(0.5)
+
+
+def test_tk_generate_prints_tokens_streams_and_writes_json(artifact, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[:2]))
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(
+        cli, ["generate", str(artifact), "--prompt-ids", str(prompts), "--max-new-tokens", "5", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    assert result.stdout.splitlines() == ["0: 9 11 13 15 17", "1: 16 17 18 19 20"]
+    assert "10 tokens for 2 prompts on onnx: time to first token" in result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["tokens"] == [[9, 11, 13, 15, 17], [16, 17, 18, 19, 20]] and saved["finish"] == ["length"] * 2
+    text = tmp_path / "one.txt"
+    text.write_text("3, 5, 7\n")
+    streamed = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            str(artifact),
+            "--prompt-ids",
+            str(text),
+            "--max-new-tokens",
+            "4",
+            "--stream",
+            "--engine",
+            "torch",
+        ],
+    )
+    assert streamed.exit_code == 0, streamed.output + streamed.stderr
+    assert streamed.stdout.splitlines() == ["9 11 13 15", "0: length"]
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        ("[[1, 2], []]", [], "prompt 1: expected at least one token, found an empty prompt"),
+        ("[[1, 64]]", [], r"prompt 0: expected token ids in \[0, 64\), found 64"),
+        ("[[1, 2]]", ["--max-new-tokens", "63"], "exceeds the artifact's cache of 64 slots; expected at most 62"),
+        ('{"a": 1}', [], "expected a list of lists of token ids"),
+        ("[[1, 2]", [], "expected JSON"),
+        ("[[1, 2]]", ["--prompt", "hi"], "expected --prompt-ids FILE or --prompt TEXT .* found both"),
+        ("[[1, 2]]", ["--temperature", "-1"], "--temperature: expected a number >= 0"),
+    ],
+)
+def test_tk_generate_errors_are_one_line(artifact, tmp_path, content, args, message):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(content)
+    result = CliRunner().invoke(cli, ["generate", str(artifact), "--prompt-ids", str(prompts), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_tk_generate_refuses_text_without_a_tokenizer_and_a_model_that_is_no_decoder(artifact, tmp_path):
+    result = CliRunner().invoke(cli, ["generate", str(artifact), "--prompt", "hello"])
+    assert (
+        result.exit_code == 2
+        and "--prompt: expected an hf:DIR model with a tokenizer, found 'decoder'" in result.stderr
+    )
+    mlp = tmp_path / "mlp"
+    assert (
+        CliRunner().invoke(cli, ["export", "mlp", "--size", "tiny", "--format", "torch", "--out", str(mlp)]).exit_code
+        == 0
+    )
+    ids = tmp_path / "p.txt"
+    ids.write_text("1 2\n")
+    result = CliRunner().invoke(cli, ["generate", str(mlp), "--prompt-ids", str(ids), "--engine", "torch"])
+    assert (
+        result.exit_code == 2
+        and "expected a decoder artifact (a manifest with generation entry points)" in result.stderr
+    )
+
+
+def test_a_crafted_cache_layout_is_one_line(artifact, tmp_path):
+    manifest = read_manifest(artifact)
+    manifest.generation["cache"]["slots"] = -1
+    copy = tmp_path / "crafted"
+    copy.mkdir()
+    (copy / MANIFEST).write_bytes(manifest_bytes(manifest))
+    with pytest.raises(IntegrityError, match=r"generation.cache.slots: expected an integer from 1 to 2\^20"):
+        read_manifest(copy)
+
+
+def test_max_cache_len_shrinks_the_cache_within_the_models_positions():
+    spec = build_model("decoder", size="tiny", cache_len=40)
+    assert spec.generation["cache"]["slots"] == 40 and spec.config["max_cache_len"] == 40
+    assert spec.signature.inputs[4].shape == ("batch", 2, 2, 40, 32)
+    with pytest.raises(UsageError, match=r"--max-cache-len: expected 1 to 64 \(the model's positions\), got 65"):
+        build_model("decoder", size="tiny", cache_len=65)
+    with pytest.raises(UsageError, match="--max-cache-len applies to decoders"):
+        build_model("mlp", size="tiny", cache_len=8)
