@@ -261,3 +261,14 @@ def test_max_cache_len_shrinks_the_cache_within_the_models_positions():
         build_model("decoder", size="tiny", cache_len=65)
     with pytest.raises(UsageError, match="--max-cache-len applies to decoders"):
         build_model("mlp", size="tiny", cache_len=8)
+
+
+def test_tk_check_runs_greedy_generation_per_engine(artifact, tmp_path):
+    out = tmp_path / "check.json"
+    result = CliRunner().invoke(cli, ["check", str(artifact), "--engine", "onnx,openvino", "--json", str(out)])
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "generation onnx: passed, 8 prompts x 16 tokens identical, max logit error" in result.stdout
+    assert "generation openvino: passed" in result.stdout
+    assert result.stdout.strip().endswith("parity passed for onnx, openvino")
+    saved = json.loads(out.read_text())
+    assert saved["generation"]["onnx"]["identical"] and saved["generation"]["onnx"]["task_accuracy"] >= 0.95

@@ -257,7 +257,7 @@ def check_cmd(
     if json_path:
         atomic_write_json(json_path, reports)
     gates.finish(result)
-    click.echo(f"parity passed for {', '.join(reports)}")
+    click.echo(f"parity passed for {', '.join(result.reports)}")
 
 
 def _print_check_result(result: Any) -> dict[str, Any]:
@@ -281,6 +281,10 @@ def _print_check_result(result: Any) -> dict[str, Any]:
                 click.echo(
                     printable(f"top-1 agreement {engine} {out.name}: {out.top1_rate:.1%} of {out.top1_total} samples")
                 )
+    for engine, generated in result.generation.items():
+        click.echo(f"generation {engine}: {'passed' if generated.passed else 'FAILED'}, {generated.summary()}")
+    if result.generation:
+        reports = {**reports, "generation": {e: g.to_json() for e, g in result.generation.items()}}
     return reports
 
 

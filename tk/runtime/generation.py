@@ -146,34 +146,16 @@ def generate(
     """
     sampling = sampling or Sampling()
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-    batch, longest = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((batch, longest), pad_id, dtype=torch.int64)
-    positions = torch.zeros((batch, longest), dtype=torch.int64)
-    mask = torch.zeros((batch, layout.slots), dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
-        start = longest - len(prompt)
-        ids[row, start:] = torch.as_tensor(list(prompt), dtype=torch.int64)
-        positions[row, start:] = torch.arange(len(prompt))
-        mask[row, start:longest] = 1
-    keys, values = layout.empty(batch), layout.empty(batch)
-    out = Generated([list(map(int, p)) for p in prompts], [[] for _ in prompts], ["length"] * batch)
-    done = [False] * batch
-    stops = set(int(s) for s in stop_ids)
-    slot = 0
-    feed_ids, feed_positions, width = ids, positions, longest
+    ids, positions, mask = left_padded(prompts, layout.slots, pad_id)
+    keys, values = layout.empty(len(prompts)), layout.empty(len(prompts))
+    out = Generated([list(map(int, p)) for p in prompts], [[] for _ in prompts], ["length"] * len(prompts))
+    stops = {int(s) for s in stop_ids}
+    slot, width = 0, ids.shape[1]
     for index in range(max_new_tokens):
-        cache_position = torch.arange(slot, slot + width)
         started = time.perf_counter()
-        result = step(
-            {
-                "input_ids": feed_ids,
-                "position_ids": feed_positions,
-                "cache_position": cache_position,
-                "attention_mask": mask,
-                "past_keys": keys,
-                "past_values": values,
-            }
-        )
+        feeds = {"input_ids": ids, "position_ids": positions, "cache_position": torch.arange(slot, slot + width),
+                 "attention_mask": mask, "past_keys": keys, "past_values": values}  # fmt: skip
+        result = step(feeds)
         logits = result["logits"].detach().cpu()
         keys[:, :, :, slot : slot + width] = result["present_keys"].detach().cpu()
         values[:, :, :, slot : slot + width] = result["present_values"].detach().cpu()
@@ -181,24 +163,47 @@ def generate(
         out.step_seconds.append(time.perf_counter() - started)
         if keep_logits:
             out.logits.append(logits.float().numpy().copy())
-        emitted: list[int | None] = []
-        for row, token in enumerate(next_tokens.tolist()):
-            if done[row]:
-                emitted.append(None)
-                continue
-            out.tokens[row].append(token)
-            emitted.append(token)
-            if token in stops:
-                done[row], out.finish[row] = True, "stop"
+        emitted = _record(out, next_tokens.tolist(), stops)
         if on_tokens is not None:
             on_tokens(index, emitted)
-        if all(done):
+        if all(f == "stop" for f in out.finish):
             break
         slot += width
         mask[:, slot] = 1
-        feed_positions = feed_positions[:, -1:] + 1
-        feed_ids, width = next_tokens[:, None].to(torch.int64), 1
+        positions = positions[:, -1:] + 1
+        ids, width = next_tokens[:, None].to(torch.int64), 1
     return out
+
+
+def left_padded(
+    prompts: Sequence[Sequence[int]], slots: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prefill's ``input_ids`` and ``position_ids`` (batch, longest prompt), each prompt at the right end,
+    and the attention mask over the cache's ``slots`` with the prompts' slots set."""
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((batch, longest), pad_id, dtype=torch.int64)
+    positions = torch.zeros((batch, longest), dtype=torch.int64)
+    mask = torch.zeros((batch, slots), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        start = longest - len(prompt)
+        ids[row, start:] = torch.as_tensor(list(prompt), dtype=torch.int64)
+        positions[row, start:] = torch.arange(len(prompt))
+        mask[row, start:longest] = 1
+    return ids, positions, mask
+
+
+def _record(out: Generated, tokens: list[int], stops: set[int]) -> list[int | None]:
+    """Each row's new token appended to ``out`` (a row that has stopped gets None); a stop token stops its row."""
+    emitted: list[int | None] = []
+    for row, token in enumerate(tokens):
+        if out.finish[row] == "stop":
+            emitted.append(None)
+            continue
+        out.tokens[row].append(token)
+        emitted.append(token)
+        if token in stops:
+            out.finish[row] = "stop"
+    return emitted
 
 
 def generate_with_engine(

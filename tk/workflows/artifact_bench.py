@@ -15,7 +15,7 @@ from tk.measure.roofline import Roofline, engine_precision
 from tk.runtime import EngineChoice, open_engines
 from tk.workflows.auto import AutoChoice, EngineCandidate, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
-from tk.workflows.check import engines_to_check
+from tk.workflows.engine_list import engines_to_check
 
 BASELINES = ("eager", "compile")  # always timed beside the engines asked for
 

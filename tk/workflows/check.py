@@ -35,12 +35,13 @@ from tk.parity import (
     report_from_outputs,
 )
 from tk.registries import ENGINES
-from tk.runtime import EngineChoice, available_engines, open_engine, trusted_engines, unavailable_reason
+from tk.runtime import EngineChoice, open_engine, unavailable_reason
 from tk.runtime.batching import BatchRunner
 from tk.runtime.inputs import random_inputs
 from tk.signing import TrustPolicy
 from tk.spec import count_nonfinite, shapes_to_check
 from tk.tolerances import FLOOR_PRECISIONS, artifact_tolerance, checked_pair
+from tk.workflows.engine_list import engines_to_check
 from tk.workflows.user_inputs import read_user_inputs
 
 log = logging.getLogger("tk.export")
@@ -84,9 +85,10 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                     runs=runs,
                 )
                 if manifest.generation:
-                    from tk.workflows.generation_check import record_generation_check
+                    from tk.workflows.generation_check import check_decoder
 
-                    record_generation_check(manifest, reference, candidate, rtol=rtol, atol=atol)
+                    generated = check_decoder(reference, candidate, rtol=rtol, atol=atol, log_line=True)
+                    manifest.generation.setdefault("check", {})[fmt] = generated.to_json()
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
             log.info(
@@ -167,59 +169,23 @@ class CheckResult:
     # formats whose export check ran the user's samples (tk optimize --data, tk export --check-inputs) where
     # this check ran random inputs, which can judge them differently
     exported_on_samples: list[str] = field(default_factory=list)
+    # a decoder's greedy generation per engine (tk.workflows.generation_check.GenerationReport)
+    generation: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.reports.values())
+        return all(r.passed for r in self.reports.values()) and all(g.passed for g in self.generation.values())
 
     def to_json(self) -> dict[str, Any]:
         return {name: report.to_json() for name, report in self.reports.items()}
 
     def raise_if_failed(self) -> None:
         failed = [name for name, r in self.reports.items() if not r.passed]
+        failed += [f"{name} generation" for name, g in self.generation.items() if not g.passed]
         if failed:
             per_output = {k: v for r in self.reports.values() for k, v in r.tolerances.items()}
             extra = "".join(f"; {name} rtol {rt:g}, atol {at:g}" for name, (rt, at) in per_output.items())
             raise ParityError(f"parity failed for {', '.join(failed)} (rtol {self.rtol:g}, atol {self.atol:g}{extra})")
-
-
-def engines_to_check(
-    text: str,
-    manifest: Manifest,
-    device: str,
-    *,
-    baselines: tuple[str, ...] = (),
-    keep_eager: bool = False,
-    root: str | Path | None = None,
-    trust: TrustPolicy | None = None,
-) -> list[str]:
-    """``all`` (every engine this machine runs for the artifact) or a comma-separated list.
-
-    With ``all``/``auto`` and ``root``, engines that would run native code ``trust`` does not
-    allow are left out with a note (a named one is refused when it loads). ``baselines`` come first. Eager (the reference of a check) is left out unless ``keep_eager``
-    or it is a baseline; an empty list is an error.
-    """
-    if text in ("all", "auto"):
-        names = available_engines(manifest, device)
-        if root is not None:
-            names = trusted_engines(root, manifest, names, trust)
-    else:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in ENGINES]
-        if unknown:
-            raise UsageError(
-                f"--engine: unknown {', '.join(unknown)}; expected names from {', '.join(ENGINES)}, or all"
-            )
-    names = [b for b in baselines if b not in names] + names
-    if not (keep_eager or "eager" in baselines):
-        names = [n for n in names if n != "eager"]
-    if not names:
-        eager = " (eager is the reference each engine is compared with; name another engine, or --reference ENGINE)"
-        raise UsageError(
-            f"no engine to compare: the artifact holds {', '.join(e.role for e in manifest.files)}"
-            + (eager if text.strip() == "eager" else "")
-        )
-    return names
 
 
 def check_artifact(
@@ -277,13 +243,24 @@ def check_artifact(
         result = _empty_result(ref, judge, manifest, names)
         for name in names:
             with open_engine(root, choice, name, manifest=manifest, among=among) as candidate:
-                result.reports[name] = report = ref.compare(candidate, judge, batch_size)
-            if len(result.reports) == 1:  # said once a candidate ran: a refused engine ends in its one line
-                log_noise_floor(ref.runs.floor)
-                warn_reference_signal(report)
+                _compare_candidate(result, ref, candidate, judge, batch_size, generation=stored is None)
             if on_report is not None:
-                on_report(name, report)
+                on_report(name, result.reports[name])
     return result
+
+
+def _compare_candidate(
+    result: CheckResult, ref: _Reference, candidate: Any, judge: _Judge, batch_size: int | None, *, generation: bool
+) -> None:
+    """``candidate``'s report (and a decoder's generation, against a live reference) into ``result``."""
+    from tk.workflows.generation_check import check_decoder
+
+    result.reports[candidate.name] = report = ref.compare(candidate, judge, batch_size)
+    if generation and candidate.manifest.generation:
+        result.generation[candidate.name] = check_decoder(ref.reference, candidate, rtol=judge.rtol, atol=judge.atol)
+    if len(result.reports) == 1:  # said once a candidate ran: a refused engine ends in its one line
+        log_noise_floor(ref.runs.floor)
+        warn_reference_signal(report)
 
 
 def _golden_reference(name: str, stored: Any) -> _Reference:

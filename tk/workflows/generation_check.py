@@ -150,8 +150,12 @@ def check_generation(
     return report
 
 
-def record_generation_check(manifest: Any, reference: Engine, candidate: Engine, *, rtol: float, atol: float) -> None:
-    """A decoder's generation check of ``candidate`` into ``manifest.generation["check"]``, with its log line."""
-    report = check_generation(reference, candidate, check_prompts(manifest), rtol=rtol, atol=atol)
-    manifest.generation.setdefault("check", {})[candidate.name] = report.to_json()
-    log.info("generate %-6s %s %s", candidate.name, "ok" if report.passed else "FAILED", report.summary())
+def check_decoder(
+    reference: Engine, candidate: Engine, *, rtol: float, atol: float, log_line: bool = False
+) -> GenerationReport:
+    """A decoder artifact's generation check (``check_generation`` on ``check_prompts``): what ``tk export``
+    records per format and ``tk check`` runs per engine; ``log_line``: say its verdict on the check's log."""
+    report = check_generation(reference, candidate, check_prompts(candidate.manifest), rtol=rtol, atol=atol)
+    if log_line:
+        log.info("generate %-6s %s %s", candidate.name, "ok" if report.passed else "FAILED", report.summary())
+    return report
