@@ -52,4 +52,5 @@ HF_TASKS = (
     "causal-lm",
     "text2text-encoder",
     "text2text-decoder",
+    "text-generation",
 )

@@ -215,9 +215,12 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
     return model.eval(), model.config
 
 
-def build_hf_model(name: str, task: str | None = None, *, attention: str | None = None) -> ModelSpec:
+def build_hf_model(
+    name: str, task: str | None = None, *, attention: str | None = None, cache_len: int | None = None
+) -> ModelSpec:
     """``hf:DIR`` for ``task`` (default feature-extraction) as a ``ModelSpec`` (no training task);
-    ``attention``: the attention implementation a manifest recorded (default: SDPA where it exists)."""
+    ``attention``: the attention implementation a manifest recorded (default: SDPA where it exists);
+    ``cache_len``: text-generation's static KV cache slots (default: the config's positions, at most 1024)."""
     reason = unavailable_reason()
     if reason:
         raise UsageError(reason)
@@ -235,8 +238,10 @@ def build_hf_model(name: str, task: str | None = None, *, attention: str | None 
     with offline():
         tokenizer_names = _tokenizer_input_names(directory)
         model, config = load_hf_module(directory, task, attention)
-    graph = task_graph(task, model, config, tokenizer_names, where)
+    graph = task_graph(task, model, config, tokenizer_names, where, cache_len)
     reference: dict[str, Any] = {"task": task}
+    if cache_len is not None:
+        reference["max_cache_len"] = cache_len
     if attention is None and _fell_back_to_eager(model):
         log.info(
             "%s: transformers has no SDPA attention for %s: loaded with its eager attention",
@@ -246,7 +251,9 @@ def build_hf_model(name: str, task: str | None = None, *, attention: str | None 
         attention = "eager"
     if attention is not None:
         reference["attn_implementation"] = attention  # the reference rebuilds with the same attention
-    return ModelSpec(where, None, reference, graph.module.eval(), graph.signature, max_sizes=graph.max_sizes)
+    spec = ModelSpec(where, None, reference, graph.module.eval(), graph.signature, max_sizes=graph.max_sizes)
+    spec.generation = graph.generation
+    return spec
 
 
 def _fell_back_to_eager(model: nn.Module) -> bool:

@@ -14,8 +14,9 @@ config says their sizes and valid values:
 - spectrograms (``input_features``, Whisper): float32 ``(batch, num_mel_bins, frames)``, the frames
   static at twice ``max_source_positions`` (Whisper's encoder refuses any other length).
 
-Nothing here generates text, so every model runs with ``use_cache=False`` (``tk.models.hf``): a
-graph that kept the cache would carry its empty ``past_key_values`` tensors and their concatenation.
+Only text-generation generates (``tk.models.hf_generation``: one step with a static KV cache); every
+other task runs with ``use_cache=False``: a graph that kept the cache would carry its empty
+``past_key_values`` tensors and their concatenation.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ TASKS: dict[str, Task] = {
     "causal-lm": Task(("AutoModelForCausalLM",), "logits", ("seq", "vocab")),
     "text2text-encoder": Task(("AutoModel",), "last_hidden_state", ("seq", "hidden"), part="encoder"),
     "text2text-decoder": Task(("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq"), "logits", part="decoder"),
+    "text-generation": Task(("AutoModelForCausalLM",), "logits", part="generation"),
 }
 DEFAULT_TASK = "feature-extraction"
 
@@ -74,6 +76,7 @@ class TaskGraph:
     module: nn.Module
     signature: Signature
     max_sizes: dict[str, int] = field(default_factory=dict)  # dimension -> the most a position table holds
+    generation: dict[str, Any] | None = None  # text-generation: the cache layout and special tokens
 
 
 class HFTaskModel(nn.Module):
@@ -103,10 +106,25 @@ class DecoderStepModel(HFTaskModel):
         return self.model(**feeds, encoder_outputs=encoded, **self.fixed).logits
 
 
-def task_graph(task: str, model: nn.Module, config: Any, tokenizer_names: list[str] | None, where: str) -> TaskGraph:
-    """The graph of ``task`` for the loaded ``model`` (``where``: ``hf:DIR``, for messages)."""
+def task_graph(
+    task: str,
+    model: nn.Module,
+    config: Any,
+    tokenizer_names: list[str] | None,
+    where: str,
+    cache_len: int | None = None,
+) -> TaskGraph:
+    """The graph of ``task`` for the loaded ``model`` (``where``: ``hf:DIR``, for messages); ``cache_len``: the
+    static KV cache's slots of text-generation."""
     spec = TASKS[task]
     main = getattr(model, "main_input_name", "input_ids")
+    if cache_len is not None and spec.part != "generation":
+        raise UsageError(f"--max-cache-len applies to --task text-generation, not to --task {task}")
+    if spec.part == "generation":
+        from tk.models.hf_generation import generation_graph
+
+        module, signature, generation = generation_graph(model, config, where, cache_len)
+        return TaskGraph(module, signature, generation=generation)
     if spec.part == "decoder":
         return _decoder_step(model, config, where)
     if spec.part == "encoder" or (task == DEFAULT_TASK and _is_encoder_decoder(config) and main == "input_features"):

@@ -60,12 +60,19 @@ def build_model(
 
 
 def _with_cache_len(name: str, size: str | None, config: dict[str, Any] | None, cache_len: int) -> dict[str, Any]:
-    """The built-in decoder's config (of ``size`` or ``config``) with ``max_cache_len`` set."""
+    """The decoder's config (the built-in one's, of ``size`` or ``config``; an ``hf:DIR``'s reference) with
+    ``max_cache_len`` set."""
     import dataclasses
 
+    from tk.models.hf import is_hf_name
+
+    if is_hf_name(name):
+        return {**(config or {}), "max_cache_len": cache_len}
     entry = entries().get(name)
     if entry is None or "max_cache_len" not in {f.name for f in dataclasses.fields(entry.config_cls)}:
-        raise UsageError(f"--max-cache-len applies to decoders (the built-in decoder), not to {name!r}")
+        raise UsageError(
+            f"--max-cache-len applies to decoders (decoder, hf:DIR --task text-generation), not to {name!r}"
+        )
     if config is None:
         size = size or "small"
         if size not in entry.sizes:
@@ -87,7 +94,12 @@ def _build(
         from tk.models.hf import build_hf_model
 
         recorded = config or {}  # a manifest's reference: the task, and the attention it was loaded with
-        return build_hf_model(name, task or recorded.get("task"), attention=recorded.get("attn_implementation"))
+        return build_hf_model(
+            name,
+            task or recorded.get("task"),
+            attention=recorded.get("attn_implementation"),
+            cache_len=recorded.get("max_cache_len"),
+        )
     if ":" in name or name.endswith(".py"):  # a file without its callable gets build_user_model's hint
         if size:
             raise UsageError(f"--size applies to built-in models, not to {name!r}")

@@ -101,7 +101,16 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
             )
             if fmt == formats[0]:
                 warn_reference_signal(report)
-    generated = manifest.generation.get("check", {}).values()
+        if manifest.generation:
+            from tk.workflows.generation_check import check_against_transformers
+
+            against = check_against_transformers(reference)
+            if against is not None:
+                manifest.generation["reference"] = against
+    generated = [
+        *manifest.generation.get("check", {}).values(),
+        *([manifest.generation["reference"]] if "reference" in manifest.generation else []),
+    ]
     passed = all(r["passed"] for r in manifest.check.values()) and all(r["passed"] for r in generated)
     manifest.status = "passed" if passed else "failed"
 

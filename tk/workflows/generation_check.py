@@ -159,3 +159,41 @@ def check_decoder(
     if log_line:
         log.info("generate %-6s %s %s", candidate.name, "ok" if report.passed else "FAILED", report.summary())
     return report
+
+
+def check_against_transformers(reference: Engine, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any] | None:
+    """An ``hf:DIR`` decoder's eager step, driven by tk's loop (prompts batched, left-padded), against
+    transformers' own greedy ``generate`` of each prompt alone: proof that the step graph computes the
+    user's model. None for other models (the built-in decoder's loop is tested against its plain forward)."""
+    from tk.models.hf import is_hf_name
+    from tk.models.hf_generation import transformers_greedy
+
+    manifest = reference.manifest
+    if not is_hf_name(str(manifest.model.get("name", ""))) or not hasattr(reference, "module"):
+        return None
+    prompts = check_prompts(manifest)
+    eos = manifest.generation.get("eos_token_id")
+    ours = reference.generate(prompts, max_new_tokens=new_tokens).tokens
+    theirs = [transformers_greedy(reference.module, p, new_tokens, eos) for p in prompts]
+    first = first_difference(ours, theirs)
+    report = {"against": "transformers generate", "prompts": len(prompts), "new_tokens": new_tokens,
+              "identical": first is None, "first_difference": first, "passed": first is None}  # fmt: skip
+    verdict = "ok" if first is None else "FAILED"
+    detail = "identical tokens" if first is None else f"first difference {first}"
+    log.info("generate eager  %s against transformers' generate, %d prompts: %s", verdict, len(prompts), detail)
+    return report
+
+
+def first_difference(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any] | None:
+    """The earliest step (then prompt) where two generations' tokens differ (a row that stopped earlier shows
+    None there), or None where they are identical."""
+    found = []
+    for row, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        step = next((i for i in range(max(len(got), len(want))) if got[i : i + 1] != want[i : i + 1]), None)
+        if step is not None:
+            found.append({"prompt": row, "step": step, "tk": _at(got, step), "transformers": _at(want, step)})
+    return min(found, key=lambda d: (d["step"], d["prompt"])) if found else None
+
+
+def _at(tokens: list[int], step: int) -> int | None:
+    return tokens[step] if step < len(tokens) else None

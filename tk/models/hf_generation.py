@@ -1,0 +1,167 @@
+"""``hf:DIR --task text-generation``: a transformers causal LM as one generation step with a static KV cache.
+
+The step takes and returns what the built-in decoder's does (``tk.models.decoder``): new tokens, their
+positions and cache slots, the attention mask over the slots and the cache before the step; the
+next-token logits and the new tokens' keys and values. transformers' attention layers call the cache's
+``update`` with each layer's new keys and values; ``SlotCache`` writes them at the step's slots of the
+cache it was given and returns all slots, and the mask (a 4D float mask, which transformers uses as
+given) lets each token see the slots its row holds up to its own. The cache is an input and an output
+rather than module state (transformers' ``TorchExportableModuleForDecoderOnlyLM`` keeps it in buffers), so
+that ONNX Runtime, OpenVINO and AOTInductor run the same graph and the loop owns the cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from tk.errors import UsageError
+from tk.spec import Dim, Signature, TensorSpec
+
+DEFAULT_MAX_CACHE = 1024  # slots when --max-cache-len is not given: the config's limit, at most this
+MAX_BATCH = 8
+PROMPT_OPT = 32
+
+
+class SlotCache:
+    """The cache transformers' attention layers write to: each layer's new keys and values go to the step's
+    slots of ``past_keys``/``past_values`` (batch, layer, kv_heads, slots, head_dim); kept for the step's output."""
+
+    is_compileable = False
+
+    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor, cache_position: torch.Tensor) -> None:
+        self.past_keys, self.past_values, self.cache_position = past_keys, past_values, cache_position
+        self.new_keys: list[torch.Tensor] = []
+        self.new_values: list[torch.Tensor] = []
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.new_keys.append(key_states)
+        self.new_values.append(value_states)
+        keys = self.past_keys[:, layer_idx].index_copy(2, self.cache_position, key_states.to(self.past_keys.dtype))
+        values = self.past_values[:, layer_idx].index_copy(
+            2, self.cache_position, value_states.to(self.past_values.dtype)
+        )
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.past_keys.shape[3])
+
+
+class CausalLMStep(nn.Module):
+    """One generation step of a transformers causal LM (prefill or decode), with the cache as tensors."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        takes = inspect.signature(model.forward).parameters
+        self.cache_keyword = "cache" if "cache" in takes else "past_key_values"  # renamed in transformers 5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_keys: torch.Tensor,
+        past_values: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = SlotCache(past_keys, past_values, cache_position)
+        slots = torch.arange(past_keys.shape[3], device=input_ids.device)
+        causal = slots[None, :] <= cache_position[:, None]
+        own = (slots[None, :] == cache_position[:, None])[None, None]
+        visible = (causal[None, None] & attention_mask.bool()[:, None, None, :]) | own  # (B, 1, T, slots)
+        dtype = past_keys.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=input_ids.device).masked_fill(
+            ~visible, torch.finfo(dtype).min
+        )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_keyword: cache},
+        )
+        return out.logits[:, -1], torch.stack(cache.new_keys, dim=1), torch.stack(cache.new_values, dim=1)
+
+
+def cache_layout(config: Any) -> tuple[int, int, int]:
+    """(layers, key/value heads, head_dim) of a causal LM's config (GPT-2's ``n_layer``/``n_head`` included)."""
+    layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+    heads = int(getattr(config, "num_attention_heads", None) or config.n_head)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    return layers, kv_heads, head_dim
+
+
+def generation_graph(
+    model: nn.Module, config: Any, where: str, cache_len: int | None
+) -> tuple[nn.Module, Signature, dict[str, Any]]:
+    """The step module, its signature and the manifest's ``generation`` facts for a causal LM."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UsageError(f"{where}: --task text-generation takes a decoder-only model; this one has an encoder")
+    positions = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
+    slots = min(positions, DEFAULT_MAX_CACHE) if cache_len is None else cache_len
+    if not 2 <= slots <= positions:
+        raise UsageError(f"--max-cache-len: expected 2 to {positions} (the config's positions), got {slots}")
+    layers, kv_heads, head_dim = cache_layout(config)
+    vocab = int(config.vocab_size)
+    cache = ("batch", layers, kv_heads, slots, head_dim)
+    present = ("batch", layers, kv_heads, "seq", head_dim)
+    signature = Signature(
+        inputs=[
+            TensorSpec("input_ids", "int64", ("batch", "seq"), kind="ids", low=0, high=vocab),
+            TensorSpec("position_ids", "int64", ("batch", "seq"), kind="ids", low=0, high=slots),
+            TensorSpec("cache_position", "int64", ("seq",), kind="slots", low=0, high=slots),
+            TensorSpec("attention_mask", "int64", ("batch", slots), kind="mask", low=0, high=2),
+            TensorSpec("past_keys", "float32", cache),
+            TensorSpec("past_values", "float32", cache),
+        ],
+        outputs=[
+            TensorSpec("logits", "float32", ("batch", vocab)),
+            TensorSpec("present_keys", "float32", present),
+            TensorSpec("present_values", "float32", present),
+        ],
+        dims={"batch": Dim("batch", 1, 2, MAX_BATCH), "seq": Dim("seq", 1, min(PROMPT_OPT, slots), slots)},
+    )
+    layout = {"slots": slots, "layers": layers, "heads": kv_heads, "head_dim": head_dim}
+    generation = {
+        "cache": {**layout, "layout": "batch, layer, head, slot, head_dim"},
+        "vocab_size": vocab,
+        **special_tokens(config, vocab),
+    }
+    return CausalLMStep(model), signature, generation
+
+
+def special_tokens(config: Any, vocab: int) -> dict[str, int | None]:
+    """bos, eos and pad token ids from the config (the first eos where it lists several); pad defaults to eos."""
+
+    def token(name: str) -> int | None:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        return int(value) if isinstance(value, int) and 0 <= value < vocab else None
+
+    eos = token("eos_token_id")
+    pad = token("pad_token_id")
+    return {"bos_token_id": token("bos_token_id"), "eos_token_id": eos, "pad_token_id": pad if pad is not None else eos}
+
+
+def transformers_greedy(step: CausalLMStep, prompt: list[int], new_tokens: int, eos: int | None) -> list[int]:
+    """transformers' own greedy ``generate`` of one prompt (no padding), stopping at ``eos``: what the
+    artifact's step, driven by tk's loop, must reproduce."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], dtype=torch.int64)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos if eos is not None else 0
+    )
+    with torch.no_grad():
+        out = step.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt) :].tolist()
