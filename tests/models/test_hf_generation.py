@@ -1,0 +1,144 @@
+"""hf:DIR --task text-generation: GPT-2, Llama and Qwen2 configs (random weights, tiny) exported as one
+static-cache step, generating batched prompts of different lengths with transformers' own tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tk.cli import cli
+from tk.manifest import read_manifest
+from tk.runtime import load
+from tk.workflows.generation_check import check_prompts
+
+pytest.importorskip("transformers")
+
+WORDS = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(125))]  # 128 tokens: ids 0-2 special
+
+
+def _configs() -> dict:
+    import transformers as tf
+
+    shared = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2}
+    llama_like = {**shared, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}  # fmt: skip
+    return {
+        "gpt2": tf.GPT2Config(**shared, n_positions=64, n_embd=32, n_layer=2, n_head=4),
+        "llama": tf.LlamaConfig(**llama_like),
+        "qwen2": tf.Qwen2Config(**llama_like),
+    }
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory) -> dict[str, Path]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("hf-decoders")
+    dirs = {}
+    for name, config in _configs().items():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        _tokenizer().save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def exported(decoders, tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for name, directory in decoders.items():
+        art = tmp_path_factory.mktemp("art") / name
+        result = CliRunner().invoke(
+            cli,
+            ["export", f"hf:{directory}", "--task", "text-generation", "--out", str(art),
+             "--format", "torch", "--format", "onnx", "--format", "openvino"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output + result.stderr
+        out[name] = art
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
+def test_the_export_matches_transformers_generate_on_every_format(exported, name):
+    manifest = read_manifest(exported[name])
+    assert manifest.status == "passed"
+    reference = manifest.generation["reference"]
+    assert reference["against"] == "transformers generate" and reference["identical"] and reference["prompts"] == 8
+    for fmt in ("torch", "onnx", "openvino"):
+        report = manifest.generation["check"][fmt]
+        assert report["identical"] and report["max_logit_error"] < 1e-5, (fmt, report)
+    cache = manifest.generation["cache"]
+    heads = 4 if name == "gpt2" else 2  # Llama and Qwen2 keep 2 key/value heads for 4 query heads
+    assert (cache["slots"], cache["layers"], cache["heads"], cache["head_dim"]) == (64, 2, heads, 8)
+    assert (manifest.generation["bos_token_id"], manifest.generation["eos_token_id"]) == (1, 2)
+
+
+@pytest.mark.parametrize("engine", ["onnx", "openvino"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
+def test_batched_prompts_get_transformers_tokens(exported, name, engine):
+    from tk.models.hf_generation import transformers_greedy
+
+    with load(exported[name], "eager") as eager, load(exported[name], engine) as opened:
+        prompts = check_prompts(opened.manifest, count=5, seed=9)
+        got = opened.generate(prompts, max_new_tokens=12)
+        want = [transformers_greedy(eager.module, p, 12, 2) for p in prompts]
+    assert got.tokens == want
+    assert got.finish == ["stop" if w and w[-1] == 2 else "length" for w in want]
+
+
+def test_tk_generate_takes_text_through_the_directorys_tokenizer(exported, tmp_path):
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(
+        cli,
+        ["generate", str(exported["llama"]), "--prompt", "w5 w6 w7", "--prompt", "w9", "--max-new-tokens", "4",
+         "--json", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["prompts"] == [[8, 9, 10], [12]]  # w5 is id 8: three special tokens first
+    lines = result.stdout.splitlines()
+    decoded = _tokenizer().decode(saved["tokens"][0])
+    assert lines[0] == f"0: {' '.join(map(str, saved['tokens'][0]))}  {decoded!r}"
+
+
+def test_max_cache_len_sets_the_slots_and_is_recorded_for_the_rebuild(decoders, tmp_path):
+    art = tmp_path / "short"
+    args = ["export", f"hf:{decoders['gpt2']}", "--task", "text-generation", "--max-cache-len", "24", "--out", str(art)]
+    result = CliRunner().invoke(cli, [*args, "--format", "onnx"])
+    assert result.exit_code == 0, result.output + result.stderr
+    manifest = read_manifest(art)
+    assert manifest.generation["cache"]["slots"] == 24 and manifest.model["config"]["max_cache_len"] == 24
+    assert manifest.signature.dims["seq"].max == 24 and manifest.status == "passed"
+    too_long = CliRunner().invoke(cli, [*args[:-2], "--max-cache-len", "65", "--out", str(tmp_path / "x")])
+    assert (
+        too_long.exit_code == 2
+        and "--max-cache-len: expected 2 to 64 (the config's positions), got 65" in too_long.stderr
+    )
+    other_task = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            f"hf:{decoders['gpt2']}",
+            "--task",
+            "causal-lm",
+            "--max-cache-len",
+            "8",
+            "--out",
+            str(tmp_path / "y"),
+        ],
+    )
+    assert other_task.exit_code == 2
+    assert "--max-cache-len applies to --task text-generation, not to --task causal-lm" in other_task.stderr
