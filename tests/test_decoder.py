@@ -272,3 +272,32 @@ def test_tk_check_runs_greedy_generation_per_engine(artifact, tmp_path):
     assert result.stdout.strip().endswith("parity passed for onnx, openvino")
     saved = json.loads(out.read_text())
     assert saved["generation"]["onnx"]["identical"] and saved["generation"]["onnx"]["task_accuracy"] >= 0.95
+
+
+def test_tk_bench_times_generation_per_engine_and_batch(artifact, tmp_path):
+    from tk.measure.load_guard import LoadGuard
+    from tk.runtime import EngineChoice
+    from tk.workflows.generation_bench import bench_generation, render_generation
+
+    quiet = LoadGuard(0, read_load=lambda: 0.0, read_cpu=None)  # the verdict never depends on the machine
+    report = bench_generation(
+        artifact, EngineChoice("onnx,torch"), batch_sizes=[1, 3], prompt_len=6, new_tokens=5, rounds=2, guard=quiet
+    )
+    assert [(r.engine, r.batch) for r in report.rows] == [("onnx", 1), ("torch", 1), ("onnx", 3), ("torch", 3)]
+    for row in report.rows:
+        assert row.ttft.n == 2 and row.decode_step.n == 2 and row.decode_step.median > 0
+        assert row.cache_bytes == 2 * row.batch * 2 * 2 * 64 * 32 * 4  # keys and values, float32
+        assert row.bytes_per_step == row.cache_bytes + read_manifest(artifact).file("weights").size
+        assert row.load is not None and not row.load.busy
+    assert report.bandwidth_bytes_per_s > 0
+    assert "TTFT ms" in str(render_generation(report).columns[2].header)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(
+        cli, ["bench", str(artifact), "--engine", "onnx", "--batch-sizes", "2", "--iters", "1", "--new-tokens", "3",
+              "--prompt-len", "4", "--json", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["command"] == "tk bench generation" and saved["results"]["rows"][0]["batch"] == 2
+    too_big = CliRunner().invoke(cli, ["bench", str(artifact), "--engine", "onnx", "--batch-sizes", "9"])
+    assert too_big.exit_code == 2 and "--batch-sizes: expected at most 8" in too_big.stderr

@@ -146,7 +146,9 @@ def test_trusted_the_program_runs_without_its_compiled_members(planted, tmp_path
 def test_optimize_deploy_and_serve_never_load_it(planted, tmp_path):
     """``tk deploy triton`` copies the onnx file only; a served torch engine is refused before Ray starts."""
     root, marker = planted
-    result = CliRunner().invoke(cli, ["deploy", "triton", str(root), "--format", "onnx", "--out", str(tmp_path / "repo")])
+    result = CliRunner().invoke(
+        cli, ["deploy", "triton", str(root), "--format", "onnx", "--out", str(tmp_path / "repo")]
+    )
     assert result.exit_code == 0, result.output
     assert not any(p.suffix in (".pt2", ".so") for p in (tmp_path / "repo").rglob("*"))
     assert not marker.exists()

@@ -84,7 +84,9 @@ def test_a_failure_no_fallback_fixes_keeps_the_other_formats(tmp_path):
 
 
 def test_one_format_alone_that_fails_is_the_error_as_before(tmp_path):
-    result = CliRunner().invoke(cli, ["export", "tests.planted:no_onnx", "--format", "onnx", "--out", str(tmp_path / "a")])
+    result = CliRunner().invoke(
+        cli, ["export", "tests.planted:no_onnx", "--format", "onnx", "--out", str(tmp_path / "a")]
+    )
     assert result.exit_code == 2 and not (tmp_path / "a").exists(), result.output
     assert "torch.onnx could not convert the exported program" in result.stderr, result.stderr
 

@@ -70,7 +70,9 @@ def _with_signal(module: nn.Module, images: torch.Tensor) -> nn.Module:
     return module.eval()
 
 
-def _classifier(name: str, make: Callable[[], nn.Module] | None = None, size: int = IMAGE_SIZE) -> Callable[[], UserModel]:
+def _classifier(
+    name: str, make: Callable[[], nn.Module] | None = None, size: int = IMAGE_SIZE
+) -> Callable[[], UserModel]:
     def build() -> UserModel:
         import torchvision
 

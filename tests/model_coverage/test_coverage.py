@@ -66,7 +66,9 @@ def test_docs_coverage_lists_the_verdicts_of_this_run(coverage_run: CoverageRun)
     """The page may have been measured on another CPU or day: its numbers differ, its verdicts may not."""
     ran = {(c.arch, c.format): c.verdict for c in coverage_run.all_cells()}
     shown = verdicts_in(DOCS_PAGE.read_text())
-    differ = {key: (shown.get(key), ran.get(key)) for key in ran.keys() | shown.keys() if shown.get(key) != ran.get(key)}
+    differ = {
+        key: (shown.get(key), ran.get(key)) for key in ran.keys() | shown.keys() if shown.get(key) != ran.get(key)
+    }
     hint = f"regenerate it: {WRITE_DOCS_ENV}=1 pytest tests/model_coverage, or python -m tests.model_coverage.report"
     assert not differ, f"docs/coverage.md differs from this run (page, run): {differ}; {hint}"
 
@@ -104,7 +106,11 @@ def test_the_table_reads_back_as_the_verdicts_it_was_written_from() -> None:
     ]
     meta = {"date": "2026-12-05", "cpu": "a CPU", "cores": 2, "cpu_flags": ["avx512f"], "versions": {"torch": "2"}}
     text = render(cells, meta)
-    assert verdicts_in(text) == {("BERT", "torch"): "passed", ("BERT", "onnx"): "failed", ("T5 encoder", "onnx"): "passed"}
+    assert verdicts_in(text) == {
+        ("BERT", "torch"): "passed",
+        ("BERT", "onnx"): "failed",
+        ("T5 encoder", "onnx"): "passed",
+    }
     assert "**2 of 3 cells pass (66.7%)**: torch 1/1, onnx 1/2." in text
     assert "1. BERT, onnx: onnx \\| a \\*pipe\\*: try x" in text  # escaped: the table's pipes stay columns
     assert "| T5 encoder | seq2seq | hf: text2text-encoder | — | passed (fallback, note 2) | — | — |" in text

@@ -142,3 +142,16 @@ def test_max_cache_len_sets_the_slots_and_is_recorded_for_the_rebuild(decoders, 
     )
     assert other_task.exit_code == 2
     assert "--max-cache-len applies to --task text-generation, not to --task causal-lm" in other_task.stderr
+
+
+def test_tk_bench_times_transformers_generate_beside_the_engines(exported):
+    from tk.measure.load_guard import LoadGuard
+    from tk.runtime import EngineChoice
+    from tk.workflows.generation_bench import bench_generation
+
+    quiet = LoadGuard(0, read_load=lambda: 0.0, read_cpu=None)
+    report = bench_generation(
+        exported["gpt2"], EngineChoice("onnx"), batch_sizes=[2], prompt_len=5, new_tokens=4, rounds=2, guard=quiet
+    )
+    assert [r.engine for r in report.rows] == ["onnx", "transformers"]  # eager opened for its model, not timed
+    assert all(r.decode_step.median > 0 and r.ttft.median > 0 for r in report.rows)

@@ -290,7 +290,7 @@ def _print_check_result(result: Any) -> dict[str, Any]:
 
 @click.command("bench")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--batch-sizes", default=None, help="Comma-separated batch sizes (default 1,8,32; decoders 1,4).")
 @click.option("--seconds", type=float, default=None, help="Time budget per engine and batch size (default 2 s).")
 @click.option("--iters", type=int, default=None, help="Timed calls per engine and batch size (instead of --seconds).")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls per engine and batch size.")
@@ -311,6 +311,8 @@ def _print_check_result(result: Any) -> dict[str, Any]:
 @click.option(
     "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
 )
+@click.option("--prompt-len", type=int, default=None, help="Decoders: prompt tokens (default: the seq opt size).")
+@click.option("--new-tokens", type=int, default=32, show_default=True, help="Decoders: tokens generated per round.")
 @path_option("--json", "json_path", help="Write the results and the machine's description as JSON.")
 @path_option("--plot", "plot_path", help="Write a PNG of latency and throughput against batch size.")
 @click.option(
@@ -335,13 +337,15 @@ def _print_check_result(result: Any) -> dict[str, Any]:
 )
 def bench_cmd(
     artifact: Path,
-    batch_sizes: str,
+    batch_sizes: str | None,
     seconds: float | None,
     iters: int | None,
     warmup: int,
     baselines: bool,
     io: str,
     seq: int | None,
+    prompt_len: int | None,
+    new_tokens: int,
     json_path: Path | None,
     plot_path: Path | None,
     roofline: bool,
@@ -349,15 +353,22 @@ def bench_cmd(
     choice: EngineChoice,
     gates: BenchGates,
 ) -> None:
-    """Measure every engine side by side (interleaved) at several batch sizes."""
+    """Measure every engine side by side (interleaved) at several batch sizes.
+
+    A decoder artifact is timed generating: time to first token and decode tokens/s per engine, beside
+    transformers' generate for an hf:DIR model (--prompt-len, --new-tokens; --iters rounds)."""
     refuse_writes_into(artifact, json=json_path, plot=plot_path, save_baseline=gates.save_baseline, junit=gates.junit)
+    from tk.manifest import verify_artifact
     from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
     from tk.workflows.bench import render_table, save_json, save_plot
 
+    if verify_artifact(artifact).generation:
+        _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens, iters, warmup, json_path)
+        return
     report, choices = bench_artifact(
         artifact,
         choice,
-        batch_sizes=parse_batch_sizes(batch_sizes),
+        batch_sizes=parse_batch_sizes(batch_sizes or "1,8,32"),
         seconds=seconds,
         iters=iters,
         warmup=warmup,
@@ -378,6 +389,39 @@ def bench_cmd(
         save_plot(report, plot_path)
         click.echo(f"plot: {plot_path}")
     gates.finish(report)
+
+
+def _bench_decoder(
+    artifact: Path,
+    choice: EngineChoice,
+    batch_sizes: str | None,
+    prompt_len: int | None,
+    new_tokens: int,
+    iters: int | None,
+    warmup: int,
+    json_path: Path | None,
+) -> None:
+    """``tk bench`` of a decoder artifact: ``tk.workflows.generation_bench``'s table, and its JSON envelope."""
+    from tk.measure.results import BenchRun
+    from tk.workflows.artifact_bench import parse_batch_sizes
+    from tk.workflows.generation_bench import bench_generation, render_generation
+
+    run = BenchRun("tk bench generation")
+    report = bench_generation(
+        artifact,
+        choice,
+        batch_sizes=parse_batch_sizes(batch_sizes or "1,4"),
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        rounds=iters or 5,
+        warmup=min(warmup, 1),
+        progress=lambda line: click.echo(line, err=True),
+    )
+    console().print(render_generation(report))
+    if json_path:
+        run.settings = report.settings
+        run.write(report.to_json(), path=json_path)
+        click.echo(f"json: {json_path}")
 
 
 COMMANDS = (infer_cmd, check_cmd, bench_cmd)

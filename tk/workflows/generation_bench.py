@@ -1,0 +1,279 @@
+"""``tk bench`` for decoders: time to first token and decode speed per engine and batch, side by side.
+
+Each round generates ``new_tokens`` tokens (no stop token) from prompts of ``prompt_len`` tokens on every
+engine in a new random order (``tk.measure.timing.interleave``), so machine noise hits all alike. The loop
+times each step: the prefill's is the time to first token, the others are decode steps. For an
+``hf:DIR`` artifact, transformers' own ``generate`` on the same model runs beside the engines (eager
+attention as loaded, its dynamic cache): its time to first token is a one-token ``generate``, its
+decode rate comes from the difference between a full one and that.
+
+Decode at batch 1 is bound by memory bandwidth: each step reads every weight and the cache. The table
+shows the bytes a step reads over its time, and that as a share of this machine's copy bandwidth,
+measured in the same run (``copy_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tk.errors import UsageError
+from tk.manifest import verify_artifact
+from tk.measure.hardware import machine_description
+from tk.measure.load_guard import LoadGuard, LoadMark, quiet_or_marked
+from tk.measure.timing import CallTime, Spread, interleave
+from tk.runtime import EngineChoice, open_engines
+from tk.runtime.generation import CacheLayout, Generated
+from tk.workflows.engine_list import engines_to_check
+
+TRANSFORMERS = "transformers"  # the rival row of an hf:DIR artifact
+BANDWIDTH_BYTES = 1 << 28  # bytes copied to measure this machine's memory bandwidth (far above any cache)
+
+
+@dataclass
+class GenerationRow:
+    engine: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    ttft: Spread  # seconds
+    decode_step: Spread  # seconds per decode step (one token for every row)
+    bytes_per_step: int  # weights and the cache a decode step reads
+    cache_bytes: int
+    load: LoadMark | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.decode_step.median if self.decode_step.median > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "batch": self.batch,
+            "prompt_len": self.prompt_len,
+            "new_tokens": self.new_tokens,
+            "ttft_s": self.ttft.to_json(),
+            "decode_step_s": self.decode_step.to_json(),
+            "decode_tokens_per_s": round(self.tokens_per_s, 2),
+            "bytes_per_step": self.bytes_per_step,
+            "cache_bytes": self.cache_bytes,
+            "load": self.load.to_json() if self.load is not None else None,
+        }
+
+
+@dataclass
+class GenerationBench:
+    rows: list[GenerationRow] = field(default_factory=list)
+    bandwidth_bytes_per_s: float | None = None
+    machine: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rows": [r.to_json() for r in self.rows],
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "settings": self.settings,
+        }
+
+
+def copy_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
+    """This machine's memory bandwidth as a large copy measures it: bytes read and written per second (best of
+    ``repeats``), the ceiling of a decode step that reads every weight once."""
+    source = torch.ones(nbytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - started)
+    return 2 * nbytes / best
+
+
+def bench_generation(
+    root: str | Path,
+    choice: EngineChoice,
+    *,
+    batch_sizes: list[int],
+    prompt_len: int | None = None,
+    new_tokens: int = 32,
+    rounds: int = 5,
+    warmup: int = 1,
+    rivals: bool = True,
+    progress: Callable[[str], None] | None = None,
+    guard: LoadGuard | None = None,
+) -> GenerationBench:
+    """Time ``new_tokens`` greedy tokens from prompts of ``prompt_len`` tokens (default: the opt of the
+    artifact's ``seq``) on each engine of ``choice`` at each of ``batch_sizes``, ``rounds`` interleaved rounds
+    after ``warmup`` untimed ones; ``rivals``: transformers' ``generate`` beside them for an hf:DIR model."""
+    manifest = verify_artifact(root)
+    if not manifest.generation:
+        raise UsageError(f"{root}: expected a decoder artifact for the generation benchmark, found none")
+    layout = CacheLayout.from_generation(manifest.generation)
+    prompt_len = prompt_len or manifest.signature.dims["seq"].opt
+    _check_sizes(manifest, layout, batch_sizes, prompt_len, new_tokens, rounds)
+    names = engines_to_check(choice.name, manifest, choice.device, keep_eager=True, root=root, trust=choice.trust)
+    report = GenerationBench(machine=machine_description(choice.device))
+    report.settings = {"prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "engines": names}
+    with ExitStack() as stack:
+        untimed = ["eager"] if rivals and "eager" not in names else []  # holds the model transformers runs
+        opened = open_engines(stack, root, choice, [*names, *untimed], manifest=manifest)
+        weights = _weight_bytes(root, manifest)
+        rival = _transformers_rival(opened, manifest) if rivals else None
+        opened = {name: opened[name] for name in names}
+        for batch in batch_sizes:
+            prompts = _prompts(batch, prompt_len, int(manifest.generation["vocab_size"]))
+            runs = {name: _engine_run(engine, prompts, new_tokens) for name, engine in opened.items()}
+            if rival is not None:
+                runs[TRANSFORMERS] = rival(prompts, new_tokens)
+            for run in runs.values():
+                for _ in range(warmup):
+                    run.call()
+                run.samples.clear()
+            _, mark = quiet_or_marked(lambda r=runs: interleave({n: r[n].timed for n in r}, iters=rounds), guard)
+            for name, run in runs.items():
+                report.rows.append(run.row(name, batch, prompt_len, new_tokens, weights, layout, mark))
+            if progress is not None:
+                progress(f"bench  batch {batch}: {', '.join(runs)} timed over {rounds} rounds")
+    report.bandwidth_bytes_per_s = copy_bandwidth()
+    return report
+
+
+def _check_sizes(
+    manifest: Any, layout: CacheLayout, batch_sizes: list[int], prompt_len: int, new_tokens: int, rounds: int
+) -> None:
+    largest = manifest.signature.dims["batch"].max
+    if max(batch_sizes) > largest:
+        raise UsageError(
+            f"--batch-sizes: expected at most {largest} (the artifact's batch range), got {max(batch_sizes)}"
+        )
+    if prompt_len < 1 or new_tokens < 2 or prompt_len + new_tokens > layout.slots:
+        raise UsageError(
+            f"--prompt-len {prompt_len} and --new-tokens {new_tokens}: expected a prompt of 1 or more and 2 or more "
+            f"new tokens within the artifact's {layout.slots} cache slots"
+        )
+    if rounds < 1:
+        raise UsageError(f"--iters: expected 1 or more rounds, got {rounds}")
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch * 1_000_003 + length)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def _weight_bytes(root: str | Path, manifest: Any) -> int:
+    """The float32 weights a step reads: the artifact's safetensors file (the model every format holds)."""
+    return manifest.file("weights").size
+
+
+@dataclass
+class _Run:
+    """One engine's generation call and the (ttft, decode step) samples of its timed calls."""
+
+    call: Callable[[], tuple[float, list[float]]]
+    samples: list[tuple[float, list[float]]] = field(default_factory=list)
+
+    def timed(self) -> CallTime:
+        started = time.perf_counter()
+        self.samples.append(self.call())
+        return CallTime(time.perf_counter() - started)
+
+    def row(
+        self, name: str, batch: int, prompt_len: int, new_tokens: int, weights: int, layout: CacheLayout, mark: LoadMark
+    ) -> GenerationRow:
+        ttfts = [t for t, _ in self.samples]
+        steps = [statistics.median(d) for _, d in self.samples]
+        cache = layout.nbytes(batch)
+        return GenerationRow(
+            name, batch, prompt_len, new_tokens, Spread.of(ttfts), Spread.of(steps), weights + cache, cache, mark
+        )
+
+
+def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> _Run:
+    def call() -> tuple[float, list[float]]:
+        out: Generated = engine.generate(prompts, max_new_tokens=new_tokens, stop_ids=())
+        return out.step_seconds[0], out.step_seconds[1:]
+
+    return _Run(call)
+
+
+def _transformers_rival(opened: dict[str, Any], manifest: Any) -> Callable[[list[list[int]], int], _Run] | None:
+    """transformers' ``generate`` on the artifact's model (an hf:DIR artifact's eager engine holds it)."""
+    eager = opened.get("eager")
+    model = getattr(getattr(eager, "module", None), "model", None)
+    if model is None or not hasattr(model, "generate"):
+        return None
+    from transformers import GenerationConfig
+
+    pad = manifest.generation.get("pad_token_id") or 0
+
+    def make(prompts: list[list[int]], new_tokens: int) -> _Run:
+        ids = torch.tensor(prompts, dtype=torch.int64)
+        mask = torch.ones_like(ids)
+
+        def generate(count: int) -> float:
+            config = GenerationConfig(
+                do_sample=False, max_new_tokens=count, min_new_tokens=count, eos_token_id=None, pad_token_id=pad
+            )
+            started = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, generation_config=config)
+            return time.perf_counter() - started
+
+        def call() -> tuple[float, list[float]]:
+            first = generate(1)
+            whole = generate(new_tokens)
+            return first, [max(whole - first, 0.0) / (new_tokens - 1)]
+
+        return _Run(call)
+
+    return make
+
+
+def render_generation(report: GenerationBench) -> Any:
+    """The report as a rich table: per engine and batch, time to first token, decode speed and bandwidth."""
+    from rich.table import Table
+
+    s = report.settings
+    table = Table(
+        title=f"generation, {report.machine.get('cpu')}: prompt {s['prompt_len']}, {s['new_tokens']} new tokens"
+    )
+    for header in ("engine", "batch", "TTFT ms", "decode ms/step", "q1-q3", "tokens/s", "speed-up", "cache MB", "GB/s",
+                   "of bandwidth", "load"):  # fmt: skip
+        table.add_column(header, justify="left" if header in ("engine", "load") else "right")
+    for row in report.rows:
+        first = _against(report.rows, row.batch)
+        step = row.decode_step
+        moved = row.bytes_per_step / step.median if step.median > 0 else 0.0
+        share = f"{moved / report.bandwidth_bytes_per_s:.0%}" if report.bandwidth_bytes_per_s else "-"
+        busy = "busy" if row.load is not None and row.load.busy else ""
+        table.add_row(
+            row.engine,
+            str(row.batch),
+            f"{row.ttft.median * 1e3:.2f}",
+            f"{step.median * 1e3:.3f}",
+            f"{step.q1 * 1e3:.3f}-{step.q3 * 1e3:.3f}",
+            f"{row.tokens_per_s:.1f}",
+            f"{row.tokens_per_s / first.tokens_per_s:.2f}x" if first.tokens_per_s else "-",
+            f"{row.cache_bytes / 1e6:.2f}",
+            f"{moved / 1e9:.2f}",
+            share,
+            busy,
+        )
+    table.caption = (
+        f"speed-up: decode tokens/s against {TRANSFORMERS}'s generate where it ran, else eager; copy bandwidth "
+        f"{(report.bandwidth_bytes_per_s or 0) / 1e9:.1f} GB/s measured in this run"
+    )
+    return table
+
+
+def _against(rows: list[GenerationRow], batch: int) -> GenerationRow:
+    """The row a batch's speed-ups are measured against: transformers' generate, else eager, else the first."""
+    same = [r for r in rows if r.batch == batch]
+    return next((r for name in (TRANSFORMERS, "eager") for r in same if r.engine == name), same[0])
