@@ -301,3 +301,19 @@ def test_tk_bench_times_generation_per_engine_and_batch(artifact, tmp_path):
     assert saved["command"] == "tk bench generation" and saved["results"]["rows"][0]["batch"] == 2
     too_big = CliRunner().invoke(cli, ["bench", str(artifact), "--engine", "onnx", "--batch-sizes", "9"])
     assert too_big.exit_code == 2 and "--batch-sizes: expected at most 8" in too_big.stderr
+
+
+@pytest.mark.parametrize(("precision", "fmt"), [("bf16", "torch"), ("int8", "onnx")])
+def test_reduced_precision_keeps_the_rule_and_a_float32_cache(trained, tmp_path, precision, fmt):
+    _, checkpoint = trained
+    out = tmp_path / precision
+    result = CliRunner().invoke(
+        cli, ["export", "decoder", "--size", "tiny", "--checkpoint", str(checkpoint), "--out", str(out),
+              "--precision", precision, "--format", fmt],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    manifest = read_manifest(out)
+    report = manifest.generation["check"][fmt]
+    assert manifest.status == "passed" and report["passed"]
+    assert report["task_accuracy"] >= 0.95 and report["agreement"] >= 0.9
+    assert [s.dtype for s in manifest.signature.inputs[4:]] == ["float32", "float32"]  # the cache stays float32

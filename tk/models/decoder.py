@@ -92,9 +92,11 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention of the new tokens over the cache with their own keys written in; also their keys and values."""
         q, k, v = self._qkv(x)
-        keys = past_keys.index_copy(2, cache_position, k)  # (B, heads, slots, head_dim)
-        values = past_values.index_copy(2, cache_position, v)
-        return self._out(F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)), k, v
+        # the cache keeps its own dtype (float32 at the graph's edge) whatever the weights' precision
+        keys = past_keys.index_copy(2, cache_position, k.to(past_keys.dtype)).to(q.dtype)  # (B, heads, slots, head_dim)
+        values = past_values.index_copy(2, cache_position, v.to(past_values.dtype)).to(q.dtype)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        return self._out(attended), k.to(past_keys.dtype), v.to(past_values.dtype)
 
 
 class FeedForward(nn.Module):

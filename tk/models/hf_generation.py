@@ -40,13 +40,13 @@ class SlotCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = key_states.dtype  # the cache keeps its own (float32 at the graph's edge) at any weights' precision
+        key_states, value_states = key_states.to(self.past_keys.dtype), value_states.to(self.past_values.dtype)
         self.new_keys.append(key_states)
         self.new_values.append(value_states)
-        keys = self.past_keys[:, layer_idx].index_copy(2, self.cache_position, key_states.to(self.past_keys.dtype))
-        values = self.past_values[:, layer_idx].index_copy(
-            2, self.cache_position, value_states.to(self.past_values.dtype)
-        )
-        return keys, values
+        keys = self.past_keys[:, layer_idx].index_copy(2, self.cache_position, key_states)
+        values = self.past_values[:, layer_idx].index_copy(2, self.cache_position, value_states)
+        return keys.to(dtype), values.to(dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.past_keys.shape[3])
