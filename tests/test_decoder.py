@@ -317,3 +317,13 @@ def test_reduced_precision_keeps_the_rule_and_a_float32_cache(trained, tmp_path,
     assert manifest.status == "passed" and report["passed"]
     assert report["task_accuracy"] >= 0.95 and report["agreement"] >= 0.9
     assert [s.dtype for s in manifest.signature.inputs[4:]] == ["float32", "float32"]  # the cache stays float32
+
+
+def test_tk_optimize_refuses_a_decoder_in_one_line(tmp_path):
+    result = CliRunner().invoke(cli, ["optimize", "decoder", "--size", "tiny", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines() == [
+        "error: tk optimize: expected an encoder or another one-call model, found the decoder decoder; export it "
+        "with --precision fp32|bf16|int8 and compare with tk check (greedy tokens) and tk bench (tokens/s)"
+    ]
+    assert not (tmp_path / "o").exists()

@@ -102,6 +102,11 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     options = options or OptimizeOptions()
     out = Path(out)
     say = progress or (lambda *_: None)
+    if spec.generation:  # judged by greedy tokens and timed generating: not one call's outputs and latency
+        raise UsageError(
+            f"tk optimize: expected an encoder or another one-call model, found the decoder {spec.name}; export it "
+            "with --precision fp32|bf16|int8 and compare with tk check (greedy tokens) and tk bench (tokens/s)"
+        )
     accuracy = parse_accuracy(options.accuracy)
     if (why := unmeasurable(accuracy, spec.signature.outputs)) is not None:
         raise UsageError(why)
