@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.manifest import read_manifest
 from tk.runtime import load
-from tk.workflows.generation_check import check_prompts
+from tk.workflows.generation_check import parity_prompts
 
 pytest.importorskip("transformers")
 
@@ -92,7 +92,7 @@ def test_batched_prompts_get_transformers_tokens(exported, name, engine):
     from tk.models.hf_generation import transformers_greedy
 
     with load(exported[name], "eager") as eager, load(exported[name], engine) as opened:
-        prompts = check_prompts(opened.manifest, count=5, seed=9)
+        prompts = parity_prompts(opened.manifest, count=5, seed=9)
         got = opened.generate(prompts, max_new_tokens=12)
         want = [transformers_greedy(eager.module, p, 12, 2) for p in prompts]
     assert got.tokens == want

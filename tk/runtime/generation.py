@@ -232,7 +232,7 @@ def generate_with_engine(
     largest = engine.dims["batch"].max if "batch" in engine.dims else 1
     if keep_logits and len(prompts) > largest:
         raise UsageError(f"keep_logits: expected at most {largest} prompts (one batch), got {len(prompts)}")
-    checked: set[int] = set()
+    checked: set[bool] = set()
 
     def step(feeds: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         width = int(feeds["input_ids"].shape[1])

@@ -67,7 +67,7 @@ class GenerationReport:
         )
 
 
-def check_prompts(manifest: Any, *, count: int = PROMPTS, seed: int = 0) -> list[list[int]]:
+def parity_prompts(manifest: Any, *, count: int = PROMPTS, seed: int = 0) -> list[list[int]]:
     """``count`` prompts of different lengths the artifact can take with room for ``NEW_TOKENS``: for the
     built-in decoder its rule's sequences (so its continuations are checkable), else random token ids."""
     generation = manifest.generation
@@ -153,9 +153,9 @@ def check_generation(
 def check_decoder(
     reference: Engine, candidate: Engine, *, rtol: float, atol: float, log_line: bool = False
 ) -> GenerationReport:
-    """A decoder artifact's generation check (``check_generation`` on ``check_prompts``): what ``tk export``
+    """A decoder artifact's generation check (``check_generation`` on ``parity_prompts``): what ``tk export``
     records per format and ``tk check`` runs per engine; ``log_line``: say its verdict on the check's log."""
-    report = check_generation(reference, candidate, check_prompts(candidate.manifest), rtol=rtol, atol=atol)
+    report = check_generation(reference, candidate, parity_prompts(candidate.manifest), rtol=rtol, atol=atol)
     if log_line:
         log.info("generate %-6s %s %s", candidate.name, "ok" if report.passed else "FAILED", report.summary())
     return report
@@ -171,7 +171,7 @@ def check_against_transformers(reference: Engine, *, new_tokens: int = NEW_TOKEN
     manifest = reference.manifest
     if not is_hf_name(str(manifest.model.get("name", ""))) or not hasattr(reference, "module"):
         return None
-    prompts = check_prompts(manifest)
+    prompts = parity_prompts(manifest)
     eos = manifest.generation.get("eos_token_id")
     ours = reference.generate(prompts, max_new_tokens=new_tokens).tokens
     theirs = [transformers_greedy(reference.module, p, new_tokens, eos) for p in prompts]
