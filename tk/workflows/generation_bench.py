@@ -108,10 +108,13 @@ def bench_generation(
     rivals: bool = True,
     progress: Callable[[str], None] | None = None,
     guard: LoadGuard | None = None,
+    others: dict[str, Callable[[list[list[int]], int], GenerationRun]] | None = None,
 ) -> GenerationBench:
     """Time ``new_tokens`` greedy tokens from prompts of ``prompt_len`` tokens (default: the opt of the
     artifact's ``seq``) on each engine of ``choice`` at each of ``batch_sizes``, ``rounds`` interleaved rounds
-    after ``warmup`` untimed ones; ``rivals``: transformers' ``generate`` beside them for an hf:DIR model."""
+    after ``warmup`` untimed ones; ``rivals``: transformers' ``generate`` beside them for an hf:DIR model;
+    ``others``: more rivals by name, each made from the prompts and the number of new tokens (a peer's runtime,
+    ``benchmarks/decoder_goals.py``), timed in the same rounds."""
     manifest = verify_artifact(root)
     if not manifest.generation:
         raise UsageError(f"{root}: expected a decoder artifact for the generation benchmark, found none")
@@ -132,6 +135,7 @@ def bench_generation(
             runs = {name: _engine_run(engine, prompts, new_tokens) for name, engine in opened.items()}
             if rival is not None:
                 runs[TRANSFORMERS] = rival(prompts, new_tokens)
+            runs.update({name: make(prompts, new_tokens) for name, make in (others or {}).items()})
             for run in runs.values():
                 for _ in range(warmup):
                     run.call()
@@ -173,8 +177,9 @@ def _weight_bytes(root: str | Path, manifest: Any) -> int:
 
 
 @dataclass
-class _Run:
-    """One engine's generation call and the (ttft, decode step) samples of its timed calls."""
+class GenerationRun:
+    """One engine's (or rival's) generation call, which returns its time to first token and its decode steps'
+    times, and the samples of its timed calls."""
 
     call: Callable[[], tuple[float, list[float]]]
     samples: list[tuple[float, list[float]]] = field(default_factory=list)
@@ -195,15 +200,17 @@ class _Run:
         )
 
 
-def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> _Run:
+def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> GenerationRun:
     def call() -> tuple[float, list[float]]:
         out: Generated = engine.generate(prompts, max_new_tokens=new_tokens, stop_ids=())
         return out.step_seconds[0], out.step_seconds[1:]
 
-    return _Run(call)
+    return GenerationRun(call)
 
 
-def _transformers_rival(opened: dict[str, Any], manifest: Any) -> Callable[[list[list[int]], int], _Run] | None:
+def _transformers_rival(
+    opened: dict[str, Any], manifest: Any
+) -> Callable[[list[list[int]], int], GenerationRun] | None:
     """transformers' ``generate`` on the artifact's model (an hf:DIR artifact's eager engine holds it)."""
     eager = opened.get("eager")
     model = getattr(getattr(eager, "module", None), "model", None)
@@ -213,7 +220,7 @@ def _transformers_rival(opened: dict[str, Any], manifest: Any) -> Callable[[list
 
     pad = manifest.generation.get("pad_token_id") or 0
 
-    def make(prompts: list[list[int]], new_tokens: int) -> _Run:
+    def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
         ids = torch.tensor(prompts, dtype=torch.int64)
         mask = torch.ones_like(ids)
 
@@ -231,7 +238,7 @@ def _transformers_rival(opened: dict[str, Any], manifest: Any) -> Callable[[list
             whole = generate(new_tokens)
             return first, [max(whole - first, 0.0) / (new_tokens - 1)]
 
-        return _Run(call)
+        return GenerationRun(call)
 
     return make
 
