@@ -257,7 +257,7 @@ def test_max_cache_len_shrinks_the_cache_within_the_models_positions():
     spec = build_model("decoder", size="tiny", cache_len=40)
     assert spec.generation["cache"]["slots"] == 40 and spec.config["max_cache_len"] == 40
     assert spec.signature.inputs[4].shape == ("batch", 2, 2, 40, 32)
-    with pytest.raises(UsageError, match=r"--max-cache-len: expected 1 to 64 \(the model's positions\), got 65"):
+    with pytest.raises(UsageError, match=r"--max-cache-len: expected 4 to 64 \(the model's positions\), got 65"):
         build_model("decoder", size="tiny", cache_len=65)
     with pytest.raises(UsageError, match="--max-cache-len applies to decoders"):
         build_model("mlp", size="tiny", cache_len=8)

@@ -125,7 +125,7 @@ def test_max_cache_len_sets_the_slots_and_is_recorded_for_the_rebuild(decoders, 
     too_long = CliRunner().invoke(cli, [*args[:-2], "--max-cache-len", "65", "--out", str(tmp_path / "x")])
     assert (
         too_long.exit_code == 2
-        and "--max-cache-len: expected 2 to 64 (the config's positions), got 65" in too_long.stderr
+        and "--max-cache-len: expected 4 to 64 (the config's positions), got 65" in too_long.stderr
     )
     other_task = CliRunner().invoke(
         cli,

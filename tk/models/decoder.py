@@ -236,8 +236,8 @@ def rule_accuracy(prompts: list[list[int]], outputs: list[list[int]], vocab_size
 def cache_slots(cfg: DecoderConfig) -> int:
     """The static cache's slots: ``max_cache_len``, at most the model's positions."""
     slots = cfg.max_positions if cfg.max_cache_len is None else cfg.max_cache_len
-    if not 1 <= slots <= cfg.max_positions:
-        raise UsageError(f"--max-cache-len: expected 1 to {cfg.max_positions} (the model's positions), got {slots}")
+    if not 4 <= slots <= cfg.max_positions:  # a two-token prompt and two new tokens: the export check's least
+        raise UsageError(f"--max-cache-len: expected 4 to {cfg.max_positions} (the model's positions), got {slots}")
     return slots
 
 

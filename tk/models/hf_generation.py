@@ -21,6 +21,7 @@ from torch import nn
 from tk.errors import UsageError
 from tk.spec import Dim, Signature, TensorSpec
 
+MIN_CACHE = 4  # slots: a two-token prompt and two new tokens, the least the export check generates
 DEFAULT_MAX_CACHE = 1024  # slots when --max-cache-len is not given: the config's limit, at most this
 MAX_BATCH = 8
 PROMPT_OPT = 32
@@ -108,8 +109,8 @@ def generation_graph(
         raise UsageError(f"{where}: --task text-generation takes a decoder-only model; this one has an encoder")
     positions = int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
     slots = min(positions, DEFAULT_MAX_CACHE) if cache_len is None else cache_len
-    if not 2 <= slots <= positions:
-        raise UsageError(f"--max-cache-len: expected 2 to {positions} (the config's positions), got {slots}")
+    if not MIN_CACHE <= slots <= positions:
+        raise UsageError(f"--max-cache-len: expected {MIN_CACHE} to {positions} (the config's positions), got {slots}")
     layers, kv_heads, head_dim = cache_layout(config)
     vocab = int(config.vocab_size)
     cache = ("batch", layers, kv_heads, slots, head_dim)

@@ -67,13 +67,18 @@ class GenerationReport:
         )
 
 
+def parity_new_tokens(manifest: Any) -> int:
+    """Tokens the check generates per prompt: ``NEW_TOKENS``, at most half the cache (a short ``--max-cache-len``)."""
+    return min(NEW_TOKENS, CacheLayout.from_generation(manifest.generation).slots // 2)
+
+
 def parity_prompts(manifest: Any, *, count: int = PROMPTS, seed: int = 0) -> list[list[int]]:
-    """``count`` prompts of different lengths the artifact can take with room for ``NEW_TOKENS``: for the
+    """``count`` prompts of 2 tokens and more the artifact can take with room for ``parity_new_tokens``: for the
     built-in decoder its rule's sequences (so its continuations are checkable), else random token ids."""
     generation = manifest.generation
     layout = CacheLayout.from_generation(generation)
     vocab = int(generation["vocab_size"])
-    longest = max(2, min(manifest.signature.dims["seq"].max, layout.slots - NEW_TOKENS))
+    longest = max(2, min(manifest.signature.dims["seq"].max, layout.slots - parity_new_tokens(manifest)))
     lengths = [2 + (i * (longest - 2)) // max(1, count - 1) for i in range(count)]
     gen = torch.Generator().manual_seed(seed + 7_000_003)
     if manifest.model.get("name") == "decoder":
@@ -155,13 +160,17 @@ def check_decoder(
 ) -> GenerationReport:
     """A decoder artifact's generation check (``check_generation`` on ``parity_prompts``): what ``tk export``
     records per format and ``tk check`` runs per engine; ``log_line``: say its verdict on the check's log."""
-    report = check_generation(reference, candidate, parity_prompts(candidate.manifest), rtol=rtol, atol=atol)
+    manifest = candidate.manifest
+    new_tokens = parity_new_tokens(manifest)
+    report = check_generation(
+        reference, candidate, parity_prompts(manifest), rtol=rtol, atol=atol, new_tokens=new_tokens
+    )
     if log_line:
         log.info("generate %-6s %s %s", candidate.name, "ok" if report.passed else "FAILED", report.summary())
     return report
 
 
-def check_against_transformers(reference: Engine, *, new_tokens: int = NEW_TOKENS) -> dict[str, Any] | None:
+def check_against_transformers(reference: Engine) -> dict[str, Any] | None:
     """An ``hf:DIR`` decoder's eager step, driven by tk's loop (prompts batched, left-padded), against
     transformers' own greedy ``generate`` of each prompt alone: proof that the step graph computes the
     user's model. None for other models (the built-in decoder's loop is tested against its plain forward)."""
@@ -171,7 +180,7 @@ def check_against_transformers(reference: Engine, *, new_tokens: int = NEW_TOKEN
     manifest = reference.manifest
     if not is_hf_name(str(manifest.model.get("name", ""))) or not hasattr(reference, "module"):
         return None
-    prompts = parity_prompts(manifest)
+    prompts, new_tokens = parity_prompts(manifest), parity_new_tokens(manifest)
     eos = manifest.generation.get("eos_token_id")
     ours = reference.generate(prompts, max_new_tokens=new_tokens).tokens
     theirs = [transformers_greedy(reference.module, p, new_tokens, eos) for p in prompts]
