@@ -54,7 +54,7 @@ class ServeProcess:
         self, *args: str, env: dict[str, str] | None = None, new_session: bool = False
     ) -> Iterator[subprocess.Popen]:
         """Start ``tk serve ARGS`` (``new_session``: as the leader of its own process group), wait until it
-        says it is ready (120 s at most); kill it if still running after."""
+        says it is ready (300 s at most); kill it if still running after."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         with open(self.log, "w+") as log:
             process = subprocess.Popen(
@@ -66,7 +66,7 @@ class ServeProcess:
                 start_new_session=new_session,
             )
             try:
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + 300  # a watchdog: Ray starts slowly on a busy machine
                 while "Ctrl-C stops" not in self.text():
                     assert process.poll() is None and time.monotonic() < deadline, self.text()
                     time.sleep(0.5)

@@ -93,6 +93,22 @@ def test_every_socket_of_tk_serve_and_its_ray_listens_on_loopback(server):
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
+def test_the_replicas_run_at_normal_priority_not_rays_nice_15(server):
+    """At Ray's default nice 15, two busy loops beside tk serve kept its replicas from answering for over two
+    minutes (this module's server did not start); its local Ray now starts its workers at nice 0."""
+    process, _, _ = server
+    workers = {}
+    for proc in psutil.Process(process.pid).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+            if title.startswith("ray::"):  # Ray's worker processes: actors, the replicas among them
+                workers[title[:60]] = proc.nice()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert any("replica" in title.lower() for title in workers), workers
+    assert set(workers.values()) == {0}, workers
+
+
 def test_an_oversized_request_is_413_before_its_body_is_read(server):
     _, port, limit = server
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT_S)

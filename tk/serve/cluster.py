@@ -32,6 +32,7 @@ _told: list[bool] = []  # the warning of while_local_ray_lives was logged
 NODE_IP_ENV = "TK_RAY_NODE_IP"
 LOOPBACK = "127.0.0.1"
 _CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's config of its workers' nice value (default 15)
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,29 @@ def connect(
         ray.init(address=address, **common)
         return RayConnection(connected=True, local=False)
     node_ip = os.environ.get(NODE_IP_ENV) or None
-    if node_ip is not None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip, **common)
-    else:
-        with _loopback_only():
-            ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+    with _replicas_at_normal_priority():
+        if node_ip is not None:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=node_ip, **common)
+        else:
+            with _loopback_only():
+                ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
     return RayConnection(connected=True, local=True)
+
+
+@contextlib.contextmanager
+def _replicas_at_normal_priority() -> Iterator[None]:
+    """The local instance's workers (tk serve's replicas) run at nice 0, not Ray's default 15: at 15 any
+    ordinary process starves them (the kernel's weights give a nice-15 process about 3% of a core beside
+    one busy loop at nice 0; beside two, the serve tests crawled and timed out). Ray's processes read the
+    setting when they start; the variable is restored after."""
+    before = os.environ.get(_WORKER_NICENESS_ENV)
+    if before is None:  # a user's own setting wins
+        os.environ[_WORKER_NICENESS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_WORKER_NICENESS_ENV, None)
 
 
 @contextlib.contextmanager
