@@ -171,9 +171,13 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
 
 
+WEIGHT_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1}  # bytes a weight takes at each precision
+
+
 def _weight_bytes(root: str | Path, manifest: Any) -> int:
-    """The float32 weights a step reads: the artifact's safetensors file (the model every format holds)."""
-    return manifest.file("weights").size
+    """The weights a step reads: the float32 safetensors file every artifact holds, scaled to the artifact's
+    precision (int8 counted as all int8: a layer kept in float reads more)."""
+    return manifest.file("weights").size * WEIGHT_BYTES.get(manifest.precision, 4) // 4
 
 
 @dataclass
