@@ -29,6 +29,7 @@ from torch import nn
 
 from tk.errors import UsageError
 from tk.models.base import ModelEntry, ModelSpec, TrainingTask
+from tk.models.transformer import FeedForward, init_weights
 from tk.spec import Dim, Signature, TensorSpec
 
 
@@ -99,24 +100,13 @@ class CausalSelfAttention(nn.Module):
         return self._out(attended), k.to(past_keys.dtype), v.to(past_values.dtype)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.hidden, cfg.ffn)
-        self.down = nn.Linear(cfg.ffn, cfg.hidden)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x))))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.attn = CausalSelfAttention(cfg)
         self.ln_ffn = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = FeedForward(cfg.hidden, cfg.ffn, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
@@ -144,7 +134,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_final = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(
         self,
@@ -180,13 +170,6 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_final(x))
-
-
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
 
 
 def rule_sequences(cfg: DecoderConfig, gen: torch.Generator, count: int, length: int) -> torch.Tensor:

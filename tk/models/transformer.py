@@ -61,11 +61,13 @@ class SelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    """hidden -> ffn -> GELU -> hidden, with dropout (the encoder's and the decoder's, ``tk.models.decoder``)."""
+
+    def __init__(self, hidden: int, ffn: int, dropout: float) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.hidden, cfg.ffn)
-        self.down = nn.Linear(cfg.ffn, cfg.hidden)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.down(F.gelu(self.up(x))))
@@ -77,7 +79,7 @@ class Block(nn.Module):
         self.ln_attn = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.attn = SelfAttention(cfg)
         self.ln_ffn = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = FeedForward(cfg.hidden, cfg.ffn, cfg.dropout)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x), keep)
@@ -93,7 +95,7 @@ class TransformerClassifier(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_final = nn.LayerNorm(cfg.hidden, eps=cfg.layer_norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.num_classes)
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         seq = input_ids.shape[1]
@@ -109,7 +111,8 @@ class TransformerClassifier(nn.Module):
         return self.head(self.ln_final(x)[:, 0])  # (B, num_classes) from the first token
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's and BERT's initialization: normal(0, 0.02) weights, zero biases."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
