@@ -101,7 +101,7 @@ def genai_rival(path: Path) -> tuple[Any, Any]:
     """A ``tk.workflows.generation_bench`` rival running ONNX Runtime GenAI's loop, and its greedy tokens."""
     import onnxruntime_genai as og
 
-    from tk.workflows.generation_bench import GenerationRun
+    from tk.measure.generation import GenerationRun
 
     model = og.Model(str(path))
 

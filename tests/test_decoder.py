@@ -13,13 +13,13 @@ from click.testing import CliRunner
 
 from tk.cli import cli
 from tk.errors import IntegrityError, UsageError
+from tk.generation_parity import compare_generation
 from tk.manifest import MANIFEST, manifest_bytes, read_manifest
 from tk.models import build_model
 from tk.models.decoder import SIZES, greedy_without_cache, rule_accuracy, rule_sequences
 from tk.models.train import train
 from tk.runtime import load
 from tk.runtime.generation import Generated, Sampling
-from tk.workflows.generation_check import compare_generation
 
 PROMPTS = [[3, 5, 7], [10, 11, 12, 13, 14, 15], [60, 63], [1, 4, 7, 10, 13, 16, 19, 22, 25]]
 

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tk.tolerances",
             "tk.manifest",
             "tk.parity",
+            "tk.generation_parity",
             "tk.limits",
             "tk.accuracy",
             "tk.signing",

@@ -52,7 +52,7 @@ def generate_cmd(
     from tk.manifest import verify_artifact
     from tk.runtime import open_engine
     from tk.runtime.generation import Sampling
-    from tk.workflows.prompts import read_prompt_ids, tokenizer_of
+    from tk.runtime.prompts import read_prompt_ids, tokenizer_of
 
     refuse_writes_into(artifact, json=json_path)
     if (prompt_ids is None) == (not texts):

@@ -42,6 +42,7 @@ from tk.signing import TrustPolicy
 from tk.spec import count_nonfinite, shapes_to_check
 from tk.tolerances import FLOOR_PRECISIONS, artifact_tolerance, checked_pair
 from tk.workflows.engine_list import engines_to_check
+from tk.workflows.generation_check import check_decoder, generation_passed, record_generation, record_reference
 from tk.workflows.user_inputs import read_user_inputs
 
 log = logging.getLogger("tk.export")
@@ -85,10 +86,7 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
                     runs=runs,
                 )
                 if manifest.generation:
-                    from tk.workflows.generation_check import check_decoder
-
-                    generated = check_decoder(reference, candidate, rtol=rtol, atol=atol, log_line=True)
-                    manifest.generation.setdefault("check", {})[fmt] = generated.to_json()
+                    record_generation(manifest, reference, candidate, fmt, rtol=rtol, atol=atol)
             manifest.check[fmt] = report.to_json()
             worst = max((o.max_abs for o in report.outputs), default=0.0)
             log.info(
@@ -102,16 +100,8 @@ def run_export_check(root: Path, manifest: Manifest, formats: list[str], ctx: Ex
             if fmt == formats[0]:
                 warn_reference_signal(report)
         if manifest.generation:
-            from tk.workflows.generation_check import check_against_transformers
-
-            against = check_against_transformers(reference)
-            if against is not None:
-                manifest.generation["reference"] = against
-    generated = [
-        *manifest.generation.get("check", {}).values(),
-        *([manifest.generation["reference"]] if "reference" in manifest.generation else []),
-    ]
-    passed = all(r["passed"] for r in manifest.check.values()) and all(r["passed"] for r in generated)
+            record_reference(manifest, reference)
+    passed = all(r["passed"] for r in manifest.check.values()) and generation_passed(manifest)
     manifest.status = "passed" if passed else "failed"
 
 
@@ -262,8 +252,6 @@ def _compare_candidate(
     result: CheckResult, ref: _Reference, candidate: Any, judge: _Judge, batch_size: int | None, *, generation: bool
 ) -> None:
     """``candidate``'s report (and a decoder's generation, against a live reference) into ``result``."""
-    from tk.workflows.generation_check import check_decoder
-
     result.reports[candidate.name] = report = ref.compare(candidate, judge, batch_size)
     if generation and candidate.manifest.generation:
         result.generation[candidate.name] = check_decoder(ref.reference, candidate, rtol=judge.rtol, atol=judge.atol)

@@ -14,11 +14,9 @@ measured in the same run (``copy_bandwidth``).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,74 +24,15 @@ import torch
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
+from tk.measure.generation import GenerationBench, GenerationRow, GenerationRun, copy_bandwidth
 from tk.measure.hardware import machine_description
-from tk.measure.load_guard import LoadGuard, LoadMark, quiet_or_marked
-from tk.measure.timing import CallTime, Spread, interleave
+from tk.measure.load_guard import LoadGuard, quiet_or_marked
+from tk.measure.timing import interleave
 from tk.runtime import EngineChoice, open_engines
 from tk.runtime.generation import CacheLayout, Generated
 from tk.workflows.engine_list import engines_to_check
 
 TRANSFORMERS = "transformers"  # the rival row of an hf:DIR artifact
-BANDWIDTH_BYTES = 1 << 28  # bytes copied to measure this machine's memory bandwidth (far above any cache)
-
-
-@dataclass
-class GenerationRow:
-    engine: str
-    batch: int
-    prompt_len: int
-    new_tokens: int
-    ttft: Spread  # seconds
-    decode_step: Spread  # seconds per decode step (one token for every row)
-    bytes_per_step: int  # weights and the cache a decode step reads
-    cache_bytes: int
-    load: LoadMark | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / self.decode_step.median if self.decode_step.median > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "batch": self.batch,
-            "prompt_len": self.prompt_len,
-            "new_tokens": self.new_tokens,
-            "ttft_s": self.ttft.to_json(),
-            "decode_step_s": self.decode_step.to_json(),
-            "decode_tokens_per_s": round(self.tokens_per_s, 2),
-            "bytes_per_step": self.bytes_per_step,
-            "cache_bytes": self.cache_bytes,
-            "load": self.load.to_json() if self.load is not None else None,
-        }
-
-
-@dataclass
-class GenerationBench:
-    rows: list[GenerationRow] = field(default_factory=list)
-    bandwidth_bytes_per_s: float | None = None
-    machine: dict[str, Any] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rows": [r.to_json() for r in self.rows],
-            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-            "settings": self.settings,
-        }
-
-
-def copy_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
-    """This machine's memory bandwidth as a large copy measures it: bytes read and written per second (best of
-    ``repeats``), the ceiling of a decode step that reads every weight once."""
-    source = torch.ones(nbytes // 4, dtype=torch.float32)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - started)
-    return 2 * nbytes / best
 
 
 def bench_generation(
@@ -142,7 +81,7 @@ def bench_generation(
                 run.samples.clear()
             _, mark = quiet_or_marked(lambda r=runs: interleave({n: r[n].timed for n in r}, iters=rounds), guard)
             for name, run in runs.items():
-                report.rows.append(run.row(name, batch, prompt_len, new_tokens, weights, layout, mark))
+                report.rows.append(run.row(name, batch, prompt_len, new_tokens, weights, layout.nbytes(batch), mark))
             if progress is not None:
                 progress(f"bench  batch {batch}: {', '.join(runs)} timed over {rounds} rounds")
     report.bandwidth_bytes_per_s = copy_bandwidth()
@@ -178,30 +117,6 @@ def _weight_bytes(root: str | Path, manifest: Any) -> int:
     """The weights a step reads: the float32 safetensors file every artifact holds, scaled to the artifact's
     precision (int8 counted as all int8: a layer kept in float reads more)."""
     return manifest.file("weights").size * WEIGHT_BYTES.get(manifest.precision, 4) // 4
-
-
-@dataclass
-class GenerationRun:
-    """One engine's (or rival's) generation call, which returns its time to first token and its decode steps'
-    times, and the samples of its timed calls."""
-
-    call: Callable[[], tuple[float, list[float]]]
-    samples: list[tuple[float, list[float]]] = field(default_factory=list)
-
-    def timed(self) -> CallTime:
-        started = time.perf_counter()
-        self.samples.append(self.call())
-        return CallTime(time.perf_counter() - started)
-
-    def row(
-        self, name: str, batch: int, prompt_len: int, new_tokens: int, weights: int, layout: CacheLayout, mark: LoadMark
-    ) -> GenerationRow:
-        ttfts = [t for t, _ in self.samples]
-        steps = [statistics.median(d) for _, d in self.samples]
-        cache = layout.nbytes(batch)
-        return GenerationRow(
-            name, batch, prompt_len, new_tokens, Spread.of(ttfts), Spread.of(steps), weights + cache, cache, mark
-        )
 
 
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> GenerationRun:
