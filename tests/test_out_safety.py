@@ -143,6 +143,19 @@ def test_an_artifact_holding_a_users_file_is_refused_and_force_replaces_it(art: 
     assert [p.name for p in tmp_path.iterdir()] == ["art"]
 
 
+@pytest.mark.parametrize("content", [b"", b"my own signature notes\n"])
+def test_a_model_sig_that_does_not_sign_this_manifest_is_the_users_file(art: Path, content: bytes) -> None:
+    """Found by the property test below (hypothesis, beside two busy loops): an empty model.sig written into an
+    artifact was replaced as if it were tk's signature. A model.sig is tk's only when it signs this manifest."""
+    (art / "model.sig").write_bytes(content)
+    before = tree(art)
+    line = error_line(tk("export", *LINEAR, "--format", "torch", "--out", str(art)))
+    assert line.startswith(
+        f"error: --out {art}: a tk artifact that also holds files its manifest.json does not list (model.sig)"
+    )
+    assert tree(art) == before
+
+
 def test_force_never_replaces_a_directory_that_is_not_a_tk_artifact(tmp_path: Path) -> None:
     app = web_app(tmp_path / "webapp")
     mine = tmp_path / "mine"

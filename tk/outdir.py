@@ -30,7 +30,7 @@ from tk.errors import TkError, UsageError, first_line
 from tk.fileio import exchange_paths, exclusive_temp_dir
 from tk.keys import others_can_write
 from tk.manifest import MANIFEST, read_manifest, verify_artifact
-from tk.signing import SIGNATURE, TrustPolicy, check_signature
+from tk.signing import SIGNATURE, TrustPolicy, check_signature, names_this_manifest
 
 log = logging.getLogger("tk.outdir")
 
@@ -83,7 +83,9 @@ def foreign_files(root: Path, keep: tuple[str, ...] = ()) -> list[str]:
     a file the manifest lists, a ``keep`` name, nor a whole artifact under ``candidates/``; an empty
     directory counts, a non-empty one is named by its files. Raises ``TkError`` unless ``root`` verifies."""
     manifest = verify_artifact(root)
-    listed = {MANIFEST, SIGNATURE, *(e.path for e in manifest.files)}
+    # the signature is tk's when it signs this very manifest; an empty or unrelated model.sig is the user's
+    signature = (SIGNATURE,) if names_this_manifest(root, manifest) else ()
+    listed = {MANIFEST, *signature, *(e.path for e in manifest.files)}
     found = [rel for rel, leaf in _entries(root, skip={*keep, NESTED}) if leaf and rel not in listed]
     nested = root / NESTED
     if os.path.lexists(nested):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tk.archives import compiled_code_in
-from tk.errors import IntegrityError, UntrustedArtifactError, UsageError
+from tk.errors import IntegrityError, TkError, UntrustedArtifactError, UsageError
 from tk.fileio import atomic_write_bytes
 from tk.keys import (
     PRIVATE_KEY,
@@ -185,6 +185,19 @@ def check_signature(root: str | Path, manifest: Manifest, policy: TrustPolicy | 
     with _verified_lock:
         _verified[cache_key] = (hint, key)
     return SignatureCheck(True, True, hint, key, "")
+
+
+def names_this_manifest(root: str | Path, manifest: Manifest) -> bool:
+    """Whether ``root/model.sig`` is a signature bundle whose payload names the sha256 of the bytes ``manifest``
+    was read from: a signature tk (or model_signing) wrote for this artifact, whoever's key made it. An empty
+    file or any other content under that name is not (``tk.outdir``: then it is a user's file)."""
+    try:
+        bundle = json.loads(_read_signature(Path(root)))
+        payload = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"], validate=True))
+        signed = _signed_manifest_digest(payload["predicate"]["resources"], payload["predicate"]["serialization"])
+    except (OSError, TkError, ValueError, KeyError, TypeError, binascii.Error, RecursionError):
+        return False
+    return bool(manifest.source_sha256) and signed == manifest.source_sha256
 
 
 def _directory_state(root: Path) -> tuple[Any, ...]:
