@@ -5,6 +5,7 @@ batched generation loop against a loop without cache, export per format with its
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -220,7 +221,7 @@ def test_tk_generate_errors_are_one_line(artifact, tmp_path, content, args, mess
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.output
-    assert __import__("re").search(message, lines[0]), lines[0]
+    assert re.search(message, lines[0]), lines[0]
 
 
 def test_tk_generate_refuses_text_without_a_tokenizer_and_a_model_that_is_no_decoder(artifact, tmp_path):
