@@ -328,3 +328,18 @@ def test_tk_optimize_refuses_a_decoder_in_one_line(tmp_path):
         "with --precision fp32|bf16|int8 and compare with tk check (greedy tokens) and tk bench (tokens/s)"
     ]
     assert not (tmp_path / "o").exists()
+
+
+def test_tk_bench_refuses_flags_the_generation_benchmark_does_not_take(artifact, tmp_path):
+    result = CliRunner().invoke(
+        cli, ["bench", str(artifact), "--engine", "onnx", "--junit", str(tmp_path / "j.xml"), "--seconds", "1"]
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--seconds, --junit: not taken by a decoder's generation benchmark" in result.stderr
+    mlp = tmp_path / "mlp"
+    assert (
+        CliRunner().invoke(cli, ["export", "mlp", "--size", "tiny", "--format", "onnx", "--out", str(mlp)]).exit_code
+        == 0
+    )
+    other = CliRunner().invoke(cli, ["bench", str(mlp), "--engine", "onnx", "--new-tokens", "8"])
+    assert other.exit_code == 2 and "--prompt-len and --new-tokens apply to a decoder artifact" in other.stderr

@@ -312,7 +312,7 @@ def _print_check_result(result: Any) -> dict[str, Any]:
     "--seq", type=int, default=None, help="Sequence length for models with a seq dimension (default: its opt)."
 )
 @click.option("--prompt-len", type=int, default=None, help="Decoders: prompt tokens (default: the seq opt size).")
-@click.option("--new-tokens", type=int, default=32, show_default=True, help="Decoders: tokens generated per round.")
+@click.option("--new-tokens", type=int, default=None, help="Decoders: tokens generated per round (default 32).")
 @path_option("--json", "json_path", help="Write the results and the machine's description as JSON.")
 @path_option("--plot", "plot_path", help="Write a PNG of latency and throughput against batch size.")
 @click.option(
@@ -345,7 +345,7 @@ def bench_cmd(
     io: str,
     seq: int | None,
     prompt_len: int | None,
-    new_tokens: int,
+    new_tokens: int | None,
     json_path: Path | None,
     plot_path: Path | None,
     roofline: bool,
@@ -355,15 +355,21 @@ def bench_cmd(
 ) -> None:
     """Measure every engine side by side (interleaved) at several batch sizes.
 
-    A decoder artifact is timed generating: time to first token and decode tokens/s per engine, beside
-    transformers' generate for an hf:DIR model (--prompt-len, --new-tokens; --iters rounds)."""
+    A decoder is timed generating (--prompt-len, --new-tokens, --iters rounds): time to first token, tokens/s."""
     refuse_writes_into(artifact, json=json_path, plot=plot_path, save_baseline=gates.save_baseline, junit=gates.junit)
     from tk.manifest import verify_artifact
     from tk.workflows.artifact_bench import bench_artifact, parse_batch_sizes
     from tk.workflows.bench import render_table, save_json, save_plot
 
-    if verify_artifact(artifact).generation:
-        _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens, iters, warmup, json_path)
+    decoder = bool(verify_artifact(artifact).generation)
+    given = {"--seconds": seconds is not None, "--seq": seq is not None, "--plot": plot_path is not None,
+             "--roofline": roofline, "--wait-quiet": wait_quiet > 0, "--io device": io != "host",
+             "--no-baselines": not baselines, "--save-baseline": gates.save_baseline is not None,
+             "--baseline": gates.baseline is not None, "--junit": gates.junit is not None,
+             "--prompt-len": prompt_len is not None, "--new-tokens": new_tokens is not None}  # fmt: skip
+    _refuse_flags_of_the_other_kind(decoder, given)
+    if decoder:
+        _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens or 32, iters, warmup, json_path)
         return
     report, choices = bench_artifact(
         artifact,
@@ -389,6 +395,21 @@ def bench_cmd(
         save_plot(report, plot_path)
         click.echo(f"plot: {plot_path}")
     gates.finish(report)
+
+
+DECODER_FLAGS = ("--prompt-len", "--new-tokens")  # what only the generation benchmark takes
+
+
+def _refuse_flags_of_the_other_kind(decoder: bool, given: dict[str, bool]) -> None:
+    """One line for flags ``tk bench`` would drop: a decoder's generation benchmark takes no call-timing flags
+    or gates, and the call benchmark no generation flags (a dropped ``--junit`` is a gate that does not gate)."""
+    if decoder:
+        wrong = [flag for flag, on in given.items() if on and flag not in DECODER_FLAGS]
+        if wrong:
+            raise UsageError(f"{', '.join(wrong)}: not taken by a decoder's generation benchmark (--batch-sizes, "
+                             "--prompt-len, --new-tokens, --iters, --warmup, --engine and --json are)")  # fmt: skip
+    elif any(given[flag] for flag in DECODER_FLAGS):
+        raise UsageError("--prompt-len and --new-tokens apply to a decoder artifact; this one has one entry point")
 
 
 def _bench_decoder(

@@ -120,7 +120,8 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if sampling.top_p < 1:
         ordered, order = torch.sort(scores, dim=-1, descending=True)
-        before = torch.softmax(ordered, dim=-1).cumsum(dim=-1) - torch.softmax(ordered, dim=-1)
+        probabilities = torch.softmax(ordered, dim=-1)
+        before = probabilities.cumsum(dim=-1) - probabilities  # the mass of the likelier tokens
         drop = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, before >= sampling.top_p)
         scores = scores.masked_fill(drop, float("-inf"))
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)

@@ -58,7 +58,7 @@ def bench_generation(
     if not manifest.generation:
         raise UsageError(f"{root}: expected a decoder artifact for the generation benchmark, found none")
     layout = CacheLayout.from_generation(manifest.generation)
-    prompt_len = prompt_len or manifest.signature.dims["seq"].opt
+    prompt_len = manifest.signature.dims["seq"].opt if prompt_len is None else prompt_len
     _check_sizes(manifest, layout, batch_sizes, prompt_len, new_tokens, rounds)
     names = engines_to_check(choice.name, manifest, choice.device, keep_eager=True, root=root, trust=choice.trust)
     report = GenerationBench(machine=machine_description(choice.device))
