@@ -155,3 +155,53 @@ def test_tk_bench_times_transformers_generate_beside_the_engines(exported):
     )
     assert [r.engine for r in report.rows] == ["onnx", "transformers"]  # eager opened for its model, not timed
     assert all(r.decode_step.median > 0 and r.ttft.median > 0 for r in report.rows)
+
+
+def test_served_text_with_a_stop_string_streams_what_it_answers_whole(exported):
+    """``tk serve`` on an hf: decoder takes text through its tokenizer; a stop string ends the text before it,
+    and the streamed pieces add up to the whole reply's text."""
+    import asyncio
+
+    from tk.runtime import EngineChoice
+    from tk.serve.config import ServeConfig, resolve
+    from tk.serve.generation_server import GenerationHandler, GenerationServer
+
+    config = resolve(ServeConfig(str(exported["llama"]), engine=EngineChoice("onnx", options={"threads": 1})))
+    handler = GenerationHandler(GenerationServer(config))
+    tokenizer = _tokenizer()
+
+    def body(value):
+        async def stream():
+            yield json.dumps(value).encode()
+
+        return stream
+
+    async def ask(path, value):
+        reply = await handler.handle("POST", path, {}, body(value))
+        if reply.stream is None:
+            return json.loads(reply.body)
+        return [json.loads(c.decode().removeprefix("data: ")) async for c in reply.stream if b"[DONE]" not in c]
+
+    generate = f"/v2/models/{config.name}/generate"
+    free = asyncio.run(ask(generate, {"text_input": "w5 w6 w7", "max_tokens": 8, "temperature": 0}))
+    assert free["text_output"] == tokenizer.decode(free["output_ids"], skip_special_tokens=True)
+    tokens = free["output_ids"]
+    stop = tokenizer.decode(tokens[2:3])
+    ends = next(k for k in range(1, 9) if stop in tokenizer.decode(tokens[:k]))
+    expected = tokenizer.decode(tokens[:ends]).split(stop)[0]
+    request = {"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 0, "stop": [stop]}
+
+    async def stopped():
+        whole = await ask("/v1/completions", request)
+        streamed = await ask("/v1/completions", {**request, "stream": True})
+        for _ in range(100):  # the rows a stop string ended leave the batch before its next step
+            if not handler.server.batch.rows:
+                break
+            await asyncio.sleep(0.01)
+        return whole["choices"][0], streamed
+
+    whole, streamed = asyncio.run(stopped())
+    assert whole["text"] == expected and whole["finish_reason"] == "stop" and whole["token_ids"] == tokens[:ends]
+    assert "".join(e["choices"][0]["text"] for e in streamed) == expected
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+    assert handler.server.scheduler.active == 0 and not handler.server.batch.rows

@@ -73,6 +73,12 @@ if TYPE_CHECKING:
     help="Largest request body, in bytes (512K, 8M, ...); larger ones get 413 before they are read "
     "(default: the largest valid request at the artifact's max shapes, JSON or binary).",
 )
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=None,
+    help="A decoder's most new tokens per request (default: its cache's slots less one); a request for more gets 400.",
+)
 @engine_choice(choices=RegistryChoice(ENGINES))
 @tuning_options
 def serve_cmd(
@@ -91,10 +97,14 @@ def serve_cmd(
     ingress: str,
     address: str | None,
     max_request_bytes: str | None,
+    max_tokens: int | None,
     choice: EngineChoice,
     **tuning: Any,
 ) -> None:
     """Serve an artifact over HTTP (KServe v2, as Triton speaks it) with dynamic batching; Ctrl-C stops it.
+
+    A decoder is served for generation: Triton's generate and generate_stream, and OpenAI's /v1/completions,
+    every request decoded in one running batch (continuous batching).
 
     --config FILE starts from a settings file (flags given win); --tune load-tests a grid and writes one."""
     from tk.serve.config import ServeConfig
@@ -116,6 +126,7 @@ def serve_cmd(
         request_timeout_s=request_timeout,
         ingress=ingress,
         max_request_bytes=_request_bytes(max_request_bytes),
+        max_tokens=max_tokens,
     )
 
     config = with_settings(config, tuning.pop("config_file"))
@@ -148,8 +159,13 @@ def _say_ready(running: RunningServer) -> None:
             if resolved.batching
             else "no batching, "
         )
-        + f"max queue {resolved.max_queue}, max request {resolved.max_request_bytes} bytes) at {running.url}/v2/models/{resolved.name}/infer; "
-        f"metrics at {running.url}/metrics; Ctrl-C stops",
+        + f"max queue {resolved.max_queue}, max request {resolved.max_request_bytes} bytes) at "
+        + (
+            f"{running.url}/v2/models/{resolved.name}/generate[_stream] and {running.url}/v1/completions; "
+            if resolved.max_tokens is not None
+            else f"{running.url}/v2/models/{resolved.name}/infer; "
+        )
+        + f"metrics at {running.url}/metrics; Ctrl-C stops",
         err=True,
     )
     if running.haproxy_ports:

@@ -52,14 +52,19 @@ class ServeConfig:
     request_timeout_s: float = 20.0  # the proxy answers an error past this (while a replica restarts, say): no hangs
     ingress: str = "proxy"  # or haproxy (tk.serve.ingress)
     max_request_bytes: int | None = None  # larger bodies get 413 unread (default: the largest valid request)
+    max_tokens: int | None = None  # a decoder's most new tokens per request (default: its cache's slots less one)
 
 
 def resolve(config: ServeConfig) -> ServeConfig:
     """Check ``config`` against the artifact and fill in its defaults; raises ``UsageError``."""
     manifest = verify_artifact(config.artifact)
     sig = manifest.signature
-    require_batch_first_outputs(sig)
-    batch = sig.dims.get(sample_dim(sig.inputs))
+    if manifest.generation:  # a decoder: requests are prompts, decoded in one batch of the graph's "batch"
+        batch = sig.dims.get("batch")
+        _check_max_tokens(config, int(manifest.generation["cache"]["slots"]))
+    else:
+        require_batch_first_outputs(sig)
+        batch = sig.dims.get(sample_dim(sig.inputs))
     limit = batch.max if batch is not None else None
     max_batch = config.max_batch if config.max_batch is not None else (limit or 8)
     _check_numbers(config, max_batch, limit)
@@ -74,7 +79,9 @@ def resolve(config: ServeConfig) -> ServeConfig:
     name = check_model_name(config.name) if config.name is not None else default_model_name(manifest)
     max_ongoing = config.max_ongoing or max(8, 2 * max_batch)
     max_bytes = config.max_request_bytes
-    if max_bytes is None:
+    if max_bytes is None and manifest.generation:
+        max_bytes = GENERATION_REQUEST_BYTES
+    elif max_bytes is None:
         max_bytes = max_request_bytes(sig.inputs, sig.dims, max_batch)
     elif max_bytes < 1:
         raise UsageError(f"--max-request-bytes: expected 1 or more, got {max_bytes}")
@@ -90,9 +97,33 @@ def resolve(config: ServeConfig) -> ServeConfig:
         max_batch=max_batch,
         max_ongoing=max_ongoing,
         max_request_bytes=max_bytes,
+        max_tokens=int(manifest.generation["cache"]["slots"]) - 1
+        if manifest.generation and config.max_tokens is None
+        else config.max_tokens,
         engine=engine,
         ingress=ingress,
     )
+
+
+def _max_tokens(config: ServeConfig, manifest: Any) -> int | None:
+    """A decoder's cap on new tokens per request; None for every other model (which takes no --max-tokens)."""
+    if not manifest.generation:
+        if config.max_tokens is not None:
+            raise UsageError(f"--max-tokens: expected a decoder artifact, found {manifest.model.get('name')!r}, "
+                             "which does not generate")  # fmt: skip
+        return None
+    return config.max_tokens if config.max_tokens is not None else int(manifest.generation["cache"]["slots"]) - 1
+
+
+GENERATION_REQUEST_BYTES = 1 << 20  # a decoder's request is prompts and options: text, never megabytes
+
+
+def _check_max_tokens(config: ServeConfig, slots: int) -> None:
+    if config.max_tokens is not None and not 1 <= config.max_tokens < slots:
+        raise UsageError(
+            f"--max-tokens: expected 1 to {slots - 1} (the artifact's cache holds {slots} slots, the prompt's "
+            f"included), got {config.max_tokens}"
+        )
 
 
 def _check_numbers(config: ServeConfig, max_batch: int, limit: int | None) -> None:

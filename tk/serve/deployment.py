@@ -24,7 +24,7 @@ def deployment(config: ServeConfig) -> Any:
     """The Ray Serve application for ``config`` (resolved), ready for ``serve.run``."""
     from ray import serve
     from starlette.requests import Request
-    from starlette.responses import Response
+    from starlette.responses import Response, StreamingResponse
 
     @serve.deployment(
         name="tk-model",
@@ -38,10 +38,10 @@ def deployment(config: ServeConfig) -> Any:
     class TkModel:
         def __init__(self, config: ServeConfig) -> None:
             keep_replica_grpc_on_loopback()
-            self.server = ModelServer(config, replica=_replica_id())
-            server = self.server
+            server = _server(config, _replica_id())
+            self.server = server
             self.pusher = Pusher(server.replica, server.stats, lambda: server.metrics.text()[0])
-            self.handler = RequestHandler(server, board=self.pusher)
+            self.handler = _handler(server, self.pusher)
             self.pusher.push(wait=True)  # on the board before the first request, so every replica is counted
 
         def __del__(self) -> None:
@@ -51,9 +51,29 @@ def deployment(config: ServeConfig) -> Any:
 
         async def __call__(self, request: Request) -> Response:
             reply = await self.handler.handle(request.method, request.url.path, request.headers, request.stream)
+            if reply.stream is not None:  # server-sent events; Serve cancels the stream when the client goes away
+                return StreamingResponse(reply.stream, status_code=reply.status, headers=reply.headers,
+                                         media_type=reply.media_type)  # fmt: skip
             return Response(reply.body, status_code=reply.status, headers=reply.headers, media_type=reply.media_type)
 
     return TkModel.bind(config)
+
+
+def _server(config: ServeConfig, replica: str) -> Any:
+    """The replica's server: a decoder's ``GenerationServer`` or every other model's ``ModelServer``."""
+    if config.max_tokens is not None:  # resolve sets it for decoders only
+        from tk.serve.generation_server import GenerationServer
+
+        return GenerationServer(config, replica=replica)
+    return ModelServer(config, replica=replica)
+
+
+def _handler(server: Any, board: Pusher) -> Any:
+    if isinstance(server, ModelServer):
+        return RequestHandler(server, board=board)
+    from tk.serve.generation_server import GenerationHandler
+
+    return GenerationHandler(server, board=board)
 
 
 def run_app(config: ServeConfig) -> None:

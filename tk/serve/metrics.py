@@ -59,6 +59,54 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class GenerationMetrics:
+    """A decoder's metrics besides every model's (in the same registry): tokens, time to first token, rows
+    per decode step, engine time per kind of call."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        labels, names, registry = metrics._labels, list(metrics._labels), metrics.registry
+        self.tokens = Counter("tk_generated_tokens", "Tokens generated", names, registry=registry).labels(**labels)
+        self.cancelled = Counter(
+            "tk_cancelled_sequences", "Sequences that left the batch early: their client went away, or a stop string", names,
+            registry=registry,
+        ).labels(**labels)  # fmt: skip
+        self.active = Gauge(
+            "tk_active_sequences", "Sequences in the decode batch or waiting to join it", names, registry=registry
+        ).labels(**labels)
+        seconds = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+        self.ttft = Histogram(
+            "tk_time_to_first_token_seconds", "From a request's arrival to its first token", names,
+            buckets=seconds, registry=registry,
+        ).labels(**labels)  # fmt: skip
+        self.rows = Histogram(
+            "tk_decode_rows", "Sequences per decode step (continuous batching)", names,
+            buckets=(1, 2, 4, 8, 16, 32, 64), registry=registry,
+        ).labels(**labels)  # fmt: skip
+        self.calls = Histogram(
+            "tk_generation_call_seconds", "Engine time per call, by kind (prefill, decode)", [*names, "kind"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=registry,
+        )  # fmt: skip
+        self._labels = labels
+
+    def called(self, kind: str, rows: int, seconds: float, active: int) -> None:
+        self.active.set(active)
+        self.calls.labels(**self._labels, kind=kind).observe(seconds)
+        if kind == "decode":
+            self.rows.observe(rows)
+
+    def left(self, rows: int, active: int) -> None:
+        self.cancelled.inc(rows)
+        self.active.set(active)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def generated(self, tokens: int) -> None:
+        self.tokens.inc(tokens)
+
+
 def merge_metrics(texts: Iterable[bytes]) -> bytes:
     """Replicas' Prometheus texts as one: samples of equal name and labels (the ``replica`` label
     dropped) summed, counters' ``_created`` samples left out."""

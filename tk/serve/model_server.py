@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -182,42 +182,51 @@ class ModelServer:
         return {name: np.asarray(value) for name, value in outputs.items()}, input_ns, infer_ns, started
 
     def route(self, method: str, path: str) -> str:
-        """Which handler a request goes to: live, ready, server, model, model_ready, infer, config,
-        stats, all_stats, index, metrics, or missing (missing_model, missing_version)."""
-        parts = [p for p in path.split("/") if p]
-        if parts == ["metrics"] and method == "GET":
-            return "metrics"
-        if parts[:1] != ["v2"]:
-            return "missing"
-        if parts == ["v2", "models", "stats"] and method == "GET":
-            return "all_stats"
-        if parts == ["v2", "repository", "index"] and method == "POST":
-            return "index"
-        if parts in (["v2", "health", "live"], ["v2", "health", "ready"]) and method == "GET":
-            return parts[-1]
-        if parts == ["v2"] and method == "GET":
-            return "server"
-        if len(parts) >= 3 and parts[1] == "models":
-            rest = parts[3:]
-            if len(rest) >= 2 and rest[0] == "versions":
-                if rest[1] != "1":
-                    return "missing_version"
-                rest = rest[2:]
-            if parts[2] != self.name:
-                return "missing_model"
-            if not rest and method == "GET":
-                return "model"
-            if rest == ["ready"] and method == "GET":
-                return "model_ready"
-            if rest == ["infer"] and method == "POST":
-                return "infer"
-            if rest in (["config"], ["stats"]) and method == "GET":
-                return rest[0]
-        return "missing"
+        return route(self.name, method, path)
 
     def repository_index(self) -> list[dict[str, str]]:
         """Triton's ``POST /v2/repository/index`` reply: the one model, ready."""
         return [{"name": self.name, "version": "1", "state": "READY"}]
+
+
+def route(name: str, method: str, path: str) -> str:
+    """Which handler a request goes to: live, ready, server, model, model_ready, infer, generate,
+    generate_stream, config, stats, all_stats, index, metrics, completions, openai_models, or missing
+    (missing_model, missing_version)."""
+    parts = [p for p in path.split("/") if p]
+    if parts == ["metrics"] and method == "GET":
+        return "metrics"
+    if parts == ["v1", "completions"] and method == "POST":
+        return "completions"
+    if parts == ["v1", "models"] and method == "GET":
+        return "openai_models"
+    if parts[:1] != ["v2"]:
+        return "missing"
+    if parts == ["v2", "models", "stats"] and method == "GET":
+        return "all_stats"
+    if parts == ["v2", "repository", "index"] and method == "POST":
+        return "index"
+    if parts in (["v2", "health", "live"], ["v2", "health", "ready"]) and method == "GET":
+        return parts[-1]
+    if parts == ["v2"] and method == "GET":
+        return "server"
+    if len(parts) >= 3 and parts[1] == "models":
+        rest = parts[3:]
+        if len(rest) >= 2 and rest[0] == "versions":
+            if rest[1] != "1":
+                return "missing_version"
+            rest = rest[2:]
+        if parts[2] != name:
+            return "missing_model"
+        if not rest and method == "GET":
+            return "model"
+        if rest == ["ready"] and method == "GET":
+            return "model_ready"
+        if rest in (["infer"], ["generate"], ["generate_stream"]) and method == "POST":
+            return rest[0]
+        if rest in (["config"], ["stats"]) and method == "GET":
+            return rest[0]
+    return "missing"
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,7 @@ class Reply:
     status: int = 200
     media_type: str = "application/json"
     headers: dict[str, str] | None = None  # None: the framework's own (length, media type)
+    stream: AsyncIterator[bytes] | None = None  # a streamed body (server-sent events): sent as it comes, not ``body``
 
 
 class Board(Protocol):
@@ -238,13 +248,81 @@ class Board(Protocol):
     def read(self) -> tuple[list[dict[str, Any]], list[bytes]]: ...  # every replica's snapshot and metrics text
 
 
-class RequestHandler:
+class Served(Protocol):
+    """What the routes every model answers need of a server (``ModelServer``, or
+    ``tk.serve.generation_server.GenerationServer``)."""
+
+    name: str
+    metadata: dict[str, Any]
+    model_config: dict[str, Any]
+    metrics: Metrics
+    stats: InferenceStats
+
+    def answered(self, code: int, arrived: float, request: Any = None) -> None: ...
+
+    def repository_index(self) -> list[dict[str, str]]: ...
+
+
+class Routes:
+    """The replies every served model gives besides its inferences: health, metadata, Triton's extensions,
+    metrics, 404s. ``board``: where every replica's counts meet; None for a server alone."""
+
+    server: Served
+    board: Board | None
+    server_metadata: ClassVar[dict[str, Any]] = SERVER_METADATA
+
+    def _error(self, code: int, message: str, arrived: float) -> Reply:
+        self.server.answered(code, arrived)
+        self._changed()
+        return Reply(error_body(message), status=code)
+
+    def _changed(self) -> None:
+        if self.board is not None:
+            self.board.changed()
+
+    async def _counts(self) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """Every replica's statistics snapshot and metrics text."""
+        if self.board is None:  # a server alone: its own counts are every replica's
+            return [self.server.stats.snapshot()], [self.server.metrics.text()[0]]
+        return await asyncio.to_thread(self.board.read)
+
+    async def _other(self, kind: str, method: str, path: str) -> Reply:
+        """The reply to every route but the model's own inferences."""
+        server = self.server
+        if kind in ("live", "ready", "model_ready"):
+            # a replica takes traffic only once its engine is open and warm, so answering is being ready
+            return Reply(json_body({"live": True} if kind == "live" else {"ready": True}))
+        replies = {"server": self.server_metadata, "model": server.metadata, "config": server.model_config}
+        if kind in replies:
+            return Reply(json_body(replies[kind]))
+        if kind == "index":
+            return Reply(json_body(server.repository_index()))
+        if kind in ("stats", "all_stats", "metrics"):
+            snapshots, texts = await self._counts()
+            if kind == "metrics":
+                return Reply(merge_metrics(texts), media_type=server.metrics.text()[1])
+            return Reply(json_body(triton_stats(server.name, merge(snapshots))))
+        what = {
+            "missing_model": f"unknown model; this server serves {server.name!r}",
+            "missing_version": "unknown model version; this server serves version 1",
+            **self._not_here(),
+        }
+        server.metrics.answered(404)  # not an inference: Triton's statistics do not count it
+        return Reply(error_body(what.get(kind, f"no route {method} {path}")), status=404)
+
+    def _not_here(self) -> dict[str, str]:
+        """Routes of another kind of model, and why this one does not answer them."""
+        why = f"{self.server.name!r} is no decoder: it has no generation entry points; POST .../infer"
+        return {"generate": why, "generate_stream": why, "completions": why}
+
+
+class RequestHandler(Routes):
     """One replica's HTTP requests: route, read and check the body, batch, run, reply. ``board``: where
     every replica's counts meet; None for a server alone, whose own counts are all there are."""
 
     def __init__(self, server: ModelServer, board: Board | None = None) -> None:
         config = server.config
-        self.server = server
+        self.server: ModelServer = server
         self.board = board
         self.batching = config.batching
         self.max_bytes = int(config.max_request_bytes or 1)
@@ -288,44 +366,6 @@ class RequestHandler:
         server.answered(200, arrived, parsed)
         self._changed()
         return Reply(body, headers=headers, media_type=headers["content-type"])
-
-    def _error(self, code: int, message: str, arrived: float) -> Reply:
-        self.server.answered(code, arrived)
-        self._changed()
-        return Reply(error_body(message), status=code)
-
-    def _changed(self) -> None:
-        if self.board is not None:
-            self.board.changed()
-
-    async def _counts(self) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """Every replica's statistics snapshot and metrics text."""
-        if self.board is None:  # a server alone: its own counts are every replica's
-            return [self.server.stats.snapshot()], [self.server.metrics.text()[0]]
-        return await asyncio.to_thread(self.board.read)
-
-    async def _other(self, kind: str, method: str, path: str) -> Reply:
-        """The reply to every route but infer: health, metadata, Triton's extensions, metrics, 404s."""
-        server = self.server
-        if kind in ("live", "ready", "model_ready"):
-            # a replica takes traffic only once its engine is open and warm, so answering is being ready
-            return Reply(json_body({"live": True} if kind == "live" else {"ready": True}))
-        replies = {"server": SERVER_METADATA, "model": server.metadata, "config": server.model_config}
-        if kind in replies:
-            return Reply(json_body(replies[kind]))
-        if kind == "index":
-            return Reply(json_body(server.repository_index()))
-        if kind in ("stats", "all_stats", "metrics"):
-            snapshots, texts = await self._counts()
-            if kind == "metrics":
-                return Reply(merge_metrics(texts), media_type=server.metrics.text()[1])
-            return Reply(json_body(triton_stats(server.name, merge(snapshots))))
-        what = {
-            "missing_model": f"unknown model; this server serves {server.name!r}",
-            "missing_version": "unknown model version; this server serves version 1",
-        }
-        server.metrics.answered(404)  # not an inference: Triton's statistics do not count it
-        return Reply(error_body(what.get(kind, f"no route {method} {path}")), status=404)
 
 
 async def read_body(headers: Mapping[str, str], stream: Callable[[], AsyncIterator[bytes]], limit: int) -> bytes:
