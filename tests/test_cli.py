@@ -36,7 +36,8 @@ def test_models_lists_every_builtin():
     assert result.exit_code == 0
     rows = json.loads(result.stdout)
     assert {r["name"] for r in rows} == {"transformer", "decoder", "linear", "mlp", "resnet18"}
-    assert all(r["sizes"] == ["tiny", "small", "base"] for r in rows)
+    assert all(r["sizes"] == ["tiny", "small", "base"] for r in rows if r["name"] != "decoder")
+    assert next(r["sizes"] for r in rows if r["name"] == "decoder") == ["tiny", "small", "medium", "base"]
 
 
 def test_unknown_model_name():

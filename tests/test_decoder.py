@@ -320,13 +320,73 @@ def test_reduced_precision_keeps_the_rule_and_a_float32_cache(trained, tmp_path,
     assert [s.dtype for s in manifest.signature.inputs[4:]] == ["float32", "float32"]  # the cache stays float32
 
 
-def test_tk_optimize_refuses_a_decoder_in_one_line(tmp_path):
-    result = CliRunner().invoke(cli, ["optimize", "decoder", "--size", "tiny", "--out", str(tmp_path / "o")])
+@pytest.mark.parametrize(("mode", "bits", "loose"), [("weights", 8, []), ("weights-int4", 4, ["--atol", "1.5"])])
+def test_weight_only_quantization_keeps_the_rule(trained, tmp_path, mode, bits, loose):
+    """--int8-mode weights/weights-int4: onnx's products become MatMulNBits of 8 or 4 bits (the head's Gemm too),
+    openvino's weights are compressed by NNCF; greedy generation keeps to the trained rule."""
+    import onnx
+
+    _, checkpoint = trained
+    out = tmp_path / mode
+    result = CliRunner().invoke(
+        cli, ["export", "decoder", "--size", "tiny", "--checkpoint", str(checkpoint), "--out", str(out),
+              "--precision", "int8", "--int8-mode", mode, "--format", "onnx", "--format", "openvino",
+              "--min-sqnr", "10", *loose],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    manifest = read_manifest(out)
+    graph = onnx.load(str(out / "model.onnx")).graph
+    products = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(products) == 2 * 4 + 1  # two blocks of qkv, proj and two feed-forward products; and the head
+    assert {a.i for n in products for a in n.attribute if a.name == "bits"} == {bits}
+    assert not [n for n in graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1].startswith("head")]
+    record = manifest.formats["onnx"]["quantization"]
+    assert record["bits"] == bits and record["gemms_rewritten"] == 1
+    assert manifest.formats["openvino"]["quantization"]["mode"] == mode
+    for fmt in ("onnx", "openvino"):
+        report = manifest.generation["check"][fmt]
+        assert report["task_accuracy"] >= 0.95, (fmt, report)
+    # the export's --atol and --min-sqnr are recorded: tk check holds the artifact to what its export did
+    assert manifest.model["min_sqnr_db"] == 10 and manifest.model.get("tolerances", {}).get("int8", [0, 0.1])[1] == (
+        1.5 if loose else 0.1
+    )
+    check = CliRunner().invoke(cli, ["check", str(out), "--engine", "onnx,openvino"])
+    assert check.exit_code == 0, check.output
+
+
+def test_tk_optimize_judges_a_decoder_by_greedy_agreement_and_writes_the_fastest(trained, tmp_path):
+    _, checkpoint = trained
+    out = tmp_path / "best"
+    result = CliRunner().invoke(
+        cli, ["optimize", "decoder", "--size", "tiny", "--checkpoint", str(checkpoint), "--out", str(out),
+              "--formats", "onnx", "--precisions", "fp32,int8"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    record = json.loads((out / "optimize.json").read_text())
+    rows = {row["candidate"]: row for row in record["rows"]}
+    assert set(rows) == {"onnx fp32", "onnx int8 weights", "onnx int8 weights-int4"}
+    assert rows["onnx fp32"]["agreement"] == 1.0 and rows["onnx fp32"]["max_logit_error"] < 1e-4
+    for row in rows.values():
+        assert row["passed"] and row["task_accuracy"] >= 0.95 and row["decode_ms"] > 0
+        assert 0 < row["bandwidth_share"] and row["bytes_per_step"] > 0
+    assert rows["onnx int8 weights"]["bytes_per_step"] < rows["onnx fp32"]["bytes_per_step"]
+    winner = read_manifest(out)
+    assert winner.status == "passed" and list(winner.formats) == [rows[record["winner"]]["format"]]
+    assert winner.optimize["accuracy"] == "agreement>=0.99"
+    check = CliRunner().invoke(cli, ["check", str(out), "--engine", "onnx"])
+    assert check.exit_code == 0, check.output
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "message"),
+    [("agreement>=1.5", "expected agreement>=X with X in (0, 1]"), ("sqnr>=35", "judged by greedy-token agreement")],
+)
+def test_tk_optimize_takes_only_an_agreement_spec_for_a_decoder(tmp_path, accuracy, message):
+    result = CliRunner().invoke(
+        cli, ["optimize", "decoder", "--size", "tiny", "--accuracy", accuracy, "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert result.stderr.strip().splitlines() == [
-        "error: tk optimize: expected an encoder or another one-call model, found the decoder decoder; export it "
-        "with --precision fp32|bf16|int8 and compare with tk check (greedy tokens) and tk bench (tokens/s)"
-    ]
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 

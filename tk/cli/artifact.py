@@ -90,9 +90,11 @@ class _Ranges:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option(
     "--int8-mode",
-    type=click.Choice(["static", "dynamic"]),
+    type=click.Choice(["static", "dynamic", "weights", "weights-int4"]),
     default=None,
-    help="onnx int8: calibrated QDQ graph (static, the default) or activations quantized per call (dynamic).",
+    help="int8: calibrated QDQ graph (static, the default), activations quantized per call (dynamic, onnx), or "
+    "weight-only: the products' weights in int8 (weights) or int4 (weights-int4) blocks, activations float "
+    "(onnx, openvino; for decoders, whose decode step is bound by memory bandwidth).",
 )
 @click.option(
     "--calibrate",

@@ -102,12 +102,16 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         raise UsageError(
             f"--accuracy: expected a spec such as sqnr>=35 (or no --accuracy for that default), got {accuracy!r}"
         )
-    parse_accuracy(accuracy)  # a bad spec fails before the model is built
+    if accuracy is None or not accuracy.strip().startswith("agreement"):  # agreement>=X: a decoder's, checked later
+        parse_accuracy(accuracy)  # a bad spec fails before the model is built
     if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
         raise UsageError(f"--time-budget: expected a finite number of minutes above 0, got {time_budget}")
     if not (math.isfinite(seconds) and seconds > 0):
         raise UsageError(f"--seconds: expected a finite number of seconds above 0, got {seconds}")
     spec = build(model, size, inputs, task)
+    if spec.generation:
+        _optimize_decoder(spec, out, accuracy, checkpoint, formats, precisions, force)
+        return
     ranges, sizes = _dims_and_sizes(batch, seq, dims)
     options = OptimizeOptions(
         accuracy=accuracy, data=data, sizes=sizes, dims=ranges, checkpoint=checkpoint, device=device,
@@ -134,6 +138,30 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         f"table: {out / 'optimize.json'}  "
         + (f"plot: {plot}" if plot.is_file() else "plot: none (needs matplotlib: pip install 'tk[plot]')")
     )
+
+
+def _optimize_decoder(spec: Any, out: Path, accuracy: str | None, checkpoint: Path | None, formats: str | None,
+                      precisions: str | None, force: bool) -> None:  # fmt: skip
+    """A decoder: candidates judged by greedy-token agreement and timed decoding (``tk.workflows.optimize.decoder``)."""
+    from tk.workflows.optimize.decoder import DecoderOptimizeOptions, optimize_decoder, render_decoder
+
+    options = DecoderOptimizeOptions(
+        accuracy=accuracy, checkpoint=checkpoint, formats=_split("--formats", formats),
+        precisions=_split("--precisions", precisions), force=force,
+    )  # fmt: skip
+    try:
+        result = optimize_decoder(spec, out, options, lambda line: click.echo(line, err=True))
+    except ParityError as exc:
+        if hasattr(exc, "result"):
+            console().print(render_decoder(exc.result))
+        raise
+    console().print(render_decoder(result))
+    win = result.winner
+    click.echo(
+        f"winner: {win.candidate}, {win.decode_ms:.3g} ms a token at batch 1 ({win.speedup or 1:.2f}x float32), "
+        f"greedy agreement {win.agreement:.1%}"
+    )
+    click.echo(f"artifact: {out} (table: {out / 'optimize.json'})")
 
 
 def _run_with_progress(spec: Any, out: Path, options: Any, optimize: Any) -> Any:

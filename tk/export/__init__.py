@@ -310,8 +310,15 @@ def _manifest(ctx: ExportContext, checkpoint_sha: str | None) -> Manifest:
         model["keep_fp32"] = list(ctx.options.keep_fp32)  # modules left in float32 (tk export --keep-fp32)
     if ctx.options.min_sqnr_db is not None:
         model["min_sqnr_db"] = ctx.options.min_sqnr_db  # the check's floor, and tk check's later (tk export --min-sqnr)
-    if ctx.spec.tolerances:
-        model["tolerances"] = {p: list(t) for p, t in ctx.spec.tolerances.items()}
+    tolerances = {p: list(t) for p, t in (ctx.spec.tolerances or {}).items()}
+    if ctx.options.rtol is not None or ctx.options.atol is not None:  # tk export --rtol/--atol: tk check's later too
+        from tk.tolerances import tolerance_for
+
+        given = tolerance_for(ctx.options.precision, model_overrides={p: tuple(t) for p, t in tolerances.items()},
+                              rtol=ctx.options.rtol, atol=ctx.options.atol)  # fmt: skip
+        tolerances[ctx.options.precision] = list(given)
+    if tolerances:
+        model["tolerances"] = tolerances
     signature = type(ctx.spec.signature)(ctx.spec.signature.inputs, ctx.spec.signature.outputs, ctx.dims)
     return Manifest(
         model=model,

@@ -52,6 +52,9 @@ class DecoderConfig:
 SIZES = {
     "tiny": DecoderConfig(vocab_size=64, max_positions=64, hidden=64, layers=2, heads=2, ffn=256, seq_len=24),
     "small": DecoderConfig(),
+    # GPT-2 small's blocks over the rule's vocabulary (85M parameters): trainable here in minutes, and large
+    # enough that its decode step is bound by memory bandwidth (weight-only int8's speed is measured on it)
+    "medium": DecoderConfig(hidden=768, layers=12, heads=12, ffn=3072, max_positions=128, seq_len=32),
     # GPT-2 small's shape (124M parameters): the size decode speed is measured at
     "base": DecoderConfig(vocab_size=50257, max_positions=1024, hidden=768, layers=12, heads=12, ffn=3072, seq_len=128),
 }

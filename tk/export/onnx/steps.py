@@ -17,12 +17,12 @@ from tk.export.context import ExportContext
 log = logging.getLogger("tk.export")
 
 UNFUSED_ONNX = "model.unfused.onnx"
-INT8_MODES = ("static", "dynamic")
+INT8_MODES = ("static", "dynamic", "weights", "weights-int4")  # the last two: weight-only (tk.export.onnx.weight_only)
 
 
 def fuses(precision: str, int8_mode: str) -> bool:
     """Whether the ONNX graph is fused: always but under dynamic int8 (see the module docstring)."""
-    return precision != "int8" or int8_mode == "static"
+    return precision != "int8" or int8_mode != "dynamic"
 
 
 def fuse(ctx: ExportContext, *, keep_unfused: bool) -> None:
@@ -65,7 +65,13 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
 
         kept_modules = nodes_in_modules(onnx.load(str(path), load_external_data=False), ctx.options.keep_fp32)
         excluded += kept_modules + [f"{name}_MatMul" for name in kept_modules]  # a Gemm splits into NAME_MatMul + Add
-    if mode == "static":
+    if mode.startswith("weights"):
+        from tk.export.onnx.weight_only import WEIGHT_MODES, weight_only_onnx_from_onnx
+
+        record = weight_only_onnx_from_onnx(path, quantized, WEIGHT_MODES[mode], excluded)
+        os.replace(quantized, path)
+        ctx.formats["onnx"]["quantization"] = record
+    elif mode == "static":
         from tk.export.int8.calibration import calibration_feeds, judge_feeds
         from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
         from tk.export.onnx.static_int8 import static_int8_onnx_from_onnx

@@ -64,7 +64,8 @@ class OnnxOptions:
     # onnxruntime's transformer fusions (tk.export.onnx.fusions); default on
     fusions: bool | None = option("--fuse/--no-fuse")
     keep_unfused: bool | None = option("--keep-unfused")  # also ship the graph before fusion, as model.unfused.onnx
-    int8_mode: str | None = option("--int8-mode")  # static (calibrated QDQ, default) | dynamic (per call)
+    # static (calibrated QDQ, default) | dynamic (per call) | weights | weights-int4 (weight-only)
+    int8_mode: str | None = option("--int8-mode")
     # static int8 activation ranges: minmax (default) | entropy | percentile
     calibration_method: str | None = option("--calibration-method")
     nodes_to_exclude: tuple[str, ...] = option("nodes_to_exclude", default=())  # ONNX nodes int8 keeps in float32
@@ -113,8 +114,8 @@ class OnnxWriter(Writer):
         if mode not in INT8_MODES:
             raise UsageError(f"--int8-mode: expected one of {', '.join(INT8_MODES)}, got {mode!r}")
         method = options.calibration_method
-        if method is not None and mode == "dynamic":
-            raise UsageError("--calibration-method: dynamic int8 is not calibrated; drop it or give --int8-mode static")
+        if method is not None and mode != "static":
+            raise UsageError(f"--calibration-method: {mode} int8 is not calibrated; drop it or give --int8-mode static")
         if method is not None:
             from tk.export.onnx.static_int8 import METHODS
 

@@ -17,22 +17,33 @@ searched as the other int8 writers' models are (``tk.export.openvino.int8``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from tk.errors import ConversionError, UsageError, first_line
-from tk.export.base import NoOptions, Writer
+from tk.export.base import Writer, option
 from tk.export.context import ExportContext, ExportOptions
 from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
 
 log = logging.getLogger("tk.export")
 
+INT8_MODES = ("static", "weights", "weights-int4")  # NNCF: calibrated quantization, or weight compression
+
+
+@dataclass(frozen=True)
+class OpenVinoOptions:
+    """The ``openvino`` writer's settings; None means the default."""
+
+    # static (NNCF's calibrated quantization, default) | weights | weights-int4 (nncf.compress_weights)
+    int8_mode: str | None = option("--int8-mode")
+
 
 class OpenVinoWriter(Writer):
     """``model.xml`` + ``model.bin``: the IR ``openvino.convert_model`` makes of the float32 program,
-    quantized by NNCF under int8. It takes no options of its own: NNCF chooses the int8 ranges."""
+    quantized by NNCF under int8 (calibrated, or its weights compressed: ``--int8-mode weights``)."""
 
     name = "openvino"
-    Options = NoOptions
+    Options = OpenVinoOptions
     precisions = tuple(PRECISION_HINTS)  # fp32, bf16, int8
     int8_rank = 2  # NNCF's int8 lost to both others on the AVX2 EPYC (benchmarks/history.md)
 
@@ -57,7 +68,17 @@ class OpenVinoWriter(Writer):
                 )
         return None
 
-    def validate(self, options: NoOptions, export: ExportOptions) -> None:
+    def variant_words(self, options: OpenVinoOptions, precision: str) -> list[str]:
+        return [options.int8_mode] if precision == "int8" and options.int8_mode else []
+
+    def validate(self, options: OpenVinoOptions, export: ExportOptions) -> None:
+        if options.int8_mode is not None and export.precision != "int8":
+            raise UsageError(f"--int8-mode: applies to --precision int8 only; this export is {export.precision}")
+        if options.int8_mode is not None and options.int8_mode not in INT8_MODES:
+            raise UsageError(
+                f"--int8-mode {options.int8_mode}: openvino's int8 is one of {', '.join(INT8_MODES)}; export the "
+                "other formats with it separately"
+            )
         if export.keep_fp32 and export.precision != "fp32":
             raise UsageError(
                 f"--keep-fp32: the openvino format does not keep modules in float32 at --precision {export.precision}; "
@@ -69,7 +90,10 @@ class OpenVinoWriter(Writer):
 
         model, fallback = _float32_ir(ctx)
         quantization = None
-        if ctx.options.precision == "int8":
+        mode = ctx.settings[self.name].int8_mode or "static"
+        if ctx.options.precision == "int8" and mode != "static":
+            model, quantization = _weight_only_ir(model, mode)
+        elif ctx.options.precision == "int8":
             model, quantization = _int8_ir(model, ctx)
         xml = ctx.add_file(XML, ROLE)
         ctx.add_file(BIN, WEIGHTS_ROLE)
@@ -112,6 +136,24 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
     require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
     ctx.versions.setdefault("nncf", nncf.__version__)
     return quantized, record
+
+
+def _weight_only_ir(model: Any, mode: str) -> tuple[Any, dict[str, Any]]:
+    """``model`` with its products' weights compressed by ``nncf.compress_weights``: int8 (asymmetric, per
+    output channel) or int4 (symmetric, groups of 128; NNCF keeps the embeddings and the last product in int8)."""
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedCompressionParameters
+
+    kind = nncf.CompressWeightsMode.INT8_ASYM if mode == "weights" else nncf.CompressWeightsMode.INT4_SYM
+    options: dict[str, Any] = {} if mode == "weights" else {"group_size": 128, "ratio": 1.0}
+    # a product narrower than a group (a small model's) takes the largest group that divides it (32 at least)
+    adjust = AdvancedCompressionParameters(group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST)
+    nncf.set_log_level(logging.WARNING)  # its statistics table goes to the log, not stdout
+    try:
+        compressed = nncf.compress_weights(model, mode=kind, advanced_parameters=adjust, **options)
+    except Exception as exc:  # NNCF raises its own types, each a conversion failure of this model
+        raise ConversionError(f"openvino --int8-mode {mode}: nncf.compress_weights failed ({first_line(exc)})") from exc
+    return compressed, {"mode": mode, "quantizer": f"nncf.compress_weights {kind.value}", **options}
 
 
 def _float32_program(ctx: ExportContext) -> Any:

@@ -104,8 +104,8 @@ def optimize(spec: ModelSpec, out: str | Path, options: OptimizeOptions | None =
     say = progress or (lambda *_: None)
     if spec.generation:  # judged by greedy tokens and timed generating: not one call's outputs and latency
         raise UsageError(
-            f"tk optimize: expected an encoder or another one-call model, found the decoder {spec.name}; export it "
-            "with --precision fp32|bf16|int8 and compare with tk check (greedy tokens) and tk bench (tokens/s)"
+            f"optimize: expected an encoder or another one-call model, found the decoder {spec.name}; decoders are "
+            "judged by their tokens: tk.workflows.optimize.decoder.optimize_decoder (what tk optimize runs for them)"
         )
     accuracy = parse_accuracy(options.accuracy)
     if (why := unmeasurable(accuracy, spec.signature.outputs)) is not None:
