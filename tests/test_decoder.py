@@ -403,3 +403,16 @@ def test_tk_bench_refuses_flags_the_generation_benchmark_does_not_take(artifact,
     )
     other = CliRunner().invoke(cli, ["bench", str(mlp), "--engine", "onnx", "--new-tokens", "8"])
     assert other.exit_code == 2 and "--prompt-len and --new-tokens apply to a decoder artifact" in other.stderr
+
+
+def test_debug_locate_on_the_decode_step_finds_nothing_in_a_float32_graph(artifact):
+    """Every module's output in the fused ONNX graph of the float32 decoder is within tolerance: a product whose
+    bias onnxruntime's fusions add outside it (BiasGelu, the skip-layer-norm's Sum) is compared with that bias,
+    and a module whose own output was fused away (a block's residual add) is listed as unmatched, not failed."""
+    from tk.workflows.debug.locate import locate
+
+    result = locate(artifact, "onnx")
+    assert result.engine_passed and result.first is None, [(r.module, r.sqnr_db) for r in result.rows if not r.passed]
+    compared = {r.module for r in result.rows}
+    assert {"blocks.0.attn.proj", "blocks.0.ffn.up", "blocks.1.ffn.down", "head"} <= compared
+    assert max(r.max_abs for r in result.rows) < 1e-4

@@ -249,8 +249,26 @@ def _recaptured_program(model: nn.Module, manifest: Manifest) -> torch.export.Ex
 
 
 # --------------------------------------------------------------------------------------- onnx
+def _linear_biases(model: Any) -> dict[str, np.ndarray]:
+    """Each ``nn.Linear``'s bias by module path (float32), for products whose bias a fusion moved out of them."""
+    return {
+        name: module.bias.detach().float().cpu().numpy()
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module.bias is not None
+    }
+
+
+# a product without its bias: onnxruntime's fusions (BiasGelu, SkipLayerNormalization, Sum) add a Linear's bias
+# in a node outside the Linear's scope, so the Linear's last value is its product alone
+BIASLESS_PRODUCTS = ("MatMul", "MatMulNBits", "MatMulInteger", "FusedMatMul", "DynamicQuantizeMatMul")
+
+
 def _onnx_values(
-    root: Path, manifest: Manifest, feeds: Mapping[str, np.ndarray], records: dict[str, ModuleRecord]
+    root: Path,
+    manifest: Manifest,
+    feeds: Mapping[str, np.ndarray],
+    records: dict[str, ModuleRecord],
+    biases: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     import onnx_ir as ir
     import onnxruntime as ort
@@ -265,8 +283,15 @@ def _onnx_values(
                 value.const_value = ir.Tensor(value.const_value.numpy())
     wrapped = manifest.precision in REDUCED
     per_module: dict[str, list[Any]] = {}
+    producers: dict[str, str] = {}
+    owners: dict[str, str] = {}  # value -> the innermost module whose node computed it
     for node in model.graph:  # top-level nodes in graph (topological) order
-        for module in node_modules(dict(node.metadata_props), wrapped=wrapped):
+        scopes = node_modules(dict(node.metadata_props), wrapped=wrapped)
+        for value in node.outputs:
+            producers[value.name] = node.op_type
+            if scopes:
+                owners[value.name] = scopes[-1]
+        for module in scopes:
             if module in records:
                 per_module.setdefault(module, []).extend(node.outputs)
     existing = {v.name for v in model.graph.outputs}
@@ -290,9 +315,20 @@ def _onnx_values(
         for name in reversed(value_names):
             value = results.get(name)
             if value is not None and value.shape == want and np.issubdtype(value.dtype, np.floating):
+                owner = owners.get(name, module)
+                if owner != module and owner in records and not _same(records[owner].output, records[module].output):
+                    break  # the module's own output was fused away (a residual add moved into the next node)
                 out[module] = value.astype(np.float32)
+                bias = (biases or {}).get(owner)
+                if bias is not None and producers.get(name) in BIASLESS_PRODUCTS and bias.shape == want[-1:]:
+                    out[module] = out[module] + bias
                 break
     return out
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a submodule's float32 output is its parent's too (a wrapper such as a feed-forward's last product)."""
+    return a.shape == b.shape and bool(np.array_equal(a, b))
 
 
 # ------------------------------------------------------------------------------------- locate
@@ -384,7 +420,7 @@ def _recapture_reader(root: Path, manifest: Manifest, model: Any, args: tuple[An
 def _onnx_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
                  records: dict[str, Any], trust: TrustPolicy | None) -> dict[str, Any]:  # fmt: skip
     try:
-        return _onnx_values(root, manifest, feeds, records)
+        return _onnx_values(root, manifest, feeds, records, _linear_biases(model))
     except ImportError as exc:
         raise BackendUnavailableError(f"--engine onnx needs onnxruntime and onnx_ir: {exc}") from exc
 
