@@ -402,7 +402,10 @@ def test_tk_bench_refuses_flags_the_generation_benchmark_does_not_take(artifact,
         == 0
     )
     other = CliRunner().invoke(cli, ["bench", str(mlp), "--engine", "onnx", "--new-tokens", "8"])
-    assert other.exit_code == 2 and "--prompt-len and --new-tokens apply to a decoder artifact" in other.stderr
+    assert (
+        other.exit_code == 2
+        and "--prompt-len, --new-tokens and --compiled-rival apply to a decoder artifact" in other.stderr
+    )
 
 
 def test_debug_locate_on_the_decode_step_finds_nothing_in_a_float32_graph(artifact):

@@ -205,3 +205,19 @@ def test_served_text_with_a_stop_string_streams_what_it_answers_whole(exported):
     assert "".join(e["choices"][0]["text"] for e in streamed) == expected
     assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
     assert handler.server.scheduler.active == 0 and not handler.server.batch.rows
+
+
+@pytest.mark.slow
+@pytest.mark.fits(seconds=120)  # torch.compile of the tiny model's step in the warm-up
+def test_tk_bench_times_transformers_compiled_static_cache_too(exported):
+    from tk.measure.load_guard import LoadGuard
+    from tk.runtime import EngineChoice
+    from tk.workflows.generation_bench import bench_generation
+
+    quiet = LoadGuard(0, read_load=lambda: 0.0, read_cpu=None)
+    report = bench_generation(
+        exported["llama"], EngineChoice("onnx"), batch_sizes=[1], prompt_len=5, new_tokens=4, rounds=1, guard=quiet,
+        compiled_rival=True,
+    )  # fmt: skip
+    assert [r.engine for r in report.rows] == ["onnx", "transformers", "transformers compiled"]
+    assert all(r.decode_step.median > 0 and r.ttft.median > 0 for r in report.rows)

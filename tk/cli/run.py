@@ -313,6 +313,8 @@ def _print_check_result(result: Any) -> dict[str, Any]:
 )
 @click.option("--prompt-len", type=int, default=None, help="Decoders: prompt tokens (default: the seq opt size).")
 @click.option("--new-tokens", type=int, default=None, help="Decoders: tokens generated per round (default 32).")
+@click.option("--compiled-rival", is_flag=True, help="Decoders from hf:DIR: also time transformers' generate with its "
+              "static cache under torch.compile (compiled in the warm-up, which takes minutes on a CPU).")  # fmt: skip
 @path_option("--json", "json_path", help="Write the results and the machine's description as JSON.")
 @path_option("--plot", "plot_path", help="Write a PNG of latency and throughput against batch size.")
 @click.option(
@@ -346,6 +348,7 @@ def bench_cmd(
     seq: int | None,
     prompt_len: int | None,
     new_tokens: int | None,
+    compiled_rival: bool,
     json_path: Path | None,
     plot_path: Path | None,
     roofline: bool,
@@ -366,10 +369,12 @@ def bench_cmd(
              "--roofline": roofline, "--wait-quiet": wait_quiet > 0, "--io device": io != "host",
              "--no-baselines": not baselines, "--save-baseline": gates.save_baseline is not None,
              "--baseline": gates.baseline is not None, "--junit": gates.junit is not None,
-             "--prompt-len": prompt_len is not None, "--new-tokens": new_tokens is not None}  # fmt: skip
+             "--prompt-len": prompt_len is not None, "--new-tokens": new_tokens is not None,
+             "--compiled-rival": compiled_rival}  # fmt: skip
     _refuse_flags_of_the_other_kind(decoder, given)
     if decoder:
-        _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens or 32, iters, warmup, json_path)
+        _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens or 32, iters, warmup, json_path,
+                       compiled_rival)  # fmt: skip
         return
     report, choices = bench_artifact(
         artifact,
@@ -397,7 +402,7 @@ def bench_cmd(
     gates.finish(report)
 
 
-DECODER_FLAGS = ("--prompt-len", "--new-tokens")  # what only the generation benchmark takes
+DECODER_FLAGS = ("--prompt-len", "--new-tokens", "--compiled-rival")  # what only the generation benchmark takes
 
 
 def _refuse_flags_of_the_other_kind(decoder: bool, given: dict[str, bool]) -> None:
@@ -407,9 +412,12 @@ def _refuse_flags_of_the_other_kind(decoder: bool, given: dict[str, bool]) -> No
         wrong = [flag for flag, on in given.items() if on and flag not in DECODER_FLAGS]
         if wrong:
             raise UsageError(f"{', '.join(wrong)}: not taken by a decoder's generation benchmark (--batch-sizes, "
-                             "--prompt-len, --new-tokens, --iters, --warmup, --engine and --json are)")  # fmt: skip
+                             "--prompt-len, --new-tokens, --compiled-rival, --iters, --warmup, --engine and --json "
+                             "are)")  # fmt: skip
     elif any(given[flag] for flag in DECODER_FLAGS):
-        raise UsageError("--prompt-len and --new-tokens apply to a decoder artifact; this one has one entry point")
+        raise UsageError(
+            "--prompt-len, --new-tokens and --compiled-rival apply to a decoder artifact; this one has one entry point"
+        )
 
 
 def _bench_decoder(
@@ -421,6 +429,7 @@ def _bench_decoder(
     iters: int | None,
     warmup: int,
     json_path: Path | None,
+    compiled_rival: bool = False,
 ) -> None:
     """``tk bench`` of a decoder artifact: ``tk.workflows.generation_bench``'s table, and its JSON envelope."""
     from tk.measure.results import BenchRun
@@ -436,6 +445,7 @@ def _bench_decoder(
         new_tokens=new_tokens,
         rounds=iters or 5,
         warmup=min(warmup, 1),
+        compiled_rival=compiled_rival,
         progress=lambda line: click.echo(line, err=True),
     )
     console().print(render_generation(report))

@@ -33,6 +33,7 @@ from tk.runtime.generation import CacheLayout, Generated
 from tk.workflows.engine_list import engines_to_check
 
 TRANSFORMERS = "transformers"  # the rival row of an hf:DIR artifact
+TRANSFORMERS_COMPILED = "transformers compiled"  # its static cache with torch.compile (--compiled-rival)
 
 
 def bench_generation(
@@ -45,6 +46,7 @@ def bench_generation(
     rounds: int = 5,
     warmup: int = 1,
     rivals: bool = True,
+    compiled_rival: bool = False,
     progress: Callable[[str], None] | None = None,
     guard: LoadGuard | None = None,
     others: dict[str, Callable[[list[list[int]], int], GenerationRun]] | None = None,
@@ -68,12 +70,15 @@ def bench_generation(
         opened = open_engines(stack, root, choice, [*names, *untimed], manifest=manifest)
         weights = _weight_bytes(root, manifest)
         rival = _transformers_rival(opened, manifest) if rivals else None
+        compiled = _transformers_rival(opened, manifest, compiled=True) if rivals and compiled_rival else None
         opened = {name: opened[name] for name in names}
         for batch in batch_sizes:
             prompts = _prompts(batch, prompt_len, int(manifest.generation["vocab_size"]))
             runs = {name: _engine_run(engine, prompts, new_tokens) for name, engine in opened.items()}
             if rival is not None:
                 runs[TRANSFORMERS] = rival(prompts, new_tokens)
+            if compiled is not None:
+                runs[TRANSFORMERS_COMPILED] = compiled(prompts, new_tokens)
             runs.update({name: make(prompts, new_tokens) for name, make in (others or {}).items()})
             for run in runs.values():
                 for _ in range(warmup):
@@ -128,9 +133,11 @@ def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> Gener
 
 
 def _transformers_rival(
-    opened: dict[str, Any], manifest: Any
+    opened: dict[str, Any], manifest: Any, *, compiled: bool = False
 ) -> Callable[[list[list[int]], int], GenerationRun] | None:
-    """transformers' ``generate`` on the artifact's model (an hf:DIR artifact's eager engine holds it)."""
+    """transformers' ``generate`` on the artifact's model (an hf:DIR artifact's eager engine holds it);
+    ``compiled``: with its static cache and the forward under ``torch.compile`` (fullgraph), as transformers'
+    documentation speeds up generation, compiled in the untimed warm-up calls."""
     eager = opened.get("eager")
     model = getattr(getattr(eager, "module", None), "model", None)
     if model is None or not hasattr(model, "generate"):
@@ -138,19 +145,24 @@ def _transformers_rival(
     from transformers import GenerationConfig
 
     pad = manifest.generation.get("pad_token_id") or 0
+    forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
+    cache = {"cache_implementation": "static"} if compiled else {}
 
     def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
         ids = torch.tensor(prompts, dtype=torch.int64)
         mask = torch.ones_like(ids)
 
         def generate(count: int) -> float:
-            config = GenerationConfig(
-                do_sample=False, max_new_tokens=count, min_new_tokens=count, eos_token_id=None, pad_token_id=pad
-            )
-            started = time.perf_counter()
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, generation_config=config)
-            return time.perf_counter() - started
+            config = GenerationConfig(do_sample=False, max_new_tokens=count, min_new_tokens=count, eos_token_id=None,
+                                      pad_token_id=pad, **cache)  # fmt: skip
+            original, model.forward = model.forward, forward  # the eager rival shares the model: swapped back after
+            try:
+                started = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, attention_mask=mask, generation_config=config)
+                return time.perf_counter() - started
+            finally:
+                model.forward = original
 
         def call() -> tuple[float, list[float]]:
             first = generate(1)
