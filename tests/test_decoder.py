@@ -419,3 +419,24 @@ def test_debug_locate_on_the_decode_step_finds_nothing_in_a_float32_graph(artifa
     compared = {r.module for r in result.rows}
     assert {"blocks.0.attn.proj", "blocks.0.ffn.up", "blocks.1.ffn.down", "head"} <= compared
     assert max(r.max_abs for r in result.rows) < 1e-4
+
+
+def test_debug_locate_reads_a_decode_steps_feeds_from_a_file(artifact, tmp_path):
+    """A decode step's feeds as generation made them (cache_position is shared by the rows: no batch axis)."""
+    from tk.runtime.generation import CacheLayout, generate
+    from tk.workflows.debug.locate import locate
+
+    captured = {}
+    with load(artifact, engine="onnx") as engine:
+
+        def step(feeds):
+            if feeds["input_ids"].shape[1] == 1 and not captured:
+                captured.update({name: value.numpy().copy() for name, value in feeds.items()})
+            return engine.run(feeds)
+
+        generate(step, CacheLayout.from_generation(engine.manifest.generation), PROMPTS[:2], max_new_tokens=3)
+    np.savez(tmp_path / "decode.npz", **captured)
+    assert captured["input_ids"].shape == (2, 1) and captured["cache_position"].shape == (1,)
+    result = locate(artifact, "onnx", inputs=tmp_path / "decode.npz")
+    assert result.engine_passed and result.first is None
+    assert {r.shape[1] for r in result.rows if r.module.endswith("ffn.up")} == {1}  # one new token per row

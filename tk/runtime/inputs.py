@@ -239,7 +239,7 @@ def read_inputs(path: str | Path, specs: list[TensorSpec]) -> dict[str, np.ndarr
         else:
             found = "an empty file" if not magic else f"a file starting with {magic[:8]!r}"
             raise UsageError(f"{path}: expected a NumPy .npz or .npy file, found {found}")
-    file_samples(arrays, specs, source=str(path))
+    check_arrays(arrays, specs, source=str(path))  # a decoder's step has inputs without the batch (cache_position)
     return {s.name: _as_dtype(arrays[s.name], numpy_dtype(s.dtype)) for s in specs}
 
 
