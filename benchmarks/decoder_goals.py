@@ -74,7 +74,9 @@ def make_directory(name: str, root: Path, tiny: bool = False) -> Path:
     return directory
 
 
-def export_artifact(directory: Path, out: Path) -> Path:
+def export_artifact(directory: Path, out: Path, precision: str = "fp32") -> Path:
+    """``directory`` exported for onnx and openvino in float32, or for openvino alone in bf16 (its bf16 kernels:
+    onnxruntime has none for the CPU)."""
     from tk.export import ExportOptions
     from tk.models import build_model
     from tk.workflows.export import export
@@ -82,8 +84,38 @@ def export_artifact(directory: Path, out: Path) -> Path:
     if (out / "manifest.json").is_file():
         return out
     spec = build_model(f"hf:{directory}", task="text-generation", cache_len=SLOTS)
-    export(spec, out, ExportOptions(formats=("onnx", "openvino")))
+    formats = ("onnx", "openvino") if precision == "fp32" else ("openvino",)
+    export(spec, out, ExportOptions(formats=formats, precision=precision))
     return out
+
+
+def transformers_rival(directory: Path, dtype: torch.dtype) -> Any:
+    """transformers' eager ``generate`` of the model loaded in ``dtype``: the rival at the artifact's precision."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tk.measure.generation import GenerationRun
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+
+    def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
+        ids = torch.tensor(prompts, dtype=torch.int64)
+
+        def generate(count: int) -> float:
+            config = GenerationConfig(do_sample=False, max_new_tokens=count, min_new_tokens=count, eos_token_id=None,
+                                      pad_token_id=0)  # fmt: skip
+            started = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            return time.perf_counter() - started
+
+        def call() -> tuple[float, list[float]]:
+            first = generate(1)
+            whole = generate(new_tokens)
+            return first, [max(whole - first, 0.0) / (new_tokens - 1)]
+
+        return GenerationRun(call)
+
+    return make
 
 
 def build_genai(directory: Path, out: Path, peers: str | None) -> Path:
@@ -168,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/decoder-goals"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tiny", action="store_true", help="tiny configs: the script's logic in seconds")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: tk's openvino bf16 artifact against transformers' generate in bf16")  # fmt: skip
     args = parser.parse_args(argv)
     if args.peers:
         sys.path.insert(0, args.peers)
@@ -181,6 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {}
     for name in args.models.split(","):
         directory = make_directory(name, args.work, args.tiny)
+        if args.precision == "bf16":
+            artifact = export_artifact(directory, args.work / f"{name}-art-bf16", "bf16")
+            report = bench_generation(
+                artifact, EngineChoice("openvino"), batch_sizes=[1], prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, rounds=args.rounds, rivals=False, guard=LoadGuard(30.0),
+                others={"transformers bf16": transformers_rival(directory, torch.bfloat16)},
+            )  # fmt: skip
+            Console(width=160).print(render_generation(report))
+            results[name] = report.to_json()
+            continue
         artifact = export_artifact(directory, args.work / f"{name}-art")
         others, genai = {}, None
         if name == "llama" and importlib.util.find_spec("onnxruntime_genai") is not None:

@@ -97,10 +97,13 @@ def compare(artifact: Path, formats: list[str], prompts: list[list[int]], new_to
     for fmt in formats:
         with load(artifact, engine=fmt) as engine:
             got = engine.generate(prompts, max_new_tokens=new_tokens, stop_ids=()).tokens
+        # transformers stops a row at the config's end-of-sequence token (its generation config keeps it): compare
+        # up to there
+        got = [g[: len(w)] for g, w in zip(got, want, strict=True)]
         same = sum(g == w for g, w in zip(got, want, strict=True))
         agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
         row[fmt] = {"identical_prompts": same, "prompts": len(prompts), "tokens_agreeing": agree,
-                    "tokens": len(prompts) * new_tokens}  # fmt: skip
+                    "tokens": sum(map(len, want))}  # fmt: skip
     return row
 
 
