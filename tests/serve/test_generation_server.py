@@ -200,3 +200,39 @@ def test_a_client_that_goes_away_leaves_the_batch(handler):
     assert len(json.loads(first.decode().removeprefix("data: "))["output_ids"]) == 1
     assert server.scheduler.counts.cancelled == 1 and not server.batch.rows and server.scheduler.active == 0
     assert server.scheduler.counts.tokens < 60
+
+
+def test_a_reader_slower_than_the_batch_gets_every_token_and_the_ending_on_the_last(handler, engine):
+    """The batch runs on while a client reads slowly: every token reaches it, and the ending rides on the token
+    it belongs to (not on one read while the row had already ended further on)."""
+    server = handler.server
+
+    async def slow():
+        body = {"input_ids": [4, 5, 6], "max_tokens": 12, "temperature": 0}
+        reply = await handler.handle("POST", f"/v2/models/{server.name}/generate_stream", {}, body_of(body))
+        events = []
+        async for chunk in reply.stream:
+            events.append(json.loads(chunk.decode().removeprefix("data: ")))
+            if len(events) == 1:
+                for _ in range(200):  # let the batch finish the row before reading on
+                    if not server.batch.rows:
+                        break
+                    await asyncio.sleep(0.01)
+        return events
+
+    events = asyncio.run(slow())
+    assert [t for e in events for t in e["output_ids"]] == expected_tokens(engine, [4, 5, 6], 12)
+    assert [e.get("finish_reason") for e in events] == [None] * 11 + ["length"]
+
+
+def test_serve_flags_a_decoder_does_not_take_or_takes_out_of_range_are_one_line(decoder, tmp_path):
+    from tk.errors import UsageError
+
+    tune = CliRunner().invoke(cli, ["serve", str(decoder), "--tune"])
+    assert tune.exit_code == 2 and "--tune: expected a one-call model" in tune.stderr and "Traceback" not in tune.output
+    with pytest.raises(UsageError, match=r"^--max-tokens: expected 1 to 63 \(the artifact's cache holds 64 slots"):
+        resolve(ServeConfig(str(decoder), max_tokens=64))
+    mlp = tmp_path / "mlp"
+    assert CliRunner().invoke(cli, ["export", "mlp", "--size", "tiny", "--out", str(mlp)]).exit_code == 0
+    with pytest.raises(UsageError, match=r"^--max-tokens: expected a decoder artifact, found 'mlp'"):
+        resolve(ServeConfig(str(mlp), max_tokens=8))

@@ -146,6 +146,13 @@ def _tune(config: Any, address: str | None, tuning: dict[str, Any]) -> None:
             f"--tune: expected a local Ray instance of its own (it starts one), got --address {address}; "
             "tune on a machine like those that will serve, without --address"
         )
+    from tk.manifest import verify_artifact
+
+    if verify_artifact(config.artifact).generation:
+        raise UsageError(
+            "--tune: expected a one-call model (it load-tests /infer); a decoder is served with continuous batching "
+            "up to --max-batch rows, and benchmarks/serve_generation.py measures its clients"
+        )
     tune_command(config, **tuning)
 
 

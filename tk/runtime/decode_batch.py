@@ -64,10 +64,6 @@ class DecodeBatch:
         self.moves = 0  # times the cache was moved to make room
 
     # -- room ------------------------------------------------------------------------------------
-    def alone_fits(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """Whether a request could ever run here: its prompt and new tokens within the cache."""
-        return prompt_len + max_new_tokens <= self.layout.slots
-
     def _span(self) -> int:
         """Slots from the oldest live row's first token to ``slot``."""
         if not self.rows:
@@ -173,10 +169,3 @@ class DecodeBatch:
         self.mask, self.positions = self.mask[index], self.positions[index]
         if not self.rows:
             self.slot = 0
-
-
-def sequences_from(
-    prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling | None = None,
-    stop_ids: Sequence[int] = (),
-) -> list[Row]:  # fmt: skip
-    return [Row(list(map(int, p)), max_new_tokens, sampling or Sampling(), frozenset(stop_ids)) for p in prompts]

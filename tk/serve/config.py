@@ -97,9 +97,7 @@ def resolve(config: ServeConfig) -> ServeConfig:
         max_batch=max_batch,
         max_ongoing=max_ongoing,
         max_request_bytes=max_bytes,
-        max_tokens=int(manifest.generation["cache"]["slots"]) - 1
-        if manifest.generation and config.max_tokens is None
-        else config.max_tokens,
+        max_tokens=_max_tokens(config, manifest),
         engine=engine,
         ingress=ingress,
     )

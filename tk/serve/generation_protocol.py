@@ -159,7 +159,7 @@ def _prompt_ids(value: Any, tokenizer: Any, limits: Limits, what: str) -> list[i
     if isinstance(value, str):
         _require(tokenizer is not None, f"{what}: a text prompt needs the model's tokenizer, which this model has "
                  "none of; expected token ids")  # fmt: skip
-        ids = list(tokenizer.encode(value[: limits.slots * 64]))  # no prompt within the cache is longer
+        ids = list(tokenizer.encode(value))  # the body's size bounds the text (--max-request-bytes)
         return _token_ids(ids, what, limits.vocab_size)
     return _token_ids(value, what, limits.vocab_size)
 

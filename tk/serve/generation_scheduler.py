@@ -25,7 +25,8 @@ Done = object()  # the end of a row's tokens in its queue
 class _Waiting:
     row: Row
     queue: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
-    cancelled: bool = False
+    cancelled: bool = False  # its reader went away
+    ended: bool = False  # its last token (or an error) was queued: the row has left the batch
 
 
 @dataclass
@@ -62,9 +63,10 @@ class GenerationScheduler:
         """Rows in the batch and requests waiting to join it."""
         return len(self._live) + len(self._waiting)
 
-    async def stream(self, row: Row) -> AsyncIterator[int]:
-        """``row``'s tokens as they are chosen; its ``finish`` says why it ended. Closing the iterator early
-        (the client went away) cancels the row."""
+    async def stream(self, row: Row) -> AsyncIterator[tuple[int, str | None]]:
+        """``row``'s tokens as they are chosen, each with how the row stood right after it (None: it goes on;
+        else why it ended: the row's ``finish`` may have moved on by the time a slow reader gets the token).
+        Closing the iterator early (the client went away) cancels the row."""
         waiter = _Waiting(row)
         self._waiting.append(waiter)
         self._ensure_worker()
@@ -75,9 +77,9 @@ class GenerationScheduler:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield int(item)  # type: ignore[call-overload]
+                yield item  # type: ignore[misc]
         finally:
-            if row.finish is None:
+            if not waiter.ended:
                 waiter.cancelled = True
                 assert self._wake is not None
                 self._wake.set()
@@ -109,7 +111,7 @@ class GenerationScheduler:
         gone = [w for w in self._live.values() if w.cancelled]
         self._waiting = collections.deque(w for w in self._waiting if not w.cancelled)
         for waiter in gone:
-            waiter.row.finish = "cancelled"
+            waiter.row.finish = waiter.row.finish or "cancelled"
             del self._live[waiter.row.ident]
         if gone:
             self.counts.cancelled += len(gone)
@@ -136,7 +138,7 @@ class GenerationScheduler:
             else:
                 chosen = await asyncio.to_thread(self.batch.step)
                 self.counts.steps += 1
-                self.counts.rows_per_step = [*self.counts.rows_per_step[-999:], len(chosen)]
+                self.counts.rows_per_step = [*self.counts.rows_per_step[-999:], len(chosen)]  # bounded memory
         except Exception as exc:  # the engine failed: every row in the batch gets the error, the server goes on
             self._fail(list(self._live.values()), exc)
             self.batch.drop(list(self.batch.rows))
@@ -145,9 +147,10 @@ class GenerationScheduler:
         self.counts.tokens += len(chosen)
         for row, token in chosen:
             waiter = self._live[row.ident]
-            waiter.queue.put_nowait(token)
+            waiter.queue.put_nowait((token, row.finish))  # no step runs now: finish is this token's
             if row.finish is not None:
                 waiter.queue.put_nowait(Done)
+                waiter.ended = True
                 del self._live[row.ident]
         self.batch.drop([row for row, _ in chosen if row.finish is not None])
         if self._on_call is not None:
@@ -156,5 +159,6 @@ class GenerationScheduler:
     def _fail(self, waiters: list[_Waiting], exc: Exception) -> None:
         for waiter in waiters:
             waiter.row.finish = "error"
+            waiter.ended = True
             waiter.queue.put_nowait(exc)
             self._live.pop(waiter.row.ident, None)

@@ -14,6 +14,7 @@ framework stops reading it, which closes the token stream and takes the row out 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -177,12 +178,12 @@ class GenerationHandler(Routes):
         count = len(request.prompts)
         tokens: list[list[int]] = [[] for _ in range(count)]
         texts, finish = [""] * count, ["length"] * count
-        async for event in generation_events(self.server, request, arrived):
-            texts[event.index] += event.text
-            if event.token is not None:
+        async with contextlib.aclosing(generation_events(self.server, request, arrived)) as events:
+            async for event in events:
+                texts[event.index] += event.text
                 tokens[event.index].append(event.token)
-            if event.finish is not None:
-                finish[event.index] = event.finish
+                if event.finish is not None:
+                    finish[event.index] = event.finish
         return tokens, texts, finish
 
     async def _triton(self, request: GenerationRequest, arrived: float) -> Reply:
@@ -206,10 +207,10 @@ class GenerationHandler(Routes):
         async def events() -> AsyncIterator[bytes]:
             count = 0
             try:
-                async for event in generation_events(self.server, request, arrived):
-                    count += event.token is not None
-                    tokens = [event.token] if event.token is not None else []
-                    yield sse(self._triton_event(tokens, event.text, event.finish))
+                async with contextlib.aclosing(generation_events(self.server, request, arrived)) as running:
+                    async for event in running:
+                        count += 1
+                        yield sse(self._triton_event([event.token], event.text, event.finish))
             except Exception as exc:  # the status line is gone: Triton sends the error as an event
                 self._count_end(500, arrived)
                 yield sse({"error": f"engine failed: {first_line(exc)}"})
@@ -237,12 +238,12 @@ class GenerationHandler(Routes):
         async def events() -> AsyncIterator[bytes]:
             tokens: list[list[int]] = [[] for _ in request.prompts]
             try:
-                async for event in generation_events(self.server, request, arrived):
-                    ids = [] if event.token is None else [event.token]
-                    tokens[event.index] += ids
-                    choice = {"index": event.index, "text": event.text, "logprobs": None,
-                              "finish_reason": event.finish, "token_ids": ids}  # fmt: skip
-                    yield sse({**head, "choices": [choice]})
+                async with contextlib.aclosing(generation_events(self.server, request, arrived)) as running:
+                    async for event in running:
+                        tokens[event.index].append(event.token)
+                        choice = {"index": event.index, "text": event.text, "logprobs": None,
+                                  "finish_reason": event.finish, "token_ids": [event.token]}  # fmt: skip
+                        yield sse({**head, "choices": [choice]})
             except Exception as exc:
                 self._count_end(500, arrived)
                 yield sse(json.loads(openai_error(f"engine failed: {first_line(exc)}", 500)))
@@ -278,11 +279,10 @@ def _usage(request: GenerationRequest, tokens: list[list[int]]) -> dict[str, int
 
 @dataclass(frozen=True)
 class Event:
-    """One step of one choice: its new token (None on the event that ends it), the new text, and why it
-    ended (None while it goes on)."""
+    """One step of one choice: its new token, the new text, and why the choice ended (None while it goes on)."""
 
     index: int
-    token: int | None
+    token: int
     text: str
     finish: str | None
 
@@ -290,12 +290,12 @@ class Event:
 async def generation_events(
     server: GenerationServer, request: GenerationRequest, arrived: float
 ) -> AsyncIterator[Event]:
-    """Every choice's tokens as the running batch chooses them, then one ending event per choice. Closing the
-    iterator early (the client went away) cancels every row still running."""
+    """Every choice's tokens as the running batch chooses them; a choice's last token carries why it ended.
+    Closing the iterator early (the client went away) cancels every row still running."""
     rows = server.rows(request)
     texts = [TextStream(server.tokenizer, request.stop) for _ in rows]
     streams = [server.scheduler.stream(row) for row in rows]
-    waiting: dict[asyncio.Future[int], int] = {}
+    waiting: dict[asyncio.Future[tuple[int, str | None]], int] = {}
 
     def wait_for(index: int) -> None:
         waiting[asyncio.ensure_future(streams[index].__anext__())] = index
@@ -309,15 +309,14 @@ async def generation_events(
             for future in sorted(done, key=lambda f: waiting[f]):
                 index = waiting.pop(future)
                 try:
-                    token = future.result()
-                except StopAsyncIteration:  # the row ended in the batch: a stop token or its last token
-                    yield Event(index, None, texts[index].finish(), rows[index].finish)
+                    token, finished = future.result()
+                except StopAsyncIteration:  # a row's last token carries its ending: its stream ends after it
                     continue
                 if first:
                     server.generation_metrics.first_token(time.perf_counter() - arrived)
                     first = False
                 piece = texts[index].push(token)
-                ended = "stop" if texts[index].stopped else rows[index].finish  # a stop string, or in the batch
+                ended = "stop" if texts[index].stopped else finished  # a stop string, or ended in the batch
                 if ended is not None:  # the last token carries the ending, as OpenAI's and Triton's streams do
                     await streams[index].aclose()  # after a stop string: the row leaves the batch
                     yield Event(index, token, piece + texts[index].finish(), ended)
