@@ -379,12 +379,14 @@ def test_tk_optimize_judges_a_decoder_by_greedy_agreement_and_writes_the_fastest
 
 @pytest.mark.parametrize(
     ("accuracy", "message"),
-    [("agreement>=1.5", "expected agreement>=X with X in (0, 1]"), ("sqnr>=35", "judged by greedy-token agreement")],
+    [
+        (["--accuracy", "agreement>=1.5"], "expected agreement>=X with X in (0, 1]"),
+        (["--accuracy", "sqnr>=35"], "judged by greedy-token agreement"),
+        (["--batch", "4", "--seconds", "1"], "--batch, --seconds: not taken by a decoder's optimize"),
+    ],
 )
-def test_tk_optimize_takes_only_an_agreement_spec_for_a_decoder(tmp_path, accuracy, message):
-    result = CliRunner().invoke(
-        cli, ["optimize", "decoder", "--size", "tiny", "--accuracy", accuracy, "--out", str(tmp_path / "o")]
-    )
+def test_tk_optimize_takes_only_what_a_decoder_is_judged_by(tmp_path, accuracy, message):
+    result = CliRunner().invoke(cli, ["optimize", "decoder", "--size", "tiny", *accuracy, "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()

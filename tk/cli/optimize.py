@@ -110,6 +110,15 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
         raise UsageError(f"--seconds: expected a finite number of seconds above 0, got {seconds}")
     spec = build(model, size, inputs, task)
     if spec.generation:
+        dropped = {"--data": data is not None, "--batch": batch is not None, "--seq": seq is not None,
+                   "--dim": bool(dims), "--time-budget": time_budget is not None, "--keep": keep != "best",
+                   "--candidates": names is not None, "--device": device != "cpu", "--seconds": seconds != 2.0,
+                   "--cache-dir": cache_dir is not None, "--wait-quiet": wait_quiet > 0, "--no-peaks": no_peaks}  # fmt: skip
+        if any(dropped.values()):
+            raise UsageError(
+                f"{', '.join(f for f, on in dropped.items() if on)}: not taken by a decoder's optimize (it takes "
+                "--checkpoint, --accuracy agreement>=X, --formats, --precisions, --out and --force)"
+            )
         _optimize_decoder(spec, out, accuracy, checkpoint, formats, precisions, force)
         return
     ranges, sizes = _dims_and_sizes(batch, seq, dims)

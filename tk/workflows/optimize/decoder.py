@@ -114,9 +114,13 @@ def optimize_decoder(
 ) -> DecoderOptimizeResult:
     """Export, judge and time every decoder candidate; write the fastest that keeps the agreement to ``out``.
     Raises ``ParityError`` (the table in ``err.result``) when none keeps it."""
+    from tk.models.checkpoint import require_checkpoint_fits
+
     out = Path(out)
     floor = parse_agreement(options.accuracy)
     refuse_foreign_out(out, force=options.force)
+    if options.checkpoint is not None:  # before any candidate: every export would fail on it alike
+        require_checkpoint_fits(spec.module, options.checkpoint)
     rows = [_row(fmt, precision, mode) for fmt, precision, mode in CANDIDATES if _wanted(fmt, precision, options)]
     if not rows:
         raise UsageError("tk optimize: --formats and --precisions leave no decoder candidate (onnx, openvino; "
