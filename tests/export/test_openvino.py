@@ -137,7 +137,10 @@ def test_precisions_and_options_it_cannot_honour_are_refused():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--int8-mode", "dynamic"], "--int8-mode: applies to --format onnx only; this export writes openvino"),
+        (
+            ["--int8-mode", "dynamic"],
+            "--int8-mode dynamic: openvino's int8 is one of static, weights, weights-int4; export the other formats",
+        ),
         (
             ["--calibration-method", "minmax"],
             "--calibration-method: applies to --format onnx or aoti only; this export writes openvino",

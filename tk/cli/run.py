@@ -365,12 +365,8 @@ def bench_cmd(
     from tk.workflows.bench import render_table, save_json, save_plot
 
     decoder = bool(verify_artifact(artifact).generation)
-    given = {"--seconds": seconds is not None, "--seq": seq is not None, "--plot": plot_path is not None,
-             "--roofline": roofline, "--wait-quiet": wait_quiet > 0, "--io device": io != "host",
-             "--no-baselines": not baselines, "--save-baseline": gates.save_baseline is not None,
-             "--baseline": gates.baseline is not None, "--junit": gates.junit is not None,
-             "--prompt-len": prompt_len is not None, "--new-tokens": new_tokens is not None,
-             "--compiled-rival": compiled_rival}  # fmt: skip
+    given = _given_flags(seconds, seq, plot_path, roofline, wait_quiet, io, baselines, gates, prompt_len, new_tokens,
+                         compiled_rival)  # fmt: skip
     _refuse_flags_of_the_other_kind(decoder, given)
     if decoder:
         _bench_decoder(artifact, choice, batch_sizes, prompt_len, new_tokens or 32, iters, warmup, json_path,
@@ -400,6 +396,18 @@ def bench_cmd(
         save_plot(report, plot_path)
         click.echo(f"plot: {plot_path}")
     gates.finish(report)
+
+
+def _given_flags(seconds: float | None, seq: int | None, plot_path: Path | None, roofline: bool, wait_quiet: float,
+                 io: str, baselines: bool, gates: BenchGates, prompt_len: int | None, new_tokens: int | None,
+                 compiled_rival: bool) -> dict[str, bool]:  # fmt: skip
+    """Which of the flags only one kind of benchmark takes were given."""
+    return {"--seconds": seconds is not None, "--seq": seq is not None, "--plot": plot_path is not None,
+            "--roofline": roofline, "--wait-quiet": wait_quiet > 0, "--io device": io != "host",
+            "--no-baselines": not baselines, "--save-baseline": gates.save_baseline is not None,
+            "--baseline": gates.baseline is not None, "--junit": gates.junit is not None,
+            "--prompt-len": prompt_len is not None, "--new-tokens": new_tokens is not None,
+            "--compiled-rival": compiled_rival}  # fmt: skip
 
 
 DECODER_FLAGS = ("--prompt-len", "--new-tokens", "--compiled-rival")  # what only the generation benchmark takes

@@ -69,7 +69,7 @@ class OpenVinoWriter(Writer):
         return None
 
     def variant_words(self, options: OpenVinoOptions, precision: str) -> list[str]:
-        return [options.int8_mode] if precision == "int8" and options.int8_mode else []
+        return [options.int8_mode or "static"] if precision == "int8" else []
 
     def validate(self, options: OpenVinoOptions, export: ExportOptions) -> None:
         if options.int8_mode is not None and export.precision != "int8":

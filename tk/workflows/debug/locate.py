@@ -19,7 +19,6 @@ module returned.
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -32,16 +31,16 @@ from torch import nn
 
 from tk.errors import BackendUnavailableError, UsageError
 from tk.formats.torch_program import load_artifact_program
-from tk.manifest import Manifest, read_verified, verify_artifact
+from tk.manifest import Manifest, verify_artifact
 from tk.parity import OutputParity, compare, compare_output
 from tk.registries import ENGINE_FILE_ROLE
 from tk.runtime import EngineChoice, open_engine
 from tk.runtime.eager import module_from_manifest
 from tk.runtime.inputs import random_inputs
-from tk.safefiles import private_copy
 from tk.signing import TrustPolicy, loads_native_code, require_trusted_code
 from tk.spec import random_feeds
 from tk.tolerances import artifact_tolerance
+from tk.workflows.debug.onnx_values import linear_biases, onnx_values
 from tk.workflows.user_inputs import read_user_inputs
 
 GROWTH_FLOOR = 1e-7  # relative error treated as exact when computing growth (float32 rounding)
@@ -248,89 +247,6 @@ def _recaptured_program(model: nn.Module, manifest: Manifest) -> torch.export.Ex
     return exported_program_from_module(module, example, sig, sig.dims)
 
 
-# --------------------------------------------------------------------------------------- onnx
-def _linear_biases(model: Any) -> dict[str, np.ndarray]:
-    """Each ``nn.Linear``'s bias by module path (float32), for products whose bias a fusion moved out of them."""
-    return {
-        name: module.bias.detach().float().cpu().numpy()
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module.bias is not None
-    }
-
-
-# a product without its bias: onnxruntime's fusions (BiasGelu, SkipLayerNormalization, Sum) add a Linear's bias
-# in a node outside the Linear's scope, so the Linear's last value is its product alone
-BIASLESS_PRODUCTS = ("MatMul", "MatMulNBits", "MatMulInteger", "FusedMatMul", "DynamicQuantizeMatMul")
-
-
-def _onnx_values(
-    root: Path,
-    manifest: Manifest,
-    feeds: Mapping[str, np.ndarray],
-    records: dict[str, ModuleRecord],
-    biases: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    import onnx_ir as ir
-    import onnxruntime as ort
-
-    from tk.formats.onnx_scopes import node_modules
-
-    entries = [manifest.file("onnx"), *(e for e in manifest.files if e.role == "onnx-data")]
-    with private_copy({e.path: read_verified(root, e) for e in entries}) as verified:  # the bytes that were hashed
-        model = ir.load(verified / entries[0].path)
-        for value in model.graph.initializers.values():  # read external data now, before the copy goes
-            if value.const_value is not None:
-                value.const_value = ir.Tensor(value.const_value.numpy())
-    wrapped = manifest.precision in REDUCED
-    per_module: dict[str, list[Any]] = {}
-    producers: dict[str, str] = {}
-    owners: dict[str, str] = {}  # value -> the innermost module whose node computed it
-    for node in model.graph:  # top-level nodes in graph (topological) order
-        scopes = node_modules(dict(node.metadata_props), wrapped=wrapped)
-        for value in node.outputs:
-            producers[value.name] = node.op_type
-            if scopes:
-                owners[value.name] = scopes[-1]
-        for module in scopes:
-            if module in records:
-                per_module.setdefault(module, []).extend(node.outputs)
-    existing = {v.name for v in model.graph.outputs}
-    added: dict[str, list[str]] = {}
-    for module, values in per_module.items():
-        tail = [v for v in values if v.name and v.type is not None][-4:]  # the module's output is among its last values
-        added[module] = [v.name for v in tail]
-        for v in tail:
-            if v.name not in existing:
-                model.graph.outputs.append(v)
-                existing.add(v.name)
-    with tempfile.TemporaryDirectory(prefix="tk-locate-") as tmp:
-        copy = Path(tmp) / "model.onnx"
-        ir.save(model, copy)
-        session = ort.InferenceSession(str(copy), providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-        results = dict(zip(names, session.run(names, {k: np.asarray(v) for k, v in feeds.items()}), strict=True))
-    out: dict[str, np.ndarray] = {}
-    for module, value_names in added.items():
-        want = records[module].output.shape
-        for name in reversed(value_names):
-            value = results.get(name)
-            if value is not None and value.shape == want and np.issubdtype(value.dtype, np.floating):
-                owner = owners.get(name, module)
-                if owner != module and owner in records and not _same(records[owner].output, records[module].output):
-                    break  # the module's own output was fused away (a residual add moved into the next node)
-                out[module] = value.astype(np.float32)
-                bias = (biases or {}).get(owner)
-                if bias is not None and producers.get(name) in BIASLESS_PRODUCTS and bias.shape == want[-1:]:
-                    out[module] = out[module] + bias
-                break
-    return out
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether a submodule's float32 output is its parent's too (a wrapper such as a feed-forward's last product)."""
-    return a.shape == b.shape and bool(np.array_equal(a, b))
-
-
 # ------------------------------------------------------------------------------------- locate
 def locate(
     root: str | Path,
@@ -420,7 +336,7 @@ def _recapture_reader(root: Path, manifest: Manifest, model: Any, args: tuple[An
 def _onnx_reader(root: Path, manifest: Manifest, model: Any, args: tuple[Any, ...], feeds: dict[str, np.ndarray],
                  records: dict[str, Any], trust: TrustPolicy | None) -> dict[str, Any]:  # fmt: skip
     try:
-        return _onnx_values(root, manifest, feeds, records, _linear_biases(model))
+        return onnx_values(root, manifest, feeds, records, linear_biases(model), wrapped=manifest.precision in REDUCED)
     except ImportError as exc:
         raise BackendUnavailableError(f"--engine onnx needs onnxruntime and onnx_ir: {exc}") from exc
 
