@@ -4,8 +4,8 @@ Each round generates ``new_tokens`` tokens (no stop token) from prompts of ``pro
 engine in a new random order (``tk.measure.timing.interleave``), so machine noise hits all alike. The loop
 times each step: the prefill's is the time to first token, the others are decode steps. For an
 ``hf:DIR`` artifact, transformers' own ``generate`` on the same model runs beside the engines (eager
-attention as loaded, its dynamic cache): its time to first token is a one-token ``generate``, its
-decode rate comes from the difference between a full one and that.
+attention as loaded, its dynamic cache; with ``compiled_rival`` also its static cache under ``torch.compile``),
+timed by a streamer that notes when each token is chosen: the first is its time to first token.
 
 Decode at batch 1 is bound by memory bandwidth: each step reads every weight and the cache. The table
 shows the bytes a step reads over its time, and that as a share of this machine's copy bandwidth,
@@ -14,6 +14,7 @@ measured in the same run (``copy_bandwidth``).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -150,28 +151,38 @@ def _transformers_rival(
 
     def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
         ids = torch.tensor(prompts, dtype=torch.int64)
-        mask = torch.ones_like(ids)
+        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  eos_token_id=None, pad_token_id=pad, **cache)  # fmt: skip
 
-        def generate(count: int) -> float:
-            config = GenerationConfig(do_sample=False, max_new_tokens=count, min_new_tokens=count, eos_token_id=None,
-                                      pad_token_id=pad, **cache)  # fmt: skip
+        def call() -> tuple[float, list[float]]:
+            clock = _TokenClock()
             original, model.forward = model.forward, forward  # the eager rival shares the model: swapped back after
             try:
                 started = time.perf_counter()
                 with torch.no_grad():
-                    model.generate(ids, attention_mask=mask, generation_config=config)
-                return time.perf_counter() - started
+                    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
             finally:
                 model.forward = original
-
-        def call() -> tuple[float, list[float]]:
-            first = generate(1)
-            whole = generate(new_tokens)
-            return first, [max(whole - first, 0.0) / (new_tokens - 1)]
+            ticks = clock.ticks[1:]  # the first put is the prompt, before the prefill
+            return ticks[0] - started, [b - a for a, b in itertools.pairwise(ticks)]
 
         return GenerationRun(call)
 
     return make
+
+
+class _TokenClock:
+    """A transformers streamer that notes when each token was chosen: one ``generate`` call gives its time to
+    first token and each decode step (two calls of different lengths would build two static caches)."""
+
+    def __init__(self) -> None:
+        self.ticks: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.ticks.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def render_generation(report: GenerationBench) -> Any:
