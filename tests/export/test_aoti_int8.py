@@ -335,7 +335,9 @@ def test_int8_aoti_refusals_name_what_was_expected(tmp_path):
                 formats=("onnx",), precision="int8", settings={"onnx": OnnxOptions(calibration_method="histogram")}
             ),
         )
-    with pytest.raises(UsageError, match="--int8-mode: applies to --format onnx or openvino only; this export writes aoti"):
+    with pytest.raises(
+        UsageError, match="--int8-mode: applies to --format onnx or openvino only; this export writes aoti"
+    ):
         export(
             spec,
             tmp_path / "b",

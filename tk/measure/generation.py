@@ -1,9 +1,11 @@
 """What a generation benchmark measures: per engine and batch, the time to first token and the decode steps
 (``GenerationRun`` times one generation call), and the machine's copy bandwidth, a decode step's ceiling.
-``tk.workflows.generation_bench`` runs them (``tk bench`` on a decoder artifact)."""
+``tk.workflows.generation_bench`` runs them (``tk bench`` on a decoder artifact). The rival it times beside an
+``hf:DIR`` artifact is transformers' own ``generate`` (``transformers_rival``)."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -99,3 +101,52 @@ class GenerationRun:
         return GenerationRow(
             name, batch, prompt_len, new_tokens, Spread.of(ttfts), Spread.of(steps), weights + cache, cache, mark
         )
+
+
+def transformers_rival(
+    model: Any, pad: int, *, compiled: bool = False
+) -> Callable[[list[list[int]], int], GenerationRun] | None:
+    """transformers' ``generate`` on ``model`` (None where it is no transformers model: the rival is left out);
+    ``compiled``: with its static cache and the forward under ``torch.compile`` (fullgraph), as transformers'
+    documentation speeds up generation, compiled in the untimed warm-up calls."""
+    if model is None or not hasattr(model, "generate"):
+        return None
+    from transformers import GenerationConfig
+
+    forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
+    cache = {"cache_implementation": "static"} if compiled else {}
+
+    def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
+        ids = torch.tensor(prompts, dtype=torch.int64)
+        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  eos_token_id=None, pad_token_id=pad, **cache)  # fmt: skip
+
+        def call() -> tuple[float, list[float]]:
+            clock = _TokenClock()
+            original, model.forward = model.forward, forward  # the eager rival shares the model: swapped back after
+            try:
+                started = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
+            finally:
+                model.forward = original
+            ticks = clock.ticks[1:]  # the first put is the prompt, before the prefill
+            return ticks[0] - started, [b - a for a, b in itertools.pairwise(ticks)]
+
+        return GenerationRun(call)
+
+    return make
+
+
+class _TokenClock:
+    """A transformers streamer that notes when each token was chosen: one ``generate`` call gives its time to
+    first token and each decode step (two calls of different lengths would build two static caches)."""
+
+    def __init__(self) -> None:
+        self.ticks: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.ticks.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass

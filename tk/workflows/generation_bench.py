@@ -14,8 +14,6 @@ measured in the same run (``copy_bandwidth``).
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,7 +23,13 @@ import torch
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
-from tk.measure.generation import GenerationBench, GenerationRow, GenerationRun, copy_bandwidth
+from tk.measure.generation import (
+    GenerationBench,
+    GenerationRow,
+    GenerationRun,
+    copy_bandwidth,
+    transformers_rival,
+)
 from tk.measure.hardware import machine_description
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
 from tk.measure.timing import interleave
@@ -70,8 +74,10 @@ def bench_generation(
         untimed = ["eager"] if rivals and "eager" not in names else []  # holds the model transformers runs
         opened = open_engines(stack, root, choice, [*names, *untimed], manifest=manifest)
         weights = _weight_bytes(root, manifest)
-        rival = _transformers_rival(opened, manifest) if rivals else None
-        compiled = _transformers_rival(opened, manifest, compiled=True) if rivals and compiled_rival else None
+        model = getattr(getattr(opened.get("eager"), "module", None), "model", None)  # an hf:DIR eager step's
+        pad = manifest.generation.get("pad_token_id") or 0
+        rival = transformers_rival(model, pad) if rivals else None
+        compiled = transformers_rival(model, pad, compiled=True) if rivals and compiled_rival else None
         opened = {name: opened[name] for name in names}
         for batch in batch_sizes:
             prompts = _prompts(batch, prompt_len, int(manifest.generation["vocab_size"]))
@@ -131,58 +137,6 @@ def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> Gener
         return out.step_seconds[0], out.step_seconds[1:]
 
     return GenerationRun(call)
-
-
-def _transformers_rival(
-    opened: dict[str, Any], manifest: Any, *, compiled: bool = False
-) -> Callable[[list[list[int]], int], GenerationRun] | None:
-    """transformers' ``generate`` on the artifact's model (an hf:DIR artifact's eager engine holds it);
-    ``compiled``: with its static cache and the forward under ``torch.compile`` (fullgraph), as transformers'
-    documentation speeds up generation, compiled in the untimed warm-up calls."""
-    eager = opened.get("eager")
-    model = getattr(getattr(eager, "module", None), "model", None)
-    if model is None or not hasattr(model, "generate"):
-        return None
-    from transformers import GenerationConfig
-
-    pad = manifest.generation.get("pad_token_id") or 0
-    forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
-    cache = {"cache_implementation": "static"} if compiled else {}
-
-    def make(prompts: list[list[int]], new_tokens: int) -> GenerationRun:
-        ids = torch.tensor(prompts, dtype=torch.int64)
-        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  eos_token_id=None, pad_token_id=pad, **cache)  # fmt: skip
-
-        def call() -> tuple[float, list[float]]:
-            clock = _TokenClock()
-            original, model.forward = model.forward, forward  # the eager rival shares the model: swapped back after
-            try:
-                started = time.perf_counter()
-                with torch.no_grad():
-                    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
-            finally:
-                model.forward = original
-            ticks = clock.ticks[1:]  # the first put is the prompt, before the prefill
-            return ticks[0] - started, [b - a for a, b in itertools.pairwise(ticks)]
-
-        return GenerationRun(call)
-
-    return make
-
-
-class _TokenClock:
-    """A transformers streamer that notes when each token was chosen: one ``generate`` call gives its time to
-    first token and each decode step (two calls of different lengths would build two static caches)."""
-
-    def __init__(self) -> None:
-        self.ticks: list[float] = []
-
-    def put(self, value: Any) -> None:
-        self.ticks.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def render_generation(report: GenerationBench) -> Any:

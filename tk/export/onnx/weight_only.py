@@ -89,9 +89,12 @@ def gemms_as_matmuls(model: Any) -> int:
             weight.CopyFrom(numpy_helper.from_array(transposed, weight.name))
         has_bias = len(node.input) > 2 and node.input[2]
         product = node.output[0] + "_matmul" if has_bias else node.output[0]
-        nodes.append(helper.make_node("MatMul", [node.input[0], node.input[1]], [product], name=node.name + "_MatMul"))
+        made = [helper.make_node("MatMul", [node.input[0], node.input[1]], [product], name=node.name + "_MatMul")]
         if has_bias:
-            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=node.name + "_Add"))
+            made.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=node.name + "_Add"))
+        for new in made:  # the exporter's scope metadata: which module the product belongs to (tk debug locate)
+            new.metadata_props.extend(node.metadata_props)
+        nodes += made
         count += 1
     del graph.node[:]
     graph.node.extend(nodes)
