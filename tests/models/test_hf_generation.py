@@ -162,6 +162,7 @@ def test_served_text_with_a_stop_string_streams_what_it_answers_whole(exported):
     and the streamed pieces add up to the whole reply's text."""
     import asyncio
 
+    from tests.serve.conftest import drained
     from tk.runtime import EngineChoice
     from tk.serve.config import ServeConfig, resolve
     from tk.serve.generation_server import GenerationHandler, GenerationServer
@@ -194,10 +195,7 @@ def test_served_text_with_a_stop_string_streams_what_it_answers_whole(exported):
     async def stopped():
         whole = await ask("/v1/completions", request)
         streamed = await ask("/v1/completions", {**request, "stream": True})
-        for _ in range(100):  # the rows a stop string ended leave the batch before its next step
-            if not handler.server.batch.rows:
-                break
-            await asyncio.sleep(0.01)
+        await drained(handler.server)  # the rows a stop string ended leave the batch before its next step
         return whole["choices"][0], streamed
 
     whole, streamed = asyncio.run(stopped())

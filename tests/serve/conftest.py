@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -99,3 +100,10 @@ class ServeProcess:
 @pytest.fixture
 def serve_process(tmp_path: Path) -> ServeProcess:
     return ServeProcess(tmp_path)
+
+
+async def drained(server: Any, seconds: float = 60.0) -> None:
+    """Until the decode batch is empty (a watchdog, not a timing: a busy machine only takes longer)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while server.batch.rows and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)

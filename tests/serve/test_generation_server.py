@@ -12,6 +12,7 @@ import random
 import pytest
 from click.testing import CliRunner
 
+from tests.serve.conftest import drained
 from tk.cli import cli
 from tk.runtime import EngineChoice, load
 from tk.runtime.decode_batch import DecodeBatch, Row
@@ -190,10 +191,7 @@ def test_a_client_that_goes_away_leaves_the_batch(handler):
         stream = reply.stream
         first = await stream.__anext__()
         await stream.aclose()  # what the web framework does when the client disconnects
-        for _ in range(100):  # the worker drops the row before its next step
-            if not server.batch.rows:
-                break
-            await asyncio.sleep(0.01)
+        await drained(server)  # the worker drops the row before its next step
         return first
 
     first = asyncio.run(go_away())
@@ -214,10 +212,7 @@ def test_a_reader_slower_than_the_batch_gets_every_token_and_the_ending_on_the_l
         async for chunk in reply.stream:
             events.append(json.loads(chunk.decode().removeprefix("data: ")))
             if len(events) == 1:
-                for _ in range(200):  # let the batch finish the row before reading on
-                    if not server.batch.rows:
-                        break
-                    await asyncio.sleep(0.01)
+                await drained(server)  # let the batch finish the row before reading on
         return events
 
     events = asyncio.run(slow())
