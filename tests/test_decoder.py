@@ -66,6 +66,38 @@ def test_the_cached_step_computes_what_the_plain_forward_does(trained):
     assert float((logits - plain).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("start", [0, 5])
+def test_attention_over_cache_then_step_equals_attention_over_the_cache_written(start):
+    """``step_visibility``'s keys (the cache's slots, then the step's) give what attention over the cache with
+    the step's keys written into their slots gives under the slot-wise mask (a row sees the slots it holds up
+    to its own; a padded token sees itself): left-padded rows, a stale value in a step's slot, prefill and decode."""
+    from tk.models.decoder import step_visibility
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, slots, dim = 3, 2, 16, 8
+    for width in (4, 1):
+        cache_position = torch.arange(start + 4, start + 4 + width)
+        mask = torch.zeros(batch, slots, dtype=torch.int64)
+        mask[0, start : start + 4 + width] = 1
+        mask[1, start + 2 : start + 4 + width] = 1  # two slots of padding
+        mask[2, cache_position[-1]] = 1  # only its newest token is real
+        past_k, past_v = torch.randn(batch, heads, slots, dim, generator=gen), torch.randn(batch, heads, slots, dim,
+                                                                                             generator=gen)  # fmt: skip
+        q, k, v = (torch.randn(batch, heads, width, dim, generator=gen) for _ in range(3))
+        written_k = past_k.index_copy(2, cache_position, k)
+        written_v = past_v.index_copy(2, cache_position, v)
+        seen = torch.arange(slots)[None, :] <= cache_position[:, None]
+        own = (torch.arange(slots)[None, :] == cache_position[:, None])[None, None]
+        slotwise = (seen[None, None] & mask.bool()[:, None, None, :]) | own
+        want = torch.nn.functional.scaled_dot_product_attention(q, written_k, written_v, attn_mask=slotwise)
+        visible = step_visibility(cache_position, mask)
+        assert visible.shape == (batch, 1, width, slots + width)
+        got = torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), attn_mask=visible
+        )
+        assert float((got - want).abs().max()) < 1e-6, width
+
+
 def test_the_trained_decoder_continues_its_rule(trained):
     spec, _ = trained
     cfg = SIZES["tiny"]

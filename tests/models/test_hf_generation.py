@@ -219,3 +219,35 @@ def test_tk_bench_times_transformers_compiled_static_cache_too(exported):
     )  # fmt: skip
     assert [r.engine for r in report.rows] == ["onnx", "transformers", "transformers compiled"]
     assert all(r.decode_step.median > 0 and r.ttft.median > 0 for r in report.rows)
+
+
+def test_grouped_attention_equals_transformers_sdpa_with_padding(decoders):
+    """The llama config shares 2 key/value heads among 4: tk's grouped attention gives transformers' SDPA
+    logits on left-padded prompts, prefill and decode, within float32 rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tk.models.hf_generation import use_grouped_attention
+
+    model = AutoModelForCausalLM.from_pretrained(decoders["llama"], attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5], mask[1, :1] = 0, 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        use_grouped_attention(model, model.config)
+        assert model.config._attn_implementation == "tk_sdpa_grouped"
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert (got - want)[real].abs().max().item() < 1e-5
+
+
+def test_the_graph_reads_the_cache_without_scatters_or_repeated_heads(exported):
+    """OpenVINO's IR of the llama step: attention over the cache then the step's keys (no scatter into the
+    cache) and the key/value heads read as they are (no broadcast of them to the query heads)."""
+    import openvino as ov
+
+    ops = [op.get_type_name() for op in ov.Core().read_model(str(exported["llama"] / "model.xml")).get_ordered_ops()]
+    assert ops.count("ScaledDotProductAttention") == 2  # one per layer
+    assert "ScatterElementsUpdate" not in ops and "ScatterUpdate" not in ops
+    assert ops.count("Broadcast") <= 1  # the mask's, once for all layers

@@ -15,8 +15,10 @@ cache (what is exported) it is one step of generation, prefill or decode, in one
 
 and returns the next-token ``logits`` (batch, vocab) of each row's last position and the new tokens'
 ``present_keys``/``present_values`` (batch, layers, heads, seq, head_dim), which the caller writes into
-its cache at ``cache_position`` (``tk.runtime.generation``). A slot is seen by a new token when the
-row's mask holds it and it is not after the token's own slot, and a token always sees its own slot.
+its cache at ``cache_position`` (``tk.runtime.generation``). Attention runs over the cache's slots
+followed by the step's own keys (a concatenation: no scatter into the cache in the graph), as
+``step_visibility`` says: a new token sees the earlier slots its row holds and the step's tokens up
+to itself, and always itself.
 """
 
 from __future__ import annotations
@@ -90,15 +92,14 @@ class CausalSelfAttention(nn.Module):
         self,
         x: torch.Tensor,
         visible: torch.Tensor,
-        cache_position: torch.Tensor,
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention of the new tokens over the cache with their own keys written in; also their keys and values."""
+        """Attention of the new tokens over the cache followed by their own keys; also their keys and values."""
         q, k, v = self._qkv(x)
         # the cache keeps its own dtype (float32 at the graph's edge) whatever the weights' precision
-        keys = past_keys.index_copy(2, cache_position, k.to(past_keys.dtype)).to(q.dtype)  # (B, heads, slots, head_dim)
-        values = past_values.index_copy(2, cache_position, v.to(past_values.dtype)).to(q.dtype)
+        keys = torch.cat([past_keys.to(q.dtype), k], dim=2)  # (B, heads, slots + T, head_dim)
+        values = torch.cat([past_values.to(q.dtype), v], dim=2)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         return self._out(attended), k.to(past_keys.dtype), v.to(past_values.dtype)
 
@@ -119,11 +120,10 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         visible: torch.Tensor,
-        cache_position: torch.Tensor,
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attended, k, v = self.attn.step(self.ln_attn(x), visible, cache_position, past_keys, past_values)
+        attended, k, v = self.attn.step(self.ln_attn(x), visible, past_keys, past_values)
         x = x + attended
         return x + self.ffn(self.ln_ffn(x)), k, v
 
@@ -152,15 +152,10 @@ class Decoder(nn.Module):
             return self.sequence_logits(input_ids)
         assert position_ids is not None and cache_position is not None and attention_mask is not None
         x = self.token_embedding(input_ids) + self.position_embedding(position_ids)
-        slots = torch.arange(past_keys.shape[3], device=input_ids.device)
-        causal = slots[None, :] <= cache_position[:, None]  # (T, slots): not after the token's own slot
-        own = (slots[None, :] == cache_position[:, None])[None, None]
-        # a padding token sees itself, so no row of the softmax is empty (OpenVINO and ONNX Runtime give NaN
-        # there, which would reach real tokens through the padding's keys); real tokens never see padding
-        visible = (causal[None, None] & attention_mask.bool()[:, None, None, :]) | own  # (B, 1, T, slots)
+        visible = step_visibility(cache_position, attention_mask)  # (B, 1, T, slots + T)
         keys, values = [], []
         for i, block in enumerate(self.blocks):
-            x, k, v = block.step(x, visible, cache_position, past_keys[:, i], past_values[:, i])
+            x, k, v = block.step(x, visible, past_keys[:, i], past_values[:, i])
             keys.append(k)
             values.append(v)
         logits = self.head(self.ln_final(x[:, -1]))  # (B, vocab): the next token after each row's last
@@ -173,6 +168,27 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_final(x))
+
+
+def step_visibility(cache_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Which keys each of a step's tokens sees (batch, 1, step, slots + step): the cache's slots, then the step's
+    own tokens (``cache_position``: their slots, ascending).
+
+    A token sees a cache slot before its own that its row holds and that is not one of the step's slots (those
+    hold nothing yet: the step's keys come after the cache), and the step's tokens up to itself whose slots its
+    row holds. A token always sees itself, so no row of the softmax is empty (OpenVINO and ONNX Runtime give NaN
+    there, which would reach real tokens through the padding's keys); real tokens never see padding.
+    """
+    slots = torch.arange(attention_mask.shape[1], device=cache_position.device)
+    held = attention_mask.bool()
+    step_slots = (slots[None, :] == cache_position[:, None]).any(dim=0)  # (slots,)
+    earlier = slots[None, :] < cache_position[:, None]  # (step, slots)
+    cached = earlier[None] & (held & ~step_slots[None])[:, None, :]  # (batch, step, slots)
+    step = torch.arange(cache_position.shape[0], device=cache_position.device)
+    causal = step[None, :] <= step[:, None]  # (step, step)
+    fed = held.index_select(1, cache_position)  # (batch, step): the step's tokens that are not padding
+    new = (causal[None] & fed[:, None, :]) | (step[None, :] == step[:, None])[None]
+    return torch.cat([cached, new], dim=2)[:, None]
 
 
 def rule_sequences(cfg: DecoderConfig, gen: torch.Generator, count: int, length: int) -> torch.Tensor:

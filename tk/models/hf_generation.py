@@ -3,11 +3,14 @@
 The step takes and returns what the built-in decoder's does (``tk.models.decoder``): new tokens, their
 positions and cache slots, the attention mask over the slots and the cache before the step; the
 next-token logits and the new tokens' keys and values. transformers' attention layers call the cache's
-``update`` with each layer's new keys and values; ``SlotCache`` writes them at the step's slots of the
-cache it was given and returns all slots, and the mask (a 4D float mask, which transformers uses as
-given) lets each token see the slots its row holds up to its own. The cache is an input and an output
-rather than module state (transformers' ``TorchExportableModuleForDecoderOnlyLM`` keeps it in buffers), so
-that ONNX Runtime, OpenVINO and AOTInductor run the same graph and the loop owns the cache.
+``update`` with each layer's new keys and values; ``SlotCache`` returns the cache's slots followed by the
+new tokens' keys and values (a concatenation, which every runtime does as one copy: writing them into
+their slots in the graph cost OpenVINO a scatter and two index broadcasts per layer, ~9% of a decode
+step of a 110M Llama-style model in bf16), and the mask (4D and additive, which transformers uses as
+given) is ``tk.models.decoder.step_visibility``'s. The cache is an input and an output rather than module
+state (transformers' ``TorchExportableModuleForDecoderOnlyLM`` keeps it in buffers), so that ONNX
+Runtime, OpenVINO and AOTInductor run the same graph and the loop owns the cache: it writes the step's
+keys and values at ``cache_position`` after the step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from tk.errors import UsageError
+from tk.models.decoder import step_visibility
 from tk.spec import Dim, Signature, TensorSpec
 
 MIN_CACHE = 4  # slots: a two-token prompt and two new tokens, the least the export check generates
@@ -28,13 +32,13 @@ PROMPT_OPT = 32
 
 
 class SlotCache:
-    """The cache transformers' attention layers write to: each layer's new keys and values go to the step's
-    slots of ``past_keys``/``past_values`` (batch, layer, kv_heads, slots, head_dim); kept for the step's output."""
+    """The cache transformers' attention layers read: each layer's cache slots of ``past_keys``/``past_values``
+    (batch, layer, kv_heads, slots, head_dim) followed by the step's new keys and values, kept for the output."""
 
     is_compileable = False
 
-    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor, cache_position: torch.Tensor) -> None:
-        self.past_keys, self.past_values, self.cache_position = past_keys, past_values, cache_position
+    def __init__(self, past_keys: torch.Tensor, past_values: torch.Tensor) -> None:
+        self.past_keys, self.past_values = past_keys, past_values
         self.new_keys: list[torch.Tensor] = []
         self.new_values: list[torch.Tensor] = []
 
@@ -45,8 +49,8 @@ class SlotCache:
         key_states, value_states = key_states.to(self.past_keys.dtype), value_states.to(self.past_values.dtype)
         self.new_keys.append(key_states)
         self.new_values.append(value_states)
-        keys = self.past_keys[:, layer_idx].index_copy(2, self.cache_position, key_states)
-        values = self.past_values[:, layer_idx].index_copy(2, self.cache_position, value_states)
+        keys = torch.cat([self.past_keys[:, layer_idx], key_states], dim=2)
+        values = torch.cat([self.past_values[:, layer_idx], value_states], dim=2)
         return keys.to(dtype), values.to(dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -71,14 +75,10 @@ class CausalLMStep(nn.Module):
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cache = SlotCache(past_keys, past_values, cache_position)
-        slots = torch.arange(past_keys.shape[3], device=input_ids.device)
-        causal = slots[None, :] <= cache_position[:, None]
-        own = (slots[None, :] == cache_position[:, None])[None, None]
-        visible = (causal[None, None] & attention_mask.bool()[:, None, None, :]) | own  # (B, 1, T, slots)
-        dtype = past_keys.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=input_ids.device).masked_fill(
-            ~visible, torch.finfo(dtype).min
+        cache = SlotCache(past_keys, past_values)
+        visible = step_visibility(cache_position, attention_mask)  # (B, 1, T, slots + T)
+        mask = torch.zeros(visible.shape, dtype=past_keys.dtype, device=input_ids.device).masked_fill(
+            ~visible, torch.finfo(past_keys.dtype).min
         )
         out = self.model(
             input_ids=input_ids,
@@ -89,6 +89,61 @@ class CausalLMStep(nn.Module):
             **{self.cache_keyword: cache},
         )
         return out.logits[:, -1], torch.stack(cache.new_keys, dim=1), torch.stack(cache.new_values, dim=1)
+
+
+GROUPED_SDPA = "tk_sdpa_grouped"  # transformers' SDPA attention, the key/value heads shared in the kernel
+
+
+def grouped_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with the query heads that share a key/value head stacked along the query's
+    tokens, so that keys and values are read as they are: transformers' own repeats them (an ``expand``)
+    whenever a mask is given, which OpenVINO runs as a broadcast and a multiply by ones per layer (~15% of a
+    decode step of a 110M Llama-style model with 4 key/value heads for 12, in bf16), and OpenVINO's converter
+    cannot compile SDPA's own ``enable_gqa``."""
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = key.shape[1]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is None and causal and tokens > 1:  # the stacked rows need the causal mask spelled out
+        seen = torch.ones(tokens, key.shape[2], dtype=torch.bool, device=query.device).tril(key.shape[2] - tokens)
+        attention_mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~seen, torch.finfo(query.dtype).min
+        )[None, None]
+    groups = heads // kv_heads
+    stacked = query.reshape(batch, kv_heads, groups * tokens, head_dim)  # row j * tokens + t: head kv * groups + j
+    if attention_mask is not None:
+        attention_mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask.shape[1] == 1 else (
+            attention_mask.reshape(attention_mask.shape[0], kv_heads, groups * tokens, -1)
+        )  # fmt: skip
+    out = torch.nn.functional.scaled_dot_product_attention(
+        stacked, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_attention(model: nn.Module, config: Any) -> None:
+    """Switch a model that shares key/value heads (GQA) from transformers' SDPA to ``grouped_sdpa_attention``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return
+    _layers, kv_heads, _head_dim = cache_layout(config)
+    heads = int(getattr(config, "num_attention_heads", None) or config.n_head)
+    if kv_heads == heads:
+        return
+    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the masks transformers makes for SDPA
+    model.set_attn_implementation(GROUPED_SDPA)
 
 
 def cache_layout(config: Any) -> tuple[int, int, int]:
@@ -112,6 +167,7 @@ def generation_graph(
     if not MIN_CACHE <= slots <= positions:
         raise UsageError(f"--max-cache-len: expected {MIN_CACHE} to {positions} (the config's positions), got {slots}")
     layers, kv_heads, head_dim = cache_layout(config)
+    use_grouped_attention(model, config)
     vocab = int(config.vocab_size)
     cache = ("batch", layers, kv_heads, slots, head_dim)
     present = ("batch", layers, kv_heads, "seq", head_dim)

@@ -5,7 +5,7 @@ slowest row before taking new requests, so ``DecodeBatch`` keeps every running s
 one batch: each ``step()`` runs one decode step for all of them, ``admit()`` prefills newcomers (together,
 left-padded) and appends their rows, and a finished or cancelled row is dropped between steps.
 
-The artifact's graph writes the new tokens at ``cache_position``, the same slots for every row, and a
+The loop writes the new tokens at ``cache_position``, the same slots for every row, and a
 row's attention mask says which slots hold its tokens; positions are carried by ``position_ids``, not by
 the slot. So rows need not start at the same slot: every row writes its next token at the batch's
 ``slot``, and newcomers' prompts are prefilled to end there. Attention over the slots a mask allows does
