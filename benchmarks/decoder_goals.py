@@ -14,14 +14,19 @@ the same interleaved rounds. The greedy tokens of each row are compared with tra
 prompt. ``--peers DIR``: where ``onnxruntime-genai`` is installed (``pip install --target DIR
 --no-deps onnxruntime-genai``), when it is not in this environment.
 
-optimum-intel's OpenVINO model, the issue's other peer, is not run: optimum-intel 2.2 (the newest on
-PyPI when this was written) does not import with transformers 5 (``VisionRotaryEmbedding``).
+optimum-intel's OpenVINO model, the issue's other peer, runs in a Python of its own (``--optimum-intel
+PYTHON``: optimum-intel 2.2, the newest on PyPI when this was written, does not import with transformers 5):
+``benchmarks/optimum_intel_worker.py`` exports the same directory there and answers each timed call over a
+pipe, idle between its turns; it runs at every precision (f32, bf16), and its greedy tokens are compared
+like the others'. Set one up with ``python3.11 -m venv /tmp/oivenv && /tmp/oivenv/bin/pip install
+"optimum-intel[openvino]" "transformers<5"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -172,22 +177,110 @@ def genai_rival(path: Path) -> tuple[Any, Any]:
     return make, run
 
 
-def tokens_agree(artifact: Path, prompt: list[int], new_tokens: int, genai: Any) -> dict[str, Any]:
-    """Greedy tokens of each engine, and of ONNX Runtime GenAI, against transformers' on one prompt."""
+class OptimumIntelRival:
+    """optimum-intel's ``OVModelForCausalLM`` of ``directory`` in ``python`` (``benchmarks/optimum_intel_worker.py``)
+    at ``precision`` (fp32, bf16): ``make`` is a ``bench_generation`` rival, ``greedy`` its tokens for one prompt."""
+
+    def __init__(self, python: str, directory: Path, precision: str) -> None:
+        worker = Path(__file__).with_name("optimum_intel_worker.py")
+        hint = {"fp32": "f32", "bf16": "bf16"}[precision]
+        self.process = subprocess.Popen(
+            [python, str(worker), str(directory), hint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+        )  # fmt: skip
+        assert self.process.stdout is not None and self.process.stdin is not None
+        for line in self.process.stdout:  # the export's own prints come first
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"{worker} ended before it was ready (exit {self.process.wait()})")
+
+    def ask(self, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+        assert self.process.stdout is not None and self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"prompt": prompt, "new_tokens": new_tokens}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        return self.ask(prompt, new_tokens)["tokens"]
+
+    def make(self, prompts: list[list[int]], new_tokens: int) -> Any:
+        from tk.measure.generation import GenerationRun
+
+        if len(prompts) != 1:
+            raise ValueError("the optimum-intel rival runs batch 1")
+
+        def call() -> tuple[float, list[float]]:
+            reply = self.ask(prompts[0], new_tokens)
+            return reply["ttft"], reply["steps"]
+
+        return GenerationRun(call)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def tokens_agree(
+    artifact: Path, prompt: list[int], new_tokens: int, peers: dict[str, Any], engines: tuple[str, ...]
+) -> dict[str, Any]:
+    """Greedy tokens of each engine, and of each peer (name: tokens of a prompt), against transformers' on one
+    prompt: the share equal, position by position."""
     from tk.models.hf_generation import transformers_greedy
     from tk.runtime import load
 
     out: dict[str, Any] = {}
     with load(artifact, "eager") as eager:
         want = transformers_greedy(eager.module, prompt, new_tokens, None)
-        for engine in ("onnx", "openvino"):
+        for engine in engines:
             with load(artifact, engine) as opened:
                 got = opened.generate([prompt], max_new_tokens=new_tokens, stop_ids=()).tokens[0]
             out[engine] = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
-    if genai is not None:
-        got = genai(prompt, new_tokens)
-        out["onnxruntime-genai"] = sum(a == b for a, b in zip(got, want, strict=False)) / len(want)
+    for name, greedy in peers.items():
+        got = greedy(prompt, new_tokens)
+        out[name] = sum(a == b for a, b in zip(got, want, strict=False)) / len(want)
     return out
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One model's table: tk's engines at ``args.precision`` and every peer there is, in the same rounds."""
+    from rich.console import Console
+
+    from tk.measure.load_guard import LoadGuard
+    from tk.runtime import EngineChoice
+    from tk.workflows.generation_bench import bench_generation, render_generation
+
+    directory = make_directory(name, args.work, args.tiny)
+    bf16 = args.precision == "bf16"
+    artifact = export_artifact(directory, args.work / f"{name}-art{'-bf16' if bf16 else ''}", args.precision)
+    engines = ("openvino",) if bf16 else ("onnx", "openvino")
+    others: dict[str, Any] = {}
+    greedy: dict[str, Any] = {}
+    if bf16:  # at fp32 the bench times transformers' eager generate itself
+        others["transformers bf16"] = transformers_rival(directory, torch.bfloat16)
+    if name == "llama" and not bf16 and importlib.util.find_spec("onnxruntime_genai") is not None:
+        others["onnxruntime-genai"], greedy["onnxruntime-genai"] = genai_rival(
+            build_genai(directory, args.work / "llama-genai", args.peers)
+        )
+    elif name == "llama" and not bf16:
+        print("note: onnxruntime-genai is not installed here (--peers DIR): its row is left out")
+    optimum = OptimumIntelRival(args.optimum_intel, directory, args.precision) if args.optimum_intel else None
+    if optimum is not None:
+        others["optimum-intel openvino"], greedy["optimum-intel openvino"] = optimum.make, optimum.greedy
+    try:
+        report = bench_generation(
+            artifact, EngineChoice(",".join(engines)), batch_sizes=[1], prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, rounds=args.rounds, rivals=not bf16, others=others, guard=LoadGuard(30.0),
+        )  # fmt: skip
+        Console(width=160).print(render_generation(report))
+        prompt = torch.randint(3, 200, (args.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
+        agreement = tokens_agree(artifact, prompt, args.new_tokens, greedy, engines)
+    finally:
+        if optimum is not None:
+            optimum.close()
+    print(f"{name}: greedy tokens equal to transformers' float32 over {args.new_tokens}: {agreement}")
+    return {**report.to_json(), "token_agreement": agreement}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--peers", default=None, help="where onnxruntime-genai is installed, if not here")
+    parser.add_argument("--optimum-intel", default=None, metavar="PYTHON",
+                        help="a Python with optimum-intel[openvino] (and transformers 4): its row")  # fmt: skip
     parser.add_argument("--work", type=Path, default=Path("runs/decoder-goals"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tiny", action="store_true", help="tiny configs: the script's logic in seconds")
@@ -205,42 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.peers:
         sys.path.insert(0, args.peers)
-    from rich.console import Console
-
-    from tk.measure.load_guard import LoadGuard
-    from tk.runtime import EngineChoice
-    from tk.workflows.generation_bench import bench_generation, render_generation
-
     run = BenchRun("decoder-goals", settings=vars(args))
-    results: dict[str, Any] = {}
-    for name in args.models.split(","):
-        directory = make_directory(name, args.work, args.tiny)
-        if args.precision == "bf16":
-            artifact = export_artifact(directory, args.work / f"{name}-art-bf16", "bf16")
-            report = bench_generation(
-                artifact, EngineChoice("openvino"), batch_sizes=[1], prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens, rounds=args.rounds, rivals=False, guard=LoadGuard(30.0),
-                others={"transformers bf16": transformers_rival(directory, torch.bfloat16)},
-            )  # fmt: skip
-            Console(width=160).print(render_generation(report))
-            results[name] = report.to_json()
-            continue
-        artifact = export_artifact(directory, args.work / f"{name}-art")
-        others, genai = {}, None
-        if name == "llama" and importlib.util.find_spec("onnxruntime_genai") is not None:
-            built = build_genai(directory, args.work / "llama-genai", args.peers)
-            others["onnxruntime-genai"], genai = genai_rival(built)
-        elif name == "llama":
-            print("note: onnxruntime-genai is not installed here (--peers DIR): its row is left out")
-        report = bench_generation(
-            artifact, EngineChoice("onnx,openvino"), batch_sizes=[1], prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens, rounds=args.rounds, others=others, guard=LoadGuard(30.0),
-        )  # fmt: skip
-        Console(width=160).print(render_generation(report))
-        prompt = torch.randint(3, 200, (args.prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
-        agreement = tokens_agree(artifact, prompt, args.new_tokens, genai)
-        print(f"{name}: greedy tokens equal to transformers' over {args.new_tokens}: {agreement}")
-        results[name] = {**report.to_json(), "token_agreement": agreement}
+    results = {name: bench_model(name, args) for name in args.models.split(",")}
     print(f"results: {run.write(results, args.out)}")
 
 

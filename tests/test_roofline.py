@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from tk.cli import cli
+from tk.measure.floor import ModelFloor
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.roofline import (
     LinearShape,
@@ -106,6 +107,18 @@ def test_peaks_sampled_between_the_timed_calls_fill_the_shares(monkeypatch):
     assert row.peak_share == pytest.approx(rate / Spread.of(peaks[0].samples).median, rel=1e-3)
     assert settings["peaks"]["fp32"]["2"]["gflops"]["n"] == 3 and settings["flops_per_sample"] == roofline.flops
     assert roofline.median("fp32", 2) == Spread.of(peaks[0].samples).median and roofline.median("fp32", 4) is None
+    floor = peaks[1]  # the model's products alone, sampled in the same rounds
+    assert isinstance(floor, ModelFloor) and len(floor.samples) == 3
+    assert [(p.m, p.k, p.n, p.count) for p in floor.products] == [(16, 16, 32, 2), (16, 32, 16, 2), (2, 16, 4, 1)]
+    assert row.floor_share == pytest.approx(floor.spread().median / 1e-3, rel=1e-3)
+    assert settings["floors"]["fp32"]["2"]["seconds"]["n"] == 3 and settings["floor_skipped"] is None
+
+
+def test_a_model_mostly_of_convolutions_has_no_floor():
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 4))
+    roofline = Roofline(model, (torch.randn(1, 3, 8, 8),), ["fp32"])
+    assert roofline.floor_skipped.startswith("its linear and attention products are ")
+    assert all(isinstance(m, ShapePeak) for m in roofline.between(1))
 
 
 def test_spread_is_median_quartiles_and_range():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from benchmarks.goals.pick import PICK
-
 
 def of_peak(r: dict) -> str:
     """The share of the median rate at the model's shapes, in the row's precision."""
@@ -48,24 +46,12 @@ def render(rows: list[dict], machine: dict) -> Table:
     return table
 
 
-def render_pick(rows: list[dict], machine: dict) -> Table:
-    """Issue 22's first goal: one line per engine and shape (``benchmarks.goals.pick``)."""
-    table = Table(
-        title=f"tk optimize's pick vs its rivals, {machine.get('cpu')}, {machine.get('torch_threads')} threads"
-    )
-    for header in ("shape", "engine", "ms", "x faster rival", "min cosine", "met"):
-        table.add_column(header, justify="left" if header in ("engine", "met") else "right")
-    for r in rows:
-        rival_ms = r["ms"][r["faster_rival"]]
-        for name, value in r["ms"].items():
-            pick = name == PICK
-            what = f"{name} ({', '.join(str(v) for v in r['pick'].values() if v)})" if pick else name
-            table.add_row(
-                r["shape"] + (" (busy machine)" if r.get("busy") else ""),
-                what,
-                f"{value:.1f}",
-                f"{rival_ms / value:.2f}×",
-                f"{r['min_cosine'][name]:.7f}" if name in r["min_cosine"] else "ref",
-                (("yes" if r["met"] else "no") + f" ({r['goal_text']})") if pick else "",
-            )
-    return table
+def render_pick(results: list[dict], machine: dict) -> list[Table]:
+    """Issue 47's pick goals: one table per shape (``benchmarks.goals.pick``, in ``benchmarks.peers``' harness)."""
+    from benchmarks.peers import render_peers
+
+    return [
+        render_peers(r, f"tk optimize's pick vs its rivals at {r['shape']}, {machine.get('cpu')}, "
+                        f"{machine.get('torch_threads')} threads: goal {'met' if r['met'] else 'not met'} ({r['goal_text']})")
+        for r in results
+    ]  # fmt: skip

@@ -21,6 +21,10 @@ The model's work is counted by ``torch.utils.flop_counter.FlopCounterMode`` on t
 at batch 1 and scaled by the batch size (exact for models whose samples are independent, which
 the export check's batch-invariance probe verifies). An artifact's share of peak is its FLOPs /
 its p50 time over the median rate of its precision at its batch size.
+
+Beside it, the model's floor (``tk.measure.floor``): its linear and attention products timed alone at
+their shapes in the artifact's precision, sampled in the same rounds; an artifact's share of the floor
+is the floor's median over its p50.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ import torch
 from torch import nn
 
 from tk.formats.products import PRECISION_DTYPES, packed_linear
+from tk.measure.floor import ModelFloor, model_products
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.timing import Spread
 
 # Below this many FLOPs a call, a product's time is its call overhead, not a rate: the tiny Transformer's
 # linears (32 wide) "ran" at 0-52 GFLOP/s and its packages at 44x that "peak"
 MIN_PEAK_GFLOP = 0.05
+FLOOR_COVERS = 0.8  # of the model's FLOPs: below, its products alone are no floor (a CNN's convolutions)
 
 
 @dataclass(frozen=True)
@@ -153,8 +159,9 @@ def engine_precision(engine: str, artifact_precision: str) -> str:
 
 
 class Roofline:
-    """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` per precision and
-    batch factor whose calls a timing loop runs between the model's (``between``).
+    """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` and a ``ModelFloor`` per
+    precision and batch factor whose calls a timing loop runs between the model's (``between``); no floor
+    where the model's linear and attention products are under ``FLOOR_COVERS`` of its FLOPs (``floor_skipped``).
 
     ``tk bench --roofline`` counts at batch 1 and asks ``between(batch_size)``; a script that
     counts at its own batch asks ``between(1)``. A precision this machine cannot measure the
@@ -164,20 +171,31 @@ class Roofline:
     def __init__(self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str]) -> None:
         self.flops = model_flops(module, example)
         self.shapes = linear_shapes(module, example)
+        self.products = model_products(lambda: module(*example))
+        covered = sum(p.flops for p in self.products)
+        self.floor_skipped = None if self.products and covered >= FLOOR_COVERS * self.flops else (
+            f"its linear and attention products are {covered / max(self.flops, 1):.0%} of its FLOPs (convolutions "
+            "and other work are not timed as a floor)"
+        )  # fmt: skip
         wanted = sorted(set(precisions))
         self.skipped = {p: why for p in wanted if (why := peak_unavailable_reason(p))}
         if not self.shapes:
             self.skipped |= {p: "the model calls no nn.Linear" for p in wanted}
         self.precisions = [p for p in wanted if p not in self.skipped]
         self.peaks: dict[tuple[str, int], ShapePeak] = {}
+        self.floors: dict[tuple[str, int], ModelFloor] = {}
 
-    def between(self, batch: int = 1) -> list[ShapePeak]:
-        """One ``ShapePeak`` per precision at the shapes scaled to ``batch``; earlier operands are freed."""
-        for peak in self.peaks.values():
-            peak.release()
+    def between(self, batch: int = 1, floors: bool = True) -> list[ShapePeak | ModelFloor]:
+        """One ``ShapePeak`` (and with ``floors`` one ``ModelFloor``) per precision at the shapes scaled to
+        ``batch``; earlier operands are freed."""
+        for measured in [*self.peaks.values(), *self.floors.values()]:
+            measured.release()
         made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
+        floors = floors and self.floor_skipped is None
+        timed = [ModelFloor(p, [q.at_batch(batch) for q in self.products]) for p in self.precisions] if floors else []
         self.peaks |= {(p.precision, batch): p for p in made}
-        return made
+        self.floors |= {(f.precision, batch): f for f in timed}
+        return [*made, *timed]
 
     def median(self, precision: str, batch: int = 1) -> float | None:
         """The median rate sampled for ``precision`` at ``batch``, or None where none was."""
@@ -199,6 +217,10 @@ class Roofline:
             median = self.median(precision_of(row.engine), row.batch_size)
             if median is not None:
                 row.peak_share = float(f"{rate / median:.4g}")
+            floor = self.floors.get((precision_of(row.engine), row.batch_size))
+            share = floor.share(row.p50_ms / 1e3) if floor is not None else None
+            if share is not None:
+                row.floor_share = float(f"{share:.4g}")
         settings = {"flops_per_sample": self.flops} | self.to_json()
         if small:
             settings["no_share"] = (
@@ -212,4 +234,9 @@ class Roofline:
         for (precision, batch), peak in self.peaks.items():
             if peak.samples:
                 peaks.setdefault(precision, {})[str(batch)] = peak.to_json()
-        return {"peaks": peaks, "skipped": self.skipped, "torch_threads": torch.get_num_threads()}
+        floors: dict[str, dict[str, Any]] = {}
+        for (precision, batch), floor in self.floors.items():
+            if floor.samples:
+                floors.setdefault(precision, {})[str(batch)] = floor.to_json()
+        return {"peaks": peaks, "floors": floors, "floor_skipped": self.floor_skipped, "skipped": self.skipped,
+                "torch_threads": torch.get_num_threads()}  # fmt: skip

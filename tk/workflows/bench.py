@@ -63,6 +63,7 @@ class BenchRow:
     peak_gpu_mb: float | None = None  # peak GPU memory allocated while warming this engine up (CUDA)
     gflops: float | None = None  # model FLOPs / p50 (with --roofline)
     peak_share: float | None = None  # gflops / the median matrix-product rate of its precision (--roofline)
+    floor_share: float | None = None  # the model's products timed alone in its precision / p50 (--roofline)
     load_before: float | None = None  # 1-minute load average when this batch size's rounds began
     load_after: float | None = None  # and when they ended
     busy: bool = False  # other work competed for the cores (tk.measure.load_guard.LoadMark.busy)
@@ -262,7 +263,7 @@ def render_table(report: BenchReport) -> Table:
     if gpu_columns:
         headers += ["H2D ms", "compute ms", "D2H ms", "peak MiB"]
     if roofline:
-        headers += ["GFLOP/s", "of peak"]
+        headers += ["GFLOP/s", "of peak", "of floor"]
     if loads:
         headers += ["load"]
     for header in headers:
@@ -275,7 +276,7 @@ def render_table(report: BenchReport) -> Table:
             peak = "—" if r.peak_gpu_mb is None else f"{r.peak_gpu_mb:,.0f}"
             cells += [_maybe_ms(r.h2d_ms), _maybe_ms(r.compute_ms), _maybe_ms(r.d2h_ms), peak]
         if roofline:
-            cells += [_gflops(r.gflops), _share(r.peak_share)]
+            cells += [_gflops(r.gflops), _share(r.peak_share), _share(r.floor_share)]
         if loads:
             cells += [_load(r)]
         table.add_row(*cells)
@@ -308,11 +309,15 @@ def roofline_note(roofline: dict[str, Any]) -> str:
         for batch, peak in by_batch.items():
             g = peak["gflops"]
             rates.append(f"{precision} @{batch} {g['median']:,.0f} ({g['min']:,.0f}-{g['max']:,.0f})")
+    floors = [f"{precision} @{batch} {1e3 * f['seconds']['median']:.3g} ms"
+              for precision, by_batch in roofline.get("floors", {}).items() for batch, f in by_batch.items()
+              if f.get("seconds")]  # fmt: skip
     skipped = "; ".join(f"{p}: {why}" for p, why in roofline.get("skipped", {}).items())
     no_share = f"; no share of peak at {roofline['no_share']}" if roofline.get("no_share") else ""
     return (
         f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; matmul rate at the model's "
         f"linear shapes, median (min-max) GFLOP/s: {', '.join(rates)}"
+        + (f"; floor (its linear and attention products alone, median): {', '.join(floors)}" if floors else "")
         + (f"; skipped {skipped}" if skipped else "")
         + no_share
     )

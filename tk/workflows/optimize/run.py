@@ -417,6 +417,7 @@ class _Run:
             row.p50_ms = timed.p50_ms.get(candidate.name)
             row.speedup = timed.speedup.get(candidate.name)
             row.peak_share = timed.peak_share.get(candidate.name)
+            row.floor_share = timed.floor_share.get(candidate.name)
             row.busy = timed.busy
         timed_rows = [by_name[c.name] for c, _, _ in entries if by_name[c.name].p50_ms is not None]
         if not timed_rows:

@@ -36,6 +36,7 @@ class Row:
     p50_ms: float | None = None
     speedup: float | None = None  # eager fp32 p50 / this p50, in the same interleaved run
     peak_share: float | None = None  # model FLOPs / p50 / the matmul peak of its precision, where measured
+    floor_share: float | None = None  # the model's products timed alone in its precision / p50, where measured
     busy: bool = False  # timed while the load average exceeded the usable cores
     cached: bool = False  # the artifact came from the cache
     winner: bool = False
@@ -59,7 +60,9 @@ def render(rows: list[Row], title: str) -> Table:
     from rich.table import Table
 
     table = Table(title=title)
-    for header in ("candidate", "result", "accuracy (held-out)", "p50 ms", "× eager fp32", "of peak"):
+    floors = any(row.floor_share is not None for row in rows)  # measured with the peaks (not under --no-peaks)
+    for header in ("candidate", "result", "accuracy (held-out)", "p50 ms", "× eager fp32", "of peak",
+                   *(("of floor",) if floors else ())):  # fmt: skip
         table.add_column(
             header, justify="left" if header in ("candidate", "result", "accuracy (held-out)") else "right"
         )
@@ -78,6 +81,7 @@ def render(rows: list[Row], title: str) -> Table:
             "—" if row.p50_ms is None else f"{row.p50_ms:.3g}",
             "—" if row.speedup is None else f"{row.speedup:.2f}×",
             "—" if row.peak_share is None else f"{100 * row.peak_share:.0f}%",
+            *(("—" if row.floor_share is None else f"{100 * row.floor_share:.0f}%",) if floors else ()),
         )
     return table
 

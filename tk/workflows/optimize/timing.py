@@ -1,7 +1,8 @@
 """Timing the candidates that kept the accuracy: interleaved in one process, beside eager float32,
 at the user's batch and sequence (``tk.workflows.bench.measure``), under the load guard (rows timed
 on a busy machine are marked), and each one's share of its precision's matrix-product rate at the
-model's own linear shapes, sampled between the calls (``tk.measure.roofline``)."""
+model's own linear shapes and of the model's floor (its products timed alone in its precision), sampled
+between the calls (``tk.measure.roofline``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Timed:
     p50_ms: dict[str, float] = field(default_factory=dict)  # label -> p50 (eager included)
     speedup: dict[str, float | None] = field(default_factory=dict)
     peak_share: dict[str, float] = field(default_factory=dict)
+    floor_share: dict[str, float] = field(default_factory=dict)
     busy: bool = False  # other work competed for the cores during the rounds (the load guard's mark)
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -71,6 +73,8 @@ def time_candidates(
         timed.p50_ms[row.engine], timed.speedup[row.engine] = row.p50_ms, row.speedup
         if row.peak_share is not None:
             timed.peak_share[row.engine] = row.peak_share
+        if row.floor_share is not None:
+            timed.floor_share[row.engine] = row.floor_share
         timed.busy = timed.busy or row.busy
     timed.settings["load"] = [
         {"load_before": r.load_before, "load_after": r.load_after, "others_cores": r.others_cores}

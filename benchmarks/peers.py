@@ -1,0 +1,290 @@
+"""A comparison with peers that cannot flatter tk (issue 47): one harness for every goal script that puts tk's
+artifact beside other tools' engines of the same encoder.
+
+- **Fed as each graph wants, on realistic inputs.** Every engine gets exactly the inputs its graph takes
+  (Optimum's ONNX of a BERT leaves out ``token_type_ids``) from one set of feeds that looks like a tokenizer's:
+  prompts of different lengths padded on the right with the pad id, the mask 0 there, ``token_type_ids``
+  all 0 (``realistic_feeds``).
+- **Accuracy on those very feeds.** Each engine's first output is compared with the framework's float32
+  model on the same feeds (the lowest cosine of a sample over its real tokens); an engine below the bar the
+  pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
+- **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
+  next, round after round, the order rotating; onnxruntime sessions do not spin between runs
+  (``plain_session``), so no runtime's threads busy-wait while another runs. The same rounds run a second
+  time in the reverse order, and each engine is timed once more **alone in a fresh process**
+  (``python -m benchmarks.peers alone``): the table shows all three medians and the largest gap.
+- **The model's floor.** ``tk.measure.floor.ModelFloor`` samples between blocks: the time of the model's
+  linear and attention products at their shapes in each engine's precision; each row shows its share.
+
+``Recipe`` says how to open an engine in any process (a kind, a path, options): ``tk`` (an artifact, opened
+with ``tk.runtime.load``; its native code trusted: name only your own), ``onnxruntime`` (an ONNX file),
+``openvino`` (an ONNX file or IR compiled for the CPU with ``options`` as its configuration: ``{}`` is
+OpenVINO's default) and ``transformers`` (a directory, float32: the reference).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KINDS = ("tk", "onnxruntime", "openvino", "transformers")
+AGREE_WITHIN = 0.05  # the orders' and the lone process's medians within 5% of each other
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    kind: str
+    path: str
+    precision: str = "fp32"  # what its products run in: picks its floor
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"recipe {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+
+@dataclass
+class Opened:
+    """An engine opened from its recipe: the inputs its graph takes and a call on exactly those."""
+
+    recipe: Recipe
+    inputs: list[str]
+    call: Callable[[dict[str, np.ndarray]], np.ndarray]
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return self.call({name: feeds[name] for name in self.inputs})
+
+
+def open_recipe(recipe: Recipe, threads: int | None = None) -> Opened:
+    threads = threads or torch.get_num_threads()
+    if recipe.kind == "tk":
+        from tk.manifest import read_manifest
+        from tk.runtime import load
+        from tk.runtime.registry import engine_class
+        from tk.signing import TrustPolicy
+
+        name = read_manifest(recipe.path).recommended_engine or "onnx"
+        quiet = {"spinning": False} if "spinning" in engine_class(name).option_names() else {}  # as the rivals
+        engine = load(recipe.path, name, trust=TrustPolicy(trust_artifact_code=True, warn=False), **quiet)
+        output = engine.outputs[0].name
+        return Opened(recipe, [i.name for i in engine.inputs],
+                      lambda feeds: np.asarray(engine.run(feeds, check=False)[output]))  # fmt: skip
+    if recipe.kind == "onnxruntime":
+        from tk.workflows.ort_session import plain_session
+
+        session = plain_session(recipe.path, threads)
+        return Opened(recipe, [i.name for i in session.get_inputs()], lambda feeds: session.run(None, feeds)[0])
+    if recipe.kind == "openvino":
+        import openvino as ov
+
+        core = ov.Core()
+        compiled = core.compile_model(core.read_model(recipe.path), "CPU", dict(recipe.options))
+        request = compiled.create_infer_request()
+        return Opened(recipe, [p.get_any_name() for p in compiled.inputs],
+                      lambda feeds: np.array(request.infer(feeds)[compiled.output(0)]))  # fmt: skip
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(recipe.path, local_files_only=True, dtype=torch.float32).eval()
+    takes = inspect.signature(model.forward).parameters
+    names = [n for n in ("input_ids", "attention_mask", "token_type_ids") if n in takes]
+
+    def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
+        with torch.inference_mode():
+            return model(**{k: torch.from_numpy(v) for k, v in feeds.items()})[0].numpy()
+
+    return Opened(recipe, names, run)
+
+
+def realistic_feeds(batch: int, seq: int, vocab: int, seed: int, *, cls: int = 101, sep: int = 102,
+                    pad: int = 0) -> dict[str, np.ndarray]:  # fmt: skip
+    """A tokenizer's batch: lengths from a quarter of ``seq`` to ``seq`` (the longest exactly ``seq``), ``cls``
+    first and ``sep`` last, random word ids between, ``pad`` after with the mask 0, ``token_type_ids`` all 0."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(2, seq // 4), seq + 1, size=batch)
+    lengths[0] = seq
+    ids = np.full((batch, seq), pad, dtype=np.int64)
+    mask = np.zeros((batch, seq), dtype=np.int64)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = rng.integers(max(sep, cls) + 1, vocab, size=length)
+        ids[row, 0], ids[row, length - 1] = cls, sep
+        mask[row, :length] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+
+
+def min_cosines(engines: dict[str, Opened], reference: Opened, feeds: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Each engine's lowest cosine against ``reference`` over every sample of ``feeds``, at real tokens."""
+    from tk.accuracy import measure_outputs
+
+    worst = dict.fromkeys(engines, math.inf)
+    for batch in feeds:
+        want = reference(batch)
+        for name, engine in engines.items():
+            values, _ = measure_outputs({"out": want}, {"out": engine(batch)}, mask=batch["attention_mask"])
+            worst[name] = min(worst[name], float(values["cosine"] if values["cosine"] is not None else -1.0))
+    return {name: round(v, 7) for name, v in worst.items()}
+
+
+def time_in_blocks(engines: dict[str, Opened], feeds: dict[str, np.ndarray], *, rounds: int, block: int,
+                   order: list[str], between: list[Callable[[], None]] = ()) -> dict[str, list[float]]:  # fmt: skip
+    """Each engine's call times: ``rounds`` rounds of ``block`` calls of each engine in turn (``order``, rotated
+    by one every round), one untimed call before each block; ``between`` runs after every block."""
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(rounds):
+        turn = order[r % len(order) :] + order[: r % len(order)]
+        for name in turn:
+            engine = engines[name]
+            engine(feeds)  # the block's first call pays for the previous engine's caches
+            for _ in range(block):
+                start = time.perf_counter()
+                engine(feeds)
+                times[name].append(time.perf_counter() - start)
+            for call in between:
+                call()
+    return times
+
+
+def time_alone(recipe: Recipe, feeds_file: Path, calls: int, threads: int) -> list[float]:
+    """``recipe``'s call times in a fresh Python process where it is the only engine."""
+    command = [sys.executable, "-m", "benchmarks.peers", "alone", json.dumps(asdict(recipe)), str(feeds_file),
+               str(calls), str(threads)]  # fmt: skip
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> None:
+    torch.set_num_threads(int(threads))
+    engine = open_recipe(Recipe(**json.loads(recipe_json)), int(threads))
+    with np.load(feeds_file) as stored:
+        feeds = {k: stored[k] for k in stored.files}
+    for _ in range(3):
+        engine(feeds)
+    times = []
+    for _ in range(int(calls)):
+        start = time.perf_counter()
+        engine(feeds)
+        times.append(time.perf_counter() - start)
+    print(json.dumps(times))
+
+
+def median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+@dataclass
+class PeerSettings:
+    batch: int = 8
+    seq: int = 128
+    rounds: int = 6  # rounds of blocks, in each order
+    block: int = 5  # calls of one engine in a row
+    samples: int = 64  # inputs each engine's accuracy is measured on (batches of 8)
+    bar: float = 0.9999  # the lowest cosine the pick is held to: a rival below it is invalid
+    alone_calls: int = 30
+    vocab: int = 30522
+    seed: int = 7
+
+
+def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSettings, work: Path) -> dict[str, Any]:
+    """One table: ``recipes`` (the pick among them) and the ``reference`` (the framework's float32 model), each
+    judged on the same realistic feeds and timed in blocks both ways, alone, and against the model's floor."""
+    from tk.measure.floor import ModelFloor, model_products
+
+    threads = torch.get_num_threads()
+    engines = {r.name: open_recipe(r, threads) for r in [*recipes, reference]}
+    accuracy_feeds = [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(max(1, s.samples // 8))]
+    cosines = min_cosines({r.name: engines[r.name] for r in recipes}, engines[reference.name], accuracy_feeds)
+    feeds = realistic_feeds(s.batch, s.seq, s.vocab, seed=s.seed)
+    products = model_products(lambda: engines[reference.name](feeds))
+    floors = {p: ModelFloor(p, products) for p in sorted({r.precision for r in [*recipes, reference]})}
+    order = list(engines)
+    between = list(floors.values())
+    forward = time_in_blocks(engines, feeds, rounds=s.rounds, block=s.block, order=order, between=between)
+    backward = time_in_blocks(engines, feeds, rounds=s.rounds, block=s.block, order=order[::-1], between=between)
+    work.mkdir(parents=True, exist_ok=True)
+    feeds_file = work / "peer-feeds.npz"
+    np.savez(feeds_file, **feeds)
+    alone = {r.name: time_alone(r, feeds_file, s.alone_calls, threads) for r in [*recipes, reference]}
+    rows = []
+    for r in [*recipes, reference]:
+        both = forward[r.name] + backward[r.name]
+        medians = [median_ms(forward[r.name]), median_ms(backward[r.name]), median_ms(alone[r.name])]
+        floor = floors[r.precision]
+        rows.append({
+            "engine": r.name, "kind": r.kind, "precision": r.precision, "inputs": engines[r.name].inputs,
+            "min_cosine": None if r is reference else cosines[r.name],
+            "valid": r is reference or cosines[r.name] >= s.bar,
+            "ms": round(median_ms(both), 3), "q1_ms": round(1e3 * float(np.quantile(both, 0.25)), 3),
+            "q3_ms": round(1e3 * float(np.quantile(both, 0.75)), 3),
+            "ms_in_order": round(medians[0], 3), "ms_reversed": round(medians[1], 3), "ms_alone": round(medians[2], 3),
+            "gap": round(max(medians) / min(medians) - 1, 4),
+            "floor_ms": round(1e3 * floor.spread().median, 3), "floor_share": round(floor.share(median_ms(both) / 1e3), 4),
+        })  # fmt: skip
+    return {"rows": rows, "pick": pick, "verdict": verdict(rows, pick, reference.name),
+            "floors": {p: f.to_json() for p, f in floors.items()}, "settings": asdict(s)}  # fmt: skip
+
+
+def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, Any]:
+    """The pick against the faster valid rival (an invalid one is named, never counted as beaten), and whether
+    every engine's three timings agree within ``AGREE_WITHIN``."""
+    by_name = {r["engine"]: r for r in rows}
+    rivals = [r for r in rows if r["engine"] not in (pick, reference)]
+    valid = [r for r in rivals if r["valid"]]
+    faster = min(valid, key=lambda r: r["ms"]) if valid else None
+    return {
+        "pick_valid": by_name[pick]["valid"],
+        "faster_valid_rival": faster["engine"] if faster else None,
+        "speedup": round(faster["ms"] / by_name[pick]["ms"], 3) if faster else None,
+        "speedup_vs_reference": round(by_name[reference]["ms"] / by_name[pick]["ms"], 3),
+        "invalid_rivals": [r["engine"] for r in rivals if not r["valid"]],
+        "timings_agree": all(r["gap"] <= AGREE_WITHIN for r in rows),
+    }
+
+
+def render_peers(result: dict[str, Any], title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, caption=_caption(result))
+    for column in ("engine", "precision", "inputs", "min cosine", "ms (q1-q3)", "in order", "reversed", "alone",
+                   "gap", "floor ms", "of floor", "vs pick"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("engine", "inputs") else "right")
+    pick_ms = next(r["ms"] for r in result["rows"] if r["engine"] == result["pick"])
+    for r in result["rows"]:
+        cosine = (
+            "reference" if r["min_cosine"] is None else f"{r['min_cosine']:.6f}" + ("" if r["valid"] else " INVALID")
+        )
+        table.add_row(
+            r["engine"], r["precision"], str(len(r["inputs"])), cosine, f"{r['ms']:.2f} ({r['q1_ms']:.2f}-{r['q3_ms']:.2f})",
+            f"{r['ms_in_order']:.2f}", f"{r['ms_reversed']:.2f}", f"{r['ms_alone']:.2f}", f"{100 * r['gap']:.1f}%",
+            f"{r['floor_ms']:.2f}", f"{100 * r['floor_share']:.0f}%", f"{r['ms'] / pick_ms:.2f}x",
+        )  # fmt: skip
+    return table
+
+
+def _caption(result: dict[str, Any]) -> str:
+    v, s = result["verdict"], result["settings"]
+    against = (
+        f"{v['speedup']}x the faster valid rival ({v['faster_valid_rival']})" if v["speedup"] else "no valid rival"
+    )
+    invalid = (
+        f"; invalid (below min cosine {s['bar']}): {', '.join(v['invalid_rivals'])}" if v["invalid_rivals"] else ""
+    )
+    agree = "agree" if v["timings_agree"] else "DO NOT agree"
+    return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; in order, "
+            f"reversed and alone {agree} within {AGREE_WITHIN:.0%}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
+            f"of {s['block']} calls each way, accuracy on {s['samples']} padded inputs")  # fmt: skip
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "alone":
+    _alone_main(*sys.argv[2:])

@@ -1,0 +1,100 @@
+"""The fair peer harness (benchmarks.peers) and the model's floor (tk.measure.floor): feeds, products, block
+order, verdicts. No timing is judged: only counts, shapes and the arithmetic on given numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.peers import Opened, Recipe, realistic_feeds, time_alone, time_in_blocks, verdict
+from tk.measure.floor import ModelFloor, Product, attention_precision, model_products
+
+
+def test_realistic_feeds_pad_on_the_right_with_type_ids_zero():
+    feeds = realistic_feeds(6, 20, 1000, seed=3)
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    assert ids.shape == mask.shape == feeds["token_type_ids"].shape == (6, 20)
+    assert not feeds["token_type_ids"].any()
+    lengths = mask.sum(axis=1)
+    assert lengths[0] == 20 and lengths.min() >= 5 and len(set(lengths.tolist())) > 1
+    for row, length in enumerate(lengths):
+        assert (mask[row, :length] == 1).all() and (mask[row, length:] == 0).all()
+        assert ids[row, 0] == 101 and ids[row, length - 1] == 102 and (ids[row, length:] == 0).all()
+        assert (ids[row, 1 : length - 1] > 102).all()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_model_products_counts_linears_and_attention_at_their_shapes(attention):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=32, attn_implementation=attention)  # fmt: skip
+    model = BertModel(config).eval()
+    ids = torch.randint(0, 100, (3, 10))
+    products = model_products(lambda: model(input_ids=ids))
+    linears = {(p.m, p.k, p.n): p.count for p in products if p.kind == "linear"}
+    # per layer q, k, v, the attention output; the feed-forward's two; the pooler on the first token
+    assert linears == {(30, 32, 32): 8, (30, 32, 64): 2, (30, 64, 32): 2, (3, 32, 32): 1}
+    attention_products = {(p.batch, p.m, p.k, p.n): p.count for p in products if p.kind == "attention"}
+    assert attention_products == {(12, 10, 8, 10): 2, (12, 10, 10, 8): 2}  # scores, then weights x values
+    assert sum(p.flops for p in products) == 2 * (8 * 30 * 32 * 32 + 4 * 30 * 32 * 64 + 3 * 32 * 32
+                                                  + 2 * 2 * 12 * 10 * 8 * 10)  # fmt: skip
+
+
+def test_the_floor_times_each_product_and_its_share_is_the_floor_over_a_time():
+    products = [Product("linear", 1, 16, 32, 32, count=3), Product("attention", 4, 8, 8, 8, count=2)]
+    floor = ModelFloor("fp32", products)
+    assert floor.share(1.0) is None  # no sample yet
+    for _ in range(3):
+        floor()
+    assert len(floor.samples) == 3 and all(s > 0 for s in floor.samples)
+    median = floor.spread().median
+    assert floor.share(2 * median) == pytest.approx(0.5)
+    stored = floor.to_json()
+    assert stored["flops"] == 2 * (3 * 16 * 32 * 32 + 2 * 4 * 8 * 8 * 8) and stored["seconds"]["n"] == 3
+    assert attention_precision("int8") in ("bf16", "fp32") and attention_precision("bf16") == "bf16"
+
+
+def test_blocks_run_each_engine_in_a_row_and_rotate_the_order():
+    calls: list[str] = []
+
+    def engine(name: str) -> Opened:
+        return Opened(Recipe(name, "onnxruntime", "-"), ["x"], lambda feeds: calls.append(name))
+
+    engines = {n: engine(n) for n in "abc"}
+    between: list[int] = []
+    times = time_in_blocks(engines, {"x": np.zeros(1)}, rounds=3, block=2, order=list("abc"),
+                           between=[lambda: between.append(1)])  # fmt: skip
+    assert {n: len(t) for n, t in times.items()} == {"a": 6, "b": 6, "c": 6}
+    assert "".join(calls) == "aaabbbccc" + "bbbcccaaa" + "cccaaabbb"  # one untimed call opens each block
+    assert len(between) == 9
+
+
+def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, bar: float = 0.9999) -> dict:
+    return {"engine": engine, "ms": ms, "min_cosine": cosine, "valid": cosine is None or cosine >= bar, "gap": gap}
+
+
+def test_a_rival_below_the_bar_is_invalid_never_beaten():
+    rows = [_row("pick", 10.0, 0.99995), _row("fast but wrong", 5.0, 0.99), _row("honest", 12.0, 0.99999),
+            _row("eager", 30.0, None, gap=0.08)]  # fmt: skip
+    got = verdict(rows, "pick", "eager")
+    assert got["faster_valid_rival"] == "honest" and got["speedup"] == 1.2
+    assert got["invalid_rivals"] == ["fast but wrong"] and got["speedup_vs_reference"] == 3.0
+    assert got["pick_valid"] and not got["timings_agree"]  # eager's three medians are 8% apart
+
+
+def test_an_engine_is_timed_alone_in_its_own_process(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])  # fmt: skip
+    model = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    feeds = tmp_path / "feeds.npz"
+    np.savez(feeds, x=np.ones((2, 3), dtype=np.float32), unused=np.zeros(1))
+    times = time_alone(Recipe("relu", "onnxruntime", str(model)), feeds, calls=4, threads=1)
+    assert len(times) == 4 and all(t > 0 for t in times)
