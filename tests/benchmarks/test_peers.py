@@ -71,8 +71,9 @@ def test_blocks_run_each_engine_in_a_row_and_rotate_the_order():
     assert len(between) == 9
 
 
-def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, bar: float = 0.9999) -> dict:
-    return {"engine": engine, "ms": ms, "min_cosine": cosine, "valid": cosine is None or cosine >= bar, "gap": gap}
+def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, alone: float | None = None) -> dict:
+    return {"engine": engine, "ms": ms, "ms_alone": alone or ms, "min_cosine": cosine,
+            "valid": cosine is None or cosine >= 0.9999, "gap": gap}  # fmt: skip
 
 
 def test_a_rival_below_the_bar_is_invalid_never_beaten():
@@ -82,6 +83,16 @@ def test_a_rival_below_the_bar_is_invalid_never_beaten():
     assert got["faster_valid_rival"] == "honest" and got["speedup"] == 1.2
     assert got["invalid_rivals"] == ["fast but wrong"] and got["speedup_vs_reference"] == 3.0
     assert got["pick_valid"] and not got["timings_agree"]  # eager's three medians are 8% apart
+
+
+def test_the_speed_up_is_the_lower_of_the_blocks_and_alone():
+    rows = [
+        _row("pick", 10.0, 0.99995, alone=9.5),
+        _row("rival", 12.0, 0.99999, alone=10.45),
+        _row("eager", 30.0, None),
+    ]
+    got = verdict(rows, "pick", "eager")
+    assert (got["speedup_in_blocks"], got["speedup_alone"], got["speedup"]) == (1.2, 1.1, 1.1)
 
 
 def test_an_engine_is_timed_alone_in_its_own_process(tmp_path):

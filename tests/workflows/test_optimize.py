@@ -509,3 +509,14 @@ def test_an_artifact_holding_other_files_is_not_replaced(runs: dict[str, Any], t
         "delete them"
     )
     assert (out / "notes.txt").read_text() == "mine" and verify_artifact(out).status == "passed"
+
+
+def test_the_table_says_what_the_layers_left_out_of_int8_run_in():
+    from tk.workflows.optimize.candidates import layers_text
+
+    aoti = {"quantization": {"quantizable_modules": 36, "int8_modules": 34, "automatic_exclusions_run_in": "bf16"}}
+    onnx = {"quantization": {"quantizable_nodes": 9, "excluded": ["a", "b", "c"]}}
+    every = {"quantization": {"quantizable_modules": 4, "int8_modules": 4, "automatic_exclusions_run_in": "bf16"}}
+    assert layers_text(aoti) == "34 of 36 layers int8, 2 bf16"
+    assert layers_text(onnx) == "6 of 9 layers int8, 3 fp32"
+    assert layers_text(every) == "4 of 4 layers int8" and layers_text({}) is None

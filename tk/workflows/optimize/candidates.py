@@ -212,3 +212,15 @@ def int8_layers(manifest_format: dict[str, Any]) -> tuple[int, int] | None:
     total = int(quant.get("quantizable_nodes", quant.get("quantizable_modules", 0)) or 0)
     int8 = quant.get("int8_modules", total - len(quant.get("excluded", [])))
     return int(int8), total
+
+
+def layers_text(manifest_format: dict[str, Any]) -> str | None:
+    """How many of an int8 format's layers run in each precision ("34 of 36 layers int8, 2 bf16"): the layers
+    left out of int8 run in bfloat16 where the aoti writer chose it (``automatic_exclusions_run_in``), else
+    float32 (onnx's QDQ graphs and OpenVINO's int8 IRs run them in float32)."""
+    layers = int8_layers(manifest_format)
+    if layers is None:
+        return None
+    int8, total = layers
+    rest = manifest_format["quantization"].get("automatic_exclusions_run_in") or "fp32"
+    return f"{int8} of {total} layers int8" + (f", {total - int8} {rest}" if total > int8 else "")

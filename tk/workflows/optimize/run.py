@@ -35,6 +35,7 @@ from tk.workflows.optimize.candidates import (
     Candidate,
     enumerate_candidates,
     int8_layers,
+    layers_text,
     nothing_to_try,
     writer_of,
 )
@@ -385,7 +386,7 @@ class _Run:
         if layers is not None and layers[0] == 0:  # every layer left in float32: the fp32 graph under another name
             row.status, row.reason = "failed", f"no layer stayed int8 (0 of {layers[1]}); it is the fp32 graph"
         elif layers is not None:
-            row.reason = "; ".join(filter(None, [f"{layers[0]} of {layers[1]} layers int8", row.reason]))
+            row.reason = "; ".join(filter(None, [layers_text(manifest.formats[candidate.format]), row.reason]))
         row.accuracy = {k: v for k, v in verdict.values.items() if v is not None}
         row.accuracy_text = headline(verdict, self.accuracy)
         row.shape_range = judgement.shape_range
