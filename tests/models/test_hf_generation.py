@@ -251,3 +251,20 @@ def test_the_graph_reads_the_cache_without_scatters_or_repeated_heads(exported):
     assert ops.count("ScaledDotProductAttention") == 2  # one per layer
     assert "ScatterElementsUpdate" not in ops and "ScatterUpdate" not in ops
     assert ops.count("Broadcast") <= 1  # the mask's, once for all layers
+
+
+def test_grouped_attention_hands_what_it_does_not_do_to_transformers():
+    import torch
+    from torch import nn
+
+    from tk.models.hf_generation import grouped_sdpa_attention
+
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="does not support `softcap`"):
+        grouped_sdpa_attention(module, query, key, key, None, softcap=30.0)
+    out, _ = grouped_sdpa_attention(module, query, key, key, None)  # causal, no mask: spelled out per stacked row
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(2, 1), key.repeat_interleave(2, 1),
+                                                            is_causal=True)  # fmt: skip
+    assert out.shape == (1, 3, 4, 8) and float((out - want.transpose(1, 2)).abs().max()) < 1e-6

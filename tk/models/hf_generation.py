@@ -110,6 +110,11 @@ def grouped_sdpa_attention(
     whenever a mask is given, which OpenVINO runs as a broadcast and a multiply by ones per layer (~15% of a
     decode step of a 110M Llama-style model with 4 key/value heads for 12, in bf16), and OpenVINO's converter
     cannot compile SDPA's own ``enable_gqa``."""
+    if any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias")):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # what this does not do
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
     batch, heads, tokens, head_dim = query.shape
     kv_heads = key.shape[1]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
