@@ -227,7 +227,7 @@ def test_grouped_attention_equals_transformers_sdpa_with_padding(decoders):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tk.models.hf_generation import use_grouped_attention
+    from tk.models.hf_generation import transformers_attention, use_grouped_attention
 
     model = AutoModelForCausalLM.from_pretrained(decoders["llama"], attn_implementation="sdpa").eval()
     ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(0))
@@ -238,6 +238,9 @@ def test_grouped_attention_equals_transformers_sdpa_with_padding(decoders):
         use_grouped_attention(model, model.config)
         assert model.config._attn_implementation == "tk_sdpa_grouped"
         got = model(ids, attention_mask=mask).logits
+        with transformers_attention(model):  # the reference and the rivals run transformers' own
+            assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == "tk_sdpa_grouped"
     real = mask.bool()
     assert (got - want)[real].abs().max().item() < 1e-5
 

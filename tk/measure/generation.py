@@ -113,6 +113,8 @@ def transformers_rival(
         return None
     from transformers import GenerationConfig
 
+    from tk.models.hf_generation import transformers_attention
+
     forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
     cache = {"cache_implementation": "static"} if compiled else {}
 
@@ -125,8 +127,8 @@ def transformers_rival(
             clock = _TokenClock()
             original, model.forward = model.forward, forward  # the eager rival shares the model: swapped back after
             try:
-                started = time.perf_counter()
-                with torch.no_grad():
+                with torch.no_grad(), transformers_attention(model):
+                    started = time.perf_counter()
                     model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
             finally:
                 model.forward = original

@@ -15,7 +15,9 @@ keys and values at ``cache_position`` after the step.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -151,6 +153,21 @@ def use_grouped_attention(model: nn.Module, config: Any) -> None:
     model.set_attn_implementation(GROUPED_SDPA)
 
 
+@contextlib.contextmanager
+def transformers_attention(model: nn.Module) -> Iterator[None]:
+    """transformers' own SDPA attention on ``model`` inside the block, where tk switched it to
+    ``grouped_sdpa_attention``: the reference tk's tokens are compared with and the rivals tk is timed against
+    run transformers as its users do."""
+    switched = getattr(getattr(model, "config", None), "_attn_implementation", None) == GROUPED_SDPA
+    if switched:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if switched:
+            model.set_attn_implementation(GROUPED_SDPA)
+
+
 def cache_layout(config: Any) -> tuple[int, int, int]:
     """(layers, key/value heads, head_dim) of a causal LM's config (GPT-2's ``n_layer``/``n_head`` included)."""
     layers = int(getattr(config, "num_hidden_layers", None) or config.n_layer)
@@ -224,6 +241,6 @@ def transformers_greedy(step: CausalLMStep, prompt: list[int], new_tokens: int, 
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos if eos is not None else 0
     )
-    with torch.no_grad():
+    with torch.no_grad(), transformers_attention(step.model):
         out = step.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()
