@@ -14,6 +14,9 @@ artifact beside other tools' engines of the same encoder.
   time in the reverse order, and each engine is timed again **alone in a fresh process** (``python -m
   benchmarks.peers alone``; two passes, the second in the reverse order): the table shows all three
   medians and the largest gap, and the pick's speed-up is the lower of its ratio in the blocks and alone.
+  Alone is the clean number: in one process torch's OpenMP threads, OpenVINO's oneTBB threads (which wait
+  actively after an inference, OpenVINO's docs say) and onnxruntime's share the cores, and MiniLM's OpenVINO
+  engines ran 6-10% faster alone than in the shared process (benchmarks/history.md).
 - **The model's floor.** ``tk.measure.floor.ModelFloor`` samples between blocks: the time of the model's
   linear and attention products at their shapes in each engine's precision; and again in a process of its
   own (``python -m benchmarks.peers floor``). The lower median is the floor: each row shows its share.
