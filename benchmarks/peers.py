@@ -74,6 +74,7 @@ class Opened:
 
 
 def open_recipe(recipe: Recipe, threads: int | None = None) -> Opened:
+    """``recipe``'s engine, opened in this process with ``threads`` (default: torch's) where it takes a count."""
     threads = threads or torch.get_num_threads()
     if recipe.kind == "tk":
         from tk.manifest import read_manifest
@@ -212,7 +213,7 @@ class PeerSettings:
     seq: int = 128
     rounds: int = 6  # rounds of blocks, in each order
     block: int = 5  # calls of one engine in a row
-    samples: int = 64  # inputs each engine's accuracy is measured on (batches of 8)
+    samples: int = 64  # inputs each engine's accuracy is measured on (batches of 8), besides the timed batch
     bar: float = 0.9999  # the lowest cosine the pick is held to: a rival below it is invalid
     alone_calls: int = 30
     vocab: int = 30522
@@ -226,9 +227,9 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
 
     threads = torch.get_num_threads()
     engines = {r.name: open_recipe(r, threads) for r in [*recipes, reference]}
-    accuracy_feeds = [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(max(1, s.samples // 8))]
+    feeds = realistic_feeds(s.batch, s.seq, s.vocab, seed=s.seed)  # the timed batch, judged with the others
+    accuracy_feeds = [feeds] + [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(s.samples // 8)]
     cosines = min_cosines({r.name: engines[r.name] for r in recipes}, engines[reference.name], accuracy_feeds)
-    feeds = realistic_feeds(s.batch, s.seq, s.vocab, seed=s.seed)
     products = model_products(lambda: engines[reference.name](feeds))
     floors = {p: ModelFloor(p, products) for p in sorted({r.precision for r in [*recipes, reference]})}
     order = list(engines)
@@ -321,7 +322,7 @@ def _caption(result: dict[str, Any]) -> str:
     agree = "agree" if v["timings_agree"] else "DO NOT agree"
     return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; in order, "
             f"reversed and alone {agree} within {AGREE_WITHIN:.0%}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
-            f"of {s['block']} calls each way, accuracy on {s['samples']} padded inputs")  # fmt: skip
+            f"of {s['block']} calls each way, accuracy on the timed batch and {s['samples']} more padded inputs")  # fmt: skip
 
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] in ("alone", "floor"):
