@@ -71,11 +71,11 @@ class _ProductRecorder(TorchFunctionMode):
             x, weight = args[0], args[1]
             self._add("linear", 1, x.numel() // x.shape[-1], weight.shape[1], weight.shape[0])
         elif func is torch.nn.functional.scaled_dot_product_attention:
-            query, key = args[0], args[1]
+            query, key, value = (*args, *(kwargs[n] for n in ("query", "key", "value")[len(args) :]))[:3]
             batch = query.numel() // (query.shape[-2] * query.shape[-1])
             tokens, keys, dim = query.shape[-2], key.shape[-2], query.shape[-1]
             self._add("attention", batch, tokens, dim, keys)  # queries x keys
-            self._add("attention", batch, tokens, keys, args[2].shape[-1])  # weights x values
+            self._add("attention", batch, tokens, keys, value.shape[-1])  # weights x values
         elif func in (torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             a, b = args[0], args[1]
             if not any(isinstance(t, nn.Parameter) for t in (a, b)) and a.dim() >= 3 and b.dim() >= 3:
