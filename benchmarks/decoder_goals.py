@@ -1,8 +1,9 @@
-"""Issue 50's decode goals on this CPU: tk's decoder artifacts against transformers' generate and ONNX
-Runtime GenAI, side by side in one run, on random-weight configs of ~100M parameters.
+"""Issue 50's decode goals on this CPU: tk's decoder artifacts against transformers' generate, ONNX Runtime
+GenAI and optimum-intel, side by side in one run, on random-weight configs of ~100M parameters.
 
     .venv/bin/python -m benchmarks.decoder_goals [--models gpt2,llama] [--prompt-len 128] [--new-tokens 64]
-        [--rounds 5] [--peers DIR] [--work DIR] [--out benchmarks/results]
+        [--rounds 5] [--peers DIR] [--optimum-intel PYTHON] [--precision fp32|bf16] [--work DIR]
+        [--out benchmarks/results]
 
 For each model: a random-weight Hugging Face directory (GPT-2 small's config, 124M parameters; a
 Llama-style config of 12 layers, hidden 768, 4 key/value heads, 32k vocabulary, ~110M parameters) with a
