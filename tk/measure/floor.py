@@ -98,6 +98,16 @@ def attention_precision(precision: str) -> str:
     return "bf16" if cpu_precision_reason("bf16") is None else "fp32"
 
 
+def products_seconds(calls: list[tuple[int, Callable[[], Any]]]) -> float:
+    """Seconds of one pass over ``calls`` (count, product): each product timed once, times its count."""
+    seconds = 0.0
+    for count, call in calls:
+        start = time.perf_counter()
+        call()
+        seconds += (time.perf_counter() - start) * count
+    return seconds
+
+
 class ModelFloor:
     """``products`` built in ``precision`` (fp32, bf16, int8); each call times every product once and keeps
     the sum (each times its count) as one sample, in seconds."""
@@ -122,16 +132,12 @@ class ModelFloor:
                 call()
 
     def __call__(self) -> None:
-        seconds = 0.0
         with torch.inference_mode():
             # an untimed pass first: right after another runtime's call the first pass ran 1.5x the next ones
             # (MiniLM's bf16 products after an OpenVINO call, AMX Xeon: 20.3 ms, then 14.0 and 13.5)
             for _, call in self._calls:
                 call()
-            for count, call in self._calls:
-                start = time.perf_counter()
-                call()
-                seconds += (time.perf_counter() - start) * count
+            seconds = products_seconds(self._calls)
         self.samples.append(seconds)
 
     def release(self) -> None:

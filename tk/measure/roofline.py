@@ -29,7 +29,6 @@ is the floor's median over its p50.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from tk.formats.products import PRECISION_DTYPES, packed_linear
-from tk.measure.floor import ModelFloor, model_products
+from tk.measure.floor import ModelFloor, model_products, products_seconds
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.timing import Spread
 
@@ -115,12 +114,8 @@ class ShapePeak:
                 product()
 
     def __call__(self) -> None:
-        seconds = 0.0
         with torch.inference_mode():
-            for shape, product in self._products:
-                start = time.perf_counter()
-                product()
-                seconds += (time.perf_counter() - start) * shape.count
+            seconds = products_seconds([(shape.count, product) for shape, product in self._products])
         self.samples.append(self.flops / seconds / 1e9)
 
     def release(self) -> None:
