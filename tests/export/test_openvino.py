@@ -205,8 +205,21 @@ def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     quantized = quant["quantizable_nodes"] - len(quant["automatic_exclusions"])
     fake_quantize = len(re.findall(r'type="FakeQuantize"', (out / XML).read_text()))
     assert quantized >= 1 and fake_quantize >= quantized  # some products are int8, each with its quantizers
+    # what NNCF left float runs in bf16 on a CPU with bfloat16 products, where the IR still holds the judge's
+    # target so (its SQNR recorded either way), else in float32
+    from tk.export.int8.search import MARGIN_DB
+    from tk.formats.aoti import runs_natively
+
+    in_bf16 = quant["automatic_exclusions_run_in"] == "bf16"
+    if runs_natively("bf16"):
+        assert in_bf16 == (quant["sqnr_db_float_part_bf16"] >= MIN_SQNR_DB["int8"] + MARGIN_DB)
+        assert in_bf16 or quant["float_part"].startswith("float32: with it in bf16")
+    else:
+        assert not in_bf16 and "sqnr_db_float_part_bf16" not in quant
+    hint = "bf16" if in_bf16 else "f32"
+    assert result.manifest.formats["openvino"]["inference_precision_hint"] == hint
     with load(out, "openvino") as engine:
-        assert engine.settings()["inference_precision"] == "f32"  # the layers left float stay float32
+        assert engine.settings()["inference_precision"] == hint
 
 
 def test_static_export_fixes_the_irs_input_shapes(exported):

@@ -245,15 +245,44 @@ def test_grouped_attention_equals_transformers_sdpa_with_padding(decoders):
     assert (got - want)[real].abs().max().item() < 1e-5
 
 
-def test_the_graph_reads_the_cache_without_scatters_or_repeated_heads(exported):
-    """OpenVINO's IR of the llama step: attention over the cache then the step's keys (no scatter into the
-    cache) and the key/value heads read as they are (no broadcast of them to the query heads)."""
+def test_openvino_keeps_the_cache_and_fuses_it_into_attention(exported):
+    """OpenVINO's IR of a decoder keeps its cache (a variable per layer and kind, no scatter), and the CPU plugin
+    runs each layer's attention over the cache it holds (``ScaledDotProductAttentionWithKVCache``); the llama
+    config's shared key/value heads add no broadcast to what GPT-2's IR runs."""
+    import collections
+
+    import numpy as np
     import openvino as ov
 
-    ops = [op.get_type_name() for op in ov.Core().read_model(str(exported["llama"] / "model.xml")).get_ordered_ops()]
-    assert ops.count("ScaledDotProductAttention") == 2  # one per layer
-    assert "ScatterElementsUpdate" not in ops and "ScatterUpdate" not in ops
-    assert ops.count("Broadcast") <= 1  # the mask's, once for all layers
+    from tk.runtime import load
+
+    broadcasts = {}
+    for name in ("gpt2", "llama"):
+        ops = collections.Counter(
+            op.get_type_name() for op in ov.Core().read_model(str(exported[name] / "model.xml")).get_ordered_ops()
+        )
+        assert ops["ReadValue"] == ops["Assign"] == 4  # 2 layers x keys, values
+        assert ops["ScatterElementsUpdate"] == ops["ScatterUpdate"] == 0
+        engine = load(exported[name], "openvino")
+        assert engine.keeps_cache and read_manifest(exported[name]).formats["openvino"]["cache"] == "state"
+        compiled = ov.Core().compile_model(
+            str(exported[name] / "model.xml"), "CPU", {"PERF_COUNT": True, "INFERENCE_PRECISION_HINT": "f32"}
+        )
+        request = compiled.create_infer_request()
+        for ids, first in (([3, 4, 5], 0), ([6], 3)):  # a prefill, then a decode step on its cache
+            width = len(ids)
+            request.infer(
+                {
+                    "input_ids": np.array([ids]),
+                    "position_ids": np.arange(first, first + width)[None],
+                    "attention_mask": np.ones((1, first + width), np.int64),
+                    "beam_idx": np.zeros(1, np.int32),
+                }
+            )
+        ran = collections.Counter(p.node_type for p in request.profiling_info)
+        assert ran["ScaledDotProductAttentionWithKVCache"] == 2, ran
+        broadcasts[name] = ran["Broadcast"]
+    assert broadcasts["llama"] == broadcasts["gpt2"]
 
 
 def test_grouped_attention_hands_what_it_does_not_do_to_transformers():

@@ -17,6 +17,7 @@ from tk.cli import cli
 from tk.runtime import EngineChoice, load
 from tk.runtime.decode_batch import DecodeBatch, Row
 from tk.runtime.generation import CacheLayout, Sampling
+from tk.runtime.registry import available_engines
 from tk.serve.config import ServeConfig, resolve
 from tk.serve.generation_server import GenerationHandler, GenerationServer
 
@@ -32,9 +33,10 @@ def body_of(value: object):
 
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
-    """The tiny decoder (random weights, 64 slots) exported for onnx."""
+    """The tiny decoder (random weights, 64 slots) exported for onnx and openvino (whose IR keeps the cache)."""
     out = tmp_path_factory.mktemp("serve-decoder") / "decoder"
-    result = CliRunner().invoke(cli, ["export", "decoder", "--size", "tiny", "--format", "onnx", "--out", str(out)])
+    formats = ["--format", "onnx"] + (["--format", "openvino"] if "openvino" in available_engines() else [])
+    result = CliRunner().invoke(cli, ["export", "decoder", "--size", "tiny", *formats, "--out", str(out)])
     assert result.exit_code == 0, result.output
     return out
 
@@ -56,13 +58,20 @@ def handler(decoder):
     return GenerationHandler(GenerationServer(config))
 
 
-def test_rows_joining_and_leaving_the_batch_get_the_tokens_each_would_get_alone(engine):
+@pytest.mark.parametrize(("name", "kept_cache"), [("onnx", False), ("openvino", True), ("openvino", False)])
+def test_rows_joining_and_leaving_the_batch_get_the_tokens_each_would_get_alone(decoder, name, kept_cache):
     """24 prompts of 1-19 tokens wanting 1-39 new ones, admitted at random between steps into a batch of 8
-    with a cache of 64 slots: the cache must move, and every row's tokens are still its own."""
+    with a cache of 64 slots: the cache must move, and every row's tokens are still its own. OpenVINO's IR keeps
+    its cache: the batch decodes on it and takes it back where rows join or leave (``kept_cache``), or hands it
+    the static cache at every step (its ``run``, the artifact's step signature)."""
+    if name not in available_engines():
+        pytest.skip(f"engine {name} is not installed")
+    engine = load(decoder, engine=name)
     rng = random.Random(0)
     prompts = [[rng.randrange(64) for _ in range(rng.randrange(1, 20))] for _ in range(24)]
     wanted = [rng.randrange(1, 40) for _ in prompts]
-    batch = DecodeBatch(engine.run, CacheLayout.from_generation(engine.manifest.generation), max_rows=8)
+    kept = engine.kept_cache(own_request=True) if engine.keeps_cache and kept_cache else None
+    batch = DecodeBatch(engine.run, CacheLayout.from_generation(engine.manifest.generation), max_rows=8, kept=kept)
     rows = [Row(p, n) for p, n in zip(prompts, wanted, strict=True)]
     waiting, most = list(rows), 0
     while waiting or batch.rows:
@@ -81,8 +90,19 @@ def test_rows_joining_and_leaving_the_batch_get_the_tokens_each_would_get_alone(
         assert row.tokens == expected_tokens(engine, prompt, new)
 
 
-def test_eight_concurrent_streams_are_decoded_together_and_match_tk_generate(handler, engine):
+@pytest.fixture(params=["onnx", "openvino"])
+def any_handler(request, decoder):
+    """A handler on each engine: onnx runs the artifact's step, openvino keeps the cache in its IR."""
+    if request.param not in available_engines():
+        pytest.skip(f"engine {request.param} is not installed")
+    config = resolve(ServeConfig(str(decoder), engine=EngineChoice(request.param, options={"threads": 1})))
+    return GenerationHandler(GenerationServer(config))
+
+
+def test_eight_concurrent_streams_are_decoded_together_and_match_tk_generate(any_handler, engine):
+    handler = any_handler
     server = handler.server
+    assert server.batch.kept is None if server.engine.name == "onnx" else server.batch.kept is not None
     rng = random.Random(1)
     prompts = [[rng.randrange(64) for _ in range(rng.randrange(2, 12))] for _ in range(8)]
     path = f"/v2/models/{server.name}/generate_stream"

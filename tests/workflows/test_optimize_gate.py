@@ -142,10 +142,20 @@ def test_a_search_that_kept_too_little_int8_is_not_compiled(fp32_artifact: Path)
     )
 
 
-def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_time(fp32_artifact: Path) -> None:
+def float_part_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenVINO's int8 float part as on a CPU without bfloat16 products (the CPUs these numbers are from)."""
+    import tk.export.openvino.writer as ov_writer
+
+    monkeypatch.setattr(ov_writer, "int8_float_part", lambda: "fp32")
+
+
+def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_time(
+    fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The AVX512-VNNI Xeon's numbers: OpenVINO's all-int8 IR 124.1 ms, its fp32 IR 226.0, the aoti int8
     package (the fastest) 129.7. A search that must leave 10% of the multiply-adds in float32 is at best
     124.1 + 0.1 x (226.0 - 124.1) = 134.3 ms: it stops; with 97% int8 left (127.2 ms) it goes on."""
+    float_part_fp32(monkeypatch)
 
     def probed() -> SpeedGate:
         p50 = {"aoti int8 static": 129.7, "openvino fp32": 226.0, PROBE: 124.1}
@@ -171,11 +181,14 @@ def test_mid_search_the_most_int8_left_is_judged_against_the_formats_own_float_t
     )
 
 
-def test_a_float_left_out_of_the_rounds_is_scaled_from_an_earlier_question(fp32_artifact: Path) -> None:
+def test_a_float_left_out_of_the_rounds_is_scaled_from_an_earlier_question(
+    fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Xeon without AMX: OpenVINO fp32 (168 ms) was timed beside the aoti int8 package (90.5) in onnx's
     question, then left out of OpenVINO's as over twice the fastest. Its 1.86x the package there, times the
     package's 78.4 ms in OpenVINO's rounds, is the float end: with 83% int8 left, at best 69.3 + 0.17 x
     (145.8 - 69.3) = 82.3 ms, no faster than 78.4: the search stops (the fastest standing in read 70.8)."""
+    float_part_fp32(monkeypatch)
     earlier = {"openvino fp32": 168.0, "aoti int8 static": 90.5, PROBE: 137.6}
     here = {"aoti int8 static": 78.4, PROBE: 69.3}  # openvino fp32 not timed: 168 > 2 x 69.3
     speed_gate = _asked_before(fp32_artifact, (OPENVINO_FP32, AOTI_INT8), ("onnx", earlier), ("openvino", here))
@@ -293,11 +306,14 @@ def test_keep_all_turns_the_gate_off(tmp_path: Path) -> None:
         assert (state.gate is not None) is gated
 
 
-def test_with_no_float_candidate_of_its_format_the_race_gives_the_float_end(fp32_artifact: Path) -> None:
+def test_with_no_float_candidate_of_its_format_the_race_gives_the_float_end(
+    fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Xeon without AMX once float32 was skipped: OpenVINO's all-int8 IR 75.1 ms against the aoti int8
     package's 76.0, no OpenVINO fp32 ever timed. The race's rates put the linears at 92 ms more per call in
     float32: with 92% int8 left, at best 75.1 + 0.08 x 92 = 82.5 ms: the search stops (standing in, the
     package's own 76.0 read at best 75.2 and the search ran 107 s to lose)."""
+    float_part_fp32(monkeypatch)  # that IR ran its float part in float32
 
     def probed(gap: float | None) -> SpeedGate:
         p50 = {"aoti int8 static": 76.0, PROBE: 75.1}
@@ -326,8 +342,12 @@ def test_the_float_end_is_the_precision_the_int8_models_left_out_layers_run_in(
     run in float32, not bf16: the race's 73.3 ms gap gives the float end, and with 61% of the multiply-adds
     left int8 the search is at best 44.9 + 0.39 x 73.3 = 73.5 ms: it stops (bf16 standing in read 54.1)."""
     import tk.export.aoti.int8 as aoti_int8
+    import tk.export.openvino.writer as ov_writer
+    from tk.formats.aoti import runs_natively
     from tk.workflows.optimize.gate import int8_float_part
 
+    assert int8_float_part("openvino") == ("bf16" if runs_natively("bf16") else "fp32")
+    float_part_fp32(monkeypatch)  # the EPYC's IR ran its float part in float32 then
     aoti_bf16 = Candidate("aoti", "bf16", "aoti")
     openvino_bf16 = Candidate("openvino", "bf16", "openvino")
     p50 = {"aoti bf16": 67.6, "openvino bf16": 68.5, PROBE: 44.9}
@@ -338,6 +358,14 @@ def test_the_float_end_is_the_precision_the_int8_models_left_out_layers_run_in(
     assert speed_gate.verdicts[-1]["at_best_ms"] == pytest.approx(44.9 + 0.39 * 73.3)
     assert speed_gate("openvino", Int8Share(43, 45, 0.89, bound=True)) is None  # 53.0 ms: it may still win
     assert int8_float_part("onnx") == int8_float_part("openvino") == "fp32"
+    # now it runs it in bf16 where the IR holds the judge's target so: the float end is OpenVINO's bf16 IR in
+    # the same rounds, and the search is at best 44.9 + 0.39 x (68.5 - 44.9) = 54.1 ms, so it may win
+    monkeypatch.setattr(ov_writer, "int8_float_part", lambda: "bf16")
+    assert int8_float_part("openvino") == "bf16"
+    bf16_gate = _asked_before(fp32_artifact, (aoti_bf16, openvino_bf16), ("openvino", p50), gap=73.3)
+    bf16_gate.verdicts[-1]["fastest_passed"] = "aoti bf16"
+    assert bf16_gate("openvino", Int8Share(37, 45, 0.61, bound=True)) is None
+    assert bf16_gate.verdicts[-1]["float_ms"] == 68.5 and bf16_gate.verdicts[-1]["float_from"] == "in the same rounds"
     for in_bf16, part in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(aoti_int8, "excluded_run_in_bf16", lambda in_bf16=in_bf16: in_bf16)
         assert int8_float_part("aoti") == part

@@ -19,6 +19,14 @@ BIN = "model.bin"
 ROLE = "openvino"  # the IR's graph (what the engine registry names)
 WEIGHTS_ROLE = "openvino-weights"
 
+# the manifest's ``formats.openvino.cache`` of a decoder whose IR keeps its KV cache (tk.export.openvino.stateful)
+CACHE_IN_STATE = "state"
+STATE_INPUTS = ("input_ids", "position_ids", "attention_mask", "beam_idx")  # such an IR's inputs and outputs
+STATE_OUTPUTS = ("logits",)
+# the cache's precision inside OpenVINO (its KV_CACHE_PRECISION) under each precision hint: float32 artifacts
+# keep float32 keys (tokens identical to PyTorch's); bf16 ones float16, as optimum-intel writes into its IRs
+KV_CACHE_PRECISIONS = {"f32": "f32", "bf16": "f16"}
+
 # tk precision -> the CPU plugin's INFERENCE_PRECISION_HINT; int8's unquantized layers stay float32
 PRECISION_HINTS: dict[str, str] = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}
 

@@ -94,13 +94,17 @@ class CausalSelfAttention(nn.Module):
         visible: torch.Tensor,
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
+        appended: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention of the new tokens over the cache followed by their own keys; also their keys and values."""
+        """Attention of the new tokens over the cache followed by their own keys; also their keys and values
+        (``appended``: the cache's followed by theirs, the whole cache after the step)."""
         q, k, v = self._qkv(x)
         # the cache keeps its own dtype (float32 at the graph's edge) whatever the weights' precision
         keys = torch.cat([past_keys.to(q.dtype), k], dim=2)  # (B, heads, slots + T, head_dim)
         values = torch.cat([past_values.to(q.dtype), v], dim=2)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        if appended:
+            return self._out(attended), keys.to(past_keys.dtype), values.to(past_values.dtype)
         return self._out(attended), k.to(past_keys.dtype), v.to(past_values.dtype)
 
 
@@ -122,8 +126,9 @@ class Block(nn.Module):
         visible: torch.Tensor,
         past_keys: torch.Tensor,
         past_values: torch.Tensor,
+        appended: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attended, k, v = self.attn.step(self.ln_attn(x), visible, past_keys, past_values)
+        attended, k, v = self.attn.step(self.ln_attn(x), visible, past_keys, past_values, appended)
         x = x + attended
         return x + self.ffn(self.ln_ffn(x)), k, v
 

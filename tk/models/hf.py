@@ -253,6 +253,10 @@ def build_hf_model(
         reference["attn_implementation"] = attention  # the reference rebuilds with the same attention
     spec = ModelSpec(where, None, reference, graph.module.eval(), graph.signature, max_sizes=graph.max_sizes)
     spec.generation = graph.generation
+    if graph.generation:
+        from tk.models.hf_generation import STEP_TOLERANCES
+
+        spec.tolerances = dict(STEP_TOLERANCES)
     return spec
 
 

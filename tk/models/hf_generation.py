@@ -30,6 +30,11 @@ from tk.spec import Dim, Signature, TensorSpec
 MIN_CACHE = 4  # slots: a two-token prompt and two new tokens, the least the export check generates
 DEFAULT_MAX_CACHE = 1024  # slots when --max-cache-len is not given: the config's limit, at most this
 MAX_BATCH = 8
+# bf16 step parity: the table's atol (0.05) sits at the error of ~100M decoders' steps on the check's random
+# feeds (a 12-layer Llama-style config on the AMX Xeon: logits 0.056, present keys 0.054 through the static
+# cache's graph and 0.061 through OpenVINO's stateful one, at 32-36 dB SQNR), on values near zero where a sum
+# cancels; the SQNR floor (25 dB) and the generation check's near-tie-aware token comparison judge them too
+STEP_TOLERANCES = {"bf16": (5e-2, 1e-1)}
 PROMPT_OPT = 32
 
 
@@ -79,18 +84,36 @@ class CausalLMStep(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = SlotCache(past_keys, past_values)
         visible = step_visibility(cache_position, attention_mask)  # (B, 1, T, slots + T)
-        mask = torch.zeros(visible.shape, dtype=past_keys.dtype, device=input_ids.device).masked_fill(
-            ~visible, torch.finfo(past_keys.dtype).min
+        logits = next_token_logits(
+            self.model, self.cache_keyword, cache, input_ids, position_ids, visible, past_keys.dtype
         )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_keyword: cache},
-        )
-        return out.logits[:, -1], torch.stack(cache.new_keys, dim=1), torch.stack(cache.new_values, dim=1)
+        return logits, torch.stack(cache.new_keys, dim=1), torch.stack(cache.new_values, dim=1)
+
+
+def next_token_logits(
+    model: nn.Module,
+    cache_keyword: str,
+    cache: Any,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    visible: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The causal LM's next-token logits (batch, vocab) after each row's last token, its attention layers
+    reading ``cache`` and seeing what ``visible`` allows (as the additive 4D mask transformers uses as given,
+    in ``dtype``: the cache's)."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=input_ids.device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )
+    out = model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_keyword: cache},
+    )
+    return out.logits[:, -1]
 
 
 GROUPED_SDPA = "tk_sdpa_grouped"  # transformers' SDPA attention, the key/value heads shared in the kernel

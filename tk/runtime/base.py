@@ -210,6 +210,22 @@ class Engine(ABC):
 
         return generate_with_engine(self, prompts, max_new_tokens=max_new_tokens, **options)
 
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether a decoder artifact's graph keeps its KV cache itself (then ``kept_cache`` runs it); most
+        engines run the artifact's step, which takes the cache and returns the new keys and values."""
+        return False
+
+    @property
+    def kept_cache_itemsize(self) -> int:
+        """Bytes of one value of the cache the engine keeps (where ``keeps_cache``)."""
+        return 4
+
+    def kept_cache(self, own_request: bool = False) -> Any:
+        """Where ``keeps_cache``: the cache the engine keeps (``tk.runtime.generation.KeptCache``), in the calling
+        thread's session, or (``own_request``) in one of its own."""
+        raise NotImplementedError(f"engine {self.name!r} runs the artifact's step with the cache as feeds")
+
     def settings(self) -> dict[str, Any]:
         """The settings this engine runs with (recorded in benchmark JSON); subclasses add theirs."""
         threads = self.options.threads or torch.get_num_threads()

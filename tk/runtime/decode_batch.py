@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tk.runtime.generation import CacheLayout, Sampling, Step, choose, left_padded
+from tk.runtime.generation import CacheLayout, KeptCache, Sampling, Step, choose, left_padded
 
 
 @dataclass
@@ -50,8 +50,14 @@ class DecodeBatch:
     """The running batch of one engine (``step``: one run of a decoder artifact's graph) with at most
     ``max_rows`` sequences; not thread-safe (one caller drives it)."""
 
-    def __init__(self, step: Step, layout: CacheLayout, max_rows: int, pad_id: int = 0) -> None:
+    def __init__(
+        self, step: Step, layout: CacheLayout, max_rows: int, pad_id: int = 0, kept: KeptCache | None = None
+    ) -> None:
         self._step = step
+        # an engine that keeps the cache (OpenVINO's stateful IR) decodes on what it holds; the batch's own
+        # cache is brought up to date from it only when rows join or leave, and handed back at the next step
+        self.kept = kept
+        self._in_engine = False
         self.layout = layout
         self.max_rows = max(1, int(max_rows))
         self.pad_id = pad_id
@@ -85,6 +91,14 @@ class DecodeBatch:
     def room_for(self, newcomers: Sequence[Row]) -> bool:
         return self._end_for(newcomers) is not None
 
+    def _pull(self) -> None:
+        """The slots the engine's cache holds copied into the batch's own, before rows join, leave or move."""
+        if self.kept is not None and self._in_engine:
+            keys, values = self.kept.read(0, self.slot)
+            self.keys[:, :, :, : self.slot] = torch.from_numpy(keys)
+            self.values[:, :, :, : self.slot] = torch.from_numpy(values)
+        self._in_engine = False
+
     def _move_to(self, end: int) -> None:
         """Move every row's cache and mask so that ``slot`` becomes ``end`` (the live slots stay in range)."""
         shift = end - self.slot
@@ -102,6 +116,7 @@ class DecodeBatch:
         end = self._end_for(newcomers)
         if end is None or not newcomers:
             raise ValueError("no room in the decode batch for these sequences")
+        self._pull()
         self._move_to(end)
         prompts = [s.prompt for s in newcomers]
         ids, positions, short_mask = left_padded(prompts, self.layout.slots, self.pad_id)
@@ -127,9 +142,16 @@ class DecodeBatch:
             return []
         ids = torch.tensor([[s.tokens[-1]] for s in self.rows], dtype=torch.int64)
         self.mask[:, self.slot] = 1
-        result = self._run(ids, self.positions, torch.tensor([self.slot]), self.mask, self.keys, self.values)
-        self.keys[:, :, :, self.slot] = result["present_keys"][:, :, :, 0]
-        self.values[:, :, :, self.slot] = result["present_values"][:, :, :, 0]
+        if self.kept is not None:
+            if not self._in_engine:
+                self.kept.write(self.keys, self.values, self.slot)
+                self._in_engine = True
+            feeds = {"input_ids": ids, "position_ids": self.positions, "attention_mask": self.mask[:, : self.slot + 1]}
+            result = {"logits": torch.from_numpy(self.kept.step({k: v.numpy() for k, v in feeds.items()}))}
+        else:
+            result = self._run(ids, self.positions, torch.tensor([self.slot]), self.mask, self.keys, self.values)
+            self.keys[:, :, :, self.slot] = result["present_keys"][:, :, :, 0]
+            self.values[:, :, :, self.slot] = result["present_values"][:, :, :, 0]
         self.positions = self.positions + 1
         self.slot += 1
         return self._chosen(self.rows, result["logits"])
@@ -163,6 +185,7 @@ class DecodeBatch:
         keep = [i for i, s in enumerate(self.rows) if s.ident not in gone]
         if len(keep) == len(self.rows):
             return
+        self._pull()
         index = torch.tensor(keep, dtype=torch.int64)
         self.rows = [self.rows[i] for i in keep]
         self.keys, self.values = self.keys[index], self.values[index]

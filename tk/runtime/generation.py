@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,6 +66,21 @@ class CacheLayout:
     def nbytes(self, batch: int, itemsize: int = 4) -> int:
         """Bytes of keys and values together for ``batch`` rows."""
         return 2 * batch * self.layers * self.heads * self.slots * self.head_dim * itemsize
+
+
+class KeptCache(Protocol):
+    """A decoder's KV cache that its engine keeps (OpenVINO's stateful IR): ``step`` runs the graph on
+    ``input_ids``, ``position_ids`` and the ``attention_mask`` of the filled and new slots, appending the new
+    tokens' keys and values, and returns the next-token logits; ``read``/``write`` move slots of it to and from
+    the static layout (batch, layers, kv heads, slots, head dim) where rows join or leave (``DecodeBatch``)."""
+
+    def empty(self) -> None: ...
+
+    def step(self, feeds: Mapping[str, Any]) -> np.ndarray: ...
+
+    def write(self, keys: Any, values: Any, stop: int) -> None: ...
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass
@@ -138,28 +153,39 @@ def generate(
     pad_id: int = 0,
     on_tokens: Callable[[int, list[int | None]], None] | None = None,
     keep_logits: bool = False,
+    empty_cache: Callable[[], None] | None = None,
 ) -> Generated:
     """Generate up to ``max_new_tokens`` for every prompt with ``step`` (one run of the artifact's graph).
 
     ``on_tokens(step_index, tokens)`` is called after each step with each row's new token (None for a
     row that has stopped): streaming. Rows stop at a token of ``stop_ids``; the loop ends when every
-    row has stopped or reached ``max_new_tokens``.
+    row has stopped or reached ``max_new_tokens``. ``empty_cache``: the step keeps the cache itself
+    (OpenVINO's stateful IR); called before the prefill, and the loop feeds no cache, only the attention
+    mask of the slots filled so far and the step's.
     """
     sampling = sampling or Sampling()
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     ids, positions, mask = left_padded(prompts, layout.slots, pad_id)
-    keys, values = layout.empty(len(prompts)), layout.empty(len(prompts))
+    keys = values = None
+    if empty_cache is None:
+        keys, values = layout.empty(len(prompts)), layout.empty(len(prompts))
+    else:
+        empty_cache()
     out = Generated([list(map(int, p)) for p in prompts], [[] for _ in prompts], ["length"] * len(prompts))
     stops = {int(s) for s in stop_ids}
     slot, width = 0, ids.shape[1]
     for index in range(max_new_tokens):
         started = time.perf_counter()
-        feeds = {"input_ids": ids, "position_ids": positions, "cache_position": torch.arange(slot, slot + width),
-                 "attention_mask": mask, "past_keys": keys, "past_values": values}  # fmt: skip
+        if keys is not None and values is not None:
+            feeds = {"input_ids": ids, "position_ids": positions, "cache_position": torch.arange(slot, slot + width),
+                     "attention_mask": mask, "past_keys": keys, "past_values": values}  # fmt: skip
+        else:
+            feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": mask[:, : slot + width]}
         result = step(feeds)
         logits = result["logits"].detach().cpu()
-        keys[:, :, :, slot : slot + width] = result["present_keys"].detach().cpu()
-        values[:, :, :, slot : slot + width] = result["present_values"].detach().cpu()
+        if keys is not None and values is not None:
+            keys[:, :, :, slot : slot + width] = result["present_keys"].detach().cpu()
+            values[:, :, :, slot : slot + width] = result["present_values"].detach().cpu()
         next_tokens = choose(logits, sampling, generator)
         out.step_seconds.append(time.perf_counter() - started)
         if keep_logits:
@@ -233,14 +259,7 @@ def generate_with_engine(
     largest = engine.dims["batch"].max if "batch" in engine.dims else 1
     if keep_logits and len(prompts) > largest:
         raise UsageError(f"keep_logits: expected at most {largest} prompts (one batch), got {len(prompts)}")
-    checked: set[bool] = set()
-
-    def step(feeds: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        width = int(feeds["input_ids"].shape[1])
-        first = (width == 1) not in checked  # the feeds' checks once per kind of step: prefill, decode
-        checked.add(width == 1)
-        return engine.run(feeds, check=first)
-
+    step, empty_cache = _engine_step(engine)
     parts = []
     for start in range(0, len(prompts), largest):
         chunk = prompts[start : start + largest]
@@ -261,9 +280,32 @@ def generate_with_engine(
                 pad_id=generation.get("pad_token_id") or 0,
                 on_tokens=relay if on_tokens is not None else None,
                 keep_logits=keep_logits,
+                empty_cache=empty_cache,
             )
         )
     return _joined(parts)
+
+
+def _engine_step(engine: Any) -> tuple[Step, Callable[[], None] | None]:
+    """The loop's ``step`` on ``engine`` and, where the engine keeps the cache, what empties it. The artifact's
+    step checks its feeds once per kind of step (prefill, decode); a kept cache's step takes the tokens, their
+    positions and the mask only (the prompts were checked before)."""
+    if engine.keeps_cache:
+        kept = engine.kept_cache()
+
+        def kept_step(feeds: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            return {"logits": torch.from_numpy(kept.step({k: v.numpy() for k, v in feeds.items()}))}
+
+        return kept_step, kept.empty
+    checked: set[bool] = set()
+
+    def step(feeds: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        width = int(feeds["input_ids"].shape[1])
+        first = (width == 1) not in checked
+        checked.add(width == 1)
+        return engine.run(feeds, check=first)
+
+    return step, None
 
 
 def _joined(parts: list[Generated]) -> Generated:

@@ -7,6 +7,13 @@ AVX512-BF16 or AMX is bf16, which would run a float32 artifact at bfloat16 accur
 bf16. An artifact whose precision the CPU cannot run (bf16 without bfloat16 dot products, where
 OpenVINO silently falls back to f32) is refused: what runs must be what the manifest says.
 
+A decoder's IR may keep its KV cache itself (the manifest's ``formats.openvino.cache: state``,
+``tk.export.openvino.stateful``): then ``kept_cache`` runs it on tokens, positions and the mask alone
+(``tk.runtime.generation``, ``tk serve``'s batch), its cache float32 inside OpenVINO for fp32 and int8
+artifacts and float16 for bf16 ones (``KV_CACHE_PRECISION``), and ``run`` of the artifact's static-cache
+step sets the cache's slots as the request's state and reads the step's keys and values back. An int8 IR
+whose writer ran its float part in bf16 runs at the bf16 hint where the CPU has bfloat16 products.
+
 Options (``OpenVINOOptions``): ``threads`` (``INFERENCE_NUM_THREADS``; default: OpenVINO's, every
 core), ``performance_hint`` (LATENCY or THROUGHPUT; default: OpenVINO's, LATENCY). Each calling
 thread gets its own infer request of the one compiled model.
@@ -14,15 +21,28 @@ thread gets its own infer request of the one compiled model.
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError, load_failure
-from tk.formats.openvino import PRECISION_HINTS, ROLE, WEIGHTS_ROLE, bounded_shapes, missing_reason, precision_name
+from tk.formats.aoti import runs_natively
+from tk.formats.openvino import (
+    CACHE_IN_STATE,
+    KV_CACHE_PRECISIONS,
+    PRECISION_HINTS,
+    ROLE,
+    STATE_INPUTS,
+    STATE_OUTPUTS,
+    WEIGHTS_ROLE,
+    bounded_shapes,
+    missing_reason,
+    precision_name,
+)
 from tk.manifest import read_verified
 from tk.runtime.base import Engine, EngineOptions, rebuild_command
 
@@ -53,7 +73,8 @@ class OpenVINOEngine(Engine):
 
         copy = model.clone()  # the writer goes on with ``model`` (an openvino.Model): its shapes stay its own
         copy.reshape(bounded_shapes(like.manifest.signature, like.dims))
-        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), "f32")).create_infer_request()
+        hint = "bf16" if runs_natively("bf16") else "f32"  # an int8 IR's float part, as its writer runs it
+        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), hint)).create_infer_request()
         return lambda: request.infer(feeds)
 
     @classmethod
@@ -71,6 +92,10 @@ class OpenVINOEngine(Engine):
                 f"engine 'openvino': the artifact's precision is {self.manifest.precision}; OpenVINO artifacts are "
                 f"{', '.join(PRECISION_HINTS)}"
             )
+        recorded = self.manifest.formats.get(ROLE, {}).get("inference_precision_hint")
+        if self.manifest.precision == "int8" and recorded == "bf16":
+            # what NNCF left float runs in bf16 where the CPU has it; elsewhere in float32, which is closer
+            hint = "bf16" if runs_natively("bf16") else "f32"
         xml_entry = self.manifest.file(ROLE)
         weights_entry = self.manifest.file(WEIGHTS_ROLE)
         xml = read_verified(self.root, xml_entry)
@@ -83,27 +108,33 @@ class OpenVINOEngine(Engine):
             raise load_failure(exc, f"{self.root / xml_entry.path} (OpenVINO)", fix) from exc
         self._in_names = [s.name for s in self.inputs]
         self._out_names = [s.name for s in self.outputs]
-        if not (_names_match(model.inputs, self._in_names) and _names_match(model.outputs, self._out_names)):
+        self._keeps_cache = self.manifest.formats.get(ROLE, {}).get("cache") == CACHE_IN_STATE
+        ir_in, ir_out = (STATE_INPUTS, STATE_OUTPUTS) if self._keeps_cache else (self._in_names, self._out_names)
+        if not (_names_match(model.inputs, list(ir_in)) and _names_match(model.outputs, list(ir_out))):
             got_in = [sorted(p.get_names()) for p in model.inputs]
             got_out = [sorted(p.get_names()) for p in model.outputs]
             raise IntegrityError(
                 f"{self.root / xml_entry.path}: the IR has inputs {got_in} and outputs {got_out}; "
-                f"the manifest expects {self._in_names} and {self._out_names}"
+                f"the manifest expects {list(ir_in)} and {list(ir_out)}"
             )
-        model.reshape(bounded_shapes(self.manifest.signature, self.dims))
+        config = compile_config(self.options, hint)
+        if self._keeps_cache:
+            config["KV_CACHE_PRECISION"] = KV_CACHE_PRECISIONS[hint]
+        else:
+            model.reshape(bounded_shapes(self.manifest.signature, self.dims))
         try:
-            self._compiled = core.compile_model(model, "CPU", compile_config(self.options, hint))
+            self._compiled = core.compile_model(model, "CPU", config)
         except Exception as exc:
             raise load_failure(exc, f"{self.root / xml_entry.path} (OpenVINO CPU compile)", "re-export it") from exc
         actual = precision_name(self._compiled.get_property("INFERENCE_PRECISION_HINT"))
-        if actual != hint:
+        if actual != hint and self.manifest.precision != "int8":
             del self._compiled
             raise BackendUnavailableError(
                 f"engine 'openvino': the artifact is {self.manifest.precision}, and OpenVINO's CPU plugin compiled it "
                 f"for {actual} (this CPU has no bfloat16 dot products: avx512_bf16 or amx_bf16); run it on such a CPU, "
                 f"or re-export --precision fp32"
             )
-        self._ports = [self._compiled.output(name) for name in self._out_names]
+        self._ports = [self._compiled.output(name) for name in ir_out]
         self._local = threading.local()
 
     @property
@@ -121,18 +152,99 @@ class OpenVINOEngine(Engine):
             settings["performance_hint"] = str(compiled.get_property("PERFORMANCE_HINT")).rpartition(".")[2]
         return settings
 
-    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+    def _request(self) -> Any:
         request = getattr(self._local, "request", None)
         if request is None:
             request = self._local.request = self._compiled.create_infer_request()
+        return request
+
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether the IR keeps a decoder's KV cache itself (OpenVINO's stateful form): ``kept_cache`` runs it."""
+        return self.load()._keeps_cache
+
+    @property
+    def kept_cache_itemsize(self) -> int:
+        return ov_itemsize(self.load()._compiled.get_property("KV_CACHE_PRECISION"))
+
+    def kept_cache(self, own_request: bool = False) -> OpenVINOKeptCache:
+        """The cache an IR that keeps one holds, in this thread's infer request (``own_request``: in a request of
+        its own, for a caller that may call from different threads, one at a time)."""
+        self.load()
+        return OpenVINOKeptCache(
+            self._compiled.create_infer_request() if own_request else self._request(), self._ports[0]
+        )
+
+    def _run(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        request = self._request()
+        if self._keeps_cache:
+            return self._run_static_cache(OpenVINOKeptCache(request, self._ports[0]), feeds)
         inputs = {name: np.ascontiguousarray(feeds[name]) for name in self._in_names}
         # OpenVINO reads the feeds where they lie (they live until infer returns; a copy of a decoder's cache cost
         # ~10% of its decode step); outputs are copied out of the request (share_outputs=False)
         result = request.infer(inputs, share_inputs=True)
         return {name: result[port] for name, port in zip(self._out_names, self._ports, strict=True)}
 
+    @staticmethod
+    def _run_static_cache(cache: OpenVINOKeptCache, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One step of the artifact's signature (the static cache in, the new keys and values out) on an IR that
+        keeps the cache: the cache's slots before the step's become the request's state, and the step's keys and
+        values are read back from it. The loop (``tk.runtime.generation``) runs ``kept_cache`` instead; the export
+        check's step parity, ``tk infer`` and ``tk serve``'s newcomers' prefill run this."""
+        slots = np.asarray(feeds["cache_position"]).reshape(-1)
+        first, width = int(slots[0]), len(slots)
+        if not np.array_equal(slots, np.arange(first, first + width)):
+            raise UsageError(f"cache_position: expected consecutive slots, got {slots.tolist()}")
+        keys, values = np.asarray(feeds["past_keys"]), np.asarray(feeds["past_values"])
+        cache.write(keys, values, first)
+        mask = np.asarray(feeds["attention_mask"])[:, : first + width]
+        logits = cache.step(
+            {"input_ids": feeds["input_ids"], "position_ids": feeds["position_ids"], "attention_mask": mask}
+        )
+        present_keys, present_values = cache.read(first, first + width)
+        return {"logits": logits, "present_keys": present_keys.astype(keys.dtype, copy=False),
+                "present_values": present_values.astype(values.dtype, copy=False)}  # fmt: skip
+
     def _close(self) -> None:
         del self._compiled, self._ports, self._local
+
+
+class OpenVINOKeptCache:
+    """A decoder's KV cache kept in one infer request's state (``tk.runtime.generation.KeptCache``): one
+    variable per layer and kind (batch, kv heads, filled slots, head dim), which each ``step`` extends."""
+
+    def __init__(self, request: Any, logits: Any) -> None:
+        self._request = request
+        self._logits = logits
+
+    def empty(self) -> None:
+        self._request.reset_state()
+
+    def step(self, feeds: Mapping[str, Any]) -> np.ndarray:
+        """The next-token logits of ``input_ids``, ``position_ids`` and ``attention_mask`` (batch, filled + new
+        slots); the step's keys and values join the cache. Feeds are not checked."""
+        inputs = {name: np.ascontiguousarray(feeds[name]) for name in STATE_INPUTS[:3]}
+        inputs[STATE_INPUTS[3]] = np.arange(inputs["input_ids"].shape[0], dtype=np.int32)
+        return self._request.infer(inputs, share_inputs=True)[self._logits]
+
+    def write(self, keys: Any, values: Any, stop: int) -> None:
+        """The cache set to slots ``[0, stop)`` of ``keys`` and ``values`` (batch, layers, kv heads, slots, head dim)."""
+        import openvino as ov
+
+        self._request.reset_state()  # an empty cache of the next step's rows
+        if stop:
+            for state in self._request.query_state():
+                kind, layer = _state_of(state.name)
+                cached = np.asarray(keys if kind == "key" else values)[:, layer, :, :stop]
+                state.state = ov.Tensor(np.ascontiguousarray(cached, dtype=np.float32))
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots ``[start, stop)`` of the cache as keys and values (batch, layers, kv heads, slots, head dim)."""
+        present: dict[str, dict[int, np.ndarray]] = {"key": {}, "value": {}}
+        for state in self._request.query_state():
+            kind, layer = _state_of(state.name)
+            present[kind][layer] = np.array(state.state.data[:, :, start:stop])
+        return tuple(np.stack([by[i] for i in sorted(by)], axis=1) for by in (present["key"], present["value"]))  # type: ignore[return-value]
 
 
 def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
@@ -143,6 +255,19 @@ def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
     if options.performance_hint is not None:
         config["PERFORMANCE_HINT"] = options.performance_hint
     return config
+
+
+def ov_itemsize(element_type: Any) -> int:
+    """Bytes of one value of an OpenVINO element type (``<Type: 'float16'>``: 2)."""
+    return max(1, int(element_type.bitwidth) // 8)
+
+
+def _state_of(variable: str) -> tuple[str, int]:
+    """("key" or "value", layer) of a stateful IR's variable, named after its input (``past_key_3...``)."""
+    match = re.search(r"past_(key|value)_(\d+)", variable)
+    if match is None:
+        raise IntegrityError(f"the OpenVINO IR has a state {variable!r}; expected past_key_N or past_value_N")
+    return match.group(1), int(match.group(2))
 
 
 def _names_match(ports: list[Any], names: list[str]) -> bool:

@@ -66,7 +66,10 @@ class GenerationServer:
             max_new_tokens=int(config.max_tokens or self.layout.slots - 1),
             max_prompts=max_rows,
         )
-        self.batch = DecodeBatch(self._step, self.layout, max_rows, pad_id=generation.get("pad_token_id") or 0)
+        kept = self.engine.kept_cache(own_request=True) if self.engine.keeps_cache else None  # steps run on any thread
+        self.batch = DecodeBatch(
+            self._step, self.layout, max_rows, pad_id=generation.get("pad_token_id") or 0, kept=kept
+        )
         self.replica = replica or f"pid{os.getpid()}"
         self.metrics = Metrics(self.name, self.replica)
         self.generation_metrics = GenerationMetrics(self.metrics)

@@ -93,7 +93,8 @@ def bench_generation(
                 run.samples.clear()
             _, mark = quiet_or_marked(lambda r=runs: interleave({n: r[n].timed for n in r}, iters=rounds), guard)
             for name, run in runs.items():
-                report.rows.append(run.row(name, batch, prompt_len, new_tokens, weights, layout.nbytes(batch), mark))
+                cache = _cache_bytes(opened.get(name), layout, batch, prompt_len + new_tokens // 2)
+                report.rows.append(run.row(name, batch, prompt_len, new_tokens, weights, cache, mark))
             if progress is not None:
                 progress(f"bench  batch {batch}: {', '.join(runs)} timed over {rounds} rounds")
     report.bandwidth_bytes_per_s = copy_bandwidth()
@@ -129,6 +130,14 @@ def _weight_bytes(root: str | Path, manifest: Any) -> int:
     """The weights a step reads: the float32 safetensors file every artifact holds, scaled to the artifact's
     precision (int8 counted as all int8: a layer kept in float reads more)."""
     return manifest.file("weights").size * WEIGHT_BYTES.get(manifest.precision, 4) // 4
+
+
+def _cache_bytes(engine: Any, layout: CacheLayout, batch: int, filled: int) -> int:
+    """The cache's bytes a decode step reads: every slot of the static cache, or, where the engine keeps the cache
+    (OpenVINO's stateful IR, at its own precision), the ``filled`` slots of the middle decode step."""
+    if engine is None or not engine.keeps_cache:
+        return layout.nbytes(batch)
+    return layout.nbytes(batch, engine.kept_cache_itemsize) * filled // layout.slots
 
 
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> GenerationRun:

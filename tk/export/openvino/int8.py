@@ -7,7 +7,9 @@ int8 writers are, by the SQNR of its outputs against the float32 IR on the calib
 batches. For a transformer under the floor plus ``MARGIN_DB``, SmoothQuant is tried off too and the better
 kept; then the costliest units (``quantized_units``: the weight products, the embedding tables NNCF stored
 in int8 and the attention products whose inputs it quantized; ranked by the graph's SQNR with only that
-unit int8) are left float32 through NNCF's ``IgnoredScope``, a few more per round (``NncfUnits``).
+unit int8) are left float32 through NNCF's ``IgnoredScope``, a few more per round (``NncfUnits``). On a CPU
+with bfloat16 products what stays float then runs in bf16 where the IR still holds the target so (OpenVINO's
+precision hint), else in float32.
 """
 
 from __future__ import annotations
@@ -116,10 +118,18 @@ def _through_shape_ops(node: Any) -> Any:
 
 
 class IrRunner(FeedsRunner):
-    """The evaluator's runner for OpenVINO IRs: each compiled for the CPU in float32 (the float32 IR once)."""
+    """The evaluator's runner for OpenVINO IRs: the float32 IR compiled for the CPU in float32 (once), each
+    candidate at ``candidate_hint`` (the precision its unquantized layers run in: f32, or bf16)."""
+
+    def __init__(self, model: Any, candidate_hint: str = "f32") -> None:
+        super().__init__(model)
+        self.candidate_hint = candidate_hint
 
     def open(self, model: Any) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
-        return functools.partial(_run, _compiled_f32(model))
+        return functools.partial(_run, _compiled(model, "f32"))
+
+    def candidate(self, model: Any) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+        return functools.partial(_run, _compiled(model, self.candidate_hint))
 
 
 def ir_evaluator(model: Any, batches: Sequence[dict[str, np.ndarray]]) -> Evaluator:
@@ -127,11 +137,12 @@ def ir_evaluator(model: Any, batches: Sequence[dict[str, np.ndarray]]) -> Evalua
     return Evaluator.of(IrRunner(model), batches)
 
 
-def _compiled_f32(model: Any) -> Any:
-    """An infer request of ``model`` compiled for the CPU in float32 (its outputs as ``_run`` reads them)."""
+def _compiled(model: Any, hint: str) -> Any:
+    """An infer request of ``model`` compiled for the CPU at precision hint ``hint`` (its outputs as ``_run``
+    reads them)."""
     import openvino as ov
 
-    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": hint}).create_infer_request()
 
 
 def _run(request: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -292,8 +303,14 @@ def int8_ir_from_ir(
     min_sqnr_db: float | None = None,
     gate: Callable[[Any], None] | None = None,
     share_gate: Callable[[Int8Share], None] | None = None,
+    float_part_bf16: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
+
+    ``float_part_bf16`` (a CPU with bfloat16 products): the int8 IR is judged again compiled at OpenVINO's bf16
+    precision hint, under which what NNCF left float (the layers the search left out, and the non-linear
+    ops) runs in bf16; where that holds the target too, the record says so (``automatic_exclusions_run_in``:
+    bf16) and the artifact runs at that hint, else float32 (``float_part`` says why).
 
     With ``min_sqnr_db``, while the SQNR on the calibration and ``judge`` batches is below
     ``min_sqnr_db + MARGIN_DB``: for a transformer, NNCF's SmoothQuant is tried off too (its default
@@ -332,7 +349,27 @@ def int8_ir_from_ir(
         record["automatic_exclusions"] = record["excluded"] = found.excluded
         record["layer_sqnr_db"] = {name: round(value, 2) for name, value in found.costs.items()}
     record["sqnr_db_export"] = round(sqnr, 2)
+    record.update(_float_part(model, quantized, evaluator, target, float_part_bf16))
     return quantized, record
+
+
+def _float_part(model: Any, quantized: Any, evaluator: Evaluator, target: float | None, bf16: bool) -> dict[str, Any]:
+    """What NNCF left float in ``quantized`` runs in (the record's ``automatic_exclusions_run_in``): bf16 where
+    ``bf16`` and the IR judged at OpenVINO's bf16 hint holds ``target`` (against the same float32 references),
+    else float32, and why."""
+    if not bf16:
+        return {"automatic_exclusions_run_in": "fp32"}
+    in_bf16 = Evaluator(IrRunner(model, "bf16"), evaluator.all_batches, evaluator.indices, evaluator.references)
+    sqnr = in_bf16.sqnr_db(quantized, target_db=target)
+    kept = target is None or sqnr >= target
+    log.info("export int8   OpenVINO SQNR %.1f dB with its float part in bf16: %s", sqnr, "kept" if kept else "float32")
+    part: dict[str, Any] = {
+        "automatic_exclusions_run_in": "bf16" if kept else "fp32",
+        "sqnr_db_float_part_bf16": round(sqnr, 2),
+    }
+    if not kept:
+        part["float_part"] = f"float32: with it in bf16 the IR read {sqnr:.1f} dB, under the {target:.1f} dB target"
+    return part
 
 
 def _smooth_quant_kept(nncf_: _Nncf, quantized: Any, evaluator: Evaluator, target: float | None) -> tuple[Any, float]:

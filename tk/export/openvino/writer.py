@@ -11,7 +11,10 @@ dimension ranges (``Dimension(min, max)``), and the outputs carry the signature'
 bf16 is written only on a CPU with bfloat16 dot products (avx512_bf16 or amx_bf16): elsewhere
 OpenVINO does not emulate bfloat16, it silently compiles f32, so the export check could not test
 what the artifact claims. int8: ``nncf.quantize`` calibrated on tk's calibration batches, judged and
-searched as the other int8 writers' models are (``tk.export.openvino.int8``).
+searched as the other int8 writers' models are (``tk.export.openvino.int8``), its float part in bf16
+where the CPU has bfloat16 products and the IR holds the judge's target so. A decoder's IR keeps its KV
+cache in OpenVINO (``tk.export.openvino.stateful``), but under NNCF's calibrated int8, whose calibration
+feeds are the static-cache step's.
 """
 
 from __future__ import annotations
@@ -23,7 +26,17 @@ from typing import Any
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.base import Writer, option
 from tk.export.context import ExportContext, ExportOptions
-from tk.formats.openvino import BIN, PRECISION_HINTS, ROLE, WEIGHTS_ROLE, XML, bounded_shapes, missing_reason
+from tk.export.openvino.convert import converted
+from tk.formats.openvino import (
+    BIN,
+    CACHE_IN_STATE,
+    PRECISION_HINTS,
+    ROLE,
+    WEIGHTS_ROLE,
+    XML,
+    bounded_shapes,
+    missing_reason,
+)
 
 log = logging.getLogger("tk.export")
 
@@ -68,6 +81,9 @@ class OpenVinoWriter(Writer):
                 )
         return None
 
+    def int8_float_part(self) -> str:
+        return int8_float_part()
+
     def variant_words(self, options: OpenVinoOptions, precision: str) -> list[str]:
         return [options.int8_mode or "static"] if precision == "int8" else []
 
@@ -88,9 +104,17 @@ class OpenVinoWriter(Writer):
     def write(self, ctx: ExportContext) -> None:
         import openvino as ov
 
-        model, fallback = _float32_ir(ctx)
-        quantization = None
         mode = ctx.settings[self.name].int8_mode or "static"
+        # a decoder keeps its cache in OpenVINO (tk.export.openvino.stateful), but where NNCF calibrates the
+        # graph's activations: its calibration feeds are the static cache's
+        stateful = bool(ctx.spec.generation) and not (ctx.options.precision == "int8" and mode == "static")
+        if stateful:
+            from tk.export.openvino.stateful import stateful_decoder_ir
+
+            model, fallback = stateful_decoder_ir(ctx), None
+        else:
+            model, fallback = _float32_ir(ctx)
+        quantization = None
         if ctx.options.precision == "int8" and mode != "static":
             model, quantization = _weight_only_ir(model, mode)
         elif ctx.options.precision == "int8":
@@ -98,12 +122,17 @@ class OpenVinoWriter(Writer):
         xml = ctx.add_file(XML, ROLE)
         ctx.add_file(BIN, WEIGHTS_ROLE)
         ov.save_model(model, str(xml), compress_to_fp16=False)
+        hint = PRECISION_HINTS[ctx.options.precision]
+        if quantization is not None and quantization.get("automatic_exclusions_run_in") == "bf16":
+            hint = "bf16"  # what NNCF left float runs in bf16 (tk.export.openvino.int8)
         info: dict[str, Any] = {
             "file": XML,
             "weights": BIN,
-            "inference_precision_hint": PRECISION_HINTS[ctx.options.precision],
+            "inference_precision_hint": hint,
             "compress_to_fp16": False,
         }
+        if stateful:
+            info["cache"] = CACHE_IN_STATE
         if quantization is not None:
             info["quantization"] = quantization
         if fallback is not None:
@@ -113,6 +142,14 @@ class OpenVinoWriter(Writer):
 
 
 WRITER = OpenVinoWriter()
+
+
+def int8_float_part() -> str:
+    """What an int8 IR's unquantized layers run in: bf16 on a CPU with bfloat16 products (where the judge still
+    holds its target so: ``int8_ir_from_ir``), else float32."""
+    from tk.formats.aoti import runs_natively
+
+    return "bf16" if runs_natively("bf16") else "fp32"
 
 
 def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
@@ -131,6 +168,7 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
         min_sqnr_db=int8_floor_db(ctx),
         gate=int8_gate(ctx, "openvino"),
         share_gate=int8_gate(ctx, "openvino"),
+        float_part_bf16=int8_float_part() == "bf16",
     )
     layers = record["quantizable_nodes"]
     require_int8_layers(layers - len(record["automatic_exclusions"]), layers, "openvino")
@@ -185,7 +223,7 @@ def _float32_ir(ctx: ExportContext) -> tuple[Any, str | None]:
                 "--format torch or aoti instead"
             ) from exc
         try:
-            model = named_and_bounded(_converted(str(onnx_file.path), "tk's ONNX of the program"), ctx)
+            model = named_and_bounded(converted(str(onnx_file.path), "tk's ONNX of the program"), ctx)
         except ConversionError as second:
             raise ConversionError(f"{failed}; converting tk's ONNX of the program failed too ({second})") from exc
     log.warning("export openvino: the PyTorch frontend failed (%s); converted tk's ONNX of the same program", failed)
@@ -199,30 +237,7 @@ def has_attention(model: Any) -> bool:
 
 def ir_from_exported_program(program: Any, ctx: ExportContext) -> Any:
     """``program`` as an ``openvino.Model``: inputs bounded by the dims, outputs named as the signature."""
-    return named_and_bounded(_converted(program, "the exported program"), ctx)
-
-
-def _converted(source: Any, what: str) -> Any:
-    """``openvino.convert_model(source)``; a failure is one ``ConversionError`` line that keeps OpenVINO's cause
-    (its first line names only the C++ file that threw)."""
-    import openvino as ov
-
-    try:
-        return ov.convert_model(source)
-    except Exception as exc:  # the frontends raise OpConversionFailure, GeneralFailure and others
-        raise ConversionError(
-            f"openvino.convert_model could not convert {what} ({type(exc).__name__}: {openvino_cause(exc)}); "
-            "export --format onnx or aoti instead"
-        ) from exc
-
-
-def openvino_cause(exc: BaseException) -> str:
-    """The informative part of an OpenVINO error: its summary lines (``-- No conversion rule found for
-    operations: ...``) where it has them, else its lines past the ``Check ... failed at FILE:LINE:`` header."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    summary = [ln.removeprefix("-- ") for ln in lines if ln.startswith("-- ")]
-    useful = summary or [ln for ln in lines if not ln.startswith(("Check '", "Exception from "))]
-    return "; ".join(useful[:3])[:400] if useful else first_line(exc)
+    return named_and_bounded(converted(program, "the exported program"), ctx)
 
 
 def named_and_bounded(model: Any, ctx: ExportContext) -> Any:

@@ -216,8 +216,8 @@ def int8_layers(manifest_format: dict[str, Any]) -> tuple[int, int] | None:
 
 def layers_text(manifest_format: dict[str, Any]) -> str | None:
     """How many of an int8 format's layers run in each precision ("34 of 36 layers int8, 2 bf16"): the layers
-    left out of int8 run in bfloat16 where the aoti writer chose it (``automatic_exclusions_run_in``), else
-    float32 (onnx's QDQ graphs and OpenVINO's int8 IRs run them in float32)."""
+    left out of int8 run in bfloat16 where the aoti or OpenVINO writer chose it (``automatic_exclusions_run_in``),
+    else float32 (onnx's QDQ graphs run them in float32)."""
     layers = int8_layers(manifest_format)
     if layers is None:
         return None
