@@ -149,6 +149,7 @@ OPTION_VALUES = st.sampled_from(["nan", "inf", "-1", "0", "1", "3", str(10**11),
         max_size=3,
     ),
 )  # fmt: skip
+@pytest.mark.fits(seconds=60)  # 43 s on the 2-core AMX Xeon
 def test_fuzzed_arguments_end_in_one_line(fuzz_root, command, options):
     args = [command, str(fuzz_root / "base")]
     for name, value in options:

@@ -21,7 +21,7 @@ MODELS = ["transformer", "decoder", "mlp", "linear", "resnet18"]
 
 # engine -> (format its artifact needs, marks); eager is the reference itself
 ENGINE_CASES = {
-    "compile": ("onnx", [pytest.mark.slow]),
+    "compile": ("onnx", [pytest.mark.slow, pytest.mark.fits(seconds=40)]),  # Inductor: up to 28 s a model
     "torch": ("torch", []),
     "onnx": ("onnx", []),
     "aoti": ("aoti", [pytest.mark.slow]),

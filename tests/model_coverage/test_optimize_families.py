@@ -60,6 +60,7 @@ FAMILIES = {
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=25)  # 12-18 s a family on the 2-core AMX Xeon
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_optimize_finds_a_checked_fp32_artifact_on_the_familys_own_inputs(
     family: str, hf_dirs: dict[str, Path], tmp_path: Path

@@ -246,6 +246,7 @@ def _force_search(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gate, "MARGIN", -1.0)
 
 
+@pytest.mark.fits(seconds=60)  # 40 s on the 2-core AMX Xeon
 def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _force_search(monkeypatch)
     options = OptimizeOptions(
@@ -272,6 +273,7 @@ def test_optimize_skips_int8_searches_that_cannot_win(tmp_path: Path, monkeypatc
     assert not any(p.name.startswith("int8") for p in (tmp_path / "cache").iterdir())  # nothing half-written cached
 
 
+@pytest.mark.fits(seconds=35)  # 22 s on the 2-core AMX Xeon
 def test_onnx_and_openvino_ask_before_judging_even_a_passing_all_int8_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -285,6 +285,7 @@ def test_the_int8_share_counts_each_linears_multiply_adds_outside_the_left_out_p
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=30)  # 19 s on the 2-core AMX Xeon
 @pytest.mark.skipif(not hasattr(torch.ops.onednn, "qlinear_pointwise"), reason="no oneDNN int8 linear in this torch")
 def test_where_int8_leads_a_passing_int8_package_skips_the_float32_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
