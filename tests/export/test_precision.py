@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import package_source
 from tk.export import ExportOptions
-from tk.export.aoti.passes import ATTENTION_AS_MATMULS
+from tk.export.aoti.passes import ATTENTION_AS_MATMULS, flash_attention_preferred
 from tk.formats.aoti import packing_features
 from tk.models import build_model
 from tk.tolerances import MIN_SQNR_DB, TOLERANCES
@@ -39,10 +39,14 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     assert result.manifest.precision == precision and result.manifest.status == "passed"
     assert result.manifest.formats["aoti"]["inductor_configs"] == {"freezing": True}  # weights folded, prepacked
     assert result.manifest.formats["aoti"]["packed_for"] == packing_features()  # for this CPU's oneDNN kernels
-    assert result.manifest.formats["aoti"]["graph_passes"] == [ATTENTION_AS_MATMULS]
     source = package_source(tmp_path / precision)
-    assert "flash_attention" not in source and "bmm" in source  # attention as two products, not aten's flash kernel
-    assert "baddbmm" in source  # the padding mask added inside the first product, not in the softmax
+    if flash_attention_preferred(precision):  # AMX for the precision: aten's flash kernel on its tiles
+        assert "graph_passes" not in result.manifest.formats["aoti"]
+        assert "flash_attention" in source
+    else:
+        assert result.manifest.formats["aoti"]["graph_passes"] == [ATTENTION_AS_MATMULS]
+        assert "flash_attention" not in source and "bmm" in source  # attention as two products
+        assert "baddbmm" in source  # the padding mask added inside the first product, not in the softmax
     for fmt in ("torch", "aoti"):
         report = result.manifest.check[fmt]
         assert (report["rtol"], report["atol"], report["min_sqnr_db"]) == (rtol, atol, MIN_SQNR_DB[precision])

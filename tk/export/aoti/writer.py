@@ -255,14 +255,20 @@ def aoti_package_from_exported_program(
     passes for ``precision`` (``tk.export.aoti.passes``); returns their names, the manifest's ``graph_passes``.
 
     ``inductor_configs`` are passed to AOTInductor (``torch._inductor.config`` names); default none.
-    bf16/fp16 on the CPU: attention decomposed into two products (``attention_as_matmuls``). int8: a
+    bf16/fp16 on the CPU: attention decomposed into two products (``attention_as_matmuls``), except where the
+    CPU has AMX for the precision (aten's flash kernel: ``flash_attention_preferred``). int8: a
     quantized program, compiled with ``SizesFromInputs`` so that torchao's fusions match under dynamic
     shapes. The compile runs with gradients off, which freezing needs and inference packages never use.
     """
-    from tk.export.aoti.passes import ATTENTION_AS_MATMULS, SizesFromInputs, attention_as_matmuls
+    from tk.export.aoti.passes import (
+        ATTENTION_AS_MATMULS,
+        SizesFromInputs,
+        attention_as_matmuls,
+        flash_attention_preferred,
+    )
 
     names, passes = [], {}
-    if device == "cpu" and precision in ("bf16", "fp16"):
+    if device == "cpu" and precision in ("bf16", "fp16") and not flash_attention_preferred(precision):
         program = attention_as_matmuls(program)
         names.append(ATTENTION_AS_MATMULS)
     if precision == "int8":
