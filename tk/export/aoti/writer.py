@@ -21,7 +21,6 @@ both. The settings used are recorded in the manifest (``inductor_configs``).
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -31,15 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.base import REDUCED, Writer, option
 from tk.export.context import ExportContext, ExportOptions
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
-
-log = logging.getLogger("tk.export")
 
 
 @dataclass(frozen=True)
@@ -113,18 +109,20 @@ class AotiWriter(Writer):
     def write(self, ctx: ExportContext) -> None:
         assert ctx.program is not None
         options: AotiOptions = ctx.settings[self.name]
-        quantization = None
-        if ctx.options.precision == "int8":
-            quantization, passes, configs = _int8_package(ctx, options, ctx.add_file(FILE, "aoti"))
+        program, quantization, passes = ctx.program, None, []
+        if ctx.options.precision == "int8":  # compiled as its search settled its float part
+            program, quantization, passes = _int8_program(ctx, options)
+            in_bf16 = quantization["automatic_exclusions_run_in"] == "bf16"
+            configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=in_bf16)
         else:
             configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
-            passes = aoti_package_from_exported_program(
-                ctx.program,
-                ctx.add_file(FILE, "aoti"),
-                inductor_configs=configs,
-                precision=ctx.options.precision,
-                device=ctx.options.device,
-            )
+        passes += aoti_package_from_exported_program(
+            program,
+            ctx.add_file(FILE, "aoti"),
+            inductor_configs=configs,
+            precision=ctx.options.precision,
+            device=ctx.options.device,
+        )
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
         if passes:
             info["graph_passes"] = passes
@@ -148,65 +146,8 @@ def unavailable_reason(device: str) -> str | None:
     return WRITER.unavailable_reason(device, "fp32")
 
 
-def _int8_package(
-    ctx: ExportContext, options: AotiOptions, path: Path
-) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
-    """The int8 package compiled at ``path`` as its search settled its float part; its quantization record,
-    graph passes and Inductor settings.
-
-    The search judges the quantized program run by PyTorch; oneDNN's int8 kernels in the package round
-    differently, and on the AMX Xeon a package whose program the judge read above the floor plus its margin
-    read 2-3.5 dB lower itself (benchmarks/history.md, 2026-12-05), so the export check failed it instead of
-    leaving a layer out. So on the CPU the compiled package is judged too, on the judge's held-out batches
-    (``sqnr_db_package``); under the floor, the search runs again with its floor raised by what the judge
-    over-read (``judge_raised_db``), and the package is compiled once more."""
-    from tk.export.int8.search import int8_floor_db
-
-    floor = int8_floor_db(ctx)
-    raised = 0.0
-    while True:
-        program, quantization, passes = _int8_program(ctx, options, raise_db=raised)
-        in_bf16 = quantization["automatic_exclusions_run_in"] == "bf16"
-        configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=in_bf16)
-        passes += aoti_package_from_exported_program(
-            program, path, inductor_configs=configs, precision="int8", device=ctx.options.device
-        )
-        if ctx.options.device != "cpu" or floor is None:
-            return quantization, passes, configs
-        package_db = package_sqnr_db(path, ctx)
-        quantization["sqnr_db_package"] = round(package_db, 2)
-        if raised:
-            quantization["judge_raised_db"] = round(raised, 2)
-        if package_db >= floor or raised:
-            return quantization, passes, configs
-        raised = max(quantization["sqnr_db_export"] - package_db, 0.5)  # what the judge over-read
-        log.info(
-            "export int8   the compiled package read %.1f dB, under the %.1f dB floor (its program judged %.1f): "
-            "searching again with the floor raised by %.1f dB",
-            package_db,
-            floor,
-            quantization["sqnr_db_export"],
-            raised,
-        )
-
-
-def package_sqnr_db(path: Path, ctx: ExportContext) -> float:
-    """The worst SQNR of the compiled package at ``path`` against the float32 program, over the int8 judge's
-    batches (``judge_feeds``: the export check's shapes)."""
-    from tk.export.aoti.pt2e import program_evaluator
-    from tk.export.int8.calibration import judge_feeds
-
-    assert ctx.program is not None
-    names = [s.name for s in ctx.spec.signature.inputs]
-    batches = [tuple(torch.from_numpy(np.ascontiguousarray(f[n])) for n in names) for f in judge_feeds(ctx)]
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        package = torch._inductor.aoti_load_package(str(path))  # tk's own package, written just now
-        return program_evaluator(ctx.program.module(), batches).sqnr_db(package)
-
-
 def _int8_program(
-    ctx: ExportContext, options: AotiOptions, raise_db: float = 0.0
+    ctx: ExportContext, options: AotiOptions
 ) -> tuple[torch.export.ExportedProgram, dict[str, Any], list[str]]:
     """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti.int8``), and the
     graph passes applied before: where the CPU's bfloat16 products outrun its float32 ones
@@ -220,7 +161,6 @@ def _int8_program(
     from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
 
     assert ctx.program is not None
-    floor = int8_floor_db(ctx)
     in_bf16 = ctx.options.device == "cpu" and excluded_run_in_bf16()
     source = attention_as_matmuls(ctx.program, torch.bfloat16) if in_bf16 else ctx.program
     program, result = int8_program(
@@ -231,7 +171,7 @@ def _int8_program(
         calibration_feeds(ctx),
         method=options.calibration_method or DEFAULT_METHOD,
         keep_fp32=ctx.options.keep_fp32,
-        min_sqnr_db=None if floor is None else floor + raise_db,
+        min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
         excluded_in_bf16=in_bf16,
         float32_program=ctx.program,  # where bf16 cannot keep the target: the float part in float32
