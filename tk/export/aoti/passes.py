@@ -14,9 +14,8 @@ symbol from a graph input instead: the same value, and the linear's output keeps
 as two batched products in the low precision around a float32 softmax, not with aten's CPU flash
 kernel, which ran bf16 attention on the AVX512-BF16 EPYC (no AMX) no faster than float32. Where the CPU
 has AMX for the precision (``flash_attention_preferred``) the flash kernel keeps the attention: its blocks
-run on AMX tiles, and MiniLM's bf16 package at 8 x 128 ran 1.15-1.18x faster with it than with the two
-products on the AMX Xeon (the small Transformer's at 32 x 128, 1.09x). The mask
-goes into the first product as ``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of
+run on AMX tiles, and MiniLM's and the small Transformer's bf16 packages ran faster with it than with the
+two products on the AMX Xeon (benchmarks/history.md). The mask goes into the first product as ``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of
 the scores' shape and keeps each row's exponentials in a row-sized buffer; with the mask applied in
 the softmax, Inductor split it into two loop nests around a float32 buffer of B * H * L * S
 exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
