@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from tk.cli import cli
 from tk.export import ExportOptions
 from tk.export.context import ExportContext
-from tk.export.int8.calibration import JUDGE_SEEDS, judge_feeds
+from tk.export.int8.calibration import JUDGE_SEEDS, calibration_feeds, judge_feeds, split_calibration_samples
 from tk.models import build_model
 from tk.spec import Dim, TensorSpec, fitted_samples, shapes_to_check
 from tk.workflows.export import export
@@ -94,10 +94,25 @@ def test_the_int8_judges_run_as_many_distinct_sample_batches_as_the_samples_fill
             assert tuple(row[:seq]) in {r[:seq] for r in rows} and not row[12:].any()
     random = judge_feeds(_context(spec, None))
     assert len(random) == JUDGE_SEEDS * len(shapes)
-    # where the calibration samples are the user's too, the search judges them: the check's stay unseen
-    calibration = token_samples(count=20, vocab=7)
-    seen = judge_feeds(_context(spec, samples, calibration))
-    assert len(seen) == sum(distinct) and all(int(b["input_ids"].max()) < 7 for b in seen)
+    # where the calibration samples are the user's too, the search judges every other one of them (the
+    # check's stay unseen) and the ranges are fitted to the rest
+    calibration = token_samples(count=40, vocab=7)
+    ctx = _context(spec, samples, calibration)
+    judged = judge_feeds(ctx)
+    assert len(judged) == sum(distinct) and all(int(b["input_ids"].max()) < 7 for b in judged)
+    aside = {tuple(r) for r in calibration["input_ids"][1::2]}
+    assert all(tuple(row[:12]) in aside for b in judged for row in b["input_ids"] if len(row) >= 12)
+    fitted = calibration_feeds(ctx)
+    rows = np.concatenate([b["input_ids"] for b in fitted])
+    np.testing.assert_array_equal(rows, calibration["input_ids"][0::2])  # 20 samples: batches of 8, 8, 4
+    # a static batch of 32 that half of 40 samples cannot fill: all calibrate, and the search judges them
+    static = ExportContext(spec, spec.module, {**ctx.dims, "batch": Dim("batch", 32, 32, 32)}, ctx.options, Path("."),
+                           spec.example_inputs())  # fmt: skip
+    assert split_calibration_samples(static)[1] is None
+    assert [b["input_ids"].shape[0] for b in calibration_feeds(static)] == [32]
+    # without the user's check samples the search judges random inputs, as the check does: all calibrate
+    alone = _context(spec, None, calibration)
+    assert split_calibration_samples(alone)[1] is None and len(judge_feeds(alone)) == JUDGE_SEEDS * len(shapes)
 
 
 def test_train_writes_held_out_samples_that_optimize_reads_with_labels(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from tk.export.context import ExportContext, Int8Share
 from tk.export.int8.evaluator import Evaluator
 
 # a quantized graph's judged batches must clear the floor by this much: the check runs other batches (fresh
-# random ones, or the check's samples where the search judged the calibration samples)
+# random ones, or the check's samples where the search judged calibration samples held aside)
 MARGIN_DB = 2.0
 SCREEN_EVERY = 4  # screened_exclusion's rounds judge the calibration batches and every 4th held-out one
 

@@ -1,8 +1,9 @@
 """The inputs of an optimize run: calibration samples for int8 and held-out samples that judge.
 
 With ``--data FILE`` (what ``tk infer --inputs`` reads, or for an ``hf:DIR`` model a ``.txt``/``.jsonl``
-file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates (and is what the
-int8 searches judge) and the second half judges each candidate, at its own shape and across the
+file of texts its tokenizer reads: ``tk.models.hf_text``) the first half calibrates (every other sample
+of it held aside for the int8 searches' judge: ``tk.export.int8.calibration.split_calibration_samples``)
+and the second half judges each candidate, at its own shape and across the
 artifact's shape range, where each export's check runs it cut or padded to each shape
 (``tk.spec.fitted_samples``);
 an array named ``labels`` in the file (a ``"label"`` per ``.jsonl`` line) makes ``top1`` an accuracy

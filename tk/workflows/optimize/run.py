@@ -178,8 +178,8 @@ def _export_options(
     options: OptimizeOptions, accuracy: AccuracySpec, dims: dict[str, Dim], data: OptimizeData, gate: SpeedGate | None
 ) -> ExportOptions:
     # with --data, the held-out half is what each export's check runs across the shape range, fitted to each
-    # shape (the int8 searches judge the calibration half so): random token ids can sit where a classifier's
-    # logits are near zero, which no input of the user's does (benchmarks/history.md, 2026-12-05)
+    # shape (the int8 searches judge samples of the calibration half held aside so): random token ids can sit
+    # where a classifier's logits are near zero, which no input of the user's does (benchmarks/history.md)
     check_data = data.held_out if data.calibration is not None else None
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
                          calibration_data=data.calibration, check_data=check_data,
