@@ -23,6 +23,7 @@ from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
 from tk.export.aoti.int8 import excluded_run_in_bf16, int8_program
 from tk.export.aoti.int8 import unavailable_reason as int8_unavailable
+from tk.export.aoti.passes import flash_attention_preferred
 from tk.export.aoti.pt2e import quantizable_modules, run_linears_in_bf16, unit_macs
 from tk.export.aoti.writer import AotiOptions
 from tk.export.aoti.writer import unavailable_reason as aoti_unavailable
@@ -60,8 +61,11 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     # float32 linears unpacked where the layers left out of int8 run in float32 (bf16 no faster here, or absent)
     packed_floats = {} if excluded_run_in_bf16() else {"cpp.weight_prepack": False}
     assert aoti["inductor_configs"] == {"freezing": True, **packed_floats} and aoti["packed_for"]
-    # attention as two bf16 products where bf16 products outrun float32 ones, not aten's float32 flash kernel
-    in_bf16 = ["tk.export.aoti.passes.attention_as_matmuls/2+bf16"] if excluded_run_in_bf16() else []
+    # attention in bf16 where bf16 products outrun float32 ones, not aten's float32 flash kernel: by aten's
+    # flash kernel where the CPU has AMX for bf16, else as two bf16 products
+    flash = flash_attention_preferred("bf16")
+    attention = f"tk.export.aoti.passes.{'flash_attention_in/1' if flash else 'attention_as_matmuls/2'}+bf16"
+    in_bf16 = [attention] if excluded_run_in_bf16() else []
     assert aoti["graph_passes"] == [*in_bf16, "tk.export.aoti.passes.SizesFromInputs/1"]
     quant = aoti["quantization"]
     assert quant["mode"] == "static" and quant["method"] == "histogram" and quant["per_channel"]
@@ -83,7 +87,8 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
     assert source.count('"gelu"') >= len(int8_ups), quant["excluded"]
     if not excluded_run_in_bf16():  # the layers left out run in float32 as the float32 package runs them: not packed
         assert "aoti_torch_cpu__linear_pointwise" not in source
-    assert ("flash_attention" in source) is not excluded_run_in_bf16()
+    # aten's flash kernel: in float32 where bf16 does not outrun it, in bf16 where AMX runs its blocks
+    assert ("flash_attention" in source) is (not excluded_run_in_bf16() or flash)
     # fresh inputs: int8 really ran (not bit-exact) and keeps the floor against the float32 model
     feeds = random_feeds(spec.signature.inputs, {"batch": 5, "seq": 37}, seed=77)
     engines = [load(out, "eager"), load(out, "aoti")]

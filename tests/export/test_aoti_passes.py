@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tk.export.aoti.passes import SizesFromInputs, _attention, attention_as_matmuls
+from tk.export.aoti.passes import SizesFromInputs, _attention, attention_as_matmuls, flash_attention_in
 
 
 def _up_gelu_then_flatten(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -118,3 +118,32 @@ def test_attention_in_bf16_runs_its_products_in_bf16_and_returns_float32():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)  # bfloat16's 8-bit mantissa, twice rounded
     assert torch.isfinite(got).all()
+
+
+class _AttendWith(torch.nn.Module):
+    """Attention with a boolean mask or the causal triangle, and grouped key/value heads."""
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(q, kv, kv, attn_mask=mask, enable_gqa=True) + sdpa(q, kv, kv, is_causal=True, enable_gqa=True)
+
+
+def test_flash_attention_in_bf16_runs_aten_flash_kernel_and_returns_float32():
+    """An int8 package's float32 attention by aten's CPU flash kernel in bfloat16 (``FLASH_ATTENTION_IN_BF16``)."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 8), torch.zeros(2, 1, 1, 5)
+    mask[1, ..., 3:] = torch.finfo(torch.float32).min  # below bf16's range: held at its lowest, not -inf
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    kept = flash_attention_in(torch.export.export(_Attend(), (x, mask)), torch.bfloat16)
+    kernels = [n for n in kept.graph.nodes if n.target is flash]
+    assert len(kernels) == 1 and all(n.args[0].meta["val"].dtype == torch.bfloat16 for n in kernels)
+    assert torch.ops.aten.scaled_dot_product_attention.default not in [n.target for n in kept.graph.nodes]
+    got, expected = kept.module()(x, mask), _Attend()(x, mask)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)  # bfloat16's 8-bit mantissa
+    q, kv = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)  # 4 query heads over 2 key/value heads
+    seen = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    seen[0, ..., 4:] = False
+    grouped = flash_attention_in(torch.export.export(_AttendWith(), (q, kv, seen)), torch.bfloat16)
+    assert sum(n.target is flash for n in grouped.graph.nodes) == 2
+    torch.testing.assert_close(grouped.module()(q, kv, seen), _AttendWith()(q, kv, seen), rtol=0.05, atol=0.05)

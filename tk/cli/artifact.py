@@ -293,8 +293,10 @@ def _quantization_text(quant: object) -> str:
     left += f"; {quant['float_part']}" if isinstance(quant.get("float_part"), str) else ""
     int8 = quant.get("int8_modules", total - len(excluded))
     weights = f"; weights {quant['weights']}" if quant.get("weights", "int8") != "int8" else ""
-    alpha = (quant.get("smoothing") or {}).get("alpha")
-    smoothed = f"; smoothed (alpha {alpha:g})" if isinstance(alpha, (int, float)) else ""
+    smoothing = quant.get("smoothing") or {}
+    alpha = smoothing.get("alpha")
+    unary = ", not after a unary" if smoothing.get("after_unary") is False else ""
+    smoothed = f"; smoothed (alpha {alpha:g}{unary})" if isinstance(alpha, (int, float)) else ""
     seconds = quant.get("seconds")
     took = ""
     if isinstance(seconds, dict) and seconds and all(isinstance(v, (int, float)) for v in seconds.values()):

@@ -101,6 +101,7 @@ class AotiInt8Result:
     # alpha ("none": as captured) -> all-int8 SQNR (on the calibration batches where it is under the target)
     smoothing: dict[str, float] = field(default_factory=dict)
     smoothing_alpha: float | None = None  # the one kept
+    smoothing_after_unary: bool = True  # whether the kept smoothing divides the inputs a GELU or ReLU gives
     float_part: str | None = None  # why the float part runs in float32 where bf16 outruns it (None: it does not)
     # where the search's time went, by phase (``_phase``): the bf16 check, the all-int8 tries, the gate, the
     # costs, the exclusion rounds, and a search started again in float32 (its first attempt's time). Keys:
@@ -123,6 +124,7 @@ class AotiInt8Result:
             "activations": ACTIVATIONS_7BIT if saturating_int8_products() else "uint8",
             "smoothing": {
                 "alpha": self.smoothing_alpha,
+                **({} if self.smoothing_after_unary else {"after_unary": False}),
                 "all_int8_sqnr_db": {a: round(v, 2) for a, v in self.smoothing.items()},
             },
             "seconds": {phase: round(s, 2) for phase, s in self.seconds.items()},
@@ -347,17 +349,14 @@ def _all_int8(
     quantizer: Quantizer, judged: Evaluator, min_sqnr_db: float | None, result: AotiInt8Result
 ) -> torch.fx.GraphModule:
     """Every module int8: as captured, then (while under the floor plus the margin) smoothed with each of
-    ``SMOOTHING_ALPHAS``; the best is kept (``result`` is filled in)."""
+    ``SMOOTHING_ALPHAS``, first with a GELU's or ReLU's outputs left as captured (their ``mul`` would stop
+    torchao's linear + unary + quantize fusion: ``tk.export.aoti.smoothing``), then every input; the first
+    to reach the target is kept, else the best (``result`` is filled in)."""
     best: torch.fx.GraphModule | None = None
-    plans: dict[float | None, SmoothingPlan | None] = {None: None}
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
-    best_score, passed = -math.inf, False
-    for alpha in (None, *SMOOTHING_ALPHAS):
-        if alpha is not None:
-            if target is None or passed:
-                break
-            plans[alpha] = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha)
-        quantizer.smoothing = plans[alpha]
+    best_score, passed, kept_plan = -math.inf, False, None
+    for plan in _smoothing_tries(quantizer):
+        quantizer.smoothing = plan
         quantized = quantizer.quantize()
         # judged on every calibration batch, then up to the first batch under the target (a full judge of
         # the quantized program in PyTorch took ~40 s on the small Transformer, each); the programs under
@@ -366,14 +365,32 @@ def _all_int8(
         targets = None if target is None else [target] * len(judged.batches)
         kept = judged.headroom_db(quantized, targets, judge_first=calibrated) >= 0
         score = judged.worst_sqnr_db if kept else min(judged.judged_sqnr_db[:calibrated])
-        result.smoothing[str(alpha) if alpha is not None else "none"] = score
-        smoothed = f"smoothed (alpha {alpha:g})" if alpha is not None else "as captured"
+        result.smoothing["none" if plan is None else plan.name] = score
+        smoothed = f"smoothed (alpha {plan.name})" if plan is not None else "as captured"
         judged_on = f"{len(judged.batches)} batches" if kept else f"the {calibrated} calibration batches"
         log.info("export int8   SQNR %.1f dB on %s, %s", score, judged_on, smoothed)
         if best is None or kept or score > best_score:
-            best, best_score, passed = quantized, score, kept
+            best, best_score, passed, kept_plan = quantized, score, kept, plan
             result.sqnr_db = judged.worst_sqnr_db  # under the target where it is not kept
-            result.smoothing_alpha = alpha
-    quantizer.smoothing = plans[result.smoothing_alpha]  # the exclusion rounds quantize the kept program
+        if target is None or passed:
+            break
+    result.smoothing_alpha = None if kept_plan is None else kept_plan.alpha
+    result.smoothing_after_unary = kept_plan is None or kept_plan.after_unary
+    quantizer.smoothing = kept_plan  # the exclusion rounds quantize the kept program
     assert best is not None
     return best
+
+
+def _smoothing_tries(quantizer: Quantizer) -> Iterator[SmoothingPlan | None]:
+    """None (as captured), then each alpha's plan without the inputs a unary gives, then with them (where
+    the model has such inputs); planned when reached."""
+    yield None
+    leaving: dict[float, int] = {}
+    for alpha in SMOOTHING_ALPHAS:
+        plan = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha, after_unary=False)
+        leaving[alpha] = len(plan.inputs)
+        yield plan
+    for alpha in SMOOTHING_ALPHAS:
+        plan = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha)
+        if len(plan.inputs) > leaving[alpha]:
+            yield plan

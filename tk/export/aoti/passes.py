@@ -36,6 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 ATTENTION_AS_MATMULS = "tk.export.aoti.passes.attention_as_matmuls/2"
 ATTENTION_IN_BF16 = "tk.export.aoti.passes.attention_as_matmuls/2+bf16"  # an int8 package's attention
+FLASH_ATTENTION_IN_BF16 = "tk.export.aoti.passes.flash_attention_in/1+bf16"  # the same, on AMX
 
 
 class SizesFromInputs(CustomGraphPass):
@@ -87,6 +88,28 @@ def attention_as_matmuls(
     if not any(node.target is sdpa for node in program.graph.nodes):
         return program
     return program.run_decompositions({sdpa: _attention if dtype is None else functools.partial(_attention_in, dtype)})
+
+
+def flash_attention_in(program: torch.export.ExportedProgram, dtype: torch.dtype) -> torch.export.ExportedProgram:
+    """``program`` with every ``aten.scaled_dot_product_attention`` run by aten's CPU flash kernel in ``dtype``
+    (query, key, value and a float mask cast to it, the output cast back): an int8 package's float32
+    attention on a CPU with AMX for ``dtype``, where the flash kernel's blocks run on AMX tiles."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    if not any(node.target is sdpa for node in program.graph.nodes):
+        return program
+    return program.run_decompositions({sdpa: functools.partial(_flash_attention_in, dtype)})
+
+
+def _flash_attention_in(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                        scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
+    if enable_gqa and key.size(-3) != query.size(-3):
+        groups = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    bias = _additive_bias(attn_mask, False, query.size(-2), key.size(-2), dtype, query.device)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    out = flash(query.to(dtype), key.to(dtype), value.to(dtype), 0.0, is_causal, attn_mask=bias, scale=scale)[0]
+    return out.to(query.dtype)
 
 
 def _attention_in(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

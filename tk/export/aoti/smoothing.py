@@ -10,7 +10,12 @@ into the weight, quantized per output channel (Xiao et al., SmoothQuant, 2023).
 The division is a ``mul`` by a constant inserted before the linears of one input (q, k and v share
 one, their columns scaled by the largest of their three weights), not folded into a LayerNorm: a
 post-norm encoder (BERT) also adds that LayerNorm's output to its residual, which must not change.
-Inductor fuses the ``mul`` into the kernel that quantizes the activation. Written here rather than
+Inductor fuses the ``mul`` into the kernel that quantizes the activation, except where the activation is
+a GELU's or ReLU's output: there the ``mul`` sits between the unary and the quantize that torchao's x86
+fusion folds into the linear before it (``qlinear`` + unary + quantize), and MiniLM's smoothed all-int8
+package ran each feed-forward's GELU in a kernel of its own on a float32 output, 1.10x slower than with
+those inputs left as captured (benchmarks/history.md): ``plan_smoothing(after_unary=False)`` leaves them.
+Written here rather than
 taken from a library: torchao's SmoothQuant is for its eager ``quantize_`` flow, onnxruntime's needs
 Intel Neural Compressor, and NNCF's runs on its own graphs; this one works on the PT2E program the
 x86 quantizer annotates. Whether it helps is measured per model (``tk.export.aoti.int8``).
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 LINEAR = torch.ops.aten.linear.default
+# what torchao's x86 fusions fold, with the quantize after it, into the int8 linear that feeds them
+FUSED_UNARY = (torch.ops.aten.gelu.default, torch.ops.aten.relu.default)
 SMOOTHING_PREFIX = "_tk_smooth_"
 
 
@@ -41,6 +48,12 @@ class SmoothingPlan:
     alpha: float
     inputs: tuple[SmoothedInput, ...]
     weights: dict[str, torch.Tensor]  # the linears' weight attribute -> the scaled weight (computed once)
+    after_unary: bool = True  # whether the inputs that are a FUSED_UNARY's output are smoothed
+
+    @property
+    def name(self) -> str:
+        """How the manifest and the log name it: the alpha, and where a ``FUSED_UNARY``'s output is left."""
+        return f"{self.alpha:g}" if self.after_unary else f"{self.alpha:g} not after a unary"
 
 
 def _linear_groups(module: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx.Node]]:
@@ -81,13 +94,15 @@ def input_channel_maxima(
 
 
 def plan_smoothing(
-    module: torch.fx.GraphModule, batches: Iterable[tuple[torch.Tensor, ...]], alpha: float
-) -> SmoothingPlan:
-    """Scales for every linear input of ``module`` (a program's module, float32) from ``batches``."""
+    module: torch.fx.GraphModule, batches: Iterable[tuple[torch.Tensor, ...]], alpha: float,
+    *, after_unary: bool = True,
+) -> SmoothingPlan:  # fmt: skip
+    """Scales for every linear input of ``module`` (a program's module, float32) from ``batches``; without
+    ``after_unary``, not for the inputs that are a ``FUSED_UNARY``'s output."""
     maxima = input_channel_maxima(module, batches)
     inputs, weights = [], {}
     for x, linears in _linear_groups(module).items():
-        if x.name not in maxima:
+        if x.name not in maxima or (not after_unary and x.target in FUSED_UNARY):
             continue
         columns = [_attr(module, str(lin.args[1].target)).detach().float() for lin in linears]  # type: ignore[union-attr]
         if any(w.ndim != 2 or w.shape[1] != maxima[x.name].numel() for w in columns):
@@ -99,7 +114,7 @@ def plan_smoothing(
         for lin, w in zip(linears, columns, strict=True):
             weights[str(lin.args[1].target)] = (w * scale).contiguous()  # type: ignore[union-attr]
         inputs.append(SmoothedInput(x.name, tuple(lin.name for lin in linears), scale))
-    return SmoothingPlan(alpha, tuple(inputs), weights)
+    return SmoothingPlan(alpha, tuple(inputs), weights, after_unary)
 
 
 def apply_smoothing(module: torch.fx.GraphModule, plan: SmoothingPlan) -> torch.fx.GraphModule:

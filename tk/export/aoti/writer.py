@@ -156,13 +156,21 @@ def _int8_program(
     AVX512-BF16 EPYC), applied before quantizing so that the exclusion search judges what the package
     computes."""
     from tk.export.aoti.int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
-    from tk.export.aoti.passes import ATTENTION_IN_BF16, attention_as_matmuls
+    from tk.export.aoti.passes import (
+        ATTENTION_IN_BF16,
+        FLASH_ATTENTION_IN_BF16,
+        attention_as_matmuls,
+        flash_attention_in,
+        flash_attention_preferred,
+    )
     from tk.export.int8.calibration import calibration_feeds, judge_feeds
     from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
 
     assert ctx.program is not None
     in_bf16 = ctx.options.device == "cpu" and excluded_run_in_bf16()
-    source = attention_as_matmuls(ctx.program, torch.bfloat16) if in_bf16 else ctx.program
+    flash = in_bf16 and flash_attention_preferred("bf16")
+    attention = flash_attention_in if flash else attention_as_matmuls
+    source = attention(ctx.program, torch.bfloat16) if in_bf16 else ctx.program
     program, result = int8_program(
         source,
         ctx.spec.signature,
@@ -179,7 +187,8 @@ def _int8_program(
         share_gate=int8_gate(ctx, "aoti") if ctx.options.device == "cpu" else None,
     )
     require_int8_layers(result.int8_modules, result.quantizable, "aoti")
-    passes = [ATTENTION_IN_BF16] if source is not ctx.program and result.excluded_dtype == "bf16" else []
+    named = FLASH_ATTENTION_IN_BF16 if flash else ATTENTION_IN_BF16
+    passes = [named] if source is not ctx.program and result.excluded_dtype == "bf16" else []
     return program, result.to_json(), passes
 
 
