@@ -15,14 +15,15 @@ as two batched products in the low precision around a float32 softmax, not with 
 kernel, which ran bf16 attention on the AVX512-BF16 EPYC (no AMX) no faster than float32. Where the CPU
 has AMX for the precision (``flash_attention_preferred``) the flash kernel keeps the attention: its blocks
 run on AMX tiles, and MiniLM's and the small Transformer's bf16 packages ran faster with it than with the
-two products on the AMX Xeon (benchmarks/history.md). The mask goes into the first product as ``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of
-the scores' shape and keeps each row's exponentials in a row-sized buffer; with the mask applied in
+two products on the AMX Xeon (benchmarks/history.md). The mask goes into the first product as
+``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of the scores' shape and keeps each row's exponentials in a row-sized buffer; with the mask applied in
 the softmax, Inductor split it into two loop nests around a float32 buffer of B * H * L * S
 exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
 rounded to the low precision once before the float32 softmax; the probabilities are rounded again
 for the second product, as flash attention rounds them. An int8 package's attention (float32 around
 its int8 linears) runs the same way in bfloat16 where the CPU's bfloat16 products outrun its float32
-ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti.writer``).
+ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti.writer``), or
+by the flash kernel in bfloat16 where the CPU has AMX for it (``flash_attention_in``).
 Measurements: benchmarks/history.md.
 """
 

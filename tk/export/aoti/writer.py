@@ -151,10 +151,10 @@ def _int8_program(
 ) -> tuple[torch.export.ExportedProgram, dict[str, Any], list[str]]:
     """The captured program quantized by torchao's PT2E x86 quantizer (``tk.export.aoti.int8``), and the
     graph passes applied before: where the CPU's bfloat16 products outrun its float32 ones
-    (``excluded_run_in_bf16``), attention as two bfloat16 products (``attention_as_matmuls``: the small
-    Transformer's all-int8 package ran 1.12-1.19x faster than with aten's float32 flash kernel on the
-    AVX512-BF16 EPYC), applied before quantizing so that the exclusion search judges what the package
-    computes."""
+    (``excluded_run_in_bf16``), attention in bfloat16: by aten's flash kernel where the CPU has AMX for
+    bfloat16 (``flash_attention_in``), else as two bfloat16 products (``attention_as_matmuls``), either faster
+    than aten's float32 flash kernel (benchmarks/history.md); applied before quantizing so that the
+    exclusion search judges what the package computes."""
     from tk.export.aoti.int8 import DEFAULT_METHOD, excluded_run_in_bf16, int8_program
     from tk.export.aoti.passes import (
         ATTENTION_IN_BF16,
