@@ -55,7 +55,7 @@ import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.aoti.pt2e import Quantizer, program_evaluator, quantizable_modules, unit_macs
-from tk.export.aoti.smoothing import SmoothingPlan, plan_smoothing
+from tk.export.aoti.smoothing import SmoothingPlan, input_channel_maxima, plan_smoothing
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
@@ -384,14 +384,16 @@ def _all_int8(
 
 def _smoothing_tries(quantizer: Quantizer) -> Iterator[SmoothingPlan | None]:
     """None (as captured), then each alpha's plan without the inputs a unary gives, then with them (where
-    the model has such inputs); planned when reached."""
+    the model has such inputs); planned when reached, from one pass over the calibration batches."""
     yield None
+    module, batches = quantizer.float_module, quantizer.calibration
+    maxima = input_channel_maxima(module, batches)
     leaving: dict[float, int] = {}
     for alpha in SMOOTHING_ALPHAS:
-        plan = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha, after_unary=False)
+        plan = plan_smoothing(module, batches, alpha, after_unary=False, maxima=maxima)
         leaving[alpha] = len(plan.inputs)
         yield plan
     for alpha in SMOOTHING_ALPHAS:
-        plan = plan_smoothing(quantizer.float_module, quantizer.calibration, alpha)
+        plan = plan_smoothing(module, batches, alpha, maxima=maxima)
         if len(plan.inputs) > leaving[alpha]:
             yield plan

@@ -10,21 +10,21 @@ separate kernel ran the GELU and quantized its output (19% of the small Transfor
 the Xeon of issue 22). Static shapes fused it. The pass makes every such ``sym_size`` read the same
 symbol from a graph input instead: the same value, and the linear's output keeps only its real users.
 
-``attention_as_matmuls``: bfloat16 and float16 CPU packages compute ``scaled_dot_product_attention``
-as two batched products in the low precision around a float32 softmax, not with aten's CPU flash
-kernel, which ran bf16 attention on the AVX512-BF16 EPYC (no AMX) no faster than float32. Where the CPU
-has AMX for the precision (``flash_attention_preferred``) the flash kernel keeps the attention: its blocks
-run on AMX tiles, and MiniLM's and the small Transformer's bf16 packages ran faster with it than with the
-two products on the AMX Xeon (benchmarks/history.md). The mask goes into the first product as
-``baddbmm``'s input, so Inductor's softmax kernel reads one tensor of the scores' shape and keeps each row's exponentials in a row-sized buffer; with the mask applied in
-the softmax, Inductor split it into two loop nests around a float32 buffer of B * H * L * S
-exponentials, which cost 3x the time. Scores accumulate in float32 inside the product and are
-rounded to the low precision once before the float32 softmax; the probabilities are rounded again
-for the second product, as flash attention rounds them. An int8 package's attention (float32 around
-its int8 linears) runs the same way in bfloat16 where the CPU's bfloat16 products outrun its float32
-ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing: ``tk.export.aoti.writer``), or
-by the flash kernel in bfloat16 where the CPU has AMX for it (``flash_attention_in``).
-Measurements: benchmarks/history.md.
+``attention_as_matmuls``: bfloat16 and float16 CPU packages compute ``scaled_dot_product_attention`` as
+two batched products in the low precision around a float32 softmax, not with aten's CPU flash kernel,
+which ran bf16 attention on the AVX512-BF16 EPYC (no AMX) no faster than float32. Where the CPU has AMX
+for the precision (``flash_attention_preferred``) the flash kernel keeps the attention: its blocks run on
+AMX tiles, and MiniLM's and the small Transformer's bf16 packages ran faster with it than with the two
+products on the AMX Xeon (benchmarks/history.md). The mask goes into the first product as ``baddbmm``'s
+input, so Inductor's softmax kernel reads one tensor of the scores' shape and keeps each row's
+exponentials in a row-sized buffer; with the mask applied in the softmax, Inductor split it into two loop
+nests around a float32 buffer of B * H * L * S exponentials, which cost 3x the time. Scores accumulate in
+float32 inside the product and are rounded to the low precision once before the float32 softmax; the
+probabilities are rounded again for the second product, as flash attention rounds them. An int8 package's
+attention (float32 around its int8 linears) runs the same way in bfloat16 where the CPU's bfloat16
+products outrun its float32 ones (``attention_as_matmuls(program, torch.bfloat16)``, before quantizing:
+``tk.export.aoti.writer``), or by the flash kernel in bfloat16 where the CPU has AMX for it
+(``flash_attention_in``). Measurements: benchmarks/history.md.
 """
 
 from __future__ import annotations
@@ -104,13 +104,21 @@ def flash_attention_in(program: torch.export.ExportedProgram, dtype: torch.dtype
 def _flash_attention_in(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                         scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
-    if enable_gqa and key.size(-3) != query.size(-3):
-        groups = query.size(-3) // key.size(-3)
-        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    key, value = _shared_heads_repeated(query, key, value, enable_gqa)
     bias = _additive_bias(attn_mask, False, query.size(-2), key.size(-2), dtype, query.device)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     out = flash(query.to(dtype), key.to(dtype), value.to(dtype), 0.0, is_causal, attn_mask=bias, scale=scale)[0]
     return out.to(query.dtype)
+
+
+def _shared_heads_repeated(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value with each head repeated for the query heads that share it (SDPA's ``enable_gqa``)."""
+    if enable_gqa and key.size(-3) != query.size(-3):
+        groups = query.size(-3) // key.size(-3)
+        return key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    return key, value
 
 
 def _attention_in(dtype: torch.dtype, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -135,9 +143,7 @@ def _attention(
     row in one loop nest with a row-sized buffer, where a mask indexed apart from the scores split
     it into two loop nests around a float32 buffer of all the exponentials (B * H * L * S).
     """
-    if enable_gqa and key.size(-3) != query.size(-3):
-        groups = query.size(-3) // key.size(-3)
-        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    key, value = _shared_heads_repeated(query, key, value, enable_gqa)
     batch, length, other = query.shape[:-2], query.size(-2), key.size(-2)
     factor = query.size(-1) ** -0.5 if scale is None else scale
     queries = query.reshape(-1, length, query.size(-1))

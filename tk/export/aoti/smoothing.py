@@ -94,11 +94,12 @@ def input_channel_maxima(
 
 def plan_smoothing(
     module: torch.fx.GraphModule, batches: Iterable[tuple[torch.Tensor, ...]], alpha: float,
-    *, after_unary: bool = True,
+    *, after_unary: bool = True, maxima: dict[str, torch.Tensor] | None = None,
 ) -> SmoothingPlan:  # fmt: skip
     """Scales for every linear input of ``module`` (a program's module, float32) from ``batches``; without
-    ``after_unary``, not for the inputs that are a ``FUSED_UNARY``'s output."""
-    maxima = input_channel_maxima(module, batches)
+    ``after_unary``, not for the inputs that are a ``FUSED_UNARY``'s output. ``maxima``: the inputs'
+    ``input_channel_maxima`` over ``batches`` where the caller has them (one pass serves every alpha)."""
+    maxima = input_channel_maxima(module, batches) if maxima is None else maxima
     inputs, weights = [], {}
     for x, linears in _linear_groups(module).items():
         if x.name not in maxima or (not after_unary and x.target in FUSED_UNARY):
