@@ -175,7 +175,7 @@ def measure_outputs(
 
     With an attention ``mask``, outputs shaped batch x seq x ... are measured at the real tokens only
     (the padding positions' vectors are read by no one; ``tk.parity.padding_positions``)."""
-    valid = token_positions(reference, mask)
+    valid = _token_positions(reference, mask)
     # no tolerance: only names, shapes, NaN fail
     results = compare(reference, candidate, rtol=0.0, atol=math.inf, valid=valid)
     problems = [f"{r.name}: {r.problem}" for r in results if not r.passed]
@@ -186,7 +186,7 @@ def measure_outputs(
         cand = candidate.get(name)
         if cand is None or cand.shape != ref.shape or not np.issubdtype(ref.dtype, np.floating) or ref.ndim < 1:
             continue
-        cosines.append(worst_sample_cosine(ref, cand, mask))
+        cosines.append(_worst_sample_cosine(ref, cand, mask))
         if ref.ndim >= 2 and ref.shape[-1] >= 2:
             top1s.append(_top1_percent(ref, cand, mask, labels))
     values: dict[str, float | None] = {
@@ -198,7 +198,7 @@ def measure_outputs(
     return values, problems
 
 
-def token_positions(reference: Mapping[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
+def _token_positions(reference: Mapping[str, np.ndarray], mask: np.ndarray | None) -> dict[str, np.ndarray]:
     """For each batch x seq x ... output, where ``mask`` (batch x seq) is 1; none without padding."""
     if mask is None or np.asarray(mask).ndim != 2 or np.asarray(mask).all():
         return {}
@@ -229,9 +229,7 @@ def _pooled(values: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     return values.reshape(values.shape[0], -1) if values.ndim > 1 else values.reshape(1, -1)
 
 
-def worst_sample_cosine(ref: np.ndarray, cand: np.ndarray, mask: np.ndarray | None) -> float:
-    """The lowest cosine of one sample's output with the reference's (mask-pooled, ``_pooled``); -1 where
-    either has a non-finite value."""
+def _worst_sample_cosine(ref: np.ndarray, cand: np.ndarray, mask: np.ndarray | None) -> float:
     a, b = _pooled(ref, mask), _pooled(cand, mask)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return -1.0

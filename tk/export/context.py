@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tk.export.int8.score import Int8Accuracy
 from tk.models import ModelSpec
 from tk.spec import Dim
 
@@ -64,8 +63,6 @@ class ExportOptions:
     check_data: dict[str, Any] | None = None
     keep_fp32: tuple[str, ...] = ()  # module paths kept in float32 under a reduced precision (tk debug precision)
     min_sqnr_db: float | None = None  # SQNR floor of the check and of int8's exclusion search (default: by precision)
-    # what int8's exclusion search keeps instead (tk optimize: the user's --accuracy sqnr and cosine bounds)
-    int8_accuracy: Int8Accuracy | None = None
     report: Path | None = None  # where a failed capture's report goes; default: OUT.export-report.md beside OUT
     settings: Mapping[str, Any] = field(default_factory=dict)  # format -> its writer's options dataclass
     int8_gate: Int8Gate | None = None  # see Int8Gate; None: every int8 search runs

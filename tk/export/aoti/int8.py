@@ -57,7 +57,7 @@ from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.aoti.pt2e import Quantizer, program_evaluator, quantizable_modules, unit_macs
 from tk.export.aoti.smoothing import SmoothingPlan, input_channel_maxima, plan_smoothing
 from tk.export.context import Int8Share
-from tk.export.int8.evaluator import Evaluator, Score
+from tk.export.int8.evaluator import Evaluator
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.formats.products import saturating_int8_products
 from tk.spec import Dim, Signature
@@ -197,7 +197,6 @@ def int8_program(
     float32_program: torch.export.ExportedProgram | None = None,
     gate: Callable[[Any], None] | None = None,
     share_gate: Callable[[Int8Share], None] | None = None,
-    score: Score | None = None,
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     """``program`` (float32, CPU) quantized to int8 and captured again with the ranges of ``dims``.
 
@@ -210,8 +209,7 @@ def int8_program(
     caller's program without its bfloat16 passes) with them in float32. ``gate`` is asked before the search, with a
     function that captures the all-int8 program (the writer's wrapper of ``int8_gate`` compiles it), and
     ``share_gate`` during it (after each round under the target, with the most it can still keep) and
-    after it, with the ``Int8Share`` it kept; either may end the export. ``score``: how a candidate is
-    measured against ``min_sqnr_db`` (``tk.export.int8.score``; default: its outputs' SQNR, whole).
+    after it, with the ``Int8Share`` it kept; either may end the export.
     """
     if method not in METHODS:
         raise UsageError(
@@ -220,9 +218,7 @@ def int8_program(
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     in_bf16 = excluded_run_in_bf16() if excluded_in_bf16 is None else excluded_in_bf16
-    settings = (
-        signature, dims, example_inputs, calibration, method, keep_fp32, min_sqnr_db, judge, gate, share_gate, score
-    )  # fmt: skip
+    settings = (signature, dims, example_inputs, calibration, method, keep_fp32, min_sqnr_db, judge, gate, share_gate)
     started = time.perf_counter()
     try:
         return _int8_program_once(program, in_bf16, *settings)
@@ -251,7 +247,6 @@ def _int8_program_once(
     judge: Sequence[dict[str, np.ndarray]],
     gate: Callable[[Any], None] | None,
     share_gate: Callable[[Int8Share], None] | None,
-    score: Score | None,
 ) -> tuple[torch.export.ExportedProgram, AotiInt8Result]:
     names = [s.name for s in signature.inputs]
 
@@ -269,7 +264,7 @@ def _int8_program_once(
             batches = [as_args(f) for f in calibration]
             # keep_fp32: any module path; the quantizer leaves out every linear inside it
             quantizer = Quantizer(program, batches, method, list(keep_fp32), in_bf16)
-            evaluator = program_evaluator(quantizer.float_module, [*batches, *(as_args(f) for f in judge)], score)
+            evaluator = program_evaluator(quantizer.float_module, [*batches, *(as_args(f) for f in judge)])
             candidates = quantizable_modules(quantizer.float_module)
             kept = quantizer.keep_fp32
             ranked = [n for n in candidates if not any(n == k or n.startswith(k + ".") for k in kept)]

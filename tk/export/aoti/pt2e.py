@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tk.export.aoti.smoothing import SmoothingPlan, apply_smoothing
-from tk.export.int8.evaluator import Evaluator, Score
+from tk.export.int8.evaluator import Evaluator
 from tk.formats.products import saturating_int8_products
 
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
@@ -320,11 +320,9 @@ class ProgramRunner:
         return tuple(batch[0].shape)
 
 
-def program_evaluator(
-    float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]], score: Score | None = None
-) -> Evaluator:
+def program_evaluator(float_module: Callable[..., Any], batches: Sequence[tuple[torch.Tensor, ...]]) -> Evaluator:
     """The int8 search's evaluator of programs quantized from ``float_module``, on ``batches`` (argument tuples)."""
-    return Evaluator.of(ProgramRunner(float_module), batches, score)
+    return Evaluator.of(ProgramRunner(float_module), batches)
 
 
 def outputs_of(module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

@@ -164,10 +164,9 @@ def _int8_program(
         flash_attention_preferred,
     )
     from tk.export.int8.calibration import calibration_feeds, judge_feeds
-    from tk.export.int8.search import int8_gate, int8_target, require_int8_layers
+    from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
 
     assert ctx.program is not None
-    score = int8_target(ctx)
     in_bf16 = ctx.options.device == "cpu" and excluded_run_in_bf16()
     flash = in_bf16 and flash_attention_preferred("bf16")
     attention = flash_attention_in if flash else attention_as_matmuls
@@ -180,8 +179,7 @@ def _int8_program(
         calibration_feeds(ctx),
         method=options.calibration_method or DEFAULT_METHOD,
         keep_fp32=ctx.options.keep_fp32,
-        min_sqnr_db=score.floor_db,
-        score=score,
+        min_sqnr_db=int8_floor_db(ctx),
         judge=judge_feeds(ctx),
         excluded_in_bf16=in_bf16,
         float32_program=ctx.program,  # where bf16 cannot keep the target: the float part in float32

@@ -24,12 +24,6 @@ import numpy as np
 from tk.parity import worst_sqnr_db
 
 Outputs = list[np.ndarray]
-Score = Callable[[Outputs, Outputs, Any], float]  # (reference, candidate, batch) -> dB
-
-
-def whole_sqnr_db(reference: Outputs, candidate: Outputs, batch: Any) -> float:
-    """The worst SQNR over the outputs, measured whole (``tk.export.int8.score``: at the real tokens)."""
-    return worst_sqnr_db([reference], [candidate])
 
 
 class Runner(Protocol):
@@ -75,10 +69,9 @@ class FeedsRunner:
 @dataclass
 class Evaluator:
     """Reference outputs on ``all_batches`` (computed when first judged, shared with subsets), and the SQNR
-    of candidates against them (by ``score``, in dB: ``tk.export.int8.score.Int8Score`` for the writers).
-    The last call's verdict is kept: ``worst_sqnr_db`` and ``worst_shape`` (its worst batch),
-    ``judged_sqnr_db`` (each batch it judged), ``stopped_at`` (the batch it stopped at under its target, -1
-    where it ran them all) and ``first_worst`` (the worst of its first ``judge_first``)."""
+    of candidates against them. The last call's verdict is kept: ``worst_sqnr_db`` and ``worst_shape`` (its
+    worst batch), ``judged_sqnr_db`` (each batch it judged), ``stopped_at`` (the batch it stopped at under
+    its target, -1 where it ran them all) and ``first_worst`` (the worst of its first ``judge_first``)."""
 
     runner: Runner
     all_batches: list[Any]
@@ -89,15 +82,14 @@ class Evaluator:
     judged_sqnr_db: list[float] = field(default_factory=list)
     stopped_at: int = -1
     first_worst: float = math.inf
-    score: Score = whole_sqnr_db
     # the last candidate run and its runner's function, shared with subsets (a candidate judged on a
     # screen, then on the rest, is prepared once: the aoti judge's copy of a program takes a while)
     _prepared: list[Any] = field(default_factory=list, repr=False)
 
     @classmethod
-    def of(cls, runner: Runner, batches: Iterable[Any], score: Score | None = None) -> Evaluator:
+    def of(cls, runner: Runner, batches: Iterable[Any]) -> Evaluator:
         batches = list(batches)
-        return cls(runner, batches, list(range(len(batches))), {}, score=score or whole_sqnr_db)
+        return cls(runner, batches, list(range(len(batches))), {})
 
     @property
     def batches(self) -> list[Any]:
@@ -106,9 +98,7 @@ class Evaluator:
     def subset(self, indices: Iterable[int]) -> Evaluator:
         """An evaluator of some of this one's batches (by position here), with the same references."""
         chosen = [self.indices[i] for i in indices]
-        return Evaluator(
-            self.runner, self.all_batches, chosen, self.references, score=self.score, _prepared=self._prepared
-        )
+        return Evaluator(self.runner, self.all_batches, chosen, self.references, _prepared=self._prepared)
 
     def reference(self, index: int) -> Outputs:
         """The float model's outputs on ``all_batches[index]``."""
@@ -123,9 +113,8 @@ class Evaluator:
         return self._prepared[1](self.all_batches[index])
 
     def sqnr_on(self, candidate: Any, index: int) -> float:
-        """``candidate``'s score (its worst SQNR over the outputs) on ``all_batches[index]``."""
-        batch = self.all_batches[index]
-        return self.score(self.reference(index), self.outputs_on(candidate, index), batch)
+        """``candidate``'s worst SQNR over the outputs on ``all_batches[index]``."""
+        return worst_sqnr_db([self.reference(index)], [self.outputs_on(candidate, index)])
 
     def sqnr_db(self, candidate: Any, *, target_db: float | None = None, judge_first: int = 0) -> float:
         """The worst SQNR over the batches; with ``target_db``, the first batch under it ends the judging

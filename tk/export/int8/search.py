@@ -29,7 +29,6 @@ from typing import Any, Protocol
 from tk.errors import CannotWinError, ConversionError, first_line
 from tk.export.context import ExportContext, Int8Share
 from tk.export.int8.evaluator import Evaluator
-from tk.export.int8.score import Int8Accuracy, Int8Score, int8_score
 
 # a quantized graph's judged batches must clear the floor by this much: the check runs other batches (fresh
 # random ones, or the check's samples where the search judged calibration samples held aside)
@@ -44,13 +43,6 @@ def int8_floor_db(ctx: ExportContext) -> float:
     from tk.tolerances import MIN_SQNR_DB
 
     return ctx.options.min_sqnr_db if ctx.options.min_sqnr_db is not None else MIN_SQNR_DB["int8"]
-
-
-def int8_target(ctx: ExportContext) -> Int8Score:
-    """How ``ctx``'s int8 search scores a candidate: by ``ctx.options.int8_accuracy`` (``tk optimize``), else
-    the outputs' SQNR at the real tokens against ``int8_floor_db``; its ``floor_db`` is the search's floor."""
-    accuracy = ctx.options.int8_accuracy or Int8Accuracy(sqnr_db=int8_floor_db(ctx))
-    return int8_score(accuracy, ctx.spec.signature.inputs)
 
 
 def int8_gate(ctx: ExportContext, fmt: str) -> Callable[[Any], None] | None:

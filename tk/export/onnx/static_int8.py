@@ -40,7 +40,7 @@ import numpy as np
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.context import Int8Share
-from tk.export.int8.evaluator import Evaluator, FeedsRunner, Score
+from tk.export.int8.evaluator import Evaluator, FeedsRunner
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.export.onnx.dynamic_int8 import quant_type, weight_record, weight_type
 from tk.export.onnx.qdq_variants import QdqVariants
@@ -207,9 +207,9 @@ def _session(graph: Path | bytes) -> Any:
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
-def graph_evaluator(source: Path, batches: Sequence[dict[str, np.ndarray]], score: Score | None = None) -> Evaluator:
+def graph_evaluator(source: Path, batches: Sequence[dict[str, np.ndarray]]) -> Evaluator:
     """The int8 search's evaluator of graphs quantized from ``source`` (float32), on ``batches``."""
-    return Evaluator.of(GraphRunner(source), batches, score)
+    return Evaluator.of(GraphRunner(source), batches)
 
 
 @dataclass
@@ -253,7 +253,6 @@ def static_int8_onnx_from_onnx(
     weights: str | None = None,
     gate: Callable[[bytes], None] | None = None,
     share_gate: Callable[[Int8Share], None] | None = None,
-    score: Score | None = None,
 ) -> StaticInt8Result:
     """Write ``source`` statically quantized to int8 (QDQ) at ``target``, calibrated on ``calibration``.
 
@@ -266,8 +265,6 @@ def static_int8_onnx_from_onnx(
     floor), and may end the export; ``share_gate`` is asked before the layers are ranked (one left out,
     at best the lightest) and after each exclusion round under the target, with the most the search can
     still keep in int8 (``Int8Share``, by ``unit_macs`` on the first calibration batch), and may end it too.
-    ``score``: how a graph is measured against ``min_sqnr_db`` (``tk.export.int8.score``; default: its
-    outputs' SQNR, whole).
     """
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
@@ -287,8 +284,7 @@ def static_int8_onnx_from_onnx(
                 math.nan, list(exclude), quantizable=len(candidates), method=method, weights=wtype
             )
             units = QdqUnits(source, target, keep, calibration[0])
-            batches = [*calibration, *judge]
-            _judge_and_search(units, batches, len(calibration), result, min_sqnr_db, gate, share_gate, score)
+            _judge_and_search(units, [*calibration, *judge], len(calibration), result, min_sqnr_db, gate, share_gate)
     except (UsageError, ConversionError, CannotWinError):
         raise
     except Exception as exc:  # the quantizer raises many types; each is a conversion failure
@@ -308,14 +304,13 @@ def _judge_and_search(
     min_sqnr_db: float | None,
     gate: Callable[[bytes], None] | None,
     share_gate: Callable[[Int8Share], None] | None,
-    score: Score | None = None,
 ) -> None:
     """Judge the all-int8 graph at ``units.quantized``; under the floor plus the margin, search for the
     layers that leave int8 and write the graph without them there (``result`` is filled in)."""
     target_db = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
     if gate is not None and target_db is not None:
         gate(units.quantized.read_bytes())  # before the judge: a graph that cannot win needs no verdict
-    evaluator = graph_evaluator(units.source, batches, score)
+    evaluator = graph_evaluator(units.source, batches)
     result.sqnr_db = evaluator.sqnr_db(units.quantized, target_db=target_db)
     if min_sqnr_db is None or target_db is None or result.sqnr_db >= target_db:
         log.info("export int8   SQNR %.1f dB on %d batches", result.sqnr_db, len(batches))

@@ -73,18 +73,16 @@ def quantize(ctx: ExportContext, *, mode: str, method: str | None, nodes_to_excl
         ctx.formats["onnx"]["quantization"] = record
     elif mode == "static":
         from tk.export.int8.calibration import calibration_feeds, judge_feeds
-        from tk.export.int8.search import int8_gate, int8_target, require_int8_layers
+        from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
         from tk.export.onnx.static_int8 import static_int8_onnx_from_onnx
 
-        score = int8_target(ctx)
         result = static_int8_onnx_from_onnx(
             path,
             quantized,
             calibration_feeds(ctx, one_shape=method in ("entropy", "percentile")),
             method=method or "minmax",
             nodes_to_exclude=excluded,
-            min_sqnr_db=score.floor_db,
-            score=score,
+            min_sqnr_db=int8_floor_db(ctx),
             judge=judge_feeds(ctx),
             gate=int8_gate(ctx, "onnx"),
             share_gate=int8_gate(ctx, "onnx"),

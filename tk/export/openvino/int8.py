@@ -25,7 +25,7 @@ import numpy as np
 
 from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import Int8Share
-from tk.export.int8.evaluator import Evaluator, FeedsRunner, Score
+from tk.export.int8.evaluator import Evaluator, FeedsRunner
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 
 log = logging.getLogger("tk.export")
@@ -132,9 +132,9 @@ class IrRunner(FeedsRunner):
         return functools.partial(_run, _compiled(model, self.candidate_hint))
 
 
-def ir_evaluator(model: Any, batches: Sequence[dict[str, np.ndarray]], score: Score | None = None) -> Evaluator:
+def ir_evaluator(model: Any, batches: Sequence[dict[str, np.ndarray]]) -> Evaluator:
     """The int8 search's evaluator of IRs quantized from ``model`` (float32), on ``batches``."""
-    return Evaluator.of(IrRunner(model), batches, score)
+    return Evaluator.of(IrRunner(model), batches)
 
 
 def _compiled(model: Any, hint: str) -> Any:
@@ -304,7 +304,6 @@ def int8_ir_from_ir(
     gate: Callable[[Any], None] | None = None,
     share_gate: Callable[[Int8Share], None] | None = None,
     float_part_bf16: bool = False,
-    score: Score | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """``model`` quantized to int8 by ``nncf.quantize`` on ``calibration``, and what was done.
 
@@ -320,14 +319,13 @@ def int8_ir_from_ir(
     first, until it is reached. ``gate`` (``tk.export.int8.search.int8_gate``) sees the all-int8 model
     before it is judged (with a floor), and may end the export; ``share_gate`` is asked after each round of
     the search that stays under the target, with the most the search can still keep int8 (``Int8Share`` by
-    the units' multiply-adds on the first calibration batch, ``bound``), and may end it too. ``score``: how
-    an IR is measured against ``min_sqnr_db`` (``tk.export.int8.score``; default: its outputs' SQNR, whole).
+    the units' multiply-adds on the first calibration batch, ``bound``), and may end it too.
     """
     if not calibration:
         raise UsageError("--calibrate: expected at least one calibration sample, got none")
     nncf_ = _Nncf(model, list(calibration), transformer)
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
-    evaluator = ir_evaluator(model, [*calibration, *judge], score)
+    evaluator = ir_evaluator(model, [*calibration, *judge])
     quantized = nncf_.quantize()
     if target is not None and gate is not None:
         gate(quantized)  # before the judge: a model that cannot win needs no verdict
@@ -361,9 +359,7 @@ def _float_part(model: Any, quantized: Any, evaluator: Evaluator, target: float 
     else float32, and why."""
     if not bf16:
         return {"automatic_exclusions_run_in": "fp32"}
-    in_bf16 = Evaluator(
-        IrRunner(model, "bf16"), evaluator.all_batches, evaluator.indices, evaluator.references, score=evaluator.score
-    )
+    in_bf16 = Evaluator(IrRunner(model, "bf16"), evaluator.all_batches, evaluator.indices, evaluator.references)
     sqnr = in_bf16.sqnr_db(quantized, target_db=target)
     kept = target is None or sqnr >= target
     log.info("export int8   OpenVINO SQNR %.1f dB with its float part in bf16: %s", sqnr, "kept" if kept else "float32")

@@ -157,17 +157,15 @@ def _int8_ir(model: Any, ctx: ExportContext) -> tuple[Any, dict[str, Any]]:
     import nncf
 
     from tk.export.int8.calibration import calibration_feeds, judge_feeds
-    from tk.export.int8.search import int8_gate, int8_target, require_int8_layers
+    from tk.export.int8.search import int8_floor_db, int8_gate, require_int8_layers
     from tk.export.openvino.int8 import int8_ir_from_ir
 
-    score = int8_target(ctx)
     quantized, record = int8_ir_from_ir(
         model,
         calibration_feeds(ctx),
         judge_feeds(ctx),
         transformer=has_attention(model),
-        min_sqnr_db=score.floor_db,
-        score=score,
+        min_sqnr_db=int8_floor_db(ctx),
         gate=int8_gate(ctx, "openvino"),
         share_gate=int8_gate(ctx, "openvino"),
         float_part_bf16=int8_float_part() == "bf16",

@@ -44,9 +44,8 @@ log = logging.getLogger("tk.optimize")
 CACHE = ".candidates"
 CANDIDATES = NESTED  # --keep all: the other passing artifacts, beside the winner
 # 2: keyed by an hf:DIR or user model's weights and code (model_digest); 3: every model's; 4: by the samples
-# the check runs (--data's held-out half); 5: groups named by the writers' own options; 6: int8 searches
-# scored at the real tokens, by the user's sqnr and cosine bounds (tk.export.int8.score)
-CACHE_VERSION = 6
+# the check runs (--data's held-out half); 5: groups named by the writers' own options
+CACHE_VERSION = 5
 
 
 @dataclasses.dataclass
@@ -104,7 +103,6 @@ def group_dir(cache: Path, candidates: list[Candidate], base: ExportOptions, che
         "calibration": arrays_digest(base.calibration_data) if precision == "int8" else None,
         "check_data": arrays_digest(base.check_data),
         "min_sqnr_db": sqnr_floor_for(precision, base),
-        "int8_accuracy": dataclasses.asdict(base.int8_accuracy) if precision == "int8" and base.int8_accuracy else None,
         "device": base.device,
         "torch": torch.__version__,
         "cpu": packing_features(),

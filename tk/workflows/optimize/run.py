@@ -24,7 +24,6 @@ from typing import Any
 from tk.accuracy import AccuracySpec, parse_accuracy, unmeasurable
 from tk.errors import BackendUnavailableError, ParityError, TkError, UsageError, first_line
 from tk.export import ExportOptions, resolve_dims
-from tk.export.int8.score import Int8Accuracy
 from tk.fileio import sha256_file
 from tk.limits import require_within_budget
 from tk.manifest import Manifest
@@ -184,15 +183,7 @@ def _export_options(
     check_data = data.held_out if data.calibration is not None else None
     return ExportOptions(dims=dims, device=options.device, checkpoint=options.checkpoint,
                          calibration_data=data.calibration, check_data=check_data,
-                         min_sqnr_db=accuracy.sqnr_floor_db, int8_accuracy=int8_accuracy(accuracy),
-                         int8_gate=gate)  # fmt: skip
-
-
-def int8_accuracy(accuracy: AccuracySpec) -> Int8Accuracy | None:
-    """What the int8 searches keep for ``accuracy``: its sqnr and cosine bounds, each by its own measure
-    (``tk.export.int8.score``); None where it has neither (they keep the SQNR floor of ``min_sqnr_db``)."""
-    bounds = {c.metric: c.bound for c in accuracy.criteria if c.metric in ("sqnr", "cosine")}
-    return Int8Accuracy(bounds.get("sqnr"), bounds.get("cosine")) if bounds else None
+                         min_sqnr_db=accuracy.sqnr_floor_db, int8_gate=gate)  # fmt: skip
 
 
 def _row(candidate: Candidate, status: str, reason: str = "") -> Row:
