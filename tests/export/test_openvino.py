@@ -76,6 +76,28 @@ def test_engine_compiles_fp32_as_f32_and_reports_its_options(exported):
         load(e.root, "openvino", provider="cpu")
 
 
+def test_streams_split_a_batch_into_requests_whose_outputs_join_in_order(exported):
+    from concurrent.futures import ThreadPoolExecutor
+
+    e = exported("transformer", OV)
+    feeds = random_feeds(e.spec.signature.inputs, {"batch": 5, "seq": 32}, seed=7)
+    with load(e.root, "openvino", threads=2) as one, load(e.root, "openvino", threads=2, streams=2) as two:
+        assert two.settings()["num_streams"] == 2 and one.settings()["num_streams"] == 1
+        want = one.run(feeds)["logits"]
+        got = two.run(feeds)["logits"]
+        assert got.shape == want.shape == (5, 2)
+        # rows 0-2 and 3-4 ran as two requests: each row as one call computes it
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        single = two.run({k: v[3:4] for k, v in feeds.items()})["logits"]  # one row: one request
+        np.testing.assert_allclose(single, want[3:4], rtol=1e-5, atol=1e-6)
+        with ThreadPoolExecutor(2) as pool:  # each calling thread its own queue of requests
+            results = list(pool.map(lambda _: two.run(feeds)["logits"], range(4)))
+        for result in results:
+            np.testing.assert_array_equal(result, got)
+    with pytest.raises(UsageError, match="streams must be a positive integer, got 0"):
+        load(e.root, "openvino", streams=0)
+
+
 def test_shapes_outside_the_dims_are_refused_before_openvino(exported):
     e = exported("mlp", OV)
     with load(e.root, "openvino") as engine:

@@ -15,8 +15,10 @@ step sets the cache's slots as the request's state and reads the step's keys and
 whose writer ran its float part in bf16 runs at the bf16 hint where the CPU has bfloat16 products.
 
 Options (``OpenVINOOptions``): ``threads`` (``INFERENCE_NUM_THREADS``; default: OpenVINO's, every
-core), ``performance_hint`` (LATENCY or THROUGHPUT; default: OpenVINO's, LATENCY). Each calling
-thread gets its own infer request of the one compiled model.
+core), ``performance_hint`` (LATENCY or THROUGHPUT; default: OpenVINO's, LATENCY), ``streams``
+(``NUM_STREAMS``: a batch runs as that many requests at once, each on its share of the rows and of the
+cores, its outputs joined; default: one call). Each calling thread gets its own infer request (or
+queue of them) of the one compiled model.
 """
 
 from __future__ import annotations
@@ -52,9 +54,14 @@ PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT")
 @dataclass(frozen=True)
 class OpenVINOOptions(EngineOptions):
     performance_hint: str | None = None  # LATENCY or THROUGHPUT; default: OpenVINO's (LATENCY)
+    # a batch split into this many requests run at once on as many streams (NUM_STREAMS), each on its share
+    # of the cores: MiniLM's bf16 IR at 8 x 128 on 2 cores ran 1.08x one call (benchmarks/history.md)
+    streams: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.streams is not None and (not isinstance(self.streams, int) or self.streams < 1):
+            raise UsageError(f"engine 'openvino': streams must be a positive integer, got {self.streams!r}")
         if self.performance_hint is not None and self.performance_hint not in PERFORMANCE_HINTS:
             raise UsageError(
                 f"engine 'openvino': performance_hint must be one of {', '.join(PERFORMANCE_HINTS)}, "
@@ -136,6 +143,9 @@ class OpenVINOEngine(Engine):
             )
         self._ports = [self._compiled.output(name) for name in ir_out]
         self._local = threading.local()
+        # rows split across requests only where every input and output holds one row per sample
+        batch_first = all(s.shape and s.shape[0] == "batch" for s in (*self.inputs, *self.outputs))
+        self._streams = self.options.streams if batch_first and not self._keeps_cache else None
 
     @property
     def compiled_model(self) -> Any:
@@ -150,6 +160,7 @@ class OpenVINOEngine(Engine):
             settings["inference_precision"] = precision_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
             settings["inference_num_threads"] = int(compiled.get_property("INFERENCE_NUM_THREADS"))
             settings["performance_hint"] = str(compiled.get_property("PERFORMANCE_HINT")).rpartition(".")[2]
+            settings["num_streams"] = int(compiled.get_property("NUM_STREAMS"))
         return settings
 
     def _request(self) -> Any:
@@ -180,10 +191,36 @@ class OpenVINOEngine(Engine):
         if self._keeps_cache:
             return self._run_static_cache(OpenVINOKeptCache(request, self._ports[0]), feeds)
         inputs = {name: np.ascontiguousarray(feeds[name]) for name in self._in_names}
+        rows = len(next(iter(inputs.values()))) if inputs else 0
+        if self._streams is not None and self._streams > 1 and rows > 1:
+            return self._run_split(inputs, min(self._streams, rows))
         # OpenVINO reads the feeds where they lie (they live until infer returns; a copy of a decoder's cache cost
         # ~10% of its decode step); outputs are copied out of the request (share_outputs=False)
         result = request.infer(inputs, share_inputs=True)
         return {name: result[port] for name, port in zip(self._out_names, self._ports, strict=True)}
+
+    def _run_split(self, inputs: dict[str, np.ndarray], parts: int) -> dict[str, Any]:
+        """``inputs`` as ``parts`` requests of consecutive rows, run at once (this thread's queue), their
+        outputs joined in order."""
+        import openvino as ov
+
+        queue = getattr(self._local, "queue", None)
+        if queue is None:
+            queue = self._local.queue = ov.AsyncInferQueue(self._compiled, self._streams)
+        rows = len(next(iter(inputs.values())))
+        cuts = np.array_split(np.arange(rows), parts)
+        results: list[list[np.ndarray] | None] = [None] * parts
+
+        def keep(request: Any, index: int) -> None:
+            results[index] = [np.array(request.get_tensor(port).data) for port in self._ports]
+
+        queue.set_callback(keep)
+        for index, cut in enumerate(cuts):
+            queue.start_async({name: array[cut[0] : cut[-1] + 1] for name, array in inputs.items()}, index)
+        queue.wait_all()
+        assert all(r is not None for r in results), rows
+        joined = [np.concatenate([r[i] for r in results if r is not None]) for i in range(len(self._ports))]
+        return dict(zip(self._out_names, joined, strict=True))
 
     @staticmethod
     def _run_static_cache(cache: OpenVINOKeptCache, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +291,8 @@ def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
         config["INFERENCE_NUM_THREADS"] = options.threads
     if options.performance_hint is not None:
         config["PERFORMANCE_HINT"] = options.performance_hint
+    if options.streams is not None:
+        config["NUM_STREAMS"] = options.streams
     return config
 
 
