@@ -153,6 +153,7 @@ def test_user_code_named_by_an_artifact_runs_only_when_trusted(tmp_path, monkeyp
     [
         ("torch", ["--provider", "CPUExecutionProvider"], "--provider applies to the onnx engine, not torch"),
         ("onnx", ["--mode", "max-autotune"], "--mode applies to the compile engine, not onnx"),
+        ("onnx", ["--streams", "2"], "--streams applies to the openvino engine, not onnx"),
         ("onnx", ["--cuda-graph"], "--cuda-graph applies to the eager, compile, torch, aoti and trt engines, not onnx"),
         ("onnx", ["--trust-model-code"], "--trust-model-code applies to the eager and compile engines, not onnx"),
     ],

@@ -98,6 +98,22 @@ def test_streams_split_a_batch_into_requests_whose_outputs_join_in_order(exporte
         load(e.root, "openvino", streams=0)
 
 
+def test_infer_streams_flag_reaches_the_engine(exported, tmp_path):
+    from tk.cli import cli
+
+    e = exported("transformer", OV)
+    outs = {}
+    for name, flags in {"one": [], "two": ["--streams", "2"]}.items():
+        outs[name] = tmp_path / f"{name}.npz"
+        result = CliRunner().invoke(
+            cli, ["infer", str(e.root), "--engine", "openvino", *flags, "--random", "5", "--out", str(outs[name])]
+        )
+        assert result.exit_code == 0, result.output
+    with np.load(outs["one"]) as one, np.load(outs["two"]) as two:
+        assert two["logits"].shape == (5, 2)
+        np.testing.assert_allclose(two["logits"], one["logits"], rtol=1e-5, atol=1e-6)
+
+
 def test_shapes_outside_the_dims_are_refused_before_openvino(exported):
     e = exported("mlp", OV)
     with load(e.root, "openvino") as engine:

@@ -202,7 +202,7 @@ def engine_choice(
     return decorate
 
 
-ENGINE_FLAGS = ("provider", "threads", "mode", "dynamic", "cuda_graph", "trust_model_code")  # engine options, by name
+ENGINE_FLAGS = ("provider", "threads", "streams", "mode", "dynamic", "cuda_graph", "trust_model_code")  # by name
 SWITCHES = ("cuda_graph", "trust_model_code")  # flags that are on or not given: off means "not given"
 ENGINE_OPTIONS = (
     click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True),
@@ -216,6 +216,13 @@ ENGINE_OPTIONS = (
         type=click.IntRange(1, MAX_THREADS),
         default=None,
         help="Threads for onnxruntime, OpenVINO and torch (default: all cores).",
+    ),
+    click.option(
+        "--streams",
+        type=click.IntRange(1, MAX_THREADS),
+        default=None,
+        help="OpenVINO: run a batch as this many requests at once, each on its share of the rows and cores "
+        "(default: one call).",
     ),
     click.option(
         "--mode",
