@@ -351,25 +351,22 @@ def _all_int8(
 ) -> torch.fx.GraphModule:
     """Every module int8: as captured, then (while under the floor plus the margin) smoothed with each of
     ``SMOOTHING_ALPHAS``, first with a GELU's or ReLU's outputs left as captured (their ``mul`` would stop
-    torchao's linear + unary + quantize fusion: ``tk.export.aoti.smoothing``), then every input; the first
-    to reach the target is kept, else the best (``result`` is filled in)."""
+    torchao's linear + unary + quantize fusion: ``tk.export.aoti.smoothing``), then every input; each judged
+    on every batch, the first to reach the target is kept, else the best (``result`` is filled in)."""
     best: torch.fx.GraphModule | None = None
     target = None if min_sqnr_db is None else min_sqnr_db + MARGIN_DB
     best_score, passed, kept_plan = -math.inf, False, None
     for plan in _smoothing_tries(quantizer):
         quantizer.smoothing = plan
         quantized = quantizer.quantize()
-        # judged on every calibration batch, then up to the first batch under the target (a full judge of
-        # the quantized program in PyTorch took ~40 s on the small Transformer, each); the programs under
-        # it are compared on the calibration batches, which every one of them is judged on
-        calibrated = len(quantizer.calibration)
-        targets = None if target is None else [target] * len(judged.batches)
-        kept = judged.headroom_db(quantized, targets, judge_first=calibrated) >= 0
-        score = judged.worst_sqnr_db if kept else min(judged.judged_sqnr_db[:calibrated])
+        # judged on every batch, and compared by the worst: not by the calibration batches alone, where the
+        # ranges were fitted. MiniLM's package (cosine 0.99 on texts) built on the try best there read 0.990
+        # on an unseen short sentence, built on the one best on every batch 0.997 (benchmarks/history.md)
+        score = judged.sqnr_db(quantized)
+        kept = target is None or score >= target
         result.smoothing["none" if plan is None else plan.name] = score
         smoothed = f"smoothed (alpha {plan.name})" if plan is not None else "as captured"
-        judged_on = f"{len(judged.batches)} batches" if kept else f"the {calibrated} calibration batches"
-        log.info("export int8   SQNR %.1f dB on %s, %s", score, judged_on, smoothed)
+        log.info("export int8   SQNR %.1f dB on %d batches, %s", score, len(judged.batches), smoothed)
         if best is None or kept or score > best_score:
             best, best_score, passed, kept_plan = quantized, score, kept, plan
             result.sqnr_db = judged.worst_sqnr_db  # under the target where it is not kept
