@@ -322,6 +322,30 @@ def test_openvino_int8_costs_come_from_variants_of_one_quantized_ir_and_match_qu
     assert sum(op.get_type_name() == "FakeQuantize" for op in quantized.get_ordered_ops()) >= 2  # not changed
 
 
+def test_smooth_quant_is_kept_or_not_by_the_worst_of_every_batch():
+    """Under the target, NNCF's SmoothQuant on and off are both judged on every batch, calibration and held
+    out, and the IR with the better worst batch is kept (not the better on the calibration batches alone)."""
+    import openvino as ov
+
+    from tk.export.openvino.int8 import _Nncf, _smooth_quant_kept, ir_evaluator
+
+    torch.manual_seed(0)
+    model = ov.convert_model(torch.export.export(_ThreeInputs().eval(), (torch.randn(32, 16),)))
+    name = model.inputs[0].get_any_name()
+    rng = np.random.default_rng(0)
+    calibration = [{name: rng.standard_normal((32, 16)).astype(np.float32)} for _ in range(2)]
+    held_out = [{name: 3.0 * rng.standard_normal((32, 16)).astype(np.float32)} for _ in range(2)]  # wider
+    nncf_ = _Nncf(model, calibration, transformer=True)
+    with_default = nncf_.quantize()
+    evaluator = ir_evaluator(model, [*calibration, *held_out])
+    kept, sqnr = _smooth_quant_kept(nncf_, with_default, evaluator, target=200.0)  # unreachable: both judged
+    worst = {"nncf default": ir_evaluator(model, [*calibration, *held_out]).sqnr_db(with_default),
+             "off": ir_evaluator(model, [*calibration, *held_out]).sqnr_db(_Nncf(model, calibration, True, "off").quantize())}  # fmt: skip
+    assert nncf_.smooth_quant == max(worst, key=worst.__getitem__)
+    assert sqnr == pytest.approx(max(worst.values()), abs=1e-6)
+    assert evaluator.sqnr_db(kept) == pytest.approx(sqnr, abs=1e-6)  # its worst over all four batches
+
+
 class _Encoder(torch.nn.Module):
     """An embedding table, one attention (q, k and v from a weight product each) and an output product:
     what NNCF quantizes in a transformer beyond its weight products (the table and attention's inputs)."""
