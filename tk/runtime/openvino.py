@@ -55,7 +55,7 @@ PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT")
 class OpenVINOOptions(EngineOptions):
     performance_hint: str | None = None  # LATENCY or THROUGHPUT; default: OpenVINO's (LATENCY)
     # a batch split into this many requests run at once on as many streams (NUM_STREAMS), each on its share
-    # of the cores: MiniLM's bf16 IR at 8 x 128 on 2 cores ran 1.08x one call (benchmarks/history.md)
+    # of the cores: MiniLM's bf16 IR at 8 x 128 on 2 cores ran 1.05-1.06x one call (benchmarks/history.md)
     streams: int | None = None
 
     def __post_init__(self) -> None:
@@ -218,8 +218,9 @@ class OpenVINOEngine(Engine):
         for index, cut in enumerate(cuts):
             queue.start_async({name: array[cut[0] : cut[-1] + 1] for name, array in inputs.items()}, index)
         queue.wait_all()
-        assert all(r is not None for r in results), rows
-        joined = [np.concatenate([r[i] for r in results if r is not None]) for i in range(len(self._ports))]
+        done = [r for r in results if r is not None]
+        assert len(done) == parts, (len(done), parts)
+        joined = [np.concatenate([r[i] for r in done]) for i in range(len(self._ports))]
         return dict(zip(self._out_names, joined, strict=True))
 
     @staticmethod
