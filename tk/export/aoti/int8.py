@@ -98,8 +98,8 @@ class AotiInt8Result:
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
     method: str = DEFAULT_METHOD
-    # a try ("none": as captured; "0.8", "0.8 not after a unary": SmoothingPlan.name) -> all-int8 SQNR (on the
-    # calibration batches where it is under the target)
+    # a try ("none": as captured; "0.8", "0.8 not after a unary": SmoothingPlan.name) -> all-int8 SQNR, the
+    # worst over every judged batch
     smoothing: dict[str, float] = field(default_factory=dict)
     smoothing_alpha: float | None = None  # the one kept
     smoothing_after_unary: bool = True  # whether the kept smoothing divides the inputs a GELU or ReLU gives

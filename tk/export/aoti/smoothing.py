@@ -15,9 +15,9 @@ a GELU's or ReLU's output: there the ``mul`` sits between the unary and the quan
 fusion folds into the linear before it (``qlinear`` + unary + quantize), and MiniLM's smoothed all-int8
 package ran each feed-forward's GELU in a kernel of its own on a float32 output, slower than with those
 inputs left as captured (benchmarks/history.md): ``plan_smoothing(after_unary=False)`` leaves them.
-Written here rather than taken from a library: torchao's SmoothQuant is for its eager ``quantize_`` flow, onnxruntime's needs
-Intel Neural Compressor, and NNCF's runs on its own graphs; this one works on the PT2E program the
-x86 quantizer annotates. Whether it helps is measured per model (``tk.export.aoti.int8``).
+Written here rather than taken from a library: torchao's SmoothQuant is for its eager ``quantize_``
+flow, onnxruntime's needs Intel Neural Compressor, and NNCF's runs on its own graphs; this one works on
+the PT2E program the x86 quantizer annotates. Whether it helps is measured per model (``tk.export.aoti.int8``).
 """
 
 from __future__ import annotations
