@@ -84,7 +84,8 @@ def open_recipe(recipe: Recipe, threads: int | None = None) -> Opened:
 
         name = read_manifest(recipe.path).recommended_engine or "onnx"
         quiet = {"spinning": False} if "spinning" in engine_class(name).option_names() else {}  # as the rivals
-        engine = load(recipe.path, name, trust=TrustPolicy(trust_artifact_code=True, warn=False), **quiet)
+        # no engine named: the recommended one, with the engine settings tk optimize chose for it (streams)
+        engine = load(recipe.path, None, trust=TrustPolicy(trust_artifact_code=True, warn=False), **quiet)
         output = engine.outputs[0].name
         return Opened(recipe, [i.name for i in engine.inputs],
                       lambda feeds: np.asarray(engine.run(feeds, check=False)[output]))  # fmt: skip

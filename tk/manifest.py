@@ -71,6 +71,12 @@ class Manifest:
         engine = (self.optimize.get("recommended") or {}).get("engine")
         return engine if isinstance(engine, str) else None
 
+    @property
+    def recommended_engine_options(self) -> dict[str, Any]:
+        """The engine settings ``tk optimize`` timed its recommendation at (OpenVINO's streams), or none."""
+        options = (self.optimize.get("recommended") or {}).get("engine_options")
+        return dict(options) if isinstance(options, dict) else {}
+
     def file(self, role: str) -> FileEntry:
         for entry in self.files:
             if entry.role == role:

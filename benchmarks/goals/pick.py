@@ -78,7 +78,8 @@ def bench_pick(pick: Path, directory: Path, optimum_onnx: Path | None, s: PickSe
         pick_row = next(r for r in result["rows"] if r["engine"] == PICK)
         result |= {
             "goal": f"optimize pick vs rivals, {directory.name}", "shape": f"{batch}x{seq}",
-            "pick_artifact": {"format": recommended.get("format"), "precision": pick_row["precision"]},
+            "pick_artifact": {"format": recommended.get("format"), "precision": pick_row["precision"],
+                              "engine_options": recommended.get("engine_options", {})},
             "goal_text": f">= {PICK_SPEEDUP_GOAL:g}x the faster valid rival at min cosine >= {PICK_COSINE_GOAL:g}",
             "met": bool(speedup is not None and speedup >= PICK_SPEEDUP_GOAL and pick_row["min_cosine"] >= s.bar),
         }  # fmt: skip

@@ -138,10 +138,12 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     _print(result)
     win = result.winner
     busy = " (timed on a busy machine: the ratio is not this machine's)" if win.busy else ""
+    settings = "".join(f", {k} {v}" for k, v in win.engine_options.items())  # engine settings it was timed at
     click.echo(
-        f"winner: {win.candidate} (engine {win.engine}), {win.p50_ms:.3g} ms, {win.speedup:.2f}× eager fp32{busy}"
+        f"winner: {win.candidate} (engine {win.engine}{settings}), {win.p50_ms:.3g} ms, "
+        f"{win.speedup:.2f}× eager fp32{busy}"
     )
-    click.echo(f"artifact: {out} (tk.runtime.load({str(out)!r}) and --engine auto open {win.engine})")
+    click.echo(f"artifact: {out} (tk.runtime.load({str(out)!r}) and --engine auto open {win.engine}{settings})")
     plot = out / "optimize.png"
     click.echo(
         f"table: {out / 'optimize.json'}  "

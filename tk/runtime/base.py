@@ -138,6 +138,12 @@ class Engine(ABC):
         """The options this engine declares (the fields of its ``Options``)."""
         return frozenset(f.name for f in dataclasses.fields(cls.Options))
 
+    @classmethod
+    def tuned_options(cls, batch: int, cores: int) -> list[dict[str, Any]]:
+        """Option settings worth timing beside the defaults for a batch of ``batch`` samples on ``cores``
+        cores: ``tk optimize`` times each and records the fastest for ``--engine auto``. None by default."""
+        return []
+
     # -- what subclasses provide -------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:

@@ -85,6 +85,13 @@ class OpenVINOEngine(Engine):
         return lambda: request.infer(feeds)
 
     @classmethod
+    def tuned_options(cls, batch: int, cores: int) -> list[dict[str, Any]]:
+        """Two streams, and one per core where there are more: each request then has a share of the rows
+        and of the cores (a batch of one, or one core, has nothing to split)."""
+        most = min(batch, cores)
+        return [{"streams": n} for n in sorted({2, most}) if 2 <= n <= most]
+
+    @classmethod
     def unavailable_reason(cls, device: str = "cpu") -> str | None:
         if device != "cpu":
             return f"tk runs OpenVINO on the CPU only, and {device!r} was requested"

@@ -73,22 +73,24 @@ def load(
     Options come as the engine's ``Options`` dataclass, a mapping, or keywords; a name the engine
     does not declare is refused with the list of those it does. An artifact whose export-time
     check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
-    manifest recommends (``tk optimize``), else onnx. An engine that runs the artifact's
+    manifest recommends (``tk optimize``) with the engine settings it was timed at under the ones given, else onnx. An engine that runs the artifact's
     native code (aoti, trt) is refused unless its signature verifies against a key ``trust``
     trusts (default: the user's own and the trusted-keys settings) or ``trust.trust_artifact_code``;
     the engine checks it again when it loads.
     """
-    if engine is None:
-        manifest = manifest if manifest is not None else verify_artifact(root)
-        engine = manifest.recommended_engine or "onnx"
-    cls = engine_class(engine)
-    reason = cls.unavailable_reason(device)
-    if reason is not None:
-        raise BackendUnavailableError(f"engine {engine!r} cannot run here: {reason}")
     if option_values:
         if options is not None:
             raise UsageError("load: give engine options either as options= or as keywords, not both")
         options = option_values
+    if engine is None:
+        manifest = manifest if manifest is not None else verify_artifact(root)
+        engine = manifest.recommended_engine or "onnx"
+        if manifest.recommended_engine and (options is None or isinstance(options, Mapping)):
+            options = {**manifest.recommended_engine_options, **(options or {})}  # the caller's own win
+    cls = engine_class(engine)
+    reason = cls.unavailable_reason(device)
+    if reason is not None:
+        raise BackendUnavailableError(f"engine {engine!r} cannot run here: {reason}")
     if manifest is None:
         manifest = verify_artifact(root)
     if manifest.status == "failed" and not allow_failed:

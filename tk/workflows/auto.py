@@ -33,6 +33,7 @@ class AutoChoice:
     batch_size: int
     candidates: list[EngineCandidate] = field(default_factory=list)
     recommended: str | None = None  # why: tk optimize chose this engine for the artifact (its manifest says so)
+    options: dict[str, Any] = field(default_factory=dict)  # the engine settings tk optimize chose with it (streams)
 
     @property
     def reason(self) -> str:
@@ -53,6 +54,7 @@ class AutoChoice:
     def to_json(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
+            "options": self.options,
             "batch_size": self.batch_size,
             "reason": self.reason,
             "candidates": [c.__dict__ for c in self.candidates],
@@ -117,7 +119,8 @@ def choose_engine(
 ) -> AutoChoice:
     """Check, then time, every engine this machine can run for ``manifest``; return the fastest that passes.
 
-    An artifact written by ``tk optimize`` names its engine: that one is returned, untimed.
+    An artifact written by ``tk optimize`` names its engine: that one is returned, untimed, with the engine
+    settings it was timed at (``AutoChoice.options``: what the caller opens it with, under the user's own).
 
     ``choice`` gives the device, the options (each engine takes the ones it declares) and the
     failure policy; its name is not read. ``sizes`` sets the other dimensions (default: their
@@ -133,8 +136,14 @@ def choose_engine(
         )  # an untrusted native one: a note, then the others
     ):
         how = manifest.optimize.get("recommended", {})
-        why = f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}, chosen on {how.get('cpu', 'its machine')})"
-        return AutoChoice(recommended, batch_size, [EngineCandidate(recommended, True, 0.0)], recommended=why)
+        options = manifest.recommended_engine_options
+        settings = f" with {', '.join(f'{k} {v}' for k, v in options.items())}" if options else ""
+        why = (
+            f"engine tk optimize recommends for this artifact ({how.get('candidate', recommended)}{settings}, "
+            f"chosen on {how.get('cpu', 'its machine')})"
+        )
+        candidates = [EngineCandidate(recommended, True, 0.0)]
+        return AutoChoice(recommended, batch_size, candidates, recommended=why, options=options)
     shape = default_shape(manifest, batch_size, sizes)
     with ExitStack() as stack:
         names = trusted_engines(root, manifest, available_engines(manifest, choice.device), choice.trust)

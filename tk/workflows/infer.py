@@ -29,8 +29,8 @@ def infer_artifact(
     """Run the artifact at ``root`` over ``inputs`` (or ``random`` samples) and write ``out`` (.npz).
 
     ``choice.name == "auto"`` first checks and times every engine here and takes the fastest that
-    passes parity at ``batch_size`` (``on_choice`` hears which); the options then apply to the
-    engines that declare them.
+    passes parity at ``batch_size`` (``on_choice`` hears which), or the one ``tk optimize`` recommended with the
+    engine settings it chose under the options given; the options then apply to the engines that declare them.
     """
     if (inputs is None) == (random is None):
         raise UsageError("expected exactly one of --inputs FILE or --random N")
@@ -45,6 +45,7 @@ def infer_artifact(
         if on_choice is not None:
             on_choice(auto)
         engine, among = auto.engine, available_engines(manifest, choice.device)
+        choice = choice.with_defaults(auto.options, [engine])
     feeds = inputs
     if inputs is not None:  # before any engine opens: a bad file is one line (a labels array is left out)
         feeds = read_user_inputs(inputs, manifest.model["name"], manifest.signature.inputs, manifest.signature.dims)

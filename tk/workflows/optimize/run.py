@@ -419,6 +419,8 @@ class _Run:
             row.speedup = timed.speedup.get(candidate.name)
             row.peak_share = timed.peak_share.get(candidate.name)
             row.floor_share = timed.floor_share.get(candidate.name)
+            row.engine_options = timed.engine_options.get(candidate.name, {})
+            row.tuned = timed.tuned.get(candidate.name, [])
             row.busy = timed.busy
         timed_rows = [by_name[c.name] for c, _, _ in entries if by_name[c.name].p50_ms is not None]
         if not timed_rows:
@@ -449,7 +451,8 @@ def _record(state: _Run, rows: list[Row], winner: Row | None) -> dict[str, Any]:
     if winner is not None:
         recommended = {
             "candidate": winner.candidate, "format": winner.format, "precision": winner.precision,
-            "engine": winner.engine, "options": winner.options, "p50_ms": winner.p50_ms, "speedup": winner.speedup,
+            "engine": winner.engine, "options": winner.options, "engine_options": winner.engine_options,
+            "p50_ms": winner.p50_ms, "speedup": winner.speedup,
             "busy": winner.busy, "cpu": state.timing.get("machine", {}).get("cpu"),
         }  # fmt: skip
     order = {"passed": 0, "failed": 1, "skipped": 2}

@@ -41,12 +41,24 @@ class Row:
     cached: bool = False  # the artifact came from the cache
     winner: bool = False
     artifact: str | None = None  # the candidate's artifact directory (the cache's)
+    engine_options: dict[str, Any] = field(default_factory=dict)  # the engine settings its timing is of (streams)
+    tuned: list[dict[str, Any]] = field(default_factory=list)  # each engine setting timed: options, p50_ms, speedup
+
+    @property
+    def label(self) -> str:
+        """The candidate's name, with the engine settings it was timed at where not the defaults."""
+        return tuned_label(self.candidate, self.engine_options)
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
         data["accuracy"] = {k: _json_number(v) for k, v in self.accuracy.items()}
         data["shape_range"] = {k: _json_number(v) for k, v in self.shape_range.items()}
         return data
+
+
+def tuned_label(name: str, options: dict[str, Any]) -> str:
+    """A candidate's row label under engine ``options`` ("openvino bf16 [streams 2]"); ``name`` for the defaults."""
+    return f"{name} [{', '.join(f'{k} {v}' for k, v in options.items())}]" if options else name
 
 
 def _json_number(value: Any) -> Any:
@@ -75,7 +87,7 @@ def render(rows: list[Row], title: str) -> Table:
         if row.cached:
             result += " [cached]"
         table.add_row(
-            row.candidate,
+            escape(row.label),
             escape(result),  # reasons quote commands such as pip install 'tk[gpu]': text, not markup
             row.accuracy_text or "—",
             "—" if row.p50_ms is None else f"{row.p50_ms:.3g}",
@@ -108,7 +120,7 @@ def plot_bytes(rows: list[Row], metric: str, title: str) -> bytes:
         x = _plottable(value)
         marker = "*" if row.winner else ("o" if row.status == "passed" else "x")
         axes.scatter([x], [row.speedup], marker=marker, s=160 if row.winner else 50)
-        axes.annotate(row.candidate, (x, row.speedup), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        axes.annotate(row.label, (x, row.speedup), textcoords="offset points", xytext=(5, 4), fontsize=8)
     axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     axes.set_xlabel(
         f"{metric} on the held-out samples (capped at 150 for exact matches)" if metric == "sqnr" else metric
