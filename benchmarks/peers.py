@@ -29,6 +29,7 @@ OpenVINO's default) and ``transformers`` (a directory, float32: the reference).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -43,6 +44,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from tk.measure.timing import time_in_blocks
 
 KINDS = ("tk", "onnxruntime", "openvino", "transformers")
 AGREE_WITHIN = 0.05  # the orders' and the lone process's medians within 5% of each other
@@ -144,25 +147,6 @@ def min_cosines(engines: dict[str, Opened], reference: Opened, feeds: list[dict[
     return {name: round(v, 7) for name, v in worst.items()}
 
 
-def time_in_blocks(engines: dict[str, Opened], feeds: dict[str, np.ndarray], *, rounds: int, block: int,
-                   order: list[str], between: list[Callable[[], None]] = ()) -> dict[str, list[float]]:  # fmt: skip
-    """Each engine's call times: ``rounds`` rounds of ``block`` calls of each engine in turn (``order``, rotated
-    by one every round), one untimed call before each block; ``between`` runs after every block."""
-    times: dict[str, list[float]] = {name: [] for name in order}
-    for r in range(rounds):
-        turn = order[r % len(order) :] + order[: r % len(order)]
-        for name in turn:
-            engine = engines[name]
-            engine(feeds)  # the block's first call pays for the previous engine's caches
-            for _ in range(block):
-                start = time.perf_counter()
-                engine(feeds)
-                times[name].append(time.perf_counter() - start)
-            for call in between:
-                call()
-    return times
-
-
 def time_alone(recipe: Recipe, feeds_file: Path, calls: int, threads: int) -> list[float]:
     """``recipe``'s call times in a fresh Python process where it is the only engine."""
     command = [sys.executable, "-m", "benchmarks.peers", "alone", json.dumps(asdict(recipe)), str(feeds_file),
@@ -235,8 +219,9 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     floors = {p: ModelFloor(p, products) for p in sorted({r.precision for r in [*recipes, reference]})}
     order = list(engines)
     between = list(floors.values())
-    forward = time_in_blocks(engines, feeds, rounds=s.rounds, block=s.block, order=order, between=between)
-    backward = time_in_blocks(engines, feeds, rounds=s.rounds, block=s.block, order=order[::-1], between=between)
+    calls = {name: functools.partial(engine, feeds) for name, engine in engines.items()}
+    forward = time_in_blocks(calls, rounds=s.rounds, block=s.block, order=order, between=between)
+    backward = time_in_blocks(calls, rounds=s.rounds, block=s.block, order=order[::-1], between=between)
     work.mkdir(parents=True, exist_ok=True)
     feeds_file = work / "peer-feeds.npz"
     np.savez(feeds_file, **feeds)

@@ -60,3 +60,15 @@ def test_interleave_calls_warms_up_then_times_plain_calls_under_the_guard():
     assert [len(times["a"]), len(times["b"])] == [4, 4] and all(t.cpu_s is not None for t in times["a"])
     assert (mark.before, mark.after, mark.busy) == (1.0, 3.0, True)
     assert ms([0.001, 0.003, 0.002]) == 2.0
+
+
+def test_blocks_run_each_call_in_a_row_and_rotate_the_order():
+    from tk.measure.timing import time_in_blocks
+
+    calls: list[str] = []
+    between: list[int] = []
+    times = time_in_blocks({n: (lambda n=n: calls.append(n)) for n in "abc"}, rounds=3, block=2, order=list("abc"),
+                           between=[lambda: between.append(1)])  # fmt: skip
+    assert {n: len(t) for n, t in times.items()} == {"a": 6, "b": 6, "c": 6}
+    assert "".join(calls) == "aaabbbccc" + "bbbcccaaa" + "cccaaabbb"  # one untimed call opens each block
+    assert len(between) == 9

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peers import Opened, Recipe, realistic_feeds, time_alone, time_in_blocks, verdict
+from benchmarks.peers import Recipe, realistic_feeds, time_alone, verdict
 from tk.measure.floor import ModelFloor, Product, attention_precision, model_products
 
 
@@ -54,21 +54,6 @@ def test_the_floor_times_each_product_and_its_share_is_the_floor_over_a_time():
     stored = floor.to_json()
     assert stored["flops"] == 2 * (3 * 16 * 32 * 32 + 2 * 4 * 8 * 8 * 8) and stored["seconds"]["n"] == 3
     assert attention_precision("int8") in ("bf16", "fp32") and attention_precision("bf16") == "bf16"
-
-
-def test_blocks_run_each_engine_in_a_row_and_rotate_the_order():
-    calls: list[str] = []
-
-    def engine(name: str) -> Opened:
-        return Opened(Recipe(name, "onnxruntime", "-"), ["x"], lambda feeds: calls.append(name))
-
-    engines = {n: engine(n) for n in "abc"}
-    between: list[int] = []
-    times = time_in_blocks(engines, {"x": np.zeros(1)}, rounds=3, block=2, order=list("abc"),
-                           between=[lambda: between.append(1)])  # fmt: skip
-    assert {n: len(t) for n, t in times.items()} == {"a": 6, "b": 6, "c": 6}
-    assert "".join(calls) == "aaabbbccc" + "bbbcccaaa" + "cccaaabbb"  # one untimed call opens each block
-    assert len(between) == 9
 
 
 def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, alone: float | None = None) -> dict:

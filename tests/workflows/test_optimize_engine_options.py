@@ -31,37 +31,35 @@ def test_openvino_tries_two_streams_and_one_per_core_where_the_batch_splits() ->
     assert OpenVINOEngine.tuned_options(8, 1) == []  # one core: the requests would take turns
 
 
-def _timed(defaults_ms: float, streams_ms: float) -> Timed:
+def _timed() -> Timed:
     timed = Timed()
-    timed.p50_ms = {"eager": 100.0, "openvino fp32": defaults_ms, STREAMS: streams_ms}
-    timed.speedup = {"openvino fp32": 100.0 / defaults_ms, STREAMS: 100.0 / streams_ms}
-    timed.floor_share = {"openvino fp32": 0.5, STREAMS: 0.5 * defaults_ms / streams_ms}
+    timed.p50_ms = {"eager": 100.0, "openvino fp32": 10.0}
+    timed.speedup = {"openvino fp32": 10.0}
+    timed.floor_share = {"openvino fp32": 0.5}
     return timed
 
 
-TRIED = [("openvino fp32", {}), (STREAMS, {"streams": 2})]
+def _tuned(defaults_ms: float, streams_ms: float) -> list[dict[str, Any]]:
+    return [{"options": {}, "block_ms": defaults_ms}, {"options": {"streams": 2}, "block_ms": streams_ms}]
 
 
-def test_a_setting_faster_than_the_tie_margin_becomes_the_candidates_numbers() -> None:
-    timed = _timed(10.0, 9.0)
-    keep_fastest(timed, "openvino fp32", TRIED)
+def test_a_setting_faster_than_the_tie_margin_in_blocks_scales_the_candidates_numbers() -> None:
+    timed = _timed()
+    keep_fastest(timed, "openvino fp32", _tuned(8.0, 7.2))  # 0.9 of the defaults in the blocks
     assert timed.engine_options == {"openvino fp32": {"streams": 2}}
-    assert timed.p50_ms["openvino fp32"] == 9.0
-    assert timed.speedup["openvino fp32"] == pytest.approx(100.0 / 9.0)
-    assert timed.floor_share["openvino fp32"] == pytest.approx(0.5 * 10.0 / 9.0)
-    assert timed.tuned["openvino fp32"] == [
-        {"options": {}, "p50_ms": 10.0, "speedup": 10.0},
-        {"options": {"streams": 2}, "p50_ms": 9.0, "speedup": pytest.approx(100.0 / 9.0)},
-    ]
+    assert timed.p50_ms["openvino fp32"] == pytest.approx(9.0)  # the rounds' p50, scaled by the blocks' ratio
+    assert timed.speedup["openvino fp32"] == pytest.approx(10.0 / 0.9)
+    assert timed.floor_share["openvino fp32"] == pytest.approx(0.5 / 0.9)
+    assert timed.tuned["openvino fp32"] == _tuned(8.0, 7.2)
 
 
 def test_within_the_tie_margin_the_defaults_stay() -> None:
-    streams_ms = 10.0 / (1 + TIE) + 0.01  # faster, but by less than the margin
-    timed = _timed(10.0, streams_ms)
-    keep_fastest(timed, "openvino fp32", TRIED)
+    streams_ms = 8.0 / (1 + TIE) + 0.01  # faster, but by less than the margin
+    timed = _timed()
+    keep_fastest(timed, "openvino fp32", _tuned(8.0, streams_ms))
     assert timed.engine_options == {}
-    assert timed.p50_ms["openvino fp32"] == 10.0
-    assert [t["p50_ms"] for t in timed.tuned["openvino fp32"]] == [10.0, streams_ms]
+    assert (timed.p50_ms["openvino fp32"], timed.speedup["openvino fp32"]) == (10.0, 10.0)
+    assert timed.tuned["openvino fp32"] == _tuned(8.0, streams_ms)
 
 
 def test_the_table_names_the_setting_a_row_was_timed_at() -> None:
@@ -89,14 +87,15 @@ def optimized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_each_setting_is_timed_and_the_pick_records_the_one_kept(optimized: dict[str, Any]) -> None:
     winner, out = optimized["result"].winner, optimized["out"]
     assert winner.candidate == "openvino fp32"
-    tried = {tuple(t["options"].items()): t["p50_ms"] for t in winner.tuned}
+    tried = {tuple(t["options"].items()): t["block_ms"] for t in winner.tuned}
     assert set(tried) == {(), (("streams", 2),)} and all(ms > 0 for ms in tried.values())
     kept = tuple(winner.engine_options.items())
-    assert winner.p50_ms == tried[kept]
     if kept:  # whichever ran faster here: the rule, read from the numbers recorded
         assert tried[kept] * (1 + TIE) < tried[()]
     else:
         assert tried[(("streams", 2),)] * (1 + TIE) >= tried[()]
+    record = optimized["result"].record
+    assert record["timing"]["eager_p50_ms"] / winner.p50_ms == pytest.approx(winner.speedup, rel=1e-6)
     manifest = verify_artifact(out)
     assert manifest.optimize["recommended"]["engine_options"] == winner.engine_options
     assert manifest.recommended_engine_options == winner.engine_options

@@ -9,7 +9,9 @@ call; ``device`` hands it torch tensors, ``host`` NumPy arrays (the command line
 ``interleave`` is the one timing loop of ``tk``: one call of each timed callable in turn, in a new
 seeded random order each round, so machine noise hits all of them alike; ``timed`` turns any
 callable into one it can time, ``interleave_calls`` does both for plain callables under the load
-guard, and ``Spread`` summarizes the samples (median, quartiles, range).
+guard, and ``Spread`` summarizes the samples (median, quartiles, range). ``time_in_blocks`` times runs of
+consecutive calls instead, each callable's block in turn: how a served model runs, where one call's
+caches and threads are its next call's (what tells two settings of one engine apart).
 """
 
 from __future__ import annotations
@@ -157,6 +159,25 @@ def interleave(
     finally:
         if gc_was_enabled:
             gc.enable()
+    return times
+
+
+def time_in_blocks(calls: Mapping[str, Callable[[], object]], *, rounds: int, block: int, order: Sequence[str],
+                   between: Sequence[Callable[[], object]] = ()) -> dict[str, list[float]]:  # fmt: skip
+    """Each call's times in seconds: ``rounds`` rounds of ``block`` calls of each in turn (``order``, rotated by
+    one every round), one untimed call before each block; ``between`` runs after every block."""
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(rounds):
+        turn = [*order[r % len(order) :], *order[: r % len(order)]]
+        for name in turn:
+            call = calls[name]
+            call()  # the block's first call pays for the previous one's caches
+            for _ in range(block):
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+            for other in between:
+                other()
     return times
 
 
