@@ -411,7 +411,8 @@ class _Run:
                                     peaks=self.options.peaks,
                                     progress=lambda text: self.say(f"time: {text}", 0, 1))  # fmt: skip
         self.say("time", 1, 1)
-        self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager")}
+        self.timing = {**timed.settings, "eager_p50_ms": timed.p50_ms.get("eager"),
+                       "eager_rounds_p50_ms": timed.rounds_p50_ms.get("eager")}  # fmt: skip
         by_name = {r.candidate: r for r in rows}
         for candidate, _, _ in entries:
             row = by_name[candidate.name]
@@ -419,6 +420,7 @@ class _Run:
             row.speedup = timed.speedup.get(candidate.name)
             row.peak_share = timed.peak_share.get(candidate.name)
             row.floor_share = timed.floor_share.get(candidate.name)
+            row.rounds_p50_ms = timed.rounds_p50_ms.get(candidate.name)
             row.engine_options = timed.engine_options.get(candidate.name, {})
             row.tuned = timed.tuned.get(candidate.name, [])
             row.busy = timed.busy

@@ -33,8 +33,9 @@ class Row:
     accuracy: dict[str, Any] = field(default_factory=dict)  # metric -> worst value on the held-out samples
     accuracy_text: str = ""
     shape_range: dict[str, Any] = field(default_factory=dict)  # metric -> worst value over the shape range
-    p50_ms: float | None = None
-    speedup: float | None = None  # eager fp32 p50 / this p50, in the same interleaved run
+    p50_ms: float | None = None  # on CPUs, in blocks of consecutive calls (tk.workflows.optimize.timing)
+    speedup: float | None = None  # eager fp32 p50 / this p50, in the same run
+    rounds_p50_ms: float | None = None  # in the rounds of one call each, where the blocks then ran
     peak_share: float | None = None  # model FLOPs / p50 / the matmul peak of its precision, where measured
     floor_share: float | None = None  # the model's products timed alone in its precision / p50, where measured
     busy: bool = False  # timed while the load average exceeded the usable cores

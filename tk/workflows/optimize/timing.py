@@ -1,19 +1,21 @@
-"""Timing the candidates that kept the accuracy: interleaved in one process, beside eager float32,
-at the user's batch and sequence (``tk.workflows.bench.measure``), under the load guard (rows timed
-on a busy machine are marked), and each one's share of its precision's matrix-product rate at the
-model's own linear shapes and of the model's floor (its products timed alone in its precision), sampled
-between the calls (``tk.measure.roofline``).
+"""Timing the candidates that kept the accuracy, beside eager float32 at the user's batch and sequence.
+
+First in rounds, one call of each in turn (``tk.workflows.bench.measure``), under the load guard (rows
+timed on a busy machine are marked), with the matrix products of the model's own shapes sampled between
+the calls (``tk.measure.roofline``): each candidate's share of its precision's rate and of the model's
+floor. Then, on CPUs, the p50 the candidates are ranked by: blocks of ``BLOCK`` consecutive calls of each
+in turn (``tk.measure.timing.time_in_blocks``), as a served model runs, its caches and threads warm from
+its own previous call. In the rounds every call follows another runtime's, and the runtimes pay for it
+unequally (an OpenVINO IR more than an aoti package, and most after eager PyTorch's calls: enough to
+reorder the small Transformer's candidates, benchmarks/history.md). The shares are scaled to the blocks.
 
 An engine with settings worth trying at this batch on these cores (``Engine.tuned_options``: OpenVINO's
-streams) is then timed with each against its defaults in blocks of consecutive calls
-(``tk.measure.timing.time_in_blocks``), as a served model runs: in the rounds above every call follows
-another engine's, which hid the 5% that two streams gave MiniLM in blocks (benchmarks/history.md). The
-candidate keeps the fastest unless its defaults ran within ``TIE`` of it, its numbers scaled by the ratio.
+streams) runs each in the blocks too, and the candidate keeps the fastest unless its defaults ran within
+``TIE`` of it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -37,19 +39,20 @@ from tk.workflows.optimize.judge import BuiltModel
 from tk.workflows.optimize.table import TIE, tuned_label
 
 EAGER = "eager"
-BLOCK = 5  # consecutive calls of one setting
+BLOCK = 5  # consecutive calls of one engine
 
 
 @dataclass
 class Timed:
-    p50_ms: dict[str, float] = field(default_factory=dict)  # label -> p50 (eager included)
+    p50_ms: dict[str, float] = field(default_factory=dict)  # label -> p50 (eager included): the blocks' on CPUs
     speedup: dict[str, float | None] = field(default_factory=dict)
     peak_share: dict[str, float] = field(default_factory=dict)
     floor_share: dict[str, float] = field(default_factory=dict)
-    busy: bool = False  # other work competed for the cores during the rounds (the load guard's mark)
+    busy: bool = False  # other work competed for the cores during the timing (the load guard's mark)
     settings: dict[str, Any] = field(default_factory=dict)
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> the settings it keeps
     tuned: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # name -> each setting timed, defaults first
+    rounds_p50_ms: dict[str, float] = field(default_factory=dict)  # label -> p50 in the rounds, where blocks ran
 
 
 def time_candidates(
@@ -91,16 +94,11 @@ def time_candidates(
             if row.floor_share is not None:
                 timed.floor_share[row.engine] = row.floor_share
             timed.busy = timed.busy or row.busy
-        if device == "cpu":
-            for candidate, root, manifest in entries:
-                tried = engine_class(candidate.engine).tuned_options(batch, usable_cores())
-                if tried and candidate.name in timed.p50_ms:
-                    if progress is not None:
-                        progress(f"{candidate.name}: engine settings")
-                    tuned, busy = time_settings(stack, engines[candidate.name], root, manifest, candidate, tried,
-                                                batch=batch, sizes=others, seconds=seconds)  # fmt: skip
-                    timed.busy = timed.busy or busy
-                    keep_fastest(timed, candidate.name, tuned)
+        if device == "cpu" and EAGER in timed.p50_ms:
+            if progress is not None:
+                progress("in blocks")
+            busy = time_in_turn(stack, timed, engines, entries, batch=batch, sizes=others, seconds=seconds)
+            timed.busy = timed.busy or busy
     timed.settings["load"] = [
         {"load_before": r.load_before, "load_after": r.load_after, "others_cores": r.others_cores}
         for r in report.rows[:1]
@@ -108,31 +106,45 @@ def time_candidates(
     return timed
 
 
-def time_settings(stack: ExitStack, defaults: Any, root: Path, manifest: Manifest, candidate: Candidate,
-                  tried: list[dict[str, Any]], *, batch: int, sizes: dict[str, int],
-                  seconds: float) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
-    """The median of ``candidate``'s defaults (the engine ``defaults``) and of each setting of ``tried``, timed
-    in blocks of ``BLOCK`` consecutive calls, about ``seconds`` of calls each (2 to 8 blocks), on one batch;
-    and whether other work competed for the cores meanwhile (the load guard's mark)."""
-    quiet = EngineChoice(candidate.engine, "cpu", allow_failed=True).with_defaults(
-        {"spinning": False}, [candidate.engine]
-    )
-    engines = {tuned_label(candidate.name, {}): defaults}
-    for options in tried:
-        opened = quiet.replace(options={**quiet.options, **options})
-        engines[tuned_label(candidate.name, options)] = stack.enter_context(
-            open_engine(root, opened, candidate.engine, manifest=manifest)
-        )
-    feeds = random_inputs(defaults.inputs, defaults.dims, batch, seed=0, sizes=sizes)
-    calls = {label: (lambda e=engine: e.run(feeds, check=False)) for label, engine in engines.items()}
+def time_in_turn(stack: ExitStack, timed: Timed, engines: dict[str, Any], entries: list[tuple[Candidate, Path, Manifest]],
+                 *, batch: int, sizes: dict[str, int], seconds: float) -> bool:  # fmt: skip
+    """The engines the rounds timed (eager and the candidates, each with its tuned settings opened beside) timed
+    in blocks; ``timed``'s p50s, speed-ups and shares set from the blocks' medians and each candidate's setting
+    kept (``keep_fastest``). Returns whether other work competed for the cores meanwhile."""
+    timing = {label: engine for label, engine in engines.items() if label in timed.p50_ms}
+    settings_of: dict[str, list[dict[str, Any]]] = {}
+    for candidate, root, manifest in entries:
+        if candidate.name not in timing:
+            continue
+        settings_of[candidate.name] = [{}, *engine_class(candidate.engine).tuned_options(batch, usable_cores())]
+        quiet = EngineChoice(candidate.engine, "cpu", allow_failed=True)
+        quiet = quiet.with_defaults({"spinning": False}, [candidate.engine])
+        for options in settings_of[candidate.name][1:]:
+            opened = quiet.replace(options={**quiet.options, **options})
+            timing[tuned_label(candidate.name, options)] = stack.enter_context(
+                open_engine(root, opened, candidate.engine, manifest=manifest)
+            )
+    first = engines[EAGER]
+    feeds = random_inputs(first.inputs, first.dims, batch, seed=0, sizes=sizes)
+    calls = {label: (lambda e=engine: e.run(feeds, check=False)) for label, engine in timing.items()}
     for call in calls.values():
         call()  # compiled, and its requests made, before any block
-    started = time.perf_counter()
-    calls[tuned_label(candidate.name, {})]()
-    rounds = max(2, min(8, round(seconds / (BLOCK * max(time.perf_counter() - started, 1e-6)))))
+    slowest_s = max(timed.p50_ms.values()) / 1e3
+    rounds = max(2, min(6, round(seconds / (BLOCK * slowest_s))))  # about ``seconds`` of calls of the slowest
     times, mark = quiet_or_marked(lambda: time_in_blocks(calls, rounds=rounds, block=BLOCK, order=list(calls)))
-    tuned = [{"options": o, "block_ms": ms(times[tuned_label(candidate.name, o)])} for o in [{}, *tried]]
-    return tuned, mark.busy
+    medians = {label: ms(samples) for label, samples in times.items()}
+    timed.rounds_p50_ms = {label: timed.p50_ms[label] for label in (EAGER, *settings_of)}
+    for label, rounds_ms in timed.rounds_p50_ms.items():
+        timed.p50_ms[label] = medians[label]
+        for column in (timed.peak_share, timed.floor_share):  # the products' time over the p50
+            if column.get(label) is not None:
+                column[label] *= rounds_ms / medians[label]
+    for name, tried in settings_of.items():
+        if len(tried) > 1:
+            keep_fastest(timed, name, [{"options": o, "block_ms": medians[tuned_label(name, o)]} for o in tried])
+        timed.speedup[name] = timed.p50_ms[EAGER] / timed.p50_ms[name]
+    timed.settings["blocks"] = {"rounds": rounds, "block": BLOCK, "engines": list(calls)}
+    return mark.busy
 
 
 def eager_roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> Roofline:
@@ -145,16 +157,15 @@ def eager_roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> 
 
 def keep_fastest(timed: Timed, name: str, tuned: list[dict[str, Any]]) -> None:
     """Candidate ``name`` keeps the fastest engine setting of ``tuned`` (options and block median, the defaults
-    first) unless its defaults ran within ``TIE`` of it (a gain that size is not worth leaving the defaults a
-    user opening the artifact gets); its p50, speed-up and shares are then scaled by the two blocks' ratio."""
+    first: ``timed``'s p50 of it) unless its defaults ran within ``TIE`` of it (a gain that size is not worth
+    leaving the defaults a user opening the artifact gets); its p50 and shares then become the setting's."""
     timed.tuned[name] = tuned
     best = min(tuned, key=lambda t: t["block_ms"])
     defaults_ms = tuned[0]["block_ms"]
     if not best["options"] or best["block_ms"] * (1 + TIE) >= defaults_ms:
         return
-    ratio = best["block_ms"] / defaults_ms
     timed.engine_options[name] = best["options"]
-    timed.p50_ms[name] *= ratio
-    for column in (timed.speedup, timed.peak_share, timed.floor_share):
+    timed.p50_ms[name] = best["block_ms"]
+    for column in (timed.peak_share, timed.floor_share):
         if column.get(name) is not None:
-            column[name] /= ratio
+            column[name] *= defaults_ms / best["block_ms"]
