@@ -23,6 +23,7 @@ import torch
 from tk.errors import TkError, UsageError, run_failure
 from tk.formats.tf32 import matmul_precision
 from tk.manifest import Manifest
+from tk.runtime.allocator import keep_freed_memory
 from tk.runtime.dtypes import Array
 from tk.runtime.inputs import check_arrays
 from tk.signing import TrustPolicy
@@ -181,6 +182,7 @@ class Engine(ABC):
         if not self._loaded:
             with self._load_lock:
                 if not self._loaded:
+                    keep_freed_memory()  # before the first call's tensors: each call reuses the last one's memory
                     self._load()
                     self._loaded = True
         return self
@@ -235,7 +237,8 @@ class Engine(ABC):
     def settings(self) -> dict[str, Any]:
         """The settings this engine runs with (recorded in benchmark JSON); subclasses add theirs."""
         threads = self.options.threads or torch.get_num_threads()
-        return {"device": self.device, **dataclasses.asdict(self.options), "torch_threads": threads}
+        return {"device": self.device, **dataclasses.asdict(self.options), "torch_threads": threads,
+                "malloc": keep_freed_memory()}  # fmt: skip
 
     def close(self) -> None:
         if self._loaded:
