@@ -131,3 +131,18 @@ def test_auto_takes_the_recommended_settings_and_says_so(optimized: dict[str, An
     assert "with streams 2" in auto.reason and auto.to_json()["options"] == {"streams": 2}
     chosen = EngineChoice("auto", options={"streams": 3}).with_defaults(auto.options, [auto.engine])
     assert chosen.options == {"streams": 3}  # the user's own win
+
+
+def test_a_setting_that_cannot_open_is_left_out_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    tried = [{"performance_hint": "FASTEST"}, {"streams": 2}]  # OpenVINO has no FASTEST hint: its options refuse it
+    monkeypatch.setattr(OpenVINOEngine, "tuned_options", classmethod(lambda cls, batch, cores: tried))
+    torch.manual_seed(0)
+    options = OptimizeOptions(accuracy="sqnr>=40", sizes={"batch": 4, "seq": 16}, candidates=("openvino fp32",),
+                              seconds=0.05, cache_dir=tmp_path / "cache", peaks=False)  # fmt: skip
+    with caplog.at_level("WARNING", logger="tk.optimize"):
+        result = optimize(build_model("transformer", size="tiny"), tmp_path / "out", options)
+    assert [t["options"] for t in result.winner.tuned] == [{}, {"streams": 2}]
+    assert (
+        "openvino fp32 [performance_hint FASTEST] left out: engine 'openvino': performance_hint must be" in caplog.text
+    )

@@ -3,9 +3,9 @@
 PyTorch's CPU tensors (eager, ``torch.compile``, exported programs, AOTInductor packages) are ``malloc``'d
 and freed on every call. With glibc's defaults a block over the mmap threshold is mapped and unmapped each
 time, and the top of the heap is given back to the kernel once 128 KiB of it is free, so every call pays
-page faults for memory it just returned: MiniLM's bf16 aoti package at 8 x 128 ran 26.7 ms with the defaults
-and 20.9 with both settings below (benchmarks/history.md). Either one alone is slower than the defaults
-(setting one turns off glibc's own adjustment of the mmap threshold), so both are set or neither. This is
+page faults for memory it just returned (what that cost transformers' MiniLM in a fresh process:
+benchmarks/history.md). Either setting alone is slower than the defaults (setting one turns off glibc's
+own adjustment of the mmap threshold), so both are set or neither. This is
 what PyTorch's CPU tuning guides do by preloading jemalloc or tcmalloc, done in-process with
 ``mallopt``; the process keeps the memory of its largest call instead of returning it.
 

@@ -73,7 +73,8 @@ def load(
     Options come as the engine's ``Options`` dataclass, a mapping, or keywords; a name the engine
     does not declare is refused with the list of those it does. An artifact whose export-time
     check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
-    manifest recommends (``tk optimize``) with the engine settings it was timed at under the ones given, else onnx. An engine that runs the artifact's
+    manifest recommends (``tk optimize``), with the engine settings it was timed at under the
+    ones given, else onnx. An engine that runs the artifact's
     native code (aoti, trt) is refused unless its signature verifies against a key ``trust``
     trusts (default: the user's own and the trusted-keys settings) or ``trust.trust_artifact_code``;
     the engine checks it again when it loads.

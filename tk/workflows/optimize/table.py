@@ -43,7 +43,7 @@ class Row:
     winner: bool = False
     artifact: str | None = None  # the candidate's artifact directory (the cache's)
     engine_options: dict[str, Any] = field(default_factory=dict)  # the engine settings its timing is of (streams)
-    tuned: list[dict[str, Any]] = field(default_factory=list)  # each engine setting timed: options, p50_ms, speedup
+    tuned: list[dict[str, Any]] = field(default_factory=list)  # each engine setting timed: options, block_ms
 
     @property
     def label(self) -> str:

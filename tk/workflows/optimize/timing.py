@@ -16,6 +16,7 @@ streams) runs each in the blocks too, and the candidate keeps the fastest unless
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tk.errors import TkError, first_line
 from tk.manifest import Manifest
 from tk.measure.hardware import usable_cores
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
@@ -38,6 +40,7 @@ from tk.workflows.optimize.candidates import Candidate
 from tk.workflows.optimize.judge import BuiltModel
 from tk.workflows.optimize.table import TIE, tuned_label
 
+log = logging.getLogger("tk.optimize")
 EAGER = "eager"
 BLOCK = 5  # consecutive calls of one engine
 
@@ -112,20 +115,25 @@ def time_in_turn(stack: ExitStack, timed: Timed, engines: dict[str, Any], entrie
     in blocks; ``timed``'s p50s, speed-ups and shares set from the blocks' medians and each candidate's setting
     kept (``keep_fastest``). Returns whether other work competed for the cores meanwhile."""
     timing = {label: engine for label, engine in engines.items() if label in timed.p50_ms}
-    settings_of: dict[str, list[dict[str, Any]]] = {}
-    for candidate, root, manifest in entries:
-        if candidate.name not in timing:
-            continue
-        settings_of[candidate.name] = [{}, *engine_class(candidate.engine).tuned_options(batch, usable_cores())]
-        quiet = EngineChoice(candidate.engine, "cpu", allow_failed=True)
-        quiet = quiet.with_defaults({"spinning": False}, [candidate.engine])
-        for options in settings_of[candidate.name][1:]:
-            opened = quiet.replace(options={**quiet.options, **options})
-            timing[tuned_label(candidate.name, options)] = stack.enter_context(
-                open_engine(root, opened, candidate.engine, manifest=manifest)
-            )
+    settings_of = {
+        c.name: [{}, *engine_class(c.engine).tuned_options(batch, usable_cores())]
+        for c, _, _ in entries
+        if c.name in timing
+    }
     first = engines[EAGER]
     feeds = random_inputs(first.inputs, first.dims, batch, seed=0, sizes=sizes)
+    for candidate, root, manifest in entries:
+        for options in list(settings_of.get(candidate.name, [])[1:]):
+            label = tuned_label(candidate.name, options)
+            try:  # a setting that fails to open, compile or run is left out, with a note
+                opened = quiet_choice(candidate.engine, options)
+                engine = stack.enter_context(open_engine(root, opened, candidate.engine, manifest=manifest))
+                engine.run(feeds, check=False)
+            except TkError as exc:
+                log.warning("optimize: %s left out: %s", label, first_line(exc))
+                settings_of[candidate.name].remove(options)
+                continue
+            timing[label] = engine
     calls = {label: (lambda e=engine: e.run(feeds, check=False)) for label, engine in timing.items()}
     for call in calls.values():
         call()  # compiled, and its requests made, before any block
@@ -145,6 +153,12 @@ def time_in_turn(stack: ExitStack, timed: Timed, engines: dict[str, Any], entrie
         timed.speedup[name] = timed.p50_ms[EAGER] / timed.p50_ms[name]
     timed.settings["blocks"] = {"rounds": rounds, "block": BLOCK, "engines": list(calls)}
     return mark.busy
+
+
+def quiet_choice(engine: str, options: dict[str, Any]) -> EngineChoice:
+    """``engine`` on the CPU with ``options``, onnxruntime's threads not spinning (as in the rounds)."""
+    quiet = EngineChoice(engine, "cpu", allow_failed=True).with_defaults({"spinning": False}, [engine])
+    return quiet.replace(options={**quiet.options, **options})
 
 
 def eager_roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> Roofline:
