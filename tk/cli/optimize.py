@@ -136,9 +136,13 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
             _print(exc.result)
         raise
     _print(result)
-    win = result.winner
+    _print_winner(result.winner, out)
+
+
+def _print_winner(win: Any, out: Path) -> None:
+    """The winner, with the engine settings it was timed at, and where its artifact, table and plot are."""
     busy = " (timed on a busy machine: the ratio is not this machine's)" if win.busy else ""
-    settings = "".join(f", {k} {v}" for k, v in win.engine_options.items())  # engine settings it was timed at
+    settings = "".join(f", {k} {v}" for k, v in win.engine_options.items())
     click.echo(
         f"winner: {win.candidate} (engine {win.engine}{settings}), {win.p50_ms:.3g} ms, "
         f"{win.speedup:.2f}× eager fp32{busy}"

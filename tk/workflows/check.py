@@ -225,8 +225,7 @@ def check_artifact(
     _refuse_conflicts(inputs, samples, golden, save_golden, reference)
     manifest = verify_artifact(root)
     names = _candidates(root, choice, manifest, reference, golden is not None)
-    if choice.name == "auto" and names == [manifest.recommended_engine]:  # as tk optimize timed it (streams)
-        choice = choice.with_defaults(manifest.recommended_engine_options, names)
+    choice = _as_recommended(choice, manifest, names)
     stored = load_golden(golden, manifest.signature) if golden is not None else None
     judge = _judge(manifest, stored, rtol, atol, tolerances)
     among = names if stored is not None else [reference, *names]  # the engines opened: what the options apply to
@@ -396,6 +395,13 @@ def _refuse_conflicts(
         raise UsageError(f"--samples: expected 1 or more, got {samples}")
     if reference not in ENGINES:
         raise UsageError(f"--reference: unknown engine {reference!r}; expected one of {', '.join(ENGINES)}")
+
+
+def _as_recommended(choice: EngineChoice, manifest: Manifest, names: list[str]) -> EngineChoice:
+    """``auto`` checking tk optimize's pick: with the engine settings it was timed at (streams), under the user's."""
+    if choice.name == "auto" and names == [manifest.recommended_engine]:
+        return choice.with_defaults(manifest.recommended_engine_options, names)
+    return choice
 
 
 def _candidates(root: str | Path, choice: EngineChoice, manifest: Manifest, reference: str, golden: bool) -> list[str]:
