@@ -16,11 +16,12 @@ caches and threads are its next call's (what tells two settings of one engine ap
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,10 +139,7 @@ def interleave(
     shuffle = random.Random(seed).shuffle
     budget = None if seconds is None else seconds * len(timers)
     spent, rounds = 0.0, 0
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_off():
         while timers:
             if iters is not None and rounds >= iters:
                 break
@@ -156,28 +154,40 @@ def interleave(
                     times[label].append(result)
                     spent += result.total_s
             rounds += 1
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return times
+
+
+@contextlib.contextmanager
+def _gc_off() -> Iterator[None]:
+    """The garbage collector off (after a collection) while timing: no call pays for another's garbage."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def time_in_blocks(calls: Mapping[str, Callable[[], object]], *, rounds: int, block: int, order: Sequence[str],
                    between: Sequence[Callable[[], object]] = ()) -> dict[str, list[float]]:  # fmt: skip
     """Each call's times in seconds: ``rounds`` rounds of ``block`` calls of each in turn (``order``, rotated by
-    one every round), one untimed call before each block; ``between`` runs after every block."""
+    one every round), one untimed call before each block; ``between`` runs after every block. The garbage
+    collector is off while timing."""
     times: dict[str, list[float]] = {name: [] for name in order}
-    for r in range(rounds):
-        turn = [*order[r % len(order) :], *order[: r % len(order)]]
-        for name in turn:
-            call = calls[name]
-            call()  # the block's first call pays for the previous one's caches
-            for _ in range(block):
-                start = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - start)
-            for other in between:
-                other()
+    with _gc_off():
+        for r in range(rounds):
+            turn = [*order[r % len(order) :], *order[: r % len(order)]]
+            for name in turn:
+                call = calls[name]
+                call()  # the block's first call pays for the previous one's caches
+                for _ in range(block):
+                    start = time.perf_counter()
+                    call()
+                    times[name].append(time.perf_counter() - start)
+                for other in between:
+                    other()
     return times
 
 

@@ -75,11 +75,10 @@ def time_candidates(
     others = {k: v for k, v in sizes.items() if k != "batch"}
     precision_of = {c.name: c.precision for c, _, _ in entries} | {EAGER: "fp32"}
     with ExitStack() as stack:
-        choice = EngineChoice(EAGER, device, allow_failed=True)
         eager = stack.enter_context(BuiltModel(model, entries[0][2], device))
         engines = {EAGER: eager}
         for candidate, root, manifest in entries:
-            quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # spinning slows its neighbours
+            quiet = quiet_choice(candidate.engine, {}, device)
             engines[candidate.name] = stack.enter_context(open_engine(root, quiet, candidate.engine, manifest=manifest))
         roofline = eager_roofline(eager, others, set(precision_of.values())) if peaks and device == "cpu" else None
         report = measure(
@@ -155,9 +154,10 @@ def time_in_turn(stack: ExitStack, timed: Timed, engines: dict[str, Any], entrie
     return mark.busy
 
 
-def quiet_choice(engine: str, options: dict[str, Any]) -> EngineChoice:
-    """``engine`` on the CPU with ``options``, onnxruntime's threads not spinning (as in the rounds)."""
-    quiet = EngineChoice(engine, "cpu", allow_failed=True).with_defaults({"spinning": False}, [engine])
+def quiet_choice(engine: str, options: dict[str, Any], device: str = "cpu") -> EngineChoice:
+    """``engine`` on ``device`` with ``options``, onnxruntime's threads not spinning (spinning slows the engine
+    timed next)."""
+    quiet = EngineChoice(engine, device, allow_failed=True).with_defaults({"spinning": False}, [engine])
     return quiet.replace(options={**quiet.options, **options})
 
 
