@@ -14,6 +14,8 @@ artifact beside other tools' engines of the same encoder.
   time in the reverse order, and each engine is timed again **alone in a fresh process** (``python -m
   benchmarks.peers alone``; two passes, the second in the reverse order): the table shows all three
   medians and the largest gap, and the pick's speed-up is the lower of its ratio in the blocks and alone.
+  The caption says whether the timings agree within 5% and whether the pick's ratio to each rival does: a
+  slow minute moves every engine's timings, an engine favoured by its turn moves a ratio.
   Alone is the clean number: in one process torch's OpenMP threads, OpenVINO's oneTBB threads (which wait
   actively after an inference, OpenVINO's docs say) and onnxruntime's share the cores, and MiniLM's OpenVINO
   engines ran 6-10% faster alone than in the shared process (benchmarks/history.md).
@@ -264,8 +266,10 @@ def _row(r: Recipe, forward: dict[str, list[float]], backward: dict[str, list[fl
 
 def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, Any]:
     """The pick against the faster valid rival (an invalid one is named, never counted as beaten) as the lower of
-    the two ratios, in the blocks and alone, and whether every engine's three timings agree within
-    ``AGREE_WITHIN``."""
+    the two ratios, in the blocks and alone; whether every engine's three timings agree within ``AGREE_WITHIN``,
+    and whether the pick's ratio to each rival does (in order, reversed, alone). The timings move with the
+    machine's minute (one 2-core VM: a whole run 5-12% slower alone than in its blocks, benchmarks/history.md);
+    a ratio moves only when an engine gains or loses from where it is timed, which is what the orders test."""
     by_name = {r["engine"]: r for r in rows}
     rivals = [r for r in rows if r["engine"] not in (pick, reference)]
     valid = [r for r in rivals if r["valid"]]
@@ -282,7 +286,15 @@ def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, 
         "speedup_vs_reference": round(by_name[reference]["ms"] / mine["ms"], 3),
         "invalid_rivals": [r["engine"] for r in rivals if not r["valid"]],
         "timings_agree": all(r["gap"] <= AGREE_WITHIN for r in rows),
+        "ratio_gaps": (gaps := {r["engine"]: _ratio_gap(mine, r) for r in rivals}),
+        "ratios_agree": all(g <= AGREE_WITHIN for g in gaps.values()),
     }
+
+
+def _ratio_gap(mine: dict[str, Any], rival: dict[str, Any]) -> float:
+    """How far apart the pick's speed-ups over ``rival`` are, timed in order, reversed and alone."""
+    ratios = [rival[k] / mine[k] for k in ("ms_in_order", "ms_reversed", "ms_alone")]
+    return round(max(ratios) / min(ratios) - 1, 4)
 
 
 def render_peers(result: dict[str, Any], title: str) -> Any:
@@ -313,8 +325,10 @@ def _caption(result: dict[str, Any]) -> str:
         f"; invalid (below min cosine {s['bar']}): {', '.join(v['invalid_rivals'])}" if v["invalid_rivals"] else ""
     )
     agree = "agree" if v["timings_agree"] else "DO NOT agree"
-    return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; in order, "
-            f"reversed and alone {agree} within {AGREE_WITHIN:.0%}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
+    ratios = "agree" if v["ratios_agree"] else "DO NOT agree"
+    return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; timings in "
+            f"order, reversed and alone {agree} within {AGREE_WITHIN:.0%}, the pick's ratios to each rival "
+            f"{ratios}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
             f"of {s['block']} calls each way, accuracy on the timed batch and {s['samples']} more padded inputs")  # fmt: skip
 
 

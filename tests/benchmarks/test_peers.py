@@ -56,9 +56,10 @@ def test_the_floor_times_each_product_and_its_share_is_the_floor_over_a_time():
     assert attention_precision("int8") in ("bf16", "fp32") and attention_precision("bf16") == "bf16"
 
 
-def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, alone: float | None = None) -> dict:
-    return {"engine": engine, "ms": ms, "ms_alone": alone or ms, "min_cosine": cosine,
-            "valid": cosine is None or cosine >= 0.9999, "gap": gap}  # fmt: skip
+def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, alone: float | None = None,
+         reversed_ms: float | None = None) -> dict:  # fmt: skip
+    return {"engine": engine, "ms": ms, "ms_in_order": ms, "ms_reversed": reversed_ms or ms, "ms_alone": alone or ms,
+            "min_cosine": cosine, "valid": cosine is None or cosine >= 0.9999, "gap": gap}  # fmt: skip
 
 
 def test_a_rival_below_the_bar_is_invalid_never_beaten():
@@ -78,6 +79,21 @@ def test_the_speed_up_is_the_lower_of_the_blocks_and_alone():
     ]
     got = verdict(rows, "pick", "eager")
     assert (got["speedup_in_blocks"], got["speedup_alone"], got["speedup"]) == (1.2, 1.1, 1.1)
+    assert got["ratio_gaps"] == {"rival": 0.0909} and not got["ratios_agree"]  # 1.2 / 1.1 - 1
+
+
+def test_ratios_agree_when_the_whole_run_drifts_but_not_when_one_engine_gains_from_its_turn():
+    drifted = [  # everyone 8% slower alone: the timings disagree, the ratio is the same three ways
+        _row("pick", 10.0, 0.99995, gap=0.08, alone=10.8), _row("rival", 12.0, 0.99999, gap=0.08, alone=12.96),
+        _row("eager", 30.0, None),
+    ]  # fmt: skip
+    got = verdict(drifted, "pick", "eager")
+    assert not got["timings_agree"] and got["ratios_agree"] and got["ratio_gaps"] == {"rival": 0.0}
+    favoured = [  # the rival runs 7% faster only when it follows the pick
+        _row("pick", 10.0, 0.99995), _row("rival", 12.0, 0.99999, reversed_ms=11.2), _row("eager", 30.0, None),
+    ]  # fmt: skip
+    got = verdict(favoured, "pick", "eager")
+    assert not got["ratios_agree"] and got["ratio_gaps"]["rival"] == pytest.approx(12.0 / 11.2 - 1, abs=1e-4)
 
 
 def test_an_engine_is_timed_alone_in_its_own_process(tmp_path):
