@@ -5,9 +5,11 @@ search that would return layers to float32: the costliest step of an optimize ru
 small Transformer; see benchmarks/history.md). The onnx and openvino writers ask as soon as the
 all-int8 model is written, before judging it (their probes cost seconds: a session, a compile); the
 aoti writer, whose probe is a package compile, asks only when that model misses the floor. The
-gate times the all-int8 model interleaved with every candidate that has passed so far (after the first
+gate times the all-int8 model beside every candidate that has passed so far (after the first
 question, those an earlier question did not time at over ``SLOWER`` times its fastest), at the user's
-batch and sequence, under the load guard; a set of rounds that would skip is timed again, and the
+batch and sequence, under the load guard, in blocks of consecutive calls as the ranking times them
+(``tk.workflows.optimize.timing.time_in_turn``: one call of each in turn favours some runtimes over
+others, OpenVINO most, benchmarks/history.md 2026-12-06); a set of rounds that would skip is timed again, and the
 search is skipped only when every set says so. Every layer the search returns to float32 makes the model
 slower, not faster: the all-int8 model is the search's fastest result (the others may even run slower
 than the format's float32 candidate: an aoti package of MiniLM with 1 of 36 layers int8 ran 1.41x aoti
@@ -51,12 +53,13 @@ import numpy as np
 
 from tk.export.context import Int8Share
 from tk.manifest import Manifest
-from tk.measure.load_guard import LoadGuard
-from tk.measure.timing import interleave_calls, ms
+from tk.measure.load_guard import LoadGuard, quiet_or_marked
+from tk.measure.timing import ms, time_in_blocks
 from tk.runtime import EngineChoice, engine_class, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.optimize.candidates import Candidate, engine_for, writer_of
 from tk.workflows.optimize.table import TIE
+from tk.workflows.optimize.timing import BLOCK
 
 log = logging.getLogger("tk.optimize")
 
@@ -66,7 +69,7 @@ MARGIN = 0.05  # the all-int8 model must be this much slower than the fastest pa
 # not 2x), and each of its calls is the slowest of the round. On the small Transformer (AVX512-BF16
 # EPYC) that leaves 4 of 9 passed candidates (torch, aoti and both onnx fp32) out of the 2nd and 3rd questions.
 SLOWER = 2.0
-ROUNDS = 5  # interleaved rounds of every model, after two warm-up calls each
+ROUNDS = 3  # rounds of BLOCK calls of every model in turn, after a warm-up call each
 # Sets of ROUNDS a skip must hold in. The small Transformer's all-int8 aoti probe, four optimize runs on
 # the AVX512-BF16 EPYC: 38.7, 50.3, 41.9 and 61.5 ms against 45-57 ms for the fastest candidate (the
 # package itself ran 43-45 ms in each run's final timing): the last run's one set skipped a search
@@ -226,11 +229,16 @@ class SpeedGate:
                 name: (lambda e=engine: e.run(feeds, check=False)) for name, engine in engines.items()
             }
             calls[PROBE] = _probe(fmt, model, feeds, first)
+            for call in calls.values():
+                call()  # compiled, and its requests made, before any block
             sets: list[dict[str, float]] = []
             load = {"busy": False, "others_cores": 0.0}
             while len(sets) < SETS:  # a skip must hold in every set: one burst of the VM is not a verdict
-                times, mark = interleave_calls(calls, iters=ROUNDS, guard=LoadGuard(self.wait_quiet_s))
-                sets.append({name: ms([c.total_s for c in samples]) for name, samples in times.items()})
+                times, mark = quiet_or_marked(
+                    lambda: time_in_blocks(calls, rounds=ROUNDS, block=BLOCK, order=list(calls)),
+                    LoadGuard(self.wait_quiet_s),
+                )
+                sets.append({name: ms(samples) for name, samples in times.items()})
                 load = {"busy": load["busy"] or mark.busy,
                         "others_cores": max(load["others_cores"], mark.to_json()["others_cores"])}  # fmt: skip
                 if load["busy"] or _ratio(sets[-1]) <= 1 + MARGIN:
