@@ -9,7 +9,7 @@ artifact beside other tools' engines of the same encoder.
   model on the same feeds (the lowest cosine of a sample over its real tokens); an engine below the bar the
   pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
 - **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
-  next, round after round, the order rotating; onnxruntime sessions do not spin between runs
+  next, round after round, the order rotating and reversing every other round; onnxruntime sessions do not spin between runs
   (``plain_session``), so no runtime's threads busy-wait while another runs. The same rounds run a second
   time in the reverse order, and each engine is timed again **alone in a fresh process** (``python -m
   benchmarks.peers alone``; two passes, the second in the reverse order): the table shows all three

@@ -70,5 +70,6 @@ def test_blocks_run_each_call_in_a_row_and_rotate_the_order():
     times = time_in_blocks({n: (lambda n=n: calls.append(n)) for n in "abc"}, rounds=3, block=2, order=list("abc"),
                            between=[lambda: between.append(1)])  # fmt: skip
     assert {n: len(t) for n, t in times.items()} == {"a": 6, "b": 6, "c": 6}
-    assert "".join(calls) == "aaabbbccc" + "bbbcccaaa" + "cccaaabbb"  # one untimed call opens each block
+    # one untimed call opens each block; rotated, and reversed every other round, so each call follows both others
+    assert "".join(calls) == "aaabbbccc" + "aaacccbbb" + "cccaaabbb"
     assert len(between) == 9

@@ -173,12 +173,14 @@ def _gc_off() -> Iterator[None]:
 def time_in_blocks(calls: Mapping[str, Callable[[], object]], *, rounds: int, block: int, order: Sequence[str],
                    between: Sequence[Callable[[], object]] = ()) -> dict[str, list[float]]:  # fmt: skip
     """Each call's times in seconds: ``rounds`` rounds of ``block`` calls of each in turn (``order``, rotated by
-    one every round), one untimed call before each block; ``between`` runs after every block. The garbage
-    collector is off while timing."""
+    one every round and reversed every other round: a rotation alone keeps each call's predecessor), one
+    untimed call before each block; ``between`` runs after every block. The garbage collector is off while
+    timing."""
     times: dict[str, list[float]] = {name: [] for name in order}
     with _gc_off():
         for r in range(rounds):
             turn = [*order[r % len(order) :], *order[: r % len(order)]]
+            turn = turn[::-1] if r % 2 else turn
             for name in turn:
                 call = calls[name]
                 call()  # the block's first call pays for the previous one's caches
