@@ -17,8 +17,10 @@ whose writer ran its float part in bf16 runs at the bf16 hint where the CPU has 
 Options (``OpenVINOOptions``): ``threads`` (``INFERENCE_NUM_THREADS``; default: OpenVINO's, every
 core), ``performance_hint`` (LATENCY or THROUGHPUT; default: OpenVINO's, LATENCY), ``streams``
 (``NUM_STREAMS``: a batch runs as that many requests at once, each on its share of the rows and of the
-cores, its outputs joined; default: one call). Each calling thread gets its own infer request (or
-queue of them) of the one compiled model.
+cores, its outputs joined; default: one call). A call with fewer rows than streams would leave cores idle
+(a single row on one stream of two runs on half the cores), so it runs as one request of a second compile
+at OpenVINO's defaults, made at the first such call. Each calling thread gets its own infer request (or
+queue of them) of each compiled model.
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ class OpenVINOEngine(Engine):
         # rows split across requests only where every input and output holds one row per sample
         batch_first = all(s.shape and s.shape[0] == "batch" for s in (*self.inputs, *self.outputs))
         self._streams = self.options.streams if batch_first and not self._keeps_cache else None
+        self._whole: Any = None  # the compile at OpenVINO's defaults for calls with fewer rows than streams
+        if self._streams is not None and self._streams > 1:
+            self._few_rows = (core, model, {k: v for k, v in config.items() if k != "NUM_STREAMS"})
+            self._whole_lock = threading.Lock()
 
     @property
     def compiled_model(self) -> Any:
@@ -168,6 +174,8 @@ class OpenVINOEngine(Engine):
             settings["inference_num_threads"] = int(compiled.get_property("INFERENCE_NUM_THREADS"))
             settings["performance_hint"] = str(compiled.get_property("PERFORMANCE_HINT")).rpartition(".")[2]
             settings["num_streams"] = int(compiled.get_property("NUM_STREAMS"))
+            if self._whole is not None:
+                settings["num_streams_few_rows"] = int(self._whole.get_property("NUM_STREAMS"))
         return settings
 
     def _request(self) -> Any:
@@ -199,12 +207,29 @@ class OpenVINOEngine(Engine):
             return self._run_static_cache(OpenVINOKeptCache(request, self._ports[0]), feeds)
         inputs = {name: np.ascontiguousarray(feeds[name]) for name in self._in_names}
         rows = len(next(iter(inputs.values()))) if inputs else 0
-        if self._streams is not None and self._streams > 1 and rows > 1:
-            return self._run_split(inputs, min(self._streams, rows))
+        ports = self._ports
+        if self._streams is not None and self._streams > 1:
+            if rows >= self._streams:
+                return self._run_split(inputs, self._streams)
+            request, ports = self._few_rows_request()
         # OpenVINO reads the feeds where they lie (they live until infer returns; a copy of a decoder's cache cost
         # ~10% of its decode step); outputs are copied out of the request (share_outputs=False)
         result = request.infer(inputs, share_inputs=True)
-        return {name: result[port] for name, port in zip(self._out_names, self._ports, strict=True)}
+        return {name: result[port] for name, port in zip(self._out_names, ports, strict=True)}
+
+    def _few_rows_request(self) -> tuple[Any, list[Any]]:
+        """This thread's request of the compile at OpenVINO's defaults (compiled at the first call that needs
+        it), and that compile's output ports."""
+        request = getattr(self._local, "few_rows", None)
+        if request is None:
+            with self._whole_lock:
+                if self._whole is None:
+                    core, model, config = self._few_rows
+                    whole = core.compile_model(model, "CPU", config)
+                    self._whole_ports = [whole.output(name) for name in self._out_names]
+                    self._whole = whole
+            request = self._local.few_rows = self._whole.create_infer_request()
+        return request, self._whole_ports
 
     def _run_split(self, inputs: dict[str, np.ndarray], parts: int) -> dict[str, Any]:
         """``inputs`` as ``parts`` requests of consecutive rows, run at once (this thread's queue), their
