@@ -19,9 +19,9 @@ artifact beside other tools' engines of the same encoder.
   Alone is the clean number: in one process torch's OpenMP threads, OpenVINO's oneTBB threads (which wait
   actively after an inference, OpenVINO's docs say) and onnxruntime's share the cores, and MiniLM's OpenVINO
   engines ran 6-10% faster alone than in the shared process (benchmarks/history.md).
-- **One malloc for all.** tk's engines set glibc's malloc to keep what a call frees
+- **One malloc for all.** tk's command line sets glibc's malloc to keep what a call frees
   (``tk.runtime.allocator``); every process here sets it before any engine opens, the rivals' lone
-  processes included, so no engine runs with a malloc another did not get (transformers' MiniLM ran
+  processes and the floor's included, so no engine runs with a malloc another did not get (transformers' MiniLM ran
   100-108 ms in a fresh process with glibc's defaults and 83-88 with it).
 - **The model's floor.** ``tk.measure.floor.ModelFloor`` samples between blocks: the time of the model's
   linear and attention products at their shapes in each engine's precision; and again in a process of its
@@ -174,6 +174,7 @@ def _floor_main(precision: str, listed: str, samples: str, threads: str) -> None
     from tk.measure.floor import ModelFloor, Product
 
     torch.set_num_threads(int(threads))
+    keep_freed_memory(asked=True)
     floor = ModelFloor(precision, [Product(**p) for p in json.loads(listed)])
     for _ in range(int(samples)):
         floor()
@@ -182,7 +183,7 @@ def _floor_main(precision: str, listed: str, samples: str, threads: str) -> None
 
 def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> None:
     torch.set_num_threads(int(threads))
-    keep_freed_memory()  # the rivals' processes run with the malloc settings tk's engines give their own
+    keep_freed_memory(asked=True)  # the rivals' processes run with the malloc tk's command line gives its engines
     engine = open_recipe(Recipe(**json.loads(recipe_json)), int(threads))
     with np.load(feeds_file) as stored:
         feeds = {k: stored[k] for k in stored.files}
@@ -219,7 +220,7 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     from tk.measure.floor import ModelFloor, model_products
 
     threads = torch.get_num_threads()
-    keep_freed_memory()  # as tk's engines set glibc's malloc in this process, for every engine here alike
+    keep_freed_memory(asked=True)  # as tk's command line sets glibc's malloc, for every engine here alike
     engines = {r.name: open_recipe(r, threads) for r in [*recipes, reference]}
     feeds = realistic_feeds(s.batch, s.seq, s.vocab, seed=s.seed)  # the timed batch, judged with the others
     accuracy_feeds = [feeds] + [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(s.samples // 8)]

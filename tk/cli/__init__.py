@@ -84,6 +84,8 @@ def cli(ctx: click.Context, debug: bool, max_memory: str | None) -> None:
         from tk.limits import ENV, parse_size
 
         os.environ[ENV] = str(parse_size(max_memory))  # the command line is the process: its budget
+    # the command line owns its process: its engines keep the memory a call frees (tk.runtime.allocator)
+    os.environ.setdefault("TK_MALLOC", "keep")
     if not debug:
         # torch's own logs (its W-prefixed lines: deprecations at import, symbolic-shape notes) are set up
         # from TORCH_LOGS when torch is first imported, after this; the user's own TORCH_LOGS wins

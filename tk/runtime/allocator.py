@@ -9,55 +9,72 @@ own adjustment of the mmap threshold), so both are set or neither. This is
 what PyTorch's CPU tuning guides do by preloading jemalloc or tcmalloc, done in-process with
 ``mallopt``; the process keeps the memory of its largest call instead of returning it.
 
-Left alone where the user chose: ``TK_MALLOC=system``, glibc's ``MALLOC_*_`` settings in the environment, or
-another allocator preloaded (``LD_PRELOAD``). Not glibc (macOS, musl): nothing to set.
+It changes the whole process, so a library call does it only where asked: ``TK_MALLOC=keep`` (which
+``tk``'s command line sets for its own process, unless the user set ``TK_MALLOC``), or a caller that owns
+its process asking (``keep_freed_memory(asked=True)``: the benchmarks). Left alone where the user chose:
+``TK_MALLOC=system``, any of glibc's ``MALLOC_`` variables or ``glibc.malloc.`` tunables
+(``GLIBC_TUNABLES``) in the environment, or another allocator preloaded (``LD_PRELOAD``). Not glibc
+(macOS, musl): nothing to set.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
 import threading
 
+from tk.errors import UsageError
+
 log = logging.getLogger("tk.runtime")
 
-ENV = "TK_MALLOC"  # "system": leave glibc's malloc as it is
+ENV = "TK_MALLOC"  # "keep": keep freed memory (tk's command line sets it); "system": leave glibc's malloc alone
+CHOICES = ("keep", "system")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit: blocks up to 32 MiB come from the heap
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the heap's top is given back only past 2 GiB free
-GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 PRELOADED = ("jemalloc", "tcmalloc", "mimalloc", "tbbmalloc")
+NOT_ASKED = f"system (a library call leaves malloc as it is: {ENV}=keep keeps freed memory)"
 
 _lock = threading.Lock()
-_state: str | None = None  # what ``keep_freed_memory`` found or did, once per process
+_state: str | None = None  # what ``keep_freed_memory`` decided, once per process
 
 
-def keep_freed_memory() -> str:
-    """Set glibc's mmap and trim thresholds once per process (see the module docstring), unless the user chose
-    otherwise; returns what this process's malloc runs with, for an engine's ``settings()``."""
+def keep_freed_memory(asked: bool = False) -> str:
+    """Set glibc's mmap and trim thresholds once per process (see the module docstring) where ``TK_MALLOC=keep``
+    or the caller ``asked``, unless the user chose otherwise; returns what this process's malloc runs with,
+    for an engine's ``settings()``."""
     global _state
     with _lock:
-        if _state is None:
-            _state = _configure()
-            log.debug("tk: malloc %s", _state)
+        if _state is not None:
+            return _state
+        choice = os.environ.get(ENV, "").strip().lower()
+        if choice and choice not in CHOICES:
+            raise UsageError(f"{ENV} must be {' or '.join(CHOICES)}; got {os.environ[ENV]!r}")
+        if not choice and not asked:
+            return NOT_ASKED  # not decided: a later call that is asked may still keep
+        _state = _configure(choice)
+        log.debug("tk: malloc %s", _state)
         return _state
 
 
-def _configure() -> str:
-    if os.environ.get(ENV, "").strip().lower() == "system":
+def _configure(choice: str) -> str:
+    if choice == "system":
         return f"system ({ENV}=system)"
-    chosen = [name for name in GLIBC_ENV if name in os.environ]
+    chosen = [name for name in os.environ if name.startswith("MALLOC_")]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        chosen.append("GLIBC_TUNABLES")
     if chosen:
-        return f"system (the environment sets {', '.join(chosen)})"
+        return f"system (the environment sets {', '.join(sorted(chosen))})"
     preload = os.environ.get("LD_PRELOAD", "")
     if any(name in preload for name in PRELOADED):
         return f"preloaded ({preload})"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "system (not glibc)"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "system (mallopt refused the thresholds)"
+    libc = ctypes.CDLL(None)  # the process's own C library: mallopt is glibc's
+    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+        return "system (mallopt refused the mmap threshold)"
+    if not libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):  # never seen; the mmap threshold alone is slower
+        return f"mmap threshold {MMAP_THRESHOLD >> 20} MiB only (mallopt refused the trim threshold)"
     return f"kept (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold 2 GiB)"
