@@ -287,7 +287,7 @@ def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, 
         "speedup_vs_reference": round(by_name[reference]["ms"] / mine["ms"], 3),
         "invalid_rivals": [r["engine"] for r in rivals if not r["valid"]],
         "timings_agree": all(r["gap"] <= AGREE_WITHIN for r in rows),
-        "ratio_gaps": (gaps := {r["engine"]: _ratio_gap(mine, r) for r in rivals}),
+        "ratio_gaps": (gaps := {r["engine"]: _ratio_gap(mine, r) for r in valid}),
         "ratios_agree": all(g <= AGREE_WITHIN for g in gaps.values()),
     }
 

@@ -3,6 +3,7 @@ tie margin, and the artifact opens with it wherever its recommended engine is op
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,8 @@ def test_unnamed_the_recommended_engine_opens_with_its_settings_under_the_caller
         assert engine.load().settings()["num_streams"] == 2
     with load(out, manifest=manifest, streams=1) as engine:
         assert engine.options.streams == 1
+    with load(out, manifest=manifest, streams=None) as engine:  # None is not given, as EngineChoice has it
+        assert engine.options.streams == 2
     with load(out, "openvino", manifest=manifest) as engine:  # named: its defaults, as the user asked
         assert engine.options.streams is None
 
@@ -131,6 +134,39 @@ def test_auto_takes_the_recommended_settings_and_says_so(optimized: dict[str, An
     assert "with streams 2" in auto.reason and auto.to_json()["options"] == {"streams": 2}
     chosen = EngineChoice("auto", options={"streams": 3}).with_defaults(auto.options, [auto.engine])
     assert chosen.options == {"streams": 3}  # the user's own win
+
+
+def _opened_streams(module: Any, monkeypatch: pytest.MonkeyPatch, manifest: Any) -> dict[str, Any]:
+    """``module`` (a workflow) reading ``manifest`` for its artifact, and the streams of each engine it opens."""
+    from tk.runtime import open_engine
+
+    streams: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def recording(root: Any, choice: Any, engine: str, **kwargs: Any) -> Any:
+        with open_engine(root, choice, engine, **kwargs) as opened:
+            streams[engine] = getattr(opened.options, "streams", None)
+            yield opened
+
+    monkeypatch.setattr(module, "verify_artifact", lambda root: manifest)
+    monkeypatch.setattr(module, "open_engine", recording)
+    return streams
+
+
+def test_infer_and_check_auto_open_the_pick_with_its_settings(optimized: dict[str, Any], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from tk.workflows import check, infer
+
+    out = optimized["out"]
+    manifest = _recommending_streams(out)
+    opened = _opened_streams(infer, monkeypatch, manifest)
+    infer.infer_artifact(out, EngineChoice("auto"), tmp_path / "auto.npz", random=4, batch_size=4)
+    assert opened == {"openvino": 2}
+    infer.infer_artifact(out, EngineChoice("openvino"), tmp_path / "named.npz", random=4, batch_size=4)
+    assert opened == {"openvino": None}  # named: its defaults
+    opened = _opened_streams(check, monkeypatch, manifest)
+    result = check.check_artifact(out, EngineChoice("auto"), samples=4, batch_size=4)
+    assert opened == {"eager": None, "openvino": 2} and result.passed  # eager takes no streams option
 
 
 def test_a_setting_that_cannot_open_is_left_out_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tk.cli.common import build, console, model_options, path_option, task_option
 from tk.errors import ParityError, UsageError
 from tk.registries import DEVICES
+
+if TYPE_CHECKING:
+    from tk.workflows.optimize.table import Row
 
 
 def _split(flag: str, text: str | None) -> tuple[str, ...] | None:
@@ -139,7 +142,7 @@ def optimize_cmd(model: str, size: str | None, inputs: tuple[str, ...], task: st
     _print_winner(result.winner, out)
 
 
-def _print_winner(win: Any, out: Path) -> None:
+def _print_winner(win: Row, out: Path) -> None:
     """The winner, with the engine settings it was timed at, and where its artifact, table and plot are."""
     busy = " (timed on a busy machine: the ratio is not this machine's)" if win.busy else ""
     settings = "".join(f", {k} {v}" for k, v in win.engine_options.items())

@@ -74,7 +74,7 @@ def load(
     does not declare is refused with the list of those it does. An artifact whose export-time
     check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
     manifest recommends (``tk optimize``), with the engine settings it was timed at under the
-    ones given, else onnx. An engine that runs the artifact's
+    ones given (as a mapping or keywords; an ``Options`` dataclass is taken as it is), else onnx. An engine that runs the artifact's
     native code (aoti, trt) is refused unless its signature verifies against a key ``trust``
     trusts (default: the user's own and the trusted-keys settings) or ``trust.trust_artifact_code``;
     the engine checks it again when it loads.
@@ -87,7 +87,8 @@ def load(
         manifest = manifest if manifest is not None else verify_artifact(root)
         engine = manifest.recommended_engine or "onnx"
         if manifest.recommended_engine and (options is None or isinstance(options, Mapping)):
-            options = {**manifest.recommended_engine_options, **(options or {})}  # the caller's own win
+            given = {k: v for k, v in (options or {}).items() if v is not None}  # None: not given, as EngineChoice
+            options = {**manifest.recommended_engine_options, **given}  # the caller's own win
     cls = engine_class(engine)
     reason = cls.unavailable_reason(device)
     if reason is not None:
