@@ -276,6 +276,7 @@ class OpenVINOEngine(Engine):
 
     def _close(self) -> None:
         del self._compiled, self._ports, self._local
+        self._whole = self._few_rows = None  # the second compile and the model it was made from, where made
 
 
 class OpenVINOKeptCache:

@@ -74,10 +74,10 @@ def load(
     does not declare is refused with the list of those it does. An artifact whose export-time
     check failed is refused unless ``allow_failed`` is set. ``engine=None``: the engine the
     manifest recommends (``tk optimize``), with the engine settings it was timed at under the
-    ones given (as a mapping or keywords; an ``Options`` dataclass is taken as it is), else onnx. An engine that runs the artifact's
-    native code (aoti, trt) is refused unless its signature verifies against a key ``trust``
-    trusts (default: the user's own and the trusted-keys settings) or ``trust.trust_artifact_code``;
-    the engine checks it again when it loads.
+    ones given (as a mapping or keywords; an ``Options`` dataclass is taken as it is), else onnx.
+    An engine that runs the artifact's native code (aoti, trt) is refused unless its signature
+    verifies against a key ``trust`` trusts (default: the user's own and the trusted-keys settings)
+    or ``trust.trust_artifact_code``; the engine checks it again when it loads.
     """
     if option_values:
         if options is not None:

@@ -9,8 +9,10 @@ gate times the all-int8 model beside every candidate that has passed so far (aft
 question, those an earlier question did not time at over ``SLOWER`` times its fastest), at the user's
 batch and sequence, under the load guard, in blocks of consecutive calls as the ranking times them
 (``tk.workflows.optimize.timing.time_in_turn``: one call of each in turn favours some runtimes over
-others, OpenVINO most, benchmarks/history.md 2026-12-06); a set of rounds that would skip is timed again, and the
-search is skipped only when every set says so. Every layer the search returns to float32 makes the model
+others, OpenVINO most, benchmarks/history.md 2026-12-06), each at its engine's defaults (the ranking
+also tries an engine's ``tuned_options``: OpenVINO's streams gained MiniLM 5-7% there, which a probe
+here does not get); a set of rounds that would skip is timed again, and the search is skipped only when
+every set says so. Every layer the search returns to float32 makes the model
 slower, not faster: the all-int8 model is the search's fastest result (the others may even run slower
 than the format's float32 candidate: an aoti package of MiniLM with 1 of 36 layers int8 ran 1.41x aoti
 fp32's time while Inductor packed its float32 linears, history.md). So when the all-int8 model is slower
