@@ -371,3 +371,28 @@ def test_the_float_end_is_the_precision_the_int8_models_left_out_layers_run_in(
     for in_bf16, part in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(aoti_int8, "excluded_run_in_bf16", lambda in_bf16=in_bf16: in_bf16)
         assert int8_float_part("aoti") == part
+
+
+def test_the_probe_is_also_timed_at_its_engines_settings_and_its_fastest_counts(
+    fp32_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenVINO's all-int8 IR runs at its defaults and with 2 streams (as the ranking would try it); with the
+    blocks' times injected, the faster setting is the probe's time and the verdict names it."""
+    ov = pytest.importorskip("openvino")
+    monkeypatch.setattr(gate, "usable_cores", lambda: 2)  # two streams are worth trying at batch 4
+    streams = f"{PROBE} [streams 2]"
+    injected = {"onnx fp32": 9e-3, PROBE: 10e-3, streams: 8e-3}  # seconds per call
+    ran: list[str] = []
+
+    def blocks(calls: dict[str, Any], **_: Any) -> dict[str, list[float]]:
+        ran.extend(calls)
+        return {name: [injected[name]] * 5 for name in calls}
+
+    monkeypatch.setattr(gate, "time_in_blocks", blocks)
+    speed_gate = _gate(fp32_artifact)
+    model = ov.Core().read_model(str(fp32_artifact / verify_artifact(fp32_artifact).file("onnx").path))
+    assert speed_gate("openvino", model) is None  # 8 ms against 9: the search runs
+    (verdict,) = speed_gate.verdicts
+    assert set(ran) == {"onnx fp32", PROBE, streams}  # both settings were compiled, run and timed
+    assert verdict["p50_ms"] == {"onnx fp32": 9.0, PROBE: 8.0} and verdict["probe_timed_as"] == streams
+    assert verdict["ratio"] == round(8 / 9, 3) and verdict["skipped"] is False

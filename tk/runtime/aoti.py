@@ -7,7 +7,7 @@ refused with the command that rebuilds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +25,8 @@ class AOTInductorEngine(TorchEngine):
     name = "aoti"
 
     @classmethod
-    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
+                   options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
         package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
         args = tuple(torch.from_numpy(feeds[spec.name]) for spec in like.inputs)
 

@@ -107,10 +107,12 @@ class Engine(ABC):
         return {cls.triton.model_file: read_verified(root, manifest.file(ENGINE_FILE_ROLE[cls.name]))}
 
     @classmethod
-    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
+                   options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
         """A call of ``model`` on ``feeds`` as this engine runs an artifact's file: ``model`` is a writer's
         in-memory model (what an int8 writer hands ``tk optimize``'s speed gate: ``tk.export.context.Int8Model``),
-        ``like`` an opened engine of the same signature (its manifest and dims)."""
+        ``like`` an opened engine of the same signature (its manifest and dims), ``options`` one of the engine's
+        ``tuned_options`` (an engine that offers none takes none)."""
         raise NotImplementedError(f"the {cls.name} engine runs no in-memory model")
 
     def __init__(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,8 @@ class OnnxRuntimeEngine(Engine):
         return {"model.onnx" if n == model_file else Path(n).name: data for n, data in files.items()}
 
     @classmethod
-    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
+                   options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
         session = cpu_session(model, OnnxSessionOptions(spinning=False))  # serialized ONNX bytes
         return lambda: session.run(None, feeds)
 

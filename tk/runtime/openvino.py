@@ -77,13 +77,20 @@ class OpenVINOEngine(Engine):
     Options = OpenVINOOptions
 
     @classmethod
-    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine) -> Callable[[], object]:
+    def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
+                   options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
         import openvino as ov
 
         copy = model.clone()  # the writer goes on with ``model`` (an openvino.Model): its shapes stay its own
         copy.reshape(bounded_shapes(like.manifest.signature, like.dims))
         hint = "bf16" if runs_natively("bf16") else "f32"  # an int8 IR's float part, as its writer runs it
-        request = ov.Core().compile_model(copy, "CPU", compile_config(OpenVINOOptions(), hint)).create_infer_request()
+        chosen = OpenVINOOptions(**(options or {}))
+        compiled = ov.Core().compile_model(copy, "CPU", compile_config(chosen, hint))
+        rows = len(next(iter(feeds.values()))) if feeds else 0
+        if chosen.streams is not None and 1 < chosen.streams <= rows:  # as ``run`` splits a batch
+            queue, ports = ov.AsyncInferQueue(compiled, chosen.streams), list(compiled.outputs)
+            return lambda: run_in_parts(queue, ports, feeds, chosen.streams)
+        request = compiled.create_infer_request()
         return lambda: request.infer(feeds)
 
     @classmethod
@@ -239,20 +246,7 @@ class OpenVINOEngine(Engine):
         queue = getattr(self._local, "queue", None)
         if queue is None:
             queue = self._local.queue = ov.AsyncInferQueue(self._compiled, self._streams)
-        pieces = {name: np.array_split(array, parts) for name, array in inputs.items()}  # views, no copies
-        results: list[list[np.ndarray] | None] = [None] * parts
-
-        def keep(request: Any, index: int) -> None:  # copied out: the request's buffers serve its next run
-            results[index] = [np.array(request.get_tensor(port).data) for port in self._ports]
-
-        queue.set_callback(keep)
-        for index in range(parts):
-            queue.start_async({name: piece[index] for name, piece in pieces.items()}, index)
-        queue.wait_all()
-        done = [r for r in results if r is not None]
-        assert len(done) == parts, (len(done), parts)
-        joined = [np.concatenate([r[i] for r in done]) for i in range(len(self._ports))]
-        return dict(zip(self._out_names, joined, strict=True))
+        return dict(zip(self._out_names, run_in_parts(queue, self._ports, inputs, parts), strict=True))
 
     @staticmethod
     def _run_static_cache(cache: OpenVINOKeptCache, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -315,6 +309,24 @@ class OpenVINOKeptCache:
             kind, layer = _state_of(state.name)
             present[kind][layer] = np.array(state.state.data[:, :, start:stop])
         return tuple(np.stack([by[i] for i in sorted(by)], axis=1) for by in (present["key"], present["value"]))  # type: ignore[return-value]
+
+
+def run_in_parts(queue: Any, ports: list[Any], inputs: Mapping[str, np.ndarray], parts: int) -> list[np.ndarray]:
+    """``inputs`` as ``parts`` requests of consecutive rows run at once on ``queue`` (an ``AsyncInferQueue``),
+    the outputs at ``ports`` joined in order."""
+    pieces = {name: np.array_split(array, parts) for name, array in inputs.items()}  # views, no copies
+    results: list[list[np.ndarray] | None] = [None] * parts
+
+    def keep(request: Any, index: int) -> None:  # copied out: the request's buffers serve its next run
+        results[index] = [np.array(request.get_tensor(port).data) for port in ports]
+
+    queue.set_callback(keep)
+    for index in range(parts):
+        queue.start_async({name: piece[index] for name, piece in pieces.items()}, index)
+    queue.wait_all()
+    done = [r for r in results if r is not None]
+    assert len(done) == parts, (len(done), parts)
+    return [np.concatenate([r[i] for r in done]) for i in range(len(ports))]
 
 
 def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:

@@ -9,10 +9,11 @@ gate times the all-int8 model beside every candidate that has passed so far (aft
 question, those an earlier question did not time at over ``SLOWER`` times its fastest), at the user's
 batch and sequence, under the load guard, in blocks of consecutive calls as the ranking times them
 (``tk.workflows.optimize.timing.time_in_turn``: one call of each in turn favours some runtimes over
-others, OpenVINO most, benchmarks/history.md 2026-12-06), each at its engine's defaults (the ranking
-also tries an engine's ``tuned_options``: OpenVINO's streams gained MiniLM 5-7% there, which a probe
-here does not get); a set of rounds that would skip is timed again, and the search is skipped only when
-every set says so. Every layer the search returns to float32 makes the model
+others, OpenVINO most, benchmarks/history.md 2026-12-06), the passed candidates at their engine's
+defaults and the all-int8 model also at each of its engine's ``tuned_options``, the fastest counting (the
+ranking tries them too: OpenVINO's streams gained MiniLM 5-7% there, and a probe denied them could be
+skipped where they would have won); a set of rounds that would skip is timed again, and the search is
+skipped only when every set says so. Every layer the search returns to float32 makes the model
 slower, not faster: the all-int8 model is the search's fastest result (the others may even run slower
 than the format's float32 candidate: an aoti package of MiniLM with 1 of 36 layers int8 ran 1.41x aoti
 fp32's time while Inductor packed its float32 linears, history.md). So when the all-int8 model is slower
@@ -55,12 +56,13 @@ import numpy as np
 
 from tk.export.context import Int8Share
 from tk.manifest import Manifest
+from tk.measure.hardware import usable_cores
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
 from tk.measure.timing import ms, time_in_blocks
 from tk.runtime import EngineChoice, engine_class, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.optimize.candidates import Candidate, engine_for, writer_of
-from tk.workflows.optimize.table import TIE
+from tk.workflows.optimize.table import TIE, tuned_label
 from tk.workflows.optimize.timing import BLOCK
 
 log = logging.getLogger("tk.optimize")
@@ -112,11 +114,12 @@ class SpeedGate:
             log.info("optimize gate: %s: %s", fmt, self.no_probe[fmt])
             return None
         try:
-            sets, load = self._time(fmt, model)
+            sets, load, probe_labels = self._time(fmt, model)
         except Exception as exc:  # a probe that cannot run here is no reason to skip: the search runs
             log.info("optimize gate: could not time the all-int8 %s model (%s); its search runs", fmt, exc)
             return None
-        p50 = min(sets, key=_ratio)  # the set of rounds most favourable to the probe
+        kept = min(range(len(sets)), key=lambda i: _ratio(sets[i]))  # the set of rounds most favourable to the probe
+        p50 = sets[kept]
         best, ratio = _fastest(p50), _ratio(p50)
         where = " × ".join(f"{k} {v}" for k, v in self.sizes.items())
         verdict = {
@@ -125,6 +128,7 @@ class SpeedGate:
             "fastest_passed": best,
             "ratio": round(ratio, 3),
             "ratios": [round(_ratio(rounds), 3) for rounds in sets],
+            "probe_timed_as": probe_labels[kept],
             **load,
             "skipped": not load["busy"] and ratio > 1 + MARGIN,
         }
@@ -212,7 +216,9 @@ class SpeedGate:
             return probe["p50_ms"][PROBE] + self.products_gap_ms, "(all-int8 plus its products at float32's rate)"
         return fastest, f"{best}'s, standing in"
 
-    def _time(self, fmt: str, model: Any) -> tuple[dict[str, float], dict[str, Any]]:
+    def _time(self, fmt: str, model: Any) -> tuple[list[dict[str, float]], dict[str, Any], list[str]]:
+        """Sets of rounds of each model's p50 (the all-int8 model's as its fastest setting), the load, and which
+        setting of the all-int8 model was its fastest in each set."""
         batch = self.sizes.get("batch", 1)
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
         choice = EngineChoice("eager", self.device, allow_failed=True)
@@ -230,22 +236,26 @@ class SpeedGate:
             calls: dict[str, Callable[[], object]] = {
                 name: (lambda e=engine: e.run(feeds, check=False)) for name, engine in engines.items()
             }
-            calls[PROBE] = _probe(fmt, model, feeds, first)
+            probes = _probes(fmt, model, feeds, first, batch)
+            calls.update(probes)
             for call in calls.values():
                 call()  # compiled, and its requests made, before any block
             sets: list[dict[str, float]] = []
+            probe_labels: list[str] = []
             load = {"busy": False, "others_cores": 0.0}
             while len(sets) < SETS:  # a skip must hold in every set: one burst of the VM is not a verdict
                 times, mark = quiet_or_marked(
                     lambda: time_in_blocks(calls, rounds=ROUNDS, block=BLOCK, order=list(calls)),
                     LoadGuard(self.wait_quiet_s),
                 )
-                sets.append({name: ms(samples) for name, samples in times.items()})
+                folded, label = _probe_at_best({name: ms(samples) for name, samples in times.items()}, list(probes))
+                sets.append(folded)
+                probe_labels.append(label)
                 load = {"busy": load["busy"] or mark.busy,
                         "others_cores": max(load["others_cores"], mark.to_json()["others_cores"])}  # fmt: skip
                 if load["busy"] or _ratio(sets[-1]) <= 1 + MARGIN:
                     break
-        return sets, load
+        return sets, load, probe_labels
 
     def _contenders(self) -> list[tuple[Candidate, Path, Manifest]]:
         """The passed candidates worth timing: all but those the last quiet question that timed them
@@ -282,10 +292,26 @@ def _ratio(p50: dict[str, float]) -> float:
     return p50[PROBE] / p50[_fastest(p50)]
 
 
-def _probe(fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any) -> Callable[[], object]:
-    """A call of ``model`` (format ``fmt``'s all-int8 model) on ``feeds``, run as that format's engine runs
-    its artifact (``Engine.probe_call``)."""
+def _probes(
+    fmt: str, model: Any, feeds: dict[str, np.ndarray], engine: Any, batch: int
+) -> dict[str, Callable[[], object]]:
+    """Calls of ``model`` (format ``fmt``'s all-int8 model) on ``feeds``, run as that format's engine runs its
+    artifact (``Engine.probe_call``): at its defaults (``PROBE``) and at each of the engine's ``tuned_options``
+    here (``all-int8 [streams 2]``; a setting that cannot compile is left out, with a note)."""
     name = engine_for(fmt)
     if name is None:
         raise ValueError(f"no engine runs the {fmt} format")
-    return engine_class(name).probe_call(model, feeds, engine)
+    cls = engine_class(name)
+    probes = {PROBE: cls.probe_call(model, feeds, engine)}
+    for options in cls.tuned_options(batch, usable_cores()):
+        try:
+            probes[tuned_label(PROBE, options)] = cls.probe_call(model, feeds, engine, options)
+        except Exception as exc:  # the probe at its defaults still answers
+            log.info("optimize gate: %s all-int8 at %s left out: %s", fmt, options, exc)
+    return probes
+
+
+def _probe_at_best(p50: dict[str, float], probes: list[str]) -> tuple[dict[str, float], str]:
+    """``p50`` with the all-int8 model's settings folded into ``PROBE`` (the fastest of them), and its label."""
+    fastest = min(probes, key=p50.__getitem__)
+    return {**{name: t for name, t in p50.items() if name not in probes}, PROBE: p50[fastest]}, fastest
