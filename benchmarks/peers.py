@@ -9,8 +9,8 @@ artifact beside other tools' engines of the same encoder.
   model on the same feeds (the lowest cosine of a sample over its real tokens); an engine below the bar the
   pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
 - **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
-  next, round after round, the order rotating and reversing every other round; onnxruntime sessions do not spin between runs
-  (``plain_session``), so no runtime's threads busy-wait while another runs. The same rounds run a second
+  next, round after round, the order rotating and reversing every other round; onnxruntime sessions do
+  not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. The same rounds run a second
   time in the reverse order, and each engine is timed again **alone in a fresh process** (``python -m
   benchmarks.peers alone``; two passes, the second in the reverse order): the table shows all three
   medians and the largest gap, and the pick's speed-up is the lower of its ratio in the blocks and alone.
@@ -21,8 +21,8 @@ artifact beside other tools' engines of the same encoder.
   engines ran 6-10% faster alone than in the shared process (benchmarks/history.md).
 - **One malloc for all.** tk's command line sets glibc's malloc to keep what a call frees
   (``tk.runtime.allocator``); every process here sets it before any engine opens, the rivals' lone
-  processes and the floor's included, so no engine runs with a malloc another did not get (transformers' MiniLM ran
-  100-108 ms in a fresh process with glibc's defaults and 83-88 with it).
+  processes and the floor's included, so no engine runs with a malloc another did not get (transformers'
+  MiniLM ran 100-108 ms in a fresh process with glibc's defaults and 83-88 with it).
 - **The model's floor.** ``tk.measure.floor.ModelFloor`` samples between blocks: the time of the model's
   linear and attention products at their shapes in each engine's precision; and again in a process of its
   own (``python -m benchmarks.peers floor``). The lower median is the floor: each row shows its share.

@@ -87,9 +87,10 @@ class OpenVINOEngine(Engine):
         chosen = OpenVINOOptions(**(options or {}))
         compiled = ov.Core().compile_model(copy, "CPU", compile_config(chosen, hint))
         rows = len(next(iter(feeds.values()))) if feeds else 0
-        if chosen.streams is not None and 1 < chosen.streams <= rows:  # as ``run`` splits a batch
-            queue, ports = ov.AsyncInferQueue(compiled, chosen.streams), list(compiled.outputs)
-            return lambda: run_in_parts(queue, ports, feeds, chosen.streams)
+        parts = chosen.streams or 1
+        if 1 < parts <= rows:  # as ``run`` splits a batch
+            queue, ports = ov.AsyncInferQueue(compiled, parts), list(compiled.outputs)
+            return lambda: run_in_parts(queue, ports, feeds, parts)
         request = compiled.create_infer_request()
         return lambda: request.infer(feeds)
 

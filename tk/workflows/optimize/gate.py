@@ -59,11 +59,11 @@ from tk.manifest import Manifest
 from tk.measure.hardware import usable_cores
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
 from tk.measure.timing import ms, time_in_blocks
-from tk.runtime import EngineChoice, engine_class, open_engine
+from tk.runtime import engine_class, open_engine
 from tk.runtime.inputs import random_inputs
 from tk.workflows.optimize.candidates import Candidate, engine_for, writer_of
 from tk.workflows.optimize.table import TIE, tuned_label
-from tk.workflows.optimize.timing import BLOCK
+from tk.workflows.optimize.timing import BLOCK, quiet_choice
 
 log = logging.getLogger("tk.optimize")
 
@@ -221,11 +221,10 @@ class SpeedGate:
         setting of the all-int8 model was its fastest in each set."""
         batch = self.sizes.get("batch", 1)
         others = {k: v for k, v in self.sizes.items() if k != "batch"}
-        choice = EngineChoice("eager", self.device, allow_failed=True)
         with ExitStack() as stack:
             engines = {}
             for candidate, root, manifest in self._contenders():
-                quiet = choice.with_defaults({"spinning": False}, [candidate.engine])  # as time_candidates opens them
+                quiet = quiet_choice(candidate.engine, {}, self.device)  # as time_candidates opens them
                 engines[candidate.name] = stack.enter_context(
                     open_engine(root, quiet, candidate.engine, manifest=manifest)
                 )
