@@ -177,17 +177,20 @@ RUN_PAGES = [p for p in PAGES if any(b.runs for b in blocks(p))]
 # seconds each page's run may take (tests/conftest.py: fits), from a 2-core EPYC with other work beside it
 # (README.md 102 s, docs/parity.md 51 s, the others 25-34 s; README.md 53 s in a full local run on the Xeon model 207, where
 # CI's guard skipped it at 120 with 113 s left); a page not listed here: 60
-PAGE_SECONDS = {"README.md": 105, "docs/parity.md": 60, "docs/optimize.md": 45, "docs/ci.md": 40,
-                "docs/openvino.md": 40, "docs/serving.md": 35}  # fmt: skip
+PAGE_SECONDS = {"docs/parity.md": 60, "docs/optimize.md": 45, "docs/ci.md": 40, "docs/openvino.md": 40,
+                "docs/serving.md": 35}  # fmt: skip
+
+
+def page_marks(page: Path) -> list[pytest.MarkDecorator]:
+    """README.md always runs, in the main body: its commands are the front door, and waiting with the
+    other ``fits`` tests CI's 40 minutes left it out in every run of 2026-12-06; the docs' pages may wait."""
+    return [] if page == README else [pytest.mark.fits(seconds=PAGE_SECONDS.get(page_id(page), 60))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "page",
-    [
-        pytest.param(p, marks=pytest.mark.fits(seconds=PAGE_SECONDS.get(page_id(p), 60)), id=page_id(p))
-        for p in RUN_PAGES
-    ],
+    [pytest.param(p, marks=page_marks(p), id=page_id(p)) for p in RUN_PAGES],
 )
 def test_page_runs(page, tmp_path):
     printed = run_page(page, tmp_path)
