@@ -10,9 +10,9 @@ artifact beside other tools' engines of the same encoder.
   pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
 - **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
   next, round after round, the order rotating and reversing every other round; onnxruntime sessions do
-  not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. The same rounds run a second
-  time in the reverse order, and each engine is timed again **alone in a fresh process** (``python -m
-  benchmarks.peers alone``; two passes, the second in the reverse order): the table shows all three
+  not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. Each round runs a second
+  time in the reverse order right after, and each engine is timed again **alone in a fresh process** (``python -m
+  benchmarks.peers alone``; one pass before the blocks, one after in the reverse order): the table shows all three
   medians and the largest gap, and the pick's speed-up is the lower of its ratio in the blocks and alone.
   The caption says whether the timings agree within 5% and whether the pick's ratio to each rival does: a
   slow minute moves every engine's timings, an engine favoured by its turn moves a ratio.
@@ -43,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,20 @@ def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> 
     print(json.dumps(times))
 
 
+def time_both_ways(calls: Mapping[str, Callable[[], object]], *, rounds: int, block: int, order: Sequence[str],
+                   between: Sequence[Callable[[], object]] = ()) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
+    """Each call's times in blocks (``time_in_blocks``) in ``order`` and in the reverse order, one round of each
+    in turn, the order rotated by one every round: in order, reversed, in order... so both see the same minutes."""
+    forward: dict[str, list[float]] = {name: [] for name in order}
+    backward: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(rounds):
+        turn = [*order[r % len(order) :], *order[: r % len(order)]]
+        for times, this_way in ((forward, turn), (backward, turn[::-1])):
+            for name, got in time_in_blocks(calls, rounds=1, block=block, order=this_way, between=between).items():
+                times[name] += got
+    return forward, backward
+
+
 def median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
 
@@ -230,16 +244,22 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     order = list(engines)
     between = list(floors.values())
     calls = {name: functools.partial(engine, feeds) for name, engine in engines.items()}
-    forward = time_in_blocks(calls, rounds=s.rounds, block=s.block, order=order, between=between)
-    backward = time_in_blocks(calls, rounds=s.rounds, block=s.block, order=order[::-1], between=between)
     work.mkdir(parents=True, exist_ok=True)
     feeds_file = work / "peer-feeds.npz"
     np.savez(feeds_file, **feeds)
     everyone = [*recipes, reference]
     alone: dict[str, list[float]] = {r.name: [] for r in everyone}
-    for turn in (everyone, everyone[::-1]):  # two passes, the order reversed: a slow minute hits both ends
+
+    def lone_pass(turn: list[Recipe]) -> None:
         for r in turn:
             alone[r.name] += time_alone(r, feeds_file, s.alone_calls, threads)
+
+    # the lone passes bracket the blocks (the second in the reverse order) and the two orders alternate round
+    # by round, so that all three medians span the same minutes: the VM's speed drifts over a run by more
+    # than the 5% the orders are compared within (benchmarks/history.md, 2026-12-06)
+    lone_pass(everyone)
+    forward, backward = time_both_ways(calls, rounds=s.rounds, block=s.block, order=order, between=between)
+    lone_pass(everyone[::-1])
     # a floor cannot flatter: the lower of its median in the run and in a process of its own
     floor_ms = {p: 1e3 * min(f.spread().median, statistics.median(floor_alone(p, products, 10, threads)))
                 for p, f in floors.items()}  # fmt: skip

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.peers import Recipe, realistic_feeds, time_alone, verdict
+from benchmarks.peers import Recipe, realistic_feeds, time_alone, time_both_ways, verdict
 from tk.measure.floor import ModelFloor, Product, attention_precision, model_products
 
 
@@ -94,6 +94,17 @@ def test_ratios_agree_when_the_whole_run_drifts_but_not_when_one_engine_gains_fr
     ]  # fmt: skip
     got = verdict(favoured, "pick", "eager")
     assert not got["ratios_agree"] and got["ratio_gaps"]["rival"] == pytest.approx(12.0 / 11.2 - 1, abs=1e-4)
+
+
+def test_the_two_orders_alternate_round_by_round():
+    ran: list[str] = []
+    calls = {name: (lambda name=name: ran.append(name)) for name in "abc"}
+    forward, backward = time_both_ways(calls, rounds=2, block=2, order=list("abc"))
+    blocks = [ran[i] for i in range(0, len(ran), 3)]  # a block: one untimed call, then two timed
+    assert ran == [name for name in blocks for _ in range(3)]
+    # round 1 in order, then reversed; round 2 rotated by one, in order, then reversed
+    assert "".join(blocks) == "abc" + "cba" + "bca" + "acb"
+    assert all(len(forward[n]) == len(backward[n]) == 4 for n in "abc")
 
 
 def test_an_engine_is_timed_alone_in_its_own_process(tmp_path):
