@@ -10,10 +10,11 @@ artifact beside other tools' engines of the same encoder.
   pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
 - **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
   next, round after round, the order rotating and reversing every other round; onnxruntime sessions do
-  not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. Each round runs a second
-  time in the reverse order right after, and each engine is timed again **alone in a fresh process** (``python -m
-  benchmarks.peers alone``; one pass before the blocks, one after in the reverse order): the table shows all three
-  medians and the largest gap, and the pick's speed-up is the lower of its ratio in the blocks and alone.
+  not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. Each
+  round runs a second time in the reverse order right after, and each engine is timed again **alone in a
+  fresh process** (``python -m benchmarks.peers alone``; one pass before the blocks, one between their
+  halves in the reverse order, one after them): the table shows all three medians and the largest gap,
+  and the pick's speed-up is the lower of its ratio in the blocks and alone.
   The caption says whether the timings agree within 5% and whether the pick's ratio to each rival does: a
   slow minute moves every engine's timings, an engine favoured by its turn moves a ratio.
   Alone is the clean number: in one process torch's OpenMP threads, OpenVINO's oneTBB threads (which wait
@@ -197,13 +198,14 @@ def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> 
     print(json.dumps(times))
 
 
-def time_both_ways(calls: Mapping[str, Callable[[], object]], *, rounds: int, block: int, order: Sequence[str],
+def time_both_ways(calls: Mapping[str, Callable[[], object]], *, rounds: range, block: int, order: Sequence[str],
                    between: Sequence[Callable[[], object]] = ()) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
     """Each call's times in blocks (``time_in_blocks``) in ``order`` and in the reverse order, one round of each
-    in turn, the order rotated by one every round: in order, reversed, in order... so both see the same minutes."""
+    in turn, the order rotated by the round's number: in order, reversed, in order... so both see the same
+    minutes."""
     forward: dict[str, list[float]] = {name: [] for name in order}
     backward: dict[str, list[float]] = {name: [] for name in order}
-    for r in range(rounds):
+    for r in rounds:
         turn = [*order[r % len(order) :], *order[: r % len(order)]]
         for times, this_way in ((forward, turn), (backward, turn[::-1])):
             for name, got in time_in_blocks(calls, rounds=1, block=block, order=this_way, between=between).items():
@@ -248,18 +250,26 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     feeds_file = work / "peer-feeds.npz"
     np.savez(feeds_file, **feeds)
     everyone = [*recipes, reference]
-    alone: dict[str, list[float]] = {r.name: [] for r in everyone}
+    alone: dict[str, list[list[float]]] = {r.name: [] for r in everyone}  # one list of times per process
 
     def lone_pass(turn: list[Recipe]) -> None:
         for r in turn:
-            alone[r.name] += time_alone(r, feeds_file, s.alone_calls, threads)
+            alone[r.name].append(time_alone(r, feeds_file, s.alone_calls, threads))
 
-    # the lone passes bracket the blocks (the second in the reverse order) and the two orders alternate round
-    # by round, so that all three medians span the same minutes: the VM's speed drifts over a run by more
-    # than the 5% the orders are compared within (benchmarks/history.md, 2026-12-06)
-    lone_pass(everyone)
-    forward, backward = time_both_ways(calls, rounds=s.rounds, block=s.block, order=order, between=between)
-    lone_pass(everyone[::-1])
+    # three lone passes bracket the two halves of the blocks (the middle one in the reverse order) and the two
+    # orders alternate round by round, so that all three medians span the same minutes: the VM's speed drifts
+    # over a run by more than the 5% the orders are compared within, and one process of an engine can run a
+    # few percent faster or slower than the next (benchmarks/history.md, 2026-12-06)
+    forward: dict[str, list[float]] = {name: [] for name in order}
+    backward: dict[str, list[float]] = {name: [] for name in order}
+    half = s.rounds // 2
+    for turn, first, last in ((everyone, 0, half), (everyone[::-1], half, s.rounds), (everyone, 0, 0)):
+        lone_pass(turn)
+        if last > first:
+            ways = time_both_ways(calls, rounds=range(first, last), block=s.block, order=order, between=between)
+            for times, got in zip((forward, backward), ways, strict=True):
+                for name in order:
+                    times[name] += got[name]
     # a floor cannot flatter: the lower of its median in the run and in a process of its own
     floor_ms = {p: 1e3 * min(f.spread().median, statistics.median(floor_alone(p, products, 10, threads)))
                 for p, f in floors.items()}  # fmt: skip
@@ -270,16 +280,19 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
             "settings": asdict(s)}  # fmt: skip
 
 
-def _row(r: Recipe, forward: dict[str, list[float]], backward: dict[str, list[float]], alone: dict[str, list[float]],
-         floor_ms: float, inputs: list[str], cosine: float | None, bar: float) -> dict[str, Any]:  # fmt: skip
+def _row(r: Recipe, forward: dict[str, list[float]], backward: dict[str, list[float]],
+         alone: dict[str, list[list[float]]], floor_ms: float, inputs: list[str], cosine: float | None,
+         bar: float) -> dict[str, Any]:  # fmt: skip
     both = forward[r.name] + backward[r.name]
-    medians = [median_ms(forward[r.name]), median_ms(backward[r.name]), median_ms(alone[r.name])]
+    lone = [t for process in alone[r.name] for t in process]
+    medians = [median_ms(forward[r.name]), median_ms(backward[r.name]), median_ms(lone)]
     return {
         "engine": r.name, "kind": r.kind, "precision": r.precision, "inputs": inputs, "min_cosine": cosine,
         "valid": cosine is None or cosine >= bar,
         "ms": round(median_ms(both), 3), "q1_ms": round(1e3 * float(np.quantile(both, 0.25)), 3),
         "q3_ms": round(1e3 * float(np.quantile(both, 0.75)), 3),
         "ms_in_order": round(medians[0], 3), "ms_reversed": round(medians[1], 3), "ms_alone": round(medians[2], 3),
+        "ms_alone_processes": [round(median_ms(process), 3) for process in alone[r.name]],
         "gap": round(max(medians) / min(medians) - 1, 4),
         "floor_ms": round(floor_ms, 3), "floor_share": round(floor_ms / median_ms(both), 4),
     }  # fmt: skip

@@ -99,12 +99,15 @@ def test_ratios_agree_when_the_whole_run_drifts_but_not_when_one_engine_gains_fr
 def test_the_two_orders_alternate_round_by_round():
     ran: list[str] = []
     calls = {name: (lambda name=name: ran.append(name)) for name in "abc"}
-    forward, backward = time_both_ways(calls, rounds=2, block=2, order=list("abc"))
+    forward, backward = time_both_ways(calls, rounds=range(2), block=2, order=list("abc"))
     blocks = [ran[i] for i in range(0, len(ran), 3)]  # a block: one untimed call, then two timed
     assert ran == [name for name in blocks for _ in range(3)]
     # round 1 in order, then reversed; round 2 rotated by one, in order, then reversed
     assert "".join(blocks) == "abc" + "cba" + "bca" + "acb"
     assert all(len(forward[n]) == len(backward[n]) == 4 for n in "abc")
+    ran.clear()
+    time_both_ways(calls, rounds=range(1, 2), block=2, order=list("abc"))  # a later half goes on rotating
+    assert "".join(ran[i] for i in range(0, len(ran), 3)) == "bca" + "acb"
 
 
 def test_an_engine_is_timed_alone_in_its_own_process(tmp_path):
