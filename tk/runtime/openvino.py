@@ -20,14 +20,14 @@ core), ``performance_hint`` (LATENCY or THROUGHPUT; default: OpenVINO's, LATENCY
 cores, its outputs joined; default: one call). A call with fewer rows than streams would leave cores idle
 (a single row on one stream of two runs on half the cores), so it runs as one request of a second compile
 at OpenVINO's defaults, made at the first such call. Each calling thread gets its own infer request (or
-queue of them) of each compiled model.
+set of them, one per stream) of each compiled model.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +89,8 @@ class OpenVINOEngine(Engine):
         rows = len(next(iter(feeds.values()))) if feeds else 0
         parts = chosen.streams or 1
         if 1 < parts <= rows:  # as ``run`` splits a batch
-            queue, ports = ov.AsyncInferQueue(compiled, parts), list(compiled.outputs)
-            return lambda: run_in_parts(queue, ports, feeds, parts)
+            requests, ports = [compiled.create_infer_request() for _ in range(parts)], list(compiled.outputs)
+            return lambda: run_in_parts(requests, ports, feeds)
         request = compiled.create_infer_request()
         return lambda: request.infer(feeds)
 
@@ -240,14 +240,12 @@ class OpenVINOEngine(Engine):
         return request, self._whole_ports
 
     def _run_split(self, inputs: dict[str, np.ndarray], parts: int) -> dict[str, Any]:
-        """``inputs`` as ``parts`` requests of consecutive rows, run at once (this thread's queue), their
+        """``inputs`` as ``parts`` requests of consecutive rows, run at once (this thread's requests), their
         outputs joined in order."""
-        import openvino as ov
-
-        queue = getattr(self._local, "queue", None)
-        if queue is None:
-            queue = self._local.queue = ov.AsyncInferQueue(self._compiled, self._streams)
-        return dict(zip(self._out_names, run_in_parts(queue, self._ports, inputs, parts), strict=True))
+        requests = getattr(self._local, "parts", None)
+        if requests is None:
+            requests = self._local.parts = [self._compiled.create_infer_request() for _ in range(parts)]
+        return dict(zip(self._out_names, run_in_parts(requests, self._ports, inputs), strict=True))
 
     @staticmethod
     def _run_static_cache(cache: OpenVINOKeptCache, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -312,22 +310,20 @@ class OpenVINOKeptCache:
         return tuple(np.stack([by[i] for i in sorted(by)], axis=1) for by in (present["key"], present["value"]))  # type: ignore[return-value]
 
 
-def run_in_parts(queue: Any, ports: list[Any], inputs: Mapping[str, np.ndarray], parts: int) -> list[np.ndarray]:
-    """``inputs`` as ``parts`` requests of consecutive rows run at once on ``queue`` (an ``AsyncInferQueue``),
-    the outputs at ``ports`` joined in order."""
-    pieces = {name: np.array_split(array, parts) for name, array in inputs.items()}  # views, no copies
-    results: list[list[np.ndarray] | None] = [None] * parts
+def run_in_parts(requests: Sequence[Any], ports: list[Any], inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """``inputs`` as one request of consecutive rows per ``requests`` (infer requests of one compile with
+    several streams), started at once and waited on from this thread, the outputs at ``ports`` joined in order.
 
-    def keep(request: Any, index: int) -> None:  # copied out: the request's buffers serve its next run
-        results[index] = [np.array(request.get_tensor(port).data) for port in ports]
-
-    queue.set_callback(keep)
-    for index in range(parts):
-        queue.start_async({name: piece[index] for name, piece in pieces.items()}, index)
-    queue.wait_all()
-    done = [r for r in results if r is not None]
-    assert len(done) == parts, (len(done), parts)
-    return [np.concatenate([r[i] for r in done]) for i in range(len(ports))]
+    Not an ``AsyncInferQueue``: its Python callback runs on OpenVINO's threads, and a process that had run one
+    aborted at exit about one time in seven ("terminate called ... Resource deadlock avoided", openvino
+    2026.4.1: benchmarks/history.md, 2026-12-06); plain requests run no Python outside this thread."""
+    pieces = {name: np.array_split(array, len(requests)) for name, array in inputs.items()}  # views, no copies
+    for index, request in enumerate(requests):
+        request.start_async({name: piece[index] for name, piece in pieces.items()}, share_inputs=True)
+    for request in requests:
+        request.wait()
+    # copied out: the requests' buffers serve their next run
+    return [np.concatenate([np.array(r.get_tensor(port).data) for r in requests]) for port in ports]
 
 
 def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
