@@ -159,7 +159,14 @@ def time_alone(recipe: Recipe, feeds_file: Path, calls: int, threads: int) -> li
     """``recipe``'s call times in a fresh Python process where it is the only engine."""
     command = [sys.executable, "-m", "benchmarks.peers", "alone", json.dumps(asdict(recipe)), str(feeds_file),
                str(calls), str(threads)]  # fmt: skip
-    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    return _worker(command)
+
+
+def _worker(command: list[str]) -> list[float]:
+    """The times a ``python -m benchmarks.peers`` worker printed last; its stderr's end if it failed."""
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[3:5])[:200]} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -167,8 +174,7 @@ def floor_alone(precision: str, products: list[Any], samples: int, threads: int)
     """The floor of ``products`` in ``precision`` sampled in a fresh Python process that runs nothing else."""
     listed = json.dumps([asdict(p) for p in products])
     command = [sys.executable, "-m", "benchmarks.peers", "floor", precision, listed, str(samples), str(threads)]
-    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _worker(command)
 
 
 def _floor_main(precision: str, listed: str, samples: str, threads: str) -> None:
