@@ -306,10 +306,12 @@ def _row(r: Recipe, forward: dict[str, list[float]], backward: dict[str, list[fl
 
 def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, Any]:
     """The pick against the faster valid rival (an invalid one is named, never counted as beaten) as the lower of
-    the two ratios, in the blocks and alone; whether every engine's three timings agree within ``AGREE_WITHIN``,
-    and whether the pick's ratio to each rival does (in order, reversed, alone). The timings move with the
-    machine's minute (one 2-core VM: a whole run 5-12% slower alone than in its blocks, benchmarks/history.md);
-    a ratio moves only when an engine gains or loses from where it is timed, which is what the orders test."""
+    the two ratios, in the blocks and alone; whether every engine's medians in order and reversed agree within
+    ``AGREE_WITHIN`` (whichever engine goes first), whether its three timings do (alone too), and whether the
+    pick's ratio to each rival does (in order, reversed, alone). The lone processes move the most: one
+    engine's process to the next by up to 8%, and a process of its own often a few percent faster than the
+    shared one (benchmarks/history.md, 2026-12-06); a ratio moves only when an engine gains or loses from
+    where it is timed, which is what the orders test."""
     by_name = {r["engine"]: r for r in rows}
     rivals = [r for r in rows if r["engine"] not in (pick, reference)]
     valid = [r for r in rivals if r["valid"]]
@@ -325,10 +327,17 @@ def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, 
         "speedup_alone": round(alone, 3) if alone else None,
         "speedup_vs_reference": round(by_name[reference]["ms"] / mine["ms"], 3),
         "invalid_rivals": [r["engine"] for r in rivals if not r["valid"]],
+        "orders_agree": all(_orders_gap(r) <= AGREE_WITHIN for r in rows),
         "timings_agree": all(r["gap"] <= AGREE_WITHIN for r in rows),
         "ratio_gaps": (gaps := {r["engine"]: _ratio_gap(mine, r) for r in valid}),
         "ratios_agree": all(g <= AGREE_WITHIN for g in gaps.values()),
     }
+
+
+def _orders_gap(row: dict[str, Any]) -> float:
+    """How far apart an engine's medians are timed in order and reversed: whichever engine went first."""
+    medians = (row["ms_in_order"], row["ms_reversed"])
+    return max(medians) / min(medians) - 1
 
 
 def _ratio_gap(mine: dict[str, Any], rival: dict[str, Any]) -> float:
@@ -364,11 +373,12 @@ def _caption(result: dict[str, Any]) -> str:
     invalid = (
         f"; invalid (below min cosine {s['bar']}): {', '.join(v['invalid_rivals'])}" if v["invalid_rivals"] else ""
     )
-    agree = "agree" if v["timings_agree"] else "DO NOT agree"
-    ratios = "agree" if v["ratios_agree"] else "DO NOT agree"
+    orders, agree, ratios = (
+        "agree" if v[k] else "DO NOT agree" for k in ("orders_agree", "timings_agree", "ratios_agree")
+    )
     return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; timings in "
-            f"order, reversed and alone {agree} within {AGREE_WITHIN:.0%}, the pick's ratios to each rival "
-            f"{ratios}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
+            f"order and reversed {orders} within {AGREE_WITHIN:.0%}, with alone {agree}, the pick's ratios to each "
+            f"rival {ratios}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
             f"of {s['block']} calls each way, accuracy on the timed batch and {s['samples']} more padded inputs")  # fmt: skip
 
 

@@ -89,7 +89,7 @@ def test_table_names_busy_rows_and_missing_rates(busy):
 
 
 @pytest.mark.slow
-@pytest.mark.fits(seconds=60)  # 51 s on the 2-core AMX Xeon: NNCF's quantize and three Python processes per engine alone
+@pytest.mark.fits(seconds=60)  # 51 s on the 2-core AMX Xeon: NNCF's quantize, 3 lone processes per engine
 def test_pick_results_judge_every_engine_on_the_same_feeds_in_the_fair_harness(tmp_path):
     """Issue 47's rivals on a tiny BERT: tk's unfused ONNX stands in for Optimum's file, an onnx artifact for
     the optimize pick; OpenVINO with NNCF int8 beside them. Every engine gets its own inputs of the same

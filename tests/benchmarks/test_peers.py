@@ -88,12 +88,14 @@ def test_ratios_agree_when_the_whole_run_drifts_but_not_when_one_engine_gains_fr
         _row("eager", 30.0, None),
     ]  # fmt: skip
     got = verdict(drifted, "pick", "eager")
-    assert not got["timings_agree"] and got["ratios_agree"] and got["ratio_gaps"] == {"rival": 0.0}
+    assert got["orders_agree"] and not got["timings_agree"] and got["ratios_agree"]
+    assert got["ratio_gaps"] == {"rival": 0.0}
     favoured = [  # the rival runs 7% faster only when it follows the pick
         _row("pick", 10.0, 0.99995), _row("rival", 12.0, 0.99999, reversed_ms=11.2), _row("eager", 30.0, None),
     ]  # fmt: skip
     got = verdict(favoured, "pick", "eager")
     assert not got["ratios_agree"] and got["ratio_gaps"]["rival"] == pytest.approx(12.0 / 11.2 - 1, abs=1e-4)
+    assert not got["orders_agree"]  # 12.0 in order against 11.2 reversed: 7% apart
 
 
 def test_the_two_orders_alternate_round_by_round():
