@@ -242,9 +242,9 @@ class OpenVINOEngine(Engine):
     def _run_split(self, inputs: dict[str, np.ndarray], parts: int) -> dict[str, Any]:
         """``inputs`` as ``parts`` requests of consecutive rows, run at once (this thread's requests), their
         outputs joined in order."""
-        requests = getattr(self._local, "parts", None)
+        requests = getattr(self._local, "split_requests", None)
         if requests is None:
-            requests = self._local.parts = [self._compiled.create_infer_request() for _ in range(parts)]
+            requests = self._local.split_requests = [self._compiled.create_infer_request() for _ in range(parts)]
         return dict(zip(self._out_names, run_in_parts(requests, self._ports, inputs), strict=True))
 
     @staticmethod
@@ -318,10 +318,14 @@ def run_in_parts(requests: Sequence[Any], ports: list[Any], inputs: Mapping[str,
     aborted at exit about one time in seven ("terminate called ... Resource deadlock avoided", openvino
     2026.4.1: benchmarks/history.md, 2026-12-06); plain requests run no Python outside this thread."""
     pieces = {name: np.array_split(array, len(requests)) for name, array in inputs.items()}  # views, no copies
-    for index, request in enumerate(requests):
-        request.start_async({name: piece[index] for name, piece in pieces.items()}, share_inputs=True)
-    for request in requests:
-        request.wait()
+    started = []
+    try:
+        for index, request in enumerate(requests):
+            request.start_async({name: piece[index] for name, piece in pieces.items()}, share_inputs=True)
+            started.append(request)
+    finally:  # none left running on feeds it shares, whatever failed to start
+        for request in started:
+            request.wait()
     # copied out: the requests' buffers serve their next run
     return [np.concatenate([np.array(r.get_tensor(port).data) for r in requests]) for port in ports]
 
