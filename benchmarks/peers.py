@@ -9,14 +9,15 @@ artifact beside other tools' engines of the same encoder.
   model on the same feeds (the lowest cosine of a sample over its real tokens); an engine below the bar the
   pick is held to is *invalid*: its row says so and no speed-up is claimed against it.
 - **Timed in alternating blocks, the others idle.** ``block`` calls of one engine, then ``block`` of the
-  next, round after round, the order rotating and reversing every other round; onnxruntime sessions do
+  next, round after round, the order rotating every round (``time_both_ways``); onnxruntime sessions do
   not spin between runs (``plain_session``), so no runtime's threads busy-wait while another runs. Each
   round runs a second time in the reverse order right after, and each engine is timed again **alone in a
   fresh process** (``python -m benchmarks.peers alone``; one pass before the blocks, one between their
   halves in the reverse order, one after them): the table shows all three medians and the largest gap,
   and the pick's speed-up is the lower of its ratio in the blocks and alone.
-  The caption says whether the timings agree within 5% and whether the pick's ratio to each rival does: a
-  slow minute moves every engine's timings, an engine favoured by its turn moves a ratio.
+  The caption says whether each engine's medians in order and reversed agree within 5% (whichever engine
+  goes first), whether its lone median does too, and whether the pick's ratio to each rival does: a slow
+  minute moves every engine's timings, an engine favoured by its turn moves a ratio.
   Alone is the clean number: in one process torch's OpenMP threads, OpenVINO's oneTBB threads (which wait
   actively after an inference, OpenVINO's docs say) and onnxruntime's share the cores, and MiniLM's OpenVINO
   engines ran 6-10% faster alone than in the shared process (benchmarks/history.md).
@@ -207,13 +208,17 @@ def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> 
 def time_both_ways(calls: Mapping[str, Callable[[], object]], *, rounds: range, block: int, order: Sequence[str],
                    between: Sequence[Callable[[], object]] = ()) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
     """Each call's times in blocks (``time_in_blocks``) in ``order`` and in the reverse order, one round of each
-    in turn, the order rotated by the round's number: in order, reversed, in order... so both see the same
-    minutes."""
+    in turn (in order, reversed, in order...) so both see the same minutes, the order rotated by the round's
+    number: in order each call follows its predecessor in ``order``, reversed its successor. The reversed round
+    starts two places on, so that with three calls or more no call follows its own block."""
     forward: dict[str, list[float]] = {name: [] for name in order}
     backward: dict[str, list[float]] = {name: [] for name in order}
+
+    def rotated(by: int) -> list[str]:
+        return [*order[by % len(order) :], *order[: by % len(order)]]
+
     for r in rounds:
-        turn = [*order[r % len(order) :], *order[: r % len(order)]]
-        for times, this_way in ((forward, turn), (backward, turn[::-1])):
+        for times, this_way in ((forward, rotated(r)), (backward, rotated(r + 2)[::-1])):
             for name, got in time_in_blocks(calls, rounds=1, block=block, order=this_way, between=between).items():
                 times[name] += got
     return forward, backward
@@ -309,8 +314,8 @@ def verdict(rows: list[dict[str, Any]], pick: str, reference: str) -> dict[str, 
     the two ratios, in the blocks and alone; whether every engine's medians in order and reversed agree within
     ``AGREE_WITHIN`` (whichever engine goes first), whether its three timings do (alone too), and whether the
     pick's ratio to each rival does (in order, reversed, alone). The lone processes move the most: one
-    engine's process to the next by up to 8%, and a process of its own often a few percent faster than the
-    shared one (benchmarks/history.md, 2026-12-06); a ratio moves only when an engine gains or loses from
+    engine's process to the next by up to 9% (19% OpenVINO with NNCF int8), and a process of its own often a
+    few percent faster than the shared one (benchmarks/history.md, 2026-12-06); a ratio moves only when an engine gains or loses from
     where it is timed, which is what the orders test."""
     by_name = {r["engine"]: r for r in rows}
     rivals = [r for r in rows if r["engine"] not in (pick, reference)]
@@ -377,7 +382,7 @@ def _caption(result: dict[str, Any]) -> str:
         "agree" if v[k] else "DO NOT agree" for k in ("orders_agree", "timings_agree", "ratios_agree")
     )
     return (f"pick {result['pick']}: {against}, {v['speedup_vs_reference']}x the reference{invalid}; timings in "
-            f"order and reversed {orders} within {AGREE_WITHIN:.0%}, with alone {agree}, the pick's ratios to each "
+            f"order and reversed {orders} within {AGREE_WITHIN:.0%} (with alone: {agree}), the pick's ratios to each "
             f"rival {ratios}; {s['batch']}x{s['seq']}, {s['rounds']} rounds "
             f"of {s['block']} calls each way, accuracy on the timed batch and {s['samples']} more padded inputs")  # fmt: skip
 

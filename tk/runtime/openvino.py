@@ -92,7 +92,7 @@ class OpenVINOEngine(Engine):
             requests, ports = [compiled.create_infer_request() for _ in range(parts)], list(compiled.outputs)
             return lambda: run_in_parts(requests, ports, feeds)
         request = compiled.create_infer_request()
-        return lambda: request.infer(feeds)
+        return lambda: request.infer(feeds, share_inputs=True)  # as ``run`` calls it
 
     @classmethod
     def tuned_options(cls, batch: int, cores: int) -> list[dict[str, Any]]:
@@ -318,16 +318,24 @@ def run_in_parts(requests: Sequence[Any], ports: list[Any], inputs: Mapping[str,
     aborted at exit about one time in seven ("terminate called ... Resource deadlock avoided", openvino
     2026.4.1: benchmarks/history.md, 2026-12-06); plain requests run no Python outside this thread."""
     pieces = {name: np.array_split(array, len(requests)) for name, array in inputs.items()}  # views, no copies
-    started = []
-    try:
-        for index, request in enumerate(requests):
+    started: list[Any] = []
+    failed: BaseException | None = None
+    for index, request in enumerate(requests):
+        try:
             request.start_async({name: piece[index] for name, piece in pieces.items()}, share_inputs=True)
-            started.append(request)
-    finally:  # none left running on feeds it shares, whatever failed to start
-        for request in started:
+        except BaseException as exc:
+            failed = exc
+            break
+        started.append(request)
+    for request in started:  # every started one waited on, whatever failed: none left busy for the next call
+        try:
             request.wait()
-    # copied out: the requests' buffers serve their next run
-    return [np.concatenate([np.array(r.get_tensor(port).data) for r in requests]) for port in ports]
+        except BaseException as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    # one copy out of the requests' buffers, which serve their next run
+    return [np.concatenate([r.get_tensor(port).data for r in requests]) for port in ports]
 
 
 def compile_config(options: OpenVINOOptions, hint: str) -> dict[str, Any]:
