@@ -102,6 +102,23 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
 
 @pytest.mark.slow
 @needs_compiler
+def test_int8_package_with_its_constants_aligned_computes_what_torchs_loader_does(trained_int8):
+    """oneDNN's packed int8 weights are constants with no data pointer to read: moved onto cache lines
+    (``tk.runtime.aoti_package``) they must still be the same bytes, so the outputs are equal bit for bit."""
+    spec, out, _ = trained_int8
+    feeds = random_feeds(spec.signature.inputs, {"batch": 4, "seq": 21}, seed=5)
+    with load(out, "aoti") as engine:
+        got = engine.run(feeds)
+    package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))
+    want = package(*(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs))
+    want = want if isinstance(want, (list, tuple)) else [want]
+    assert len(got) == len(want)
+    for (name, value), expected in zip(got.items(), want, strict=True):
+        assert torch.equal(torch.from_numpy(np.asarray(value)), expected), name
+
+
+@pytest.mark.slow
+@needs_compiler
 def test_an_int8_package_runs_where_torchao_is_not_installed(trained_int8):
     _, out, _ = trained_int8
     code = (

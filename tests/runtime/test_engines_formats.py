@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import io
 import shutil
 import sys
 import types
+import zipfile
 
 import numpy as np
 import pytest
@@ -14,13 +16,15 @@ import torch
 from tests.conftest import run_in_threads
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.export import ExportOptions
-from tk.formats.aoti import packing_features
+from tk.formats.aoti import FILE, packing_features
 from tk.manifest import FileEntry, read_manifest
 from tk.models import build_model
 from tk.runtime import load
 from tk.runtime.aoti import AOTInductorEngine
+from tk.runtime.aoti_package import ALIGNMENT, AlignedCpuPackage, _model_library, realigned_constants
 from tk.runtime.onnxrt import OnnxRuntimeEngine, usable_cores
 from tk.runtime.tensorrt import TensorRTEngine
+from tk.safefiles import private_copy
 from tk.signing import TrustPolicy
 from tk.spec import random_feeds
 from tk.workflows.export import export
@@ -155,6 +159,64 @@ def test_aoti_runs_numpy_and_torch(mlp_aoti):
         np.testing.assert_allclose(engine.run(feeds)["logits"], eager.run(feeds)["logits"], rtol=1e-4, atol=1e-5)
         out = engine.run({"x": torch.from_numpy(feeds["x"]).t().contiguous().t()})  # non-contiguous input
         assert isinstance(out["logits"], torch.Tensor) and out["logits"].shape == (5, 4)
+
+
+def _runner_of(root):
+    """torch's runner of the package's model library, its constants where AOTInductor's loader put them."""
+    library = _model_library((root / FILE).read_bytes())
+    with private_copy({"model.so": library}) as copy:
+        return torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / "model.so"), 1)
+
+
+def _offsets(runner) -> set[int]:
+    return {t.data_ptr() % ALIGNMENT for t in runner.extract_constants_map(False).values() if t.numel()}
+
+
+@pytest.mark.slow
+def test_aoti_constants_off_cache_lines_are_moved_onto_them(mlp_aoti):
+    """AOTInductor copies constants into one ``std::malloc`` block (16-byte aligned): put 16 bytes off a cache
+    line here on purpose, they are moved onto 64-byte boundaries, the runner's own set freed, outputs unchanged."""
+    runner = _runner_of(mlp_aoti)
+    x = [torch.from_numpy(random_feeds(read_manifest(mlp_aoti).signature.inputs, {"batch": 5}, seed=0)["x"])]
+    want = runner.run(x)[0].clone()
+    own_name = {original: name for name, original in runner.get_constant_names_to_original_fqns().items()}
+    off = {}
+    for name, t in runner.extract_constants_map(False).items():
+        raw = torch.empty(t.nbytes + 2 * ALIGNMENT, dtype=torch.uint8)
+        start = -raw.data_ptr() % ALIGNMENT + 16
+        off[own_name.get(name, name)] = raw[start : start + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    runner.update_constant_buffer(off, False, True, True)
+    assert _offsets(runner) == {16}
+    moved = realigned_constants(runner)
+    assert set(moved) == set(off) and _offsets(runner) == {0}
+    assert torch.equal(runner.run(x)[0], want)
+    assert realigned_constants(runner) == {}  # aligned already: left where they are
+
+
+@pytest.mark.slow
+def test_aoti_engine_runs_the_package_with_its_constants_aligned(mlp_aoti):
+    with load(mlp_aoti, "aoti") as engine:
+        assert isinstance(engine._model, AlignedCpuPackage)
+        assert _offsets(engine._model._runner) == {0}
+        feeds = random_feeds(engine.inputs, {"batch": 5}, seed=3)
+        got = engine.run(feeds)["logits"]
+    package = torch._inductor.aoti_load_package(str(mlp_aoti / FILE))  # torch's own loader, as it places them
+    assert torch.equal(torch.from_numpy(got), package(torch.from_numpy(feeds["x"])))
+
+
+def test_a_package_that_is_not_one_library_with_its_constants_opens_with_torchs_loader():
+    def archive(*names: str) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name in names:
+                z.writestr(name, b"\x7fELF")
+        return buffer.getvalue()
+
+    lib = "model/data/aotinductor/model/abc.wrapper.so"
+    assert _model_library(archive(lib, "model/data/aotinductor/model/abc.wrapper.cpp")) == b"\x7fELF"
+    assert _model_library(archive(lib, "model/data/aotinductor/model/def.wrapper.so")) is None  # two models
+    assert _model_library(archive(lib, "model/data/weights/weight_0")) is None  # constants beside the library
+    assert _model_library(archive("model/archive_format")) is None
 
 
 @pytest.mark.slow

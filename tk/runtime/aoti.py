@@ -1,4 +1,5 @@
-"""The ``aoti`` engine: an AOTInductor package, loaded with ``torch._inductor.aoti_load_package``.
+"""The ``aoti`` engine: an AOTInductor package, loaded with ``torch._inductor.aoti_load_package`` (on the CPU
+with its constants aligned to cache lines: ``tk.runtime.aoti_package``).
 
 A package runs only where it can: on the device it was compiled for, on a CPU with the vector
 instructions it was compiled for, under the torch minor version that built it. Anything else is
@@ -15,6 +16,7 @@ import torch
 from tk.errors import BackendUnavailableError, load_failure
 from tk.formats.aoti import FILE, PACKING_FEATURES, packing_features, supported_vector_isas, torch_minor
 from tk.manifest import read_verified
+from tk.runtime.aoti_package import open_cpu_package
 from tk.runtime.base import Engine, rebuild_command
 from tk.runtime.torch_engine import TorchEngine
 from tk.safefiles import private_copy
@@ -27,7 +29,12 @@ class AOTInductorEngine(TorchEngine):
     @classmethod
     def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
                    options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
-        package = torch._inductor.aoti_load_package(str(model()))  # compiled by this process a moment ago
+        path = model()  # compiled by this process a moment ago
+        package = (
+            open_cpu_package(path.read_bytes())
+            if like.device == "cpu"
+            else torch._inductor.aoti_load_package(str(path))
+        )
         args = tuple(torch.from_numpy(feeds[spec.name]) for spec in like.inputs)
 
         def run() -> object:
@@ -43,8 +50,11 @@ class AOTInductorEngine(TorchEngine):
         path = self.root / entry.path
         data = read_verified(self.root, entry)
         try:
-            with private_copy({FILE: data}) as copy:  # the package loader takes a path: the verified bytes
-                self._model = torch._inductor.aoti_load_package(str(copy / FILE))
+            if self.device == "cpu":
+                self._model = open_cpu_package(data)
+            else:
+                with private_copy({FILE: data}) as copy:  # the package loader takes a path: the verified bytes
+                    self._model = torch._inductor.aoti_load_package(str(copy / FILE))
         except Exception as exc:  # a RuntimeError from the C++ loader, mostly
             fix = f"rebuild it with `{rebuild_command(self.manifest, 'aoti', self.device)}`"
             raise load_failure(exc, f"{path} (AOTInductor)", fix) from exc
