@@ -10,8 +10,8 @@ a loaded package got was luck of the heap, so one process's package ran 20% fast
 ``open_cpu_package`` runs the package's model library in torch's own runner (what
 ``torch._inductor.aoti_load_package`` builds), copies each constant once into torch's own allocations
 (64-byte aligned), hands those to the runner as its constants and frees the runner's block: the same
-bytes, aligned, and no more memory once loaded (twice the constants while it copies). A package that is
-not one model library with its constants inside (what tk's writer makes) opens with torch's loader as is.
+bytes, aligned, and no more memory once loaded (twice the constants while it copies). A package other
+than what tk's writer makes (one model library, its constants inside it) opens with torch's loader as is.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from tk.archives import AOTI_DIR
 from tk.safefiles import private_copy
 
 log = logging.getLogger("tk.runtime")
@@ -40,9 +41,7 @@ class AlignedCpuPackage:
     def __init__(self, runner: Any, constants: dict[str, torch.Tensor]) -> None:
         self._runner = runner
         self._constants = constants  # user-managed by the runner: must live as long as it
-        in_spec, out_spec = runner.get_call_spec()
-        self._in_spec = pytree.treespec_loads(in_spec)
-        self._out_spec = pytree.treespec_loads(out_spec)
+        self._out_spec = pytree.treespec_loads(runner.get_call_spec()[1])
 
     def __call__(self, *args: torch.Tensor) -> Any:
         flat = [x for x in pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
@@ -68,6 +67,8 @@ def realigned_constants(runner: Any) -> dict[str, torch.Tensor]:
     Inductor's int8 lowering repeats (nine ``x_scale``), and one left out would point into the freed block."""
     original = runner.get_constant_names_to_original_fqns()  # the runner's own name -> the original one
     constants = runner.extract_constants_map(False)  # by original name
+    if not constants:
+        return {}
     if len(constants) != len(original) or len(set(original.values())) != len(original):
         log.debug("tk: AOTInductor constants left where the loader put them (names repeat or are folded)")
         return {}
@@ -88,7 +89,7 @@ def _model_library(data: bytes) -> bytes | None:
     """The archive's one compiled model library, where it holds exactly one and no constants beside it."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
-        libraries = [n for n in names if n.endswith(".so") and "/data/aotinductor/" in n]
+        libraries = [n for n in names if n.endswith(".so") and f"/{AOTI_DIR}" in n]
         beside = [n for n in names if "/data/weights/" in n or "/data/constants/" in n]
         if len(libraries) != 1 or beside:
             return None
