@@ -19,6 +19,7 @@ import torch
 from tk.export import ExportOptions
 from tk.manifest import Manifest
 from tk.models import ModelSpec
+from tk.runtime.aoti_package import open_package
 from tk.workflows.export import export
 from tk.workflows.ort_session import plain_session
 
@@ -73,7 +74,7 @@ def profile_aoti_artifact(root: Path, manifest: Manifest, feeds: dict[str, np.nd
     aoti_package_from_exported_program(
         program, path, inductor_configs=configs, precision=manifest.precision, device=aoti.get("device", "cpu")
     )
-    return profile_package(_opened(path, aoti.get("device", "cpu")), manifest, feeds)
+    return profile_package(open_package(path.read_bytes(), aoti.get("device", "cpu")), manifest, feeds)
 
 
 def profile_aoti_export(
@@ -86,14 +87,7 @@ def profile_aoti_export(
     root = work / "int8-profiled"
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         manifest = export(spec, root, dataclasses.replace(options, formats=("aoti",))).manifest
-    return profile_package(_opened(root / "model.aoti.pt2", manifest.device), manifest, feeds)
-
-
-def _opened(path: Path, device: str) -> Any:
-    """The package as the aoti engine opens it (on the CPU, its constants on cache lines)."""
-    from tk.runtime.aoti_package import open_cpu_package
-
-    return open_cpu_package(path.read_bytes()) if device == "cpu" else torch._inductor.aoti_load_package(str(path))
+    return profile_package(open_package((root / "model.aoti.pt2").read_bytes(), manifest.device), manifest, feeds)
 
 
 def profile_onnx(path: Path, feeds: dict[str, np.ndarray], work: Path, runs: int = 3) -> list[dict]:

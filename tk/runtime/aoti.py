@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from tk.errors import BackendUnavailableError, load_failure
-from tk.formats.aoti import FILE, PACKING_FEATURES, packing_features, supported_vector_isas, torch_minor
+from tk.formats.aoti import PACKING_FEATURES, packing_features, supported_vector_isas, torch_minor
 from tk.manifest import read_verified
-from tk.runtime.aoti_package import open_cpu_package
+from tk.runtime.aoti_package import open_package
 from tk.runtime.base import Engine, rebuild_command
 from tk.runtime.torch_engine import TorchEngine
-from tk.safefiles import private_copy
 from tk.signing import require_trusted_code
 
 
@@ -29,12 +28,7 @@ class AOTInductorEngine(TorchEngine):
     @classmethod
     def probe_call(cls, model: Any, feeds: dict[str, Any], like: Engine,
                    options: Mapping[str, Any] | None = None) -> Callable[[], object]:  # fmt: skip
-        path = model()  # compiled by this process a moment ago
-        package = (
-            open_cpu_package(path.read_bytes())
-            if like.device == "cpu"
-            else torch._inductor.aoti_load_package(str(path))
-        )
+        package = open_package(model().read_bytes(), like.device)  # compiled by this process a moment ago
         args = tuple(torch.from_numpy(feeds[spec.name]) for spec in like.inputs)
 
         def run() -> object:
@@ -50,11 +44,7 @@ class AOTInductorEngine(TorchEngine):
         path = self.root / entry.path
         data = read_verified(self.root, entry)
         try:
-            if self.device == "cpu":
-                self._model = open_cpu_package(data)
-            else:
-                with private_copy({FILE: data}) as copy:  # the package loader takes a path: the verified bytes
-                    self._model = torch._inductor.aoti_load_package(str(copy / FILE))
+            self._model = open_package(data, self.device)
         except Exception as exc:  # a RuntimeError from the C++ loader, mostly
             fix = f"rebuild it with `{rebuild_command(self.manifest, 'aoti', self.device)}`"
             raise load_failure(exc, f"{path} (AOTInductor)", fix) from exc

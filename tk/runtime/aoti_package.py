@@ -7,7 +7,7 @@ AVX-512 kernels read spans two lines. MiniLM's bf16 package at 8 x 128 ran 29.7-
 and 23.6-25.1 ms with the same bytes aligned (benchmarks/history.md, 2026-12-06 evening); which of the two
 a loaded package got was luck of the heap, so one process's package ran 20% faster than the next one's.
 
-``open_cpu_package`` runs the package's model library in torch's own runner (what
+``open_package`` runs the package's model library in torch's own runner (what
 ``torch._inductor.aoti_load_package`` builds), copies each constant once into torch's own allocations
 (64-byte aligned), hands those to the runner as its constants and frees the runner's block: the same
 bytes, aligned, and no more memory once loaded (twice the constants while it copies). A package other
@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tk.archives import AOTI_DIR
+from tk.formats.aoti import FILE
 from tk.safefiles import private_copy
 
 log = logging.getLogger("tk.runtime")
@@ -44,17 +45,17 @@ class AlignedCpuPackage:
         self._out_spec = pytree.treespec_loads(runner.get_call_spec()[1])
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        flat = [x for x in pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
-        return pytree.tree_unflatten(self._runner.run(flat), self._out_spec)
+        return pytree.tree_unflatten(self._runner.run(list(args)), self._out_spec)
 
 
-def open_cpu_package(data: bytes) -> Callable[..., Any]:
-    """The package in ``data`` (a ``.pt2`` archive's verified bytes) ready to call, its constants aligned
-    where it is one model library with its constants inside; else as ``aoti_load_package`` opens it."""
-    library = _model_library(data)
+def open_package(data: bytes, device: str) -> Callable[..., Any]:
+    """The package in ``data`` (a ``.pt2`` archive's verified bytes) ready to call on ``device``: on the CPU, where
+    it is one model library with its constants inside, with its constants aligned; else as torch's loader opens it
+    (which takes a path: the verified bytes written to a private directory)."""
+    library = _model_library(data) if device == "cpu" else None
     if library is None:
-        with private_copy({"model.pt2": data}) as copy:
-            return torch._inductor.aoti_load_package(str(copy / "model.pt2"))
+        with private_copy({FILE: data}) as copy:
+            return torch._inductor.aoti_load_package(str(copy / FILE))
     with private_copy({LIBRARY: library}) as copy:  # dlopen takes a path; the mapping outlives the file
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / LIBRARY), 1)
     return AlignedCpuPackage(runner, realigned_constants(runner))
