@@ -66,6 +66,9 @@ class Recipe:
     kind: str
     path: str
     precision: str = "fp32"  # what its products run in: picks its floor
+    # an int8 artifact that runs some linears in another precision: ``LinearSplit.to_json()``, which prices its
+    # floor layer by layer (None: every product in ``precision``; so too a split whose int8 linears are unknown)
+    split: dict[str, Any] | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -171,8 +174,9 @@ def _worker(command: list[str]) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def floor_alone(precision: str, products: list[Any], samples: int, threads: int) -> list[float]:
-    """The floor of ``products`` in ``precision`` sampled in a fresh Python process that runs nothing else."""
+def floor_alone(precision: str, products: list[Any], samples: int, threads: int) -> list[list[float]]:
+    """The floor of ``products`` in ``precision`` sampled in a fresh Python process that runs nothing else: per
+    sample, one call of each product (``ModelFloor.product_samples``)."""
     listed = json.dumps([asdict(p) for p in products])
     command = [sys.executable, "-m", "benchmarks.peers", "floor", precision, listed, str(samples), str(threads)]
     return _worker(command)
@@ -186,7 +190,7 @@ def _floor_main(precision: str, listed: str, samples: str, threads: str) -> None
     floor = ModelFloor(precision, [Product(**p) for p in json.loads(listed)])
     for _ in range(int(samples)):
         floor()
-    print(json.dumps(floor.samples))
+    print(json.dumps(floor.product_samples))
 
 
 def _alone_main(recipe_json: str, feeds_file: str, calls: str, threads: str) -> None:
@@ -244,7 +248,7 @@ class PeerSettings:
 def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSettings, work: Path) -> dict[str, Any]:
     """One table: ``recipes`` (the pick among them) and the ``reference`` (the framework's float32 model), each
     judged on the same realistic feeds and timed in blocks both ways, alone, and against the model's floor."""
-    from tk.measure.floor import ModelFloor, model_products
+    from tk.measure.floor import LinearSplit, ModelFloor, model_products
 
     threads = torch.get_num_threads()
     keep_freed_memory(asked=True)  # as tk's command line sets glibc's malloc, for every engine here alike
@@ -253,7 +257,10 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     accuracy_feeds = [feeds] + [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(s.samples // 8)]
     cosines = min_cosines({r.name: engines[r.name] for r in recipes}, engines[reference.name], accuracy_feeds)
     products = model_products(lambda: engines[reference.name](feeds))
-    floors = {p: ModelFloor(p, products) for p in sorted({r.precision for r in [*recipes, reference]})}
+    splits = {r.name: LinearSplit.from_json(r.split) for r in recipes if r.split is not None and r.precision == "int8"}
+    splits = {name: split for name, split in splits.items() if split.int8 is not None}
+    precisions = {r.precision for r in [*recipes, reference]} | {split.fallback for split in splits.values()}
+    floors = {p: ModelFloor(p, products) for p in sorted(precisions)}
     order = list(engines)
     between = list(floors.values())
     calls = {name: functools.partial(engine, feeds) for name, engine in engines.items()}
@@ -282,13 +289,34 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
                 for name in order:
                     times[name] += got[name]
     # a floor cannot flatter: the lower of its median in the run and in a process of its own
-    floor_ms = {p: 1e3 * min(f.spread().median, statistics.median(floor_alone(p, products, 10, threads)))
-                for p, f in floors.items()}  # fmt: skip
-    rows = [_row(r, forward, backward, alone, floor_ms[r.precision], engines[r.name].inputs,
+    in_run = {p: f.product_samples for p, f in floors.items()}
+    lone = {p: floor_alone(p, products, 10, threads) for p in floors}
+
+    def floor_ms(r: Recipe) -> float:
+        return recipe_floor_ms(products, r.precision, splits.get(r.name), in_run, lone)
+
+    rows = [_row(r, forward, backward, alone, floor_ms(r), engines[r.name].inputs,
                  None if r is reference else cosines[r.name], s.bar) for r in everyone]  # fmt: skip
+    plain = {p: Recipe(p, "tk", "", p) for p in floors}  # each precision's floor alone, for the JSON
     return {"rows": rows, "pick": pick, "verdict": verdict(rows, pick, reference.name),
-            "floors": {p: f.to_json() | {"floor_ms": round(floor_ms[p], 3)} for p, f in floors.items()},
+            "floors": {p: f.to_json() | {"floor_ms": round(floor_ms(plain[p]), 3)} for p, f in floors.items()},
+            "splits": {name: split.to_json() for name, split in splits.items()},
             "settings": asdict(s)}  # fmt: skip
+
+
+def recipe_floor_ms(products: list[Any], precision: str, split: Any, in_run: dict[str, list[list[float]]],
+                    lone: dict[str, list[list[float]]]) -> float:  # fmt: skip
+    """A recipe's floor in ms, the lower of its median in the run (``in_run``) and in a process of its own
+    (``lone``), both per precision and per sample one call of each of ``products``: every product in
+    ``precision``, or with ``split`` (a ``LinearSplit``) each linear in the precision the artifact runs it in."""
+    from tk.measure.floor import mixed_floor_seconds
+
+    def seconds(samples: dict[str, list[list[float]]]) -> list[float]:
+        if split is not None:
+            return mixed_floor_seconds(products, samples["int8"], samples[split.fallback], split)
+        return [sum(p.count * t for p, t in zip(products, each, strict=True)) for each in samples[precision]]
+
+    return 1e3 * min(statistics.median(seconds(in_run)), statistics.median(seconds(lone)))
 
 
 def _row(r: Recipe, forward: dict[str, list[float]], backward: dict[str, list[float]],

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from tk.cli import cli
-from tk.measure.floor import ModelFloor
+from tk.measure.floor import LinearSplit, ModelFloor, Product, mixed_floor_seconds
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.roofline import (
     LinearShape,
@@ -112,6 +112,68 @@ def test_peaks_sampled_between_the_timed_calls_fill_the_shares(monkeypatch):
     assert [(p.m, p.k, p.n, p.count) for p in floor.products] == [(16, 16, 32, 2), (16, 32, 16, 2), (2, 16, 4, 1)]
     assert row.floor_share == pytest.approx(floor.spread().median / 1e-3, rel=1e-3)
     assert settings["floors"]["fp32"]["2"]["seconds"]["n"] == 3 and settings["floor_skipped"] is None
+
+
+def _floor_with(precision: str, products: list[Product], samples: list[list[float]]) -> ModelFloor:
+    floor = ModelFloor(precision, products)
+    floor.product_samples = samples  # one call of each product per round, as if timed
+    floor.samples = [sum(p.count * t for p, t in zip(products, s, strict=True)) for s in samples]
+    return floor
+
+
+def test_a_mixed_int8_artifact_is_priced_layer_by_layer():
+    # two 16 x 32 linears, one 32 x 16, and an attention product; the artifact runs one 16 x 32 in int8
+    products = [
+        Product("linear", 1, 8, 16, 32, 2), Product("linear", 1, 8, 32, 16, 1), Product("attention", 2, 4, 8, 4, 1)
+    ]  # fmt: skip
+    int8 = _floor_with("int8", products, [[1.0, 2.0, 5.0], [3.0, 2.0, 7.0]])
+    fp32 = _floor_with("fp32", products, [[10.0, 20.0, 50.0], [30.0, 20.0, 70.0]])
+    split = LinearSplit({(16, 32): 1}, "fp32")
+    # round 1: one 16 x 32 in int8 (1) and one in fp32 (10), the 32 x 16 in fp32 (20), attention as int8's (5)
+    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, split) == [
+        1.0 + 10.0 + 20.0 + 5.0,
+        3.0 + 30.0 + 20.0 + 7.0,
+    ]
+    every = LinearSplit({(16, 32): 2, (32, 16): 1}, "fp32")
+    assert (
+        mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, every) == int8.samples
+    )  # all in int8: the int8 floor itself
+    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, LinearSplit({}, "fp32")) == [
+        45.0,
+        87.0,
+    ]  # none: fp32 linears, int8 attention
+    with pytest.raises(ValueError, match="not recorded"):
+        mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, LinearSplit(None))
+
+    roofline = Roofline(Tiny(), (torch.randn(1, 8, 16),), ["fp32"])
+    roofline.floors = {("int8", 1): int8, ("fp32", 1): fp32}
+    row = SimpleNamespace(engine="aoti", batch_size=1, p50_ms=100.0, gflops=None, peak_share=None, floor_share=None)
+    settings = roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "int8", lambda engine: split)
+    assert row.floor_share == pytest.approx(Spread.of([36.0, 60.0]).median / 0.1)
+    assert settings["floor_splits"]["aoti"] == {
+        "int8_linear_shapes": [[16, 32, 1]],
+        "fallback": "fp32",
+        "floor_s": 48.0,
+    }
+    unknown = SimpleNamespace(engine="onnx", batch_size=1, p50_ms=100.0, gflops=None, peak_share=None, floor_share=None)
+    roofline.fill(SimpleNamespace(rows=[unknown]), lambda engine: "int8", lambda engine: LinearSplit(None))
+    assert unknown.floor_share is None  # layers left out of int8, not recorded which: no floor rather than int8's
+    bf16 = SimpleNamespace(engine="ov", batch_size=1, p50_ms=100.0, gflops=None, peak_share=None, floor_share=None)
+    roofline.fill(SimpleNamespace(rows=[bf16]), lambda engine: "int8", lambda engine: LinearSplit({}, "bf16"))
+    assert bf16.floor_share is None  # its fallback's floor was not sampled
+
+
+def test_linear_split_read_from_the_quantization_record():
+    record = {"excluded": ["a"], "int8_linear_shapes": [[384, 1536, 5]], "automatic_exclusions_run_in": "bf16"}
+    assert LinearSplit.from_record(record) == LinearSplit({(384, 1536): 5}, "bf16")
+    assert LinearSplit.from_record({"excluded": [], "int8_modules": 4}) is None  # every linear int8
+    assert LinearSplit.from_record({"excluded": ["a"]}) == LinearSplit(None, "fp32")  # exported before the record
+    split = LinearSplit.from_record(record)
+    assert LinearSplit.from_json(json.loads(json.dumps(split.to_json()))) == split
+    manifest = SimpleNamespace(precision="int8", formats={"aoti": {"quantization": record}})
+    assert LinearSplit.of_engine(manifest, "aoti") == LinearSplit({(384, 1536): 5}, "bf16")
+    assert LinearSplit.of_engine(manifest, "eager") is None and LinearSplit.of_engine(manifest, "onnx") is None
+    assert LinearSplit.of_engine(SimpleNamespace(precision="fp32", formats=manifest.formats), "aoti") is None
 
 
 def test_a_model_mostly_of_convolutions_has_no_floor():

@@ -26,6 +26,7 @@ from tk.export import ExportOptions
 from tk.export.onnx.writer import OnnxOptions
 from tk.formats.openvino import precision_name
 from tk.manifest import read_manifest
+from tk.measure.floor import LinearSplit
 from tk.models import build_model
 from tk.workflows.export import export
 
@@ -62,7 +63,7 @@ def bench_pick(pick: Path, directory: Path, optimum_onnx: Path | None, s: PickSe
     recommended = manifest.optimize.get("recommended") or {}
     vocab = int(spec.signature.inputs[0].high or 30522)
     recipes = [
-        Recipe(PICK, "tk", str(pick), recommended.get("precision", manifest.precision)),
+        Recipe(PICK, "tk", str(pick), recommended.get("precision", manifest.precision), split=_split(manifest, recommended)),
         Recipe(OPTIMUM if rival_source == "optimum" else f"{rival_source} (onnxruntime)", "onnxruntime", str(rival_onnx)),
         Recipe(OPENVINO, "openvino", str(rival_onnx), "bf16" if default_precision == "bf16" else "fp32"),
     ]  # fmt: skip
@@ -85,6 +86,13 @@ def bench_pick(pick: Path, directory: Path, optimum_onnx: Path | None, s: PickSe
         }  # fmt: skip
         results.append(result)
     return results
+
+
+def _split(manifest: Any, recommended: dict[str, Any]) -> dict[str, Any] | None:
+    """What the pick runs in int8 where it is an int8 artifact with layers in another precision (its floor's
+    layer-by-layer price), else None."""
+    split = LinearSplit.of_engine(manifest, recommended.get("engine") or "")
+    return None if split is None or split.int8 is None else split.to_json()
 
 
 def _rival_onnx(spec: Any, optimum_onnx: Path | None, work: Path) -> tuple[Path, str]:

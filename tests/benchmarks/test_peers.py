@@ -64,6 +64,20 @@ def _row(engine: str, ms: float, cosine: float | None, gap: float = 0.01, alone:
             "min_cosine": cosine, "valid": cosine is None or cosine >= 0.9999, "gap": gap}  # fmt: skip
 
 
+def test_a_mixed_int8_picks_floor_prices_each_linear_in_its_own_precision():
+    from benchmarks.peers import recipe_floor_ms
+    from tk.measure.floor import LinearSplit, Product
+
+    products = [Product("linear", 1, 8, 16, 32, 2), Product("attention", 2, 4, 8, 4, 1)]
+    in_run = {"int8": [[1.0, 4.0], [1.0, 4.0], [1.0, 4.0]], "fp32": [[3.0, 9.0], [3.0, 9.0], [3.0, 9.0]]}
+    lone = {"int8": [[2.0, 4.0]], "fp32": [[2.5, 9.0]]}
+    assert recipe_floor_ms(products, "fp32", None, in_run, lone) == pytest.approx(1e3 * min(2 * 3 + 9, 2 * 2.5 + 9))
+    assert recipe_floor_ms(products, "int8", None, in_run, lone) == pytest.approx(1e3 * (2 * 1 + 4))
+    # one of the two 16 x 32 linears in int8, the other in float32, attention at int8's float precision
+    half = LinearSplit({(16, 32): 1}, "fp32")
+    assert recipe_floor_ms(products, "int8", half, in_run, lone) == pytest.approx(1e3 * min(1 + 3 + 4, 2 + 2.5 + 4))
+
+
 def test_a_rival_below_the_bar_is_invalid_never_beaten():
     rows = [_row("pick", 10.0, 0.99995), _row("fast but wrong", 5.0, 0.99), _row("honest", 12.0, 0.99999),
             _row("eager", 30.0, None, gap=0.08)]  # fmt: skip

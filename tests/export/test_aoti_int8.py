@@ -205,6 +205,13 @@ def test_keep_fp32_modules_are_never_quantized():
     }
     expected = set(quantizable_modules(program.module())) - {"head", "blocks.1.ffn.up", "blocks.1.ffn.down"}
     assert fed_by_dequantize == expected
+    # the manifest's record of what runs in int8, by weight shape (in, out): the floor prices these in int8
+    shapes: dict[tuple[int, int], int] = {}
+    for name in expected:
+        layer = spec.module.get_submodule(name)
+        shapes[(layer.in_features, layer.out_features)] = shapes.get((layer.in_features, layer.out_features), 0) + 1
+    assert result.int8_linear_shapes == [[k, n, c] for (k, n), c in sorted(shapes.items())]
+    assert result.to_json()["int8_linear_shapes"] == result.int8_linear_shapes
 
 
 def test_unit_macs_count_each_linear_and_the_share_left_int8():

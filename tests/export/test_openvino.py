@@ -252,6 +252,12 @@ def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     quantized = quant["quantizable_nodes"] - len(quant["automatic_exclusions"])
     fake_quantize = len(re.findall(r'type="FakeQuantize"', (out / XML).read_text()))
     assert quantized >= 1 and fake_quantize >= quantized  # some products are int8, each with its quantizers
+    # the products with int8 weights by weight shape (in, out), for the floor: the model's linears, fewer than
+    # the units (which also count attention's products and int8 embedding tables)
+    spec = trained_int8[0]
+    linears = {(m.in_features, m.out_features) for m in spec.module.modules() if isinstance(m, torch.nn.Linear)}
+    int8_weights = sum(count for _, _, count in quant["int8_linear_shapes"])
+    assert 1 <= int8_weights <= quantized and {(k, n) for k, n, _ in quant["int8_linear_shapes"]} <= linears
     # what NNCF left float runs in bf16 on a CPU with bfloat16 products, where the IR still holds the judge's
     # target so (its SQNR recorded either way), else in float32
     from tk.export.int8.search import MARGIN_DB

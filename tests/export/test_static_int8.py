@@ -79,6 +79,10 @@ def test_static_int8_export_reports_its_sqnr_and_passes_the_floor(tmp_path, monk
     quantized = quant["quantizable_nodes"] - len(quant["excluded"])
     assert quantized >= 1 and ops.count("QuantizeLinear") == quantized  # activations only, products write float32
     assert f"export int8   {quantized} of {quant['quantizable_nodes']} layers int8" in caplog.text
+    assert sum(count for _, _, count in quant["int8_linear_shapes"]) == quantized  # by weight shape, for the floor
+    linears = {(m.in_features, m.out_features) for m in build_model("transformer", size="tiny").module.modules()
+               if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    assert {(k, n) for k, n, _ in quant["int8_linear_shapes"]} <= linears
 
 
 def test_layers_are_excluded_costliest_first_until_the_floor_holds(fp32_onnx, tmp_path):

@@ -16,6 +16,10 @@ wide product's) blames it for shapes that no kernel runs at peak.
   engines keep attention in floating point: bf16 where the CPU has bf16 products, float32 elsewhere);
   each call is one sample (every product once, times its count, after an untimed pass that pays for the
   previous engine's caches and sleeping threads); the floor is the median sample.
+- an int8 artifact whose search left some linears out of int8 runs those in float32 or bf16:
+  ``LinearSplit`` (the manifest's record of the weight shapes it runs in int8) and ``mixed_floor_seconds``
+  price each of the model's linears in the precision the artifact runs it in, from the int8 floor's and the
+  other precision's samples of the same rounds.
 """
 
 from __future__ import annotations
@@ -100,12 +104,84 @@ def attention_precision(precision: str) -> str:
 
 def products_seconds(calls: list[tuple[int, Callable[[], Any]]]) -> float:
     """Seconds of one pass over ``calls`` (count, product): each product timed once, times its count."""
-    seconds = 0.0
-    for count, call in calls:
+    return sum(count * seconds for (count, _), seconds in zip(calls, each_product_seconds(calls), strict=True))
+
+
+def each_product_seconds(calls: list[tuple[int, Callable[[], Any]]]) -> list[float]:
+    """Seconds of one call of each product of ``calls`` (count, product), in order."""
+    seconds = []
+    for _, call in calls:
         start = time.perf_counter()
         call()
-        seconds += (time.perf_counter() - start) * count
+        seconds.append(time.perf_counter() - start)
     return seconds
+
+
+@dataclass(frozen=True)
+class LinearSplit:
+    """How many of a model's linears of each weight shape (in_features, out_features) an int8 artifact runs
+    in int8 (``int8``); its other linears run in ``fallback`` (fp32 or bf16). ``int8`` None: not recorded
+    (an artifact exported before the record, with layers left out of int8), so no floor can be priced."""
+
+    int8: dict[tuple[int, int], int] | None
+    fallback: str = "fp32"
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> LinearSplit | None:
+        """From a manifest's quantization record: None where every linear runs in int8 (nothing left out
+        and no shapes recorded: the int8 floor as it is)."""
+        fallback = record.get("automatic_exclusions_run_in") or "fp32"
+        shapes = record.get("int8_linear_shapes")
+        if shapes is not None:
+            return cls({(int(k), int(n)): int(count) for k, n, count in shapes}, fallback)
+        return cls(None, fallback) if record.get("excluded") else None
+
+    @classmethod
+    def of_engine(cls, manifest: Any, engine: str) -> LinearSplit | None:
+        """What ``engine`` runs in int8 of an int8 artifact (``manifest``: its format's quantization record);
+        None where the artifact is not int8, the engine runs its weights (eager, compile), or every linear
+        runs in int8."""
+        from tk.registries import ENGINE_FILE_ROLE
+
+        if manifest.precision != "int8" or engine not in ENGINE_FILE_ROLE:
+            return None
+        record = manifest.formats.get(ENGINE_FILE_ROLE[engine], {}).get("quantization")
+        return cls.from_record(record) if isinstance(record, dict) else None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LinearSplit:
+        """The inverse of ``to_json``."""
+        shapes = data.get("int8_linear_shapes")
+        int8 = None if shapes is None else {(int(k), int(n)): int(c) for k, n, c in shapes}
+        return cls(int8, data.get("fallback", "fp32"))
+
+    def to_json(self) -> dict[str, Any]:
+        shapes = None if self.int8 is None else [[k, n, c] for (k, n), c in sorted(self.int8.items())]
+        return {"int8_linear_shapes": shapes, "fallback": self.fallback}
+
+
+def mixed_floor_seconds(
+    products: list[Product], int8: list[list[float]], fallback: list[list[float]], split: LinearSplit
+) -> list[float]:
+    """The floor of an artifact that runs ``split``'s linears in int8 and the model's others in its fallback
+    precision, one value per round: ``int8`` and ``fallback`` hold, per round, one call of each of ``products``
+    in that precision (``ModelFloor.product_samples``). Each linear is priced at its own precision's time,
+    attention at the int8 floor's (the float precision int8 engines run it in)."""
+    if split.int8 is None:
+        raise ValueError("mixed_floor_seconds: the artifact's int8 linears are not recorded")
+    samples = []
+    for in_int8, in_fallback in zip(int8, fallback, strict=False):
+        left = dict(split.int8)
+        seconds = 0.0
+        for p, t8, tf in zip(products, in_int8, in_fallback, strict=True):
+            if p.kind != "linear":
+                seconds += p.count * t8
+                continue
+            n8 = min(p.count, left.get((p.k, p.n), 0))
+            left[(p.k, p.n)] = left.get((p.k, p.n), 0) - n8
+            seconds += n8 * t8 + (p.count - n8) * tf
+        samples.append(seconds)
+    return samples
 
 
 class ModelFloor:
@@ -127,6 +203,7 @@ class ModelFloor:
             b = torch.randn(p.batch, p.k, p.n, generator=gen).to(float_dtype)
             self._calls.append((p.count, lambda a=a, b=b: torch.matmul(a, b)))
         self.samples: list[float] = []
+        self.product_samples: list[list[float]] = []  # per sample, one call of each product (``products``' order)
         with torch.inference_mode():
             for _, call in self._calls:
                 call()
@@ -137,8 +214,9 @@ class ModelFloor:
             # (MiniLM's bf16 products after an OpenVINO call, AMX Xeon: 20.3 ms, then 14.0 and 13.5)
             for _, call in self._calls:
                 call()
-            seconds = products_seconds(self._calls)
-        self.samples.append(seconds)
+            each = each_product_seconds(self._calls)
+        self.product_samples.append(each)
+        self.samples.append(sum(p.count * t for p, t in zip(self.products, each, strict=True)))
 
     def release(self) -> None:
         """Free the operands; the samples stay."""

@@ -24,7 +24,9 @@ its p50 time over the median rate of its precision at its batch size.
 
 Beside it, the model's floor (``tk.measure.floor``): its linear and attention products timed alone at
 their shapes in the artifact's precision, sampled in the same rounds; an artifact's share of the floor
-is the floor's median over its p50.
+is the floor's median over its p50. An int8 artifact that runs some linears in another precision
+(``LinearSplit``) is judged against the floor of that mix, which needs that precision's floor too
+(``Roofline(..., precisions)`` must name it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from tk.formats.products import PRECISION_DTYPES, packed_linear
-from tk.measure.floor import ModelFloor, model_products, products_seconds
+from tk.measure.floor import LinearSplit, ModelFloor, mixed_floor_seconds, model_products, products_seconds
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.timing import Spread
 
@@ -197,11 +199,32 @@ class Roofline:
         peak = self.peaks.get((precision, batch))
         return peak.spread().median if peak is not None and peak.samples else None
 
-    def fill(self, report: Any, precision_of: Callable[[str], str]) -> dict[str, Any]:
+    def floor_median(self, precision: str, batch: int = 1, split: LinearSplit | None = None) -> float | None:
+        """The median floor in seconds of an engine running ``precision`` (int8 with ``split``: that mix of
+        int8 and its fallback precision) at ``batch``, or None where it was not sampled or cannot be priced."""
+        floor = self.floors.get((precision, batch))
+        if floor is None or not floor.samples:
+            return None
+        if split is None or precision != "int8":
+            return floor.spread().median
+        other = self.floors.get((split.fallback, batch))
+        if split.int8 is None or other is None or not other.samples:
+            return None
+        samples = mixed_floor_seconds(floor.products, floor.product_samples, other.product_samples, split)
+        return Spread.of(samples).median
+
+    def fill(
+        self,
+        report: Any,
+        precision_of: Callable[[str], str],
+        split_of: Callable[[str], LinearSplit | None] | None = None,
+    ) -> dict[str, Any]:
         """Fill each row's ``gflops`` and ``peak_share`` (``precision_of(row.engine)``'s median at
-        its batch size); the roofline settings for the JSON. No share where the products at a batch
+        its batch size) and ``floor_share`` (with ``split_of(row.engine)``, the floor of an int8 engine's
+        own mix of precisions); the roofline settings for the JSON. No share where the products at a batch
         size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead."""
         small: set[int] = set()
+        splits: dict[str, dict[str, Any]] = {}
         for row in report.rows:
             rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
@@ -212,11 +235,13 @@ class Roofline:
             median = self.median(precision_of(row.engine), row.batch_size)
             if median is not None:
                 row.peak_share = float(f"{rate / median:.4g}")
-            floor = self.floors.get((precision_of(row.engine), row.batch_size))
-            share = floor.share(row.p50_ms / 1e3) if floor is not None else None
-            if share is not None:
-                row.floor_share = float(f"{share:.4g}")
-        settings = {"flops_per_sample": self.flops} | self.to_json()
+            split = split_of(row.engine) if split_of is not None else None
+            floor_s = self.floor_median(precision_of(row.engine), row.batch_size, split)
+            if split is not None:
+                splits[row.engine] = split.to_json() | {"floor_s": floor_s}
+            if floor_s is not None and row.p50_ms > 0:
+                row.floor_share = float(f"{floor_s / (row.p50_ms / 1e3):.4g}")
+        settings = {"flops_per_sample": self.flops} | self.to_json() | ({"floor_splits": splits} if splits else {})
         if small:
             settings["no_share"] = (
                 f"batch {', '.join(map(str, sorted(small)))}: the model's linear products are under "

@@ -10,6 +10,7 @@ from typing import Any
 
 from tk.errors import UsageError
 from tk.manifest import verify_artifact
+from tk.measure.floor import LinearSplit
 from tk.measure.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
 from tk.measure.roofline import Roofline, engine_precision
 from tk.runtime import EngineChoice, open_engines
@@ -84,7 +85,9 @@ def bench_artifact(
         )  # fmt: skip
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
         if peaks:
-            report.settings["roofline"] = peaks.fill(report, lambda e: engine_precision(e, manifest.precision))
+            report.settings["roofline"] = peaks.fill(
+                report, lambda e: engine_precision(e, manifest.precision), lambda e: LinearSplit.of_engine(manifest, e)
+            )
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
@@ -109,4 +112,6 @@ def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str
     shape = default_shape(manifest, 1, sizes)
     feeds = random_feeds(manifest.signature.inputs, shape)
     args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
-    return Roofline(eager.module, args, {engine_precision(name, manifest.precision) for name in opened})
+    precisions = {engine_precision(name, manifest.precision) for name in opened}
+    splits = [LinearSplit.of_engine(manifest, name) for name in opened]
+    return Roofline(eager.module, args, precisions | {s.fallback for s in splits if s is not None})

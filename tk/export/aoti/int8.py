@@ -54,7 +54,13 @@ import numpy as np
 import torch
 
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
-from tk.export.aoti.pt2e import Quantizer, program_evaluator, quantizable_modules, unit_macs
+from tk.export.aoti.pt2e import (
+    Quantizer,
+    linear_weight_shapes,
+    program_evaluator,
+    quantizable_modules,
+    unit_macs,
+)
 from tk.export.aoti.smoothing import SmoothingPlan, input_channel_maxima, plan_smoothing
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator
@@ -97,6 +103,7 @@ class AotiInt8Result:
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # module -> SQNR with it alone in int8
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
+    int8_linear_shapes: list[list[int]] = field(default_factory=list)  # [in, out, count] of its int8 linears
     method: str = DEFAULT_METHOD
     # a try ("none": as captured; "0.8", "0.8 not after a unary": SmoothingPlan.name) -> all-int8 SQNR, the
     # worst over every judged batch
@@ -118,6 +125,7 @@ class AotiInt8Result:
             "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_modules": self.quantizable,
             "int8_modules": self.int8_modules,
+            "int8_linear_shapes": self.int8_linear_shapes,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
@@ -314,6 +322,8 @@ def _searched(
             quantized, result.sqnr_db = found.model, found.sqnr_db
     result.excluded = [*quantizer.keep_fp32, *result.automatic]
     result.int8_modules = len(units.units) - len(result.automatic)
+    int8 = [n for n in units.units if n not in result.automatic]
+    result.int8_linear_shapes = linear_weight_shapes(quantizer.float_module, int8)
     return quantized
 
 

@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -348,6 +348,27 @@ def unit_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]
     with torch.no_grad():
         Counter(graph_module).run(*args)
     return macs
+
+
+def linear_weight_shapes(graph_module: torch.fx.GraphModule, modules: Collection[str]) -> list[list[int]]:
+    """``[in_features, out_features, count]`` of the linears of ``modules`` in ``graph_module``, by weight shape:
+    the manifest's record of what an int8 package runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    wanted = set(modules)
+    found: dict[tuple[int, int], int] = {}
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
+            continue
+        if module_path(node) not in wanted:
+            continue
+        weight = node.args[1]
+        value = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else weight
+        if value is None and isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+            value = functools.reduce(getattr, str(weight.target).split("."), graph_module)
+        if value is None or len(value.shape) != 2:
+            continue
+        key = (int(value.shape[1]), int(value.shape[0]))
+        found[key] = found.get(key, 0) + 1
+    return [[k, n, count] for (k, n), count in sorted(found.items())]
 
 
 def module_path(node: torch.fx.Node) -> str | None:

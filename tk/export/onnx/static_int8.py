@@ -65,6 +65,7 @@ class StaticInt8Result:
     quantizable: int = 0  # weight MatMul/Gemm nodes in the graph
     method: str = "minmax"
     int8_nodes: int = 0  # of the quantizable nodes, the ones left in int8
+    int8_linear_shapes: list[list[int]] = field(default_factory=list)  # [in, out, count] of the int8 nodes' weights
     weights: str = "int8"  # or uint8 (a CPU whose int8 products saturate)
 
     def to_json(self) -> dict[str, Any]:
@@ -77,6 +78,7 @@ class StaticInt8Result:
             "outputs": "int8" if OUTPUT_QUANTIZATION else "float32",  # the products' outputs
             "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_nodes": self.quantizable,
+            "int8_linear_shapes": self.int8_linear_shapes,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
         }
@@ -123,6 +125,25 @@ def weight_matmul_nodes(path: Path) -> list[str]:
     return [
         n.name for n in model.graph.node if n.op_type in QUANTIZED_OPS and len(n.input) > 1 and n.input[1] in weights
     ]
+
+
+def weight_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
+    """``[in_features, out_features, count]`` of the weights of the MatMul/Gemm nodes ``names`` of ``source``,
+    by shape: the manifest's record of what an int8 graph runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    import onnx
+
+    model = onnx.load(str(source), load_external_data=False)
+    weights = {i.name: list(i.dims) for i in model.graph.initializer}
+    wanted = set(names)
+    found: dict[tuple[int, int], int] = {}
+    for node in model.graph.node:
+        if node.name not in wanted or len(node.input) < 2 or len(weights.get(node.input[1], [])) != 2:
+            continue
+        rows, cols = weights[node.input[1]]
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0) if node.op_type == "Gemm" else 0
+        key = (int(cols), int(rows)) if trans_b else (int(rows), int(cols))
+        found[key] = found.get(key, 0) + 1
+    return [[k, n, count] for (k, n), count in sorted(found.items())]
 
 
 def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
@@ -292,7 +313,9 @@ def static_int8_onnx_from_onnx(
             f"onnxruntime could not quantize {source.name} to static int8: {first_line(exc)}"
         ) from exc
     result.excluded = exclude + result.automatic
-    result.int8_nodes = len([n for n in candidates if n not in result.excluded])
+    int8 = [n for n in candidates if n not in result.excluded]
+    result.int8_nodes = len(int8)
+    result.int8_linear_shapes = weight_shapes(source, int8)
     return result
 
 

@@ -45,6 +45,23 @@ def weight_products(model: Any) -> list[str]:
     return [op.get_friendly_name() for op in model.get_ordered_ops() if _weight_constant(op) is not None]
 
 
+def weight_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
+    """``[in_features, out_features, count]`` of the weights of the products ``names`` of ``model`` (rank 2
+    only), by shape: the manifest's record of what an int8 IR runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    wanted = set(names)
+    found: dict[tuple[int, int], int] = {}
+    for op in model.get_ordered_ops():
+        if op.get_friendly_name() not in wanted or op.get_type_name() != "MatMul":
+            continue
+        shape = op.get_input_partial_shape(1)
+        if not shape.is_static or len(shape) != 2:
+            continue
+        rows, cols = (int(d) for d in shape.to_shape())
+        key = (cols, rows) if op.get_attributes().get("transpose_b") else (rows, cols)
+        found[key] = found.get(key, 0) + 1
+    return [[k, n, count] for (k, n), count in sorted(found.items())]
+
+
 def quantized_units(quantized: Any, model: Any) -> list[str]:
     """What the search can leave float32 in ``quantized`` (NNCF's int8 IR of ``model``): the weight
     products, the embedding tables NNCF stored in int8 (a Gather whose table is no longer a plain
@@ -349,6 +366,7 @@ def int8_ir_from_ir(
         record["automatic_exclusions"] = record["excluded"] = found.excluded
         record["layer_sqnr_db"] = {name: round(value, 2) for name, value in found.costs.items()}
     record["sqnr_db_export"] = round(sqnr, 2)
+    record["int8_linear_shapes"] = weight_shapes(model, [u for u in units if u not in set(record["excluded"])])
     record.update(_float_part(model, quantized, evaluator, target, float_part_bf16))
     return quantized, record
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from tk.errors import TkError, first_line
 from tk.manifest import Manifest
+from tk.measure.floor import LinearSplit
 from tk.measure.hardware import usable_cores
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
 from tk.measure.roofline import Roofline
@@ -74,20 +75,24 @@ def time_candidates(
     batch = sizes.get("batch", 1)
     others = {k: v for k, v in sizes.items() if k != "batch"}
     precision_of = {c.name: c.precision for c, _, _ in entries} | {EAGER: "fp32"}
+    split_of = {c.name: LinearSplit.of_engine(manifest, c.engine) for c, _, manifest in entries}
+    floor_precisions = set(precision_of.values()) | {s.fallback for s in split_of.values() if s is not None}
     with ExitStack() as stack:
         eager = stack.enter_context(BuiltModel(model, entries[0][2], device))
         engines = {EAGER: eager}
         for candidate, root, manifest in entries:
             quiet = quiet_choice(candidate.engine, {}, device)
             engines[candidate.name] = stack.enter_context(open_engine(root, quiet, candidate.engine, manifest=manifest))
-        roofline = eager_roofline(eager, others, set(precision_of.values())) if peaks and device == "cpu" else None
+        roofline = eager_roofline(eager, others, floor_precisions) if peaks and device == "cpu" else None
         report = measure(
             engines, [batch], seconds=seconds, sizes=others, progress=progress, guard=LoadGuard(wait_quiet_s),
             between=roofline.between if roofline else None,
         )  # fmt: skip
         settings = dict(report.settings)
         if roofline is not None:
-            settings["roofline"] = roofline.fill(report, lambda label: precision_of.get(label, "fp32"))
+            settings["roofline"] = roofline.fill(
+                report, lambda label: precision_of.get(label, "fp32"), lambda label: split_of.get(label)
+            )
         timed = Timed(settings={**settings, "machine": report.machine})
         for row in report.rows:
             timed.p50_ms[row.engine], timed.speedup[row.engine] = row.p50_ms, row.speedup
