@@ -155,6 +155,15 @@ def test_a_mixed_int8_artifact_is_priced_layer_by_layer():
         "fallback": "fp32",
         "floor_s": 48.0,
     }
+    # the peak of the mix: the linears' FLOPs over their time at each precision's rate (Tiny at 8 tokens: one of
+    # the two 16 x 32 calls in int8: 8192 of 32896 FLOPs, the head running on the mean of the tokens)
+    rates = {"int8": 200.0, "fp32": 100.0}
+    roofline.median = lambda precision, batch=1: rates.get(precision)
+    roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "int8", lambda engine: split)
+    mixed = 32896 / (8192 / 200.0 + (32896 - 8192) / 100.0)
+    assert roofline.mixed_median(split) == pytest.approx(mixed)
+    assert row.peak_share == pytest.approx(roofline.flops / 0.1 / 1e9 / mixed, rel=1e-3)
+    assert roofline.mixed_median(LinearSplit({}, "bf16")) is None  # no bf16 rate sampled
     unknown = SimpleNamespace(engine="onnx", batch_size=1, p50_ms=100.0, gflops=None, peak_share=None, floor_share=None)
     roofline.fill(SimpleNamespace(rows=[unknown]), lambda engine: "int8", lambda engine: LinearSplit(None))
     assert unknown.floor_share is None  # layers left out of int8, not recorded which: no floor rather than int8's

@@ -25,8 +25,9 @@ its p50 time over the median rate of its precision at its batch size.
 Beside it, the model's floor (``tk.measure.floor``): its linear and attention products timed alone at
 their shapes in the artifact's precision, sampled in the same rounds; an artifact's share of the floor
 is the floor's median over its p50. An int8 artifact that runs some linears in another precision
-(``LinearSplit``) is judged against the floor of that mix, which needs that precision's floor too
-(``Roofline(..., precisions)`` must name it).
+(``LinearSplit``) is judged against the floor and the rate of that mix (its linear FLOPs over their
+time at each precision's median rate), which need that precision's samples too (``Roofline(...,
+precisions)`` must name it).
 """
 
 from __future__ import annotations
@@ -199,6 +200,22 @@ class Roofline:
         peak = self.peaks.get((precision, batch))
         return peak.spread().median if peak is not None and peak.samples else None
 
+    def mixed_median(self, split: LinearSplit, batch: int = 1) -> float | None:
+        """The rate of an int8 artifact that runs ``split``'s linears in int8 and the others in its fallback
+        precision: the linear FLOPs over their time at the two precisions' median rates, or None where a rate
+        was not sampled or the split is not recorded."""
+        r8, rf = self.median("int8", batch), self.median(split.fallback, batch)
+        if split.int8 is None or r8 is None or rf is None:
+            return None
+        left, in_int8, total = dict(split.int8), 0, 0
+        for shape in self.shapes:
+            flops_each = shape.flops // shape.count
+            n8 = min(shape.count, left.get((shape.k, shape.n), 0))
+            left[(shape.k, shape.n)] = left.get((shape.k, shape.n), 0) - n8
+            in_int8 += n8 * flops_each
+            total += shape.flops
+        return total / (in_int8 / r8 + (total - in_int8) / rf) if total else None
+
     def floor_median(self, precision: str, batch: int = 1, split: LinearSplit | None = None) -> float | None:
         """The median floor in seconds of an engine running ``precision`` (int8 with ``split``: that mix of
         int8 and its fallback precision) at ``batch``, or None where it was not sampled or cannot be priced."""
@@ -220,8 +237,8 @@ class Roofline:
         split_of: Callable[[str], LinearSplit | None] | None = None,
     ) -> dict[str, Any]:
         """Fill each row's ``gflops`` and ``peak_share`` (``precision_of(row.engine)``'s median at
-        its batch size) and ``floor_share`` (with ``split_of(row.engine)``, the floor of an int8 engine's
-        own mix of precisions); the roofline settings for the JSON. No share where the products at a batch
+        its batch size) and ``floor_share`` (with ``split_of(row.engine)``, the rate and the floor of an int8
+        engine's own mix of precisions); the roofline settings for the JSON. No share where the products at a batch
         size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead."""
         small: set[int] = set()
         splits: dict[str, dict[str, Any]] = {}
@@ -232,10 +249,13 @@ class Roofline:
             if peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
                 small.add(row.batch_size)
                 continue
-            median = self.median(precision_of(row.engine), row.batch_size)
+            split = split_of(row.engine) if split_of is not None else None
+            if split is not None and precision_of(row.engine) == "int8":
+                median = self.mixed_median(split, row.batch_size)
+            else:
+                median = self.median(precision_of(row.engine), row.batch_size)
             if median is not None:
                 row.peak_share = float(f"{rate / median:.4g}")
-            split = split_of(row.engine) if split_of is not None else None
             floor_s = self.floor_median(precision_of(row.engine), row.batch_size, split)
             if split is not None:
                 splits[row.engine] = split.to_json() | {"floor_s": floor_s}
