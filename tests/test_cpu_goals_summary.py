@@ -88,3 +88,21 @@ def test_an_exact_winner_and_the_files_of_a_step_that_failed(tmp_path):
         "why": "",
     }
     assert goals["bf16 package, share of the bf16 rate"]["value"] is None  # the old bench file is left unread
+
+
+def test_a_cpu_without_bf16_skips_the_bf16_step_and_says_why(tmp_path, capsys):
+    """cpu_goals.sh writes this step line and the reason where the CPU has no bf16 products (the AVX2 EPYC):
+    the run is complete (exit 0) and the bf16 goal names the reason instead of a row."""
+    work, out = _work(tmp_path), tmp_path / "out"
+    out.mkdir()
+    shutil.rmtree(work / "bf16")
+    steps = [line for line in (work / "steps.tsv").read_text().splitlines() if not line.startswith("bf16\t")]
+    (work / "steps.tsv").write_text("\n".join([*steps, "bf16\tskipped (no bf16)\t0"]) + "\n")
+    reason = "this CPU (AVX2) has no avx512_bf16 or amx_bf16: bf16 would run emulated"
+    (work / "bf16-skipped.txt").write_text(reason + "\n")
+    assert main(work, out) == 0
+    goals = json.loads((out / "cpu_goals.json").read_text())["goals"]
+    bf16 = goals["bf16 package, share of the bf16 rate"]
+    assert (bf16["value"], bf16["met"], bf16["why"]) == (None, None, reason)
+    assert goals["pick held out and across the range >= 35 dB"]["value"] == pytest.approx(42.68)  # the rest read
+    assert "bf16       skipped (no bf16)        0" in capsys.readouterr().out
