@@ -312,7 +312,9 @@ def test_a_target_bf16_cannot_reach_puts_the_float_part_in_float32():
 
 def test_the_share_gate_is_asked_before_the_costs_with_the_lightest_module_out():
     """All-int8 under the target: the search will leave one module out at least, so the speed gate is
-    asked first with the lightest out (the most it can keep), before a quantize and judge per module."""
+    asked first with the lightest out (the most it can keep), before a quantize and judge per module. The
+    target is far above what smoothing can add (on the AVX2 EPYC, where activations are 7-bit, smoothing took
+    this model from 34.5 to 42.0 dB: past a target 5 dB above the unsmoothed SQNR, so no search ran)."""
     from tk.errors import CannotWinError
     from tk.export.context import Int8Share
 
@@ -327,7 +329,7 @@ def test_the_share_gate_is_asked_before_the_costs_with_the_lightest_module_out()
 
     with pytest.raises(CannotWinError):
         int8_program(
-            program, spec.signature, dims, example, calibration, min_sqnr_db=plain.sqnr_db + 3,
+            program, spec.signature, dims, example, calibration, min_sqnr_db=plain.sqnr_db + 30,
             excluded_in_bf16=False, share_gate=share_gate,
         )  # fmt: skip
     (first,) = asked
