@@ -32,6 +32,7 @@ def _export(tmp_path, precision, formats, *, train_steps=0):
 
 
 @pytest.mark.slow
+@pytest.mark.fits(seconds=40)  # 26 s each on the 2-core AVX2 EPYC
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precision):
     result = _export(tmp_path, precision, ("torch", "aoti"))

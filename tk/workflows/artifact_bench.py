@@ -85,9 +85,7 @@ def bench_artifact(
         )  # fmt: skip
         report.settings["engines"] = {name: engine.settings() for name, engine in opened.items()}
         if peaks:
-            report.settings["roofline"] = peaks.fill(
-                report, lambda e: engine_precision(e, manifest.precision), lambda e: LinearSplit.of_engine(manifest, e)
-            )
+            report.settings["roofline"] = _fill_roofline(peaks, report, manifest)
     choices: list[AutoChoice] = []
     if candidates is not None:
         choices = [pick(candidates, report.rows, batch) for batch in sorted({row.batch_size for row in report.rows})]
@@ -102,6 +100,15 @@ def _parity_at_opt(
     batch_dim = manifest.signature.dims.get("batch")
     shape = default_shape(manifest, batch_dim.opt if batch_dim else 1, sizes)
     return check_candidates(eager, opened, manifest, shape)
+
+
+def _fill_roofline(peaks: Roofline, report: BenchReport, manifest: Any) -> dict[str, Any]:
+    """Each row's shares of its engine's precision (an int8 artifact's engines: of their own mix of precisions)."""
+    precision, split = (
+        (lambda e: engine_precision(e, manifest.precision)),
+        (lambda e: LinearSplit.of_engine(manifest, e)),
+    )
+    return peaks.fill(report, precision, split)
 
 
 def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str, int] | None) -> Roofline:
