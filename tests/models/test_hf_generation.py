@@ -71,7 +71,6 @@ def exported(decoders, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.fits(seconds=110)  # the three exports 78 s, then the calls, on the 2-core AVX2 EPYC
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
 def test_the_export_matches_transformers_generate_on_every_format(exported, name):
     manifest = read_manifest(exported[name])
