@@ -3,6 +3,8 @@ warning filters, sys.path, torch's thread count, and Dynamo's caches of other co
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -41,6 +43,9 @@ def test_export_train_and_load_leave_process_state_alone(tmp_path, monkeypatch):
     import onnxruntime.quantization  # noqa: F401  # libraries add their own filters at first import
     import onnxscript  # noqa: F401
     import sympy  # noqa: F401
+    for name in ("requests", "urllib3"):  # where installed, the calls below import them (first alone: its filters)
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
     import torch.onnx
     import torch.utils.cpp_extension
 

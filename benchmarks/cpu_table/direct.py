@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tk.formats.inductor_freezing import inductor_freezing
 from tk.runtime.base import Engine
 from tk.runtime.eager import module_from_manifest
 from tk.workflows.ort_session import plain_session
@@ -64,8 +65,14 @@ def peer_compile(like: Engine) -> DirectEngine:
 
     def make() -> Call:
         module = module_from_manifest(like.root, like.manifest)
-        compiled = torch.compile(module, dynamic=False, options={"freezing": True})
-        return torch_call(compiled, [s.name for s in like.inputs])
+        # options={"freezing": True} alone does not freeze: Dynamo reads the process-wide config when it traces
+        call = torch_call(torch.compile(module, dynamic=False), [s.name for s in like.inputs])
+
+        def frozen(feeds: dict[str, np.ndarray]) -> Any:
+            with inductor_freezing():
+                return call(feeds)
+
+        return frozen
 
     return DirectEngine(like, make)
 

@@ -59,7 +59,7 @@ def engine_settings(engine: Engine) -> dict[str, Any]:
         for k, v in engine.settings().items()
     }
     if engine.name == "compile":
-        settings["dynamic"] = engine.options.get("dynamic", True)  # CompiledEngine's default
+        settings["dynamic"] = engine.options.dynamic  # type: ignore[attr-defined]
     if engine.name == "onnx":
         options = engine.session.get_session_options()  # type: ignore[attr-defined]
         settings["allow_spinning"] = options.get_session_config_entry(ORT_SPINNING)

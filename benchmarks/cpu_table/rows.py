@@ -19,16 +19,19 @@ class Row:
 
 ROWS: dict[str, Row] = {
     "eager": Row("PyTorch eager fp32", "fp32", "fp32", "eager"),
-    "compile": Row("torch.compile+freezing fp32", "fp32", "fp32", "compile"),
+    "compile": Row("torch.compile+freezing fp32", "fp32", "fp32", "compile", {"freezing": True}),
+    "compile-plain": Row("torch.compile fp32 (tk bench's baseline)", "fp32", "fp32", "compile"),
     "onnx": Row("onnxruntime fp32", "fp32", "fp32", "onnx"),
     "aoti": Row("AOTInductor fp32", "fp32", "fp32", "aoti"),
-    "compile-bf16": Row("torch.compile+freezing bf16 autocast", "bf16", "fp32", "compile", {"precision": "bf16"}),
+    "compile-bf16": Row(
+        "torch.compile+freezing bf16 autocast", "bf16", "fp32", "compile", {"precision": "bf16", "freezing": True}
+    ),
     "aoti-bf16": Row("AOTInductor bf16", "bf16", "bf16", "aoti"),
     "onnx-int8": Row("onnxruntime dynamic int8", "int8", "int8", "onnx"),
     "peer-compile": Row("peer: torch.compile by hand, static", "fp32", "fp32", "peer-compile"),
     "peer-onnx": Row("peer: onnxruntime session by hand", "fp32", "fp32", "peer-onnx"),
 }
-FP32_ROWS = ("eager", "compile", "onnx", "aoti")  # tk's own float32 engines
+FP32_ROWS = ("eager", "compile", "compile-plain", "onnx", "aoti")  # tk's own float32 engines
 PEER_ROWS = ("peer-compile", "peer-onnx")
 BF16_ROWS = ("compile-bf16", "aoti-bf16")
 OVERHEAD_ROWS = ("onnx", "compile", "aoti")  # engines whose bare backend call can be reached

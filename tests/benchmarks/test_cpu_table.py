@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 
-from benchmarks.cpu_table.direct import bare, peer_onnx
+from benchmarks.cpu_table.direct import bare, peer_compile, peer_onnx
 from benchmarks.cpu_table.exports import attempts_of, one_line
 from benchmarks.cpu_table.parity import named_numpy, open_and_check, parity_of
 from benchmarks.cpu_table.report import fastest, goals, results_table
 from benchmarks.cpu_table.rows import ROWS, formats_by_artifact, ordered_rows
 from tk.runtime import load
+from tk.spec import random_feeds
 
 
 def test_rows_ask_each_precision_for_the_formats_their_engines_load():
@@ -59,6 +61,25 @@ def test_bare_and_peer_sessions_run_the_artifacts_onnx_file(exported):
     finally:
         for engine in engines.values():
             engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch: Inductor packs nothing")
+def test_the_hand_built_compile_peer_is_frozen(exported):
+    # frozen as the table says: its three linears handed to oneDNN's packed linear (counted with the cache off)
+    from torch._dynamo.utils import counters
+
+    art = exported("mlp", ("torch",))
+    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    peer, eager = peer_compile(load(art.root, "eager")), load(art.root, "eager")
+    peer.load()
+    feeds = random_feeds(eager.inputs, {"batch": 4}, seed=2)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got = named_numpy(peer, peer.run(feeds))
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed == 3
+    want = named_numpy(eager, eager.run(feeds))
+    assert all(np.abs(got[k] - want[k]).max() < 1e-5 for k in want)
+    eager.close()
 
 
 def _feeds(art) -> dict[str, np.ndarray]:

@@ -105,7 +105,30 @@ def test_options_arrive_typed_and_settings_report_them(exported):
         assert settings["optimization"] == "basic" and settings["graph_optimization_level"] == "ORT_ENABLE_BASIC"
     with pytest.raises(UsageError, match="expected CompileOptions, got OnnxSessionOptions"):
         load(e.root, "compile", options=OnnxSessionOptions())
-    assert CompileOptions().freezing and CompileOptions().dynamic
+    assert not CompileOptions().freezing and CompileOptions().dynamic  # torch.compile's own defaults
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch: Inductor packs nothing")
+@pytest.mark.parametrize("freezing", [False, True])
+def test_compile_freezes_the_weights_only_when_asked(exported, freezing):
+    # torch.compile's options={"freezing": True} alone never froze (Dynamo reads the process-wide config); frozen on
+    # the CPU, Inductor hands each of the MLP's three linears to oneDNN's packed linear (its counter, cache off)
+    from torch._dynamo.utils import counters
+
+    e = exported("mlp", ("torch",))
+    before, packed = torch._inductor.config.freezing, counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    with load(e.root, "compile", options=CompileOptions(freezing=freezing)) as engine:
+        feeds = random_feeds(engine.inputs, {"batch": 3}, seed=5)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out = engine.run(feeds)
+        assert torch._inductor.config.freezing is before  # set for the call only
+        assert engine.settings()["freezing"] is freezing
+    packs = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed
+    assert packs == (3 if freezing else 0), packs
+    with load(e.root, "eager") as eager:
+        reference = eager.run(feeds)
+    assert all(np.abs(out[n] - reference[n]).max() < 1e-5 for n in reference)
 
 
 def test_torch_threads_apply_to_the_call_and_are_restored(exported):

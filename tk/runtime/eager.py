@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tk.errors import BackendUnavailableError, EngineError, IntegrityError, first_line
+from tk.formats.inductor_freezing import inductor_freezing, register_float_weight_packing
 from tk.limits import extrapolated_bytes, module_bytes, require_within_budget
 from tk.manifest import read_verified
 from tk.runtime.base import GraphOptions
@@ -90,7 +91,9 @@ class EagerOptions(GraphOptions):
 class CompileOptions(EagerOptions):
     mode: str | None = None  # torch.compile mode: default, reduce-overhead, max-autotune; default: default
     dynamic: bool = True  # compile for dynamic shapes (one graph for every batch size)
-    freezing: bool = True  # Inductor's constant folding of weights: what makes compile fast on the CPU
+    freezing: bool = (
+        False  # Inductor's weights as constants, packed for oneDNN on the CPU (torch.compile's default: off)
+    )
     precision: str | None = None  # fp32, bf16 or fp16 (autocast); default: the artifact's precision
 
 
@@ -141,8 +144,10 @@ class EagerEngine(TorchEngine):
 class CompiledEngine(EagerEngine):
     """The same model under ``torch.compile`` (options: ``CompileOptions``).
 
-    ``freezing`` (Inductor's constant folding of weights, default on for inference) is what
-    makes compile faster on the CPU; ``precision="bf16"`` runs under bfloat16 autocast.
+    ``freezing`` (Inductor's weights as constants, folded and, on the CPU, packed for oneDNN) is off
+    by default, as in ``torch.compile``: the baseline is what a user's own compile gives, and packed
+    float32 linears ran slower on the AVX2 EPYC (benchmarks/history.md). ``precision="bf16"`` runs
+    under bfloat16 autocast.
     ``cuda_graph`` means Inductor's own CUDA graphs (mode ``reduce-overhead``); whether they were
     used, or skipped and why, and how often Dynamo recompiled are in ``settings()``.
     """
@@ -176,6 +181,9 @@ class CompiledEngine(EagerEngine):
         # torch.compile takes a mode or options, not both: the mode's options plus freezing, compiled in
         options = dict(list_mode_options(mode, self.options.dynamic)) if mode != "default" else {}
         options["freezing"] = self.options.freezing
+        self._freezing = inductor_freezing if self.options.freezing else contextlib.nullcontext
+        if self.options.freezing and self.device == "cpu":
+            register_float_weight_packing()  # not left out by an earlier unpacked frozen compile in this process
         self.compiled = torch.compile(self.module, dynamic=self.options.dynamic, options=options)
         self._counters_at_load = compile_counters()
 
@@ -198,8 +206,9 @@ class CompiledEngine(EagerEngine):
 
     def _forward(self, *args: torch.Tensor) -> Any:
         if self._precision == "fp32":
-            return self.compiled(*args)
-        with torch.autocast(device_type=self.device, dtype=self._autocast_dtype):
+            with self._freezing():  # any call may trace (a new shape, a guard that fails)
+                return self.compiled(*args)
+        with torch.autocast(device_type=self.device, dtype=self._autocast_dtype), self._freezing():
             out = self.compiled(*args)
         values = list(out) if isinstance(out, (tuple, list)) else [out]
         return [v.float() if v.is_floating_point() else v for v in values]

@@ -21,6 +21,7 @@ both. The settings used are recorded in the manifest (``inductor_configs``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from tk.errors import ConversionError, UsageError, first_line
 from tk.export.base import REDUCED, Writer, option
 from tk.export.context import ExportContext, ExportOptions
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
+from tk.formats.inductor_freezing import float_weight_packing
 
 
 @dataclass(frozen=True)
@@ -283,15 +285,23 @@ def aoti_package_from_exported_program(
     if precision == "int8":
         passes["joint_custom_post_pass"] = SizesFromInputs()
         names.append(SizesFromInputs().uuid())
+    configs = dict(inductor_configs or {})
     try:
-        with warnings.catch_warnings(), torch.no_grad(), torch._inductor.config.patch(passes):
+        with warnings.catch_warnings(), torch.no_grad(), torch._inductor.config.patch(passes), _packing(configs):
             warnings.simplefilter("ignore")
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(path), inductor_configs=dict(inductor_configs or {})
-            )
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     except Exception as exc:  # Inductor and the C++ toolchain raise many types
         raise ConversionError(
             f"AOTInductor could not compile the program ({type(exc).__name__}: {first_line(exc)}); check that `g++ --version` works, "
             "or export --format torch or onnx instead"
         ) from exc
     return names
+
+
+def _packing(configs: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """A frozen compile packs float weights as its ``cpp.weight_prepack`` says, not as the process's
+    first frozen compile did (``tk.formats.inductor_freezing``)."""
+    inductor = torch._inductor.config
+    if not configs.get("freezing", inductor.freezing):
+        return contextlib.nullcontext()
+    return float_weight_packing(bool(configs.get("cpp.weight_prepack", inductor.cpp.weight_prepack)))
