@@ -297,9 +297,9 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
 
     rows = [_row(r, forward, backward, alone, floor_ms(r), engines[r.name].inputs,
                  None if r is reference else cosines[r.name], s.bar) for r in everyone]  # fmt: skip
-    plain = {p: Recipe(p, "tk", "", p) for p in floors}  # each precision's floor alone, for the JSON
+    plain = {p: round(recipe_floor_ms(products, p, None, in_run, lone), 3) for p in floors}  # each alone
     return {"rows": rows, "pick": pick, "verdict": verdict(rows, pick, reference.name),
-            "floors": {p: f.to_json() | {"floor_ms": round(floor_ms(plain[p]), 3)} for p, f in floors.items()},
+            "floors": {p: f.to_json() | {"floor_ms": plain[p]} for p, f in floors.items()},
             "splits": {name: split.to_json() for name, split in splits.items()},
             "settings": asdict(s)}  # fmt: skip
 

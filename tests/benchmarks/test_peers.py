@@ -44,15 +44,16 @@ def test_model_products_counts_linears_and_attention_at_their_shapes(attention):
                                                   + 2 * 2 * 12 * 10 * 8 * 10)  # fmt: skip
 
 
-def test_the_floor_times_each_product_and_its_share_is_the_floor_over_a_time():
+def test_the_floor_times_each_product_and_keeps_each_ones_time():
     products = [Product("linear", 1, 16, 32, 32, count=3), Product("attention", 4, 8, 8, 8, count=2)]
     floor = ModelFloor("fp32", products)
-    assert floor.share(1.0) is None  # no sample yet
+    assert floor.samples == [] and floor.product_samples == []  # no sample yet
     for _ in range(3):
         floor()
     assert len(floor.samples) == 3 and all(s > 0 for s in floor.samples)
-    median = floor.spread().median
-    assert floor.share(2 * median) == pytest.approx(0.5)
+    # each sample is the sum of its products' times, each times its count
+    for total, each in zip(floor.samples, floor.product_samples, strict=True):
+        assert total == pytest.approx(3 * each[0] + 2 * each[1]) and all(t > 0 for t in each)
     stored = floor.to_json()
     assert stored["flops"] == 2 * (3 * 16 * 32 * 32 + 2 * 4 * 8 * 8 * 8) and stored["seconds"]["n"] == 3
     assert attention_precision("int8") in ("bf16", "fp32") and attention_precision("bf16") == "bf16"

@@ -159,6 +159,18 @@ class LinearSplit:
         shapes = None if self.int8 is None else [[k, n, c] for (k, n), c in sorted(self.int8.items())]
         return {"int8_linear_shapes": shapes, "fallback": self.fallback}
 
+    def int8_counts(self, linears: list[tuple[int, int, int]]) -> list[int]:
+        """For each of a model's ``linears`` ((in_features, out_features, count), in order), how many run in
+        int8: the record's count of that shape, handed out to the model's linears of it in turn."""
+        if self.int8 is None:
+            raise ValueError("LinearSplit: the artifact's int8 linears are not recorded")
+        left = dict(self.int8)
+        counts = []
+        for k, n, count in linears:
+            counts.append(min(count, left.get((k, n), 0)))
+            left[(k, n)] = left.get((k, n), 0) - counts[-1]
+        return counts
+
 
 def mixed_floor_seconds(
     products: list[Product], int8: list[list[float]], fallback: list[list[float]], split: LinearSplit
@@ -167,21 +179,12 @@ def mixed_floor_seconds(
     precision, one value per round: ``int8`` and ``fallback`` hold, per round, one call of each of ``products``
     in that precision (``ModelFloor.product_samples``). Each linear is priced at its own precision's time,
     attention at the int8 floor's (the float precision int8 engines run it in)."""
-    if split.int8 is None:
-        raise ValueError("mixed_floor_seconds: the artifact's int8 linears are not recorded")
-    samples = []
-    for in_int8, in_fallback in zip(int8, fallback, strict=False):
-        left = dict(split.int8)
-        seconds = 0.0
-        for p, t8, tf in zip(products, in_int8, in_fallback, strict=True):
-            if p.kind != "linear":
-                seconds += p.count * t8
-                continue
-            n8 = min(p.count, left.get((p.k, p.n), 0))
-            left[(p.k, p.n)] = left.get((p.k, p.n), 0) - n8
-            seconds += n8 * t8 + (p.count - n8) * tf
-        samples.append(seconds)
-    return samples
+    linears = iter(split.int8_counts([(p.k, p.n, p.count) for p in products if p.kind == "linear"]))
+    n8s = [next(linears) if p.kind == "linear" else p.count for p in products]  # attention: all at int8's times
+    return [
+        sum(n8 * t8 + (p.count - n8) * tf for p, n8, t8, tf in zip(products, n8s, in_int8, in_fallback, strict=True))
+        for in_int8, in_fallback in zip(int8, fallback, strict=False)
+    ]
 
 
 class ModelFloor:
@@ -224,10 +227,6 @@ class ModelFloor:
 
     def spread(self) -> Spread:
         return Spread.of(self.samples)
-
-    def share(self, seconds: float) -> float | None:
-        """The floor's median over ``seconds`` (an engine's time for the same work), or None before a sample."""
-        return self.spread().median / seconds if self.samples and seconds > 0 else None
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -207,13 +207,9 @@ class Roofline:
         r8, rf = self.median("int8", batch), self.median(split.fallback, batch)
         if split.int8 is None or r8 is None or rf is None:
             return None
-        left, in_int8, total = dict(split.int8), 0, 0
-        for shape in self.shapes:
-            flops_each = shape.flops // shape.count
-            n8 = min(shape.count, left.get((shape.k, shape.n), 0))
-            left[(shape.k, shape.n)] = left.get((shape.k, shape.n), 0) - n8
-            in_int8 += n8 * flops_each
-            total += shape.flops
+        counts = split.int8_counts([(shape.k, shape.n, shape.count) for shape in self.shapes])
+        in_int8 = sum(n8 * (shape.flops // shape.count) for shape, n8 in zip(self.shapes, counts, strict=True))
+        total = sum(shape.flops for shape in self.shapes)
         return total / (in_int8 / r8 + (total - in_int8) / rf) if total else None
 
     def floor_median(self, precision: str, batch: int = 1, split: LinearSplit | None = None) -> float | None:
