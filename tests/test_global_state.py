@@ -43,6 +43,7 @@ def test_export_train_and_load_leave_process_state_alone(tmp_path, monkeypatch):
     import onnxruntime.quantization  # noqa: F401  # libraries add their own filters at first import
     import onnxscript  # noqa: F401
     import sympy  # noqa: F401
+
     for name in ("requests", "urllib3"):  # where installed, the calls below import them (first alone: its filters)
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)

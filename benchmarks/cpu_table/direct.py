@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tk.formats.inductor_freezing import inductor_freezing
+from tk.formats.inductor_freezing import inductor_freezing, register_float_weight_packing
 from tk.runtime.base import Engine
 from tk.runtime.eager import module_from_manifest
 from tk.workflows.ort_session import plain_session
@@ -65,6 +65,7 @@ def peer_compile(like: Engine) -> DirectEngine:
 
     def make() -> Call:
         module = module_from_manifest(like.root, like.manifest)
+        register_float_weight_packing()  # as the compile engine: not left out by an earlier unpacked frozen compile
         # options={"freezing": True} alone does not freeze: Dynamo reads the process-wide config when it traces
         call = torch_call(torch.compile(module, dynamic=False), [s.name for s in like.inputs])
 

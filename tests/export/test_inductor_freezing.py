@@ -3,6 +3,7 @@ compiles come in a process (Inductor alone decides it once a process: tk.formats
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -15,11 +16,7 @@ from tk.formats.inductor_freezing import packing_registry_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(aoti_unavailable("cpu") is not None, reason=str(aoti_unavailable("cpu"))),
-    pytest.mark.skipif(packing_registry_missing() is not None, reason=str(packing_registry_missing())),
-]
+pytestmark = pytest.mark.skipif(packing_registry_missing() is not None, reason=str(packing_registry_missing()))
 
 # A fresh process, so that its first frozen compile is the unpacked one (the order the suite cannot
 # promise): unpacked, packed, unpacked packages, then torch.compile with freezing as the compile engine
@@ -55,6 +52,54 @@ print(json.dumps(report))
 """
 
 
+def _registry() -> list[list[object]]:
+    from torch._inductor.fx_passes import freezing_patterns
+
+    return [list(entries) for matcher in freezing_patterns.pass_patterns for entries in matcher.patterns.values()]
+
+
+def _flat(lists: list[list[object]]) -> list[object]:
+    return list(itertools.chain.from_iterable(lists))
+
+
+def _packing_entries(lists: list[list[object]]) -> int:
+    from tk.formats.inductor_freezing import _handler, _packing_handlers
+
+    return sum(_handler(entry) in _packing_handlers() for entries in lists for entry in entries)
+
+
+def test_the_packing_is_set_aside_for_a_compile_that_asks_for_none_and_put_back_once(monkeypatch):
+    import torch
+    from torch._inductor.fx_passes import freezing_patterns
+
+    from tk.formats import inductor_freezing
+    from tk.formats.inductor_freezing import float_weight_packing
+
+    monkeypatch.setattr(inductor_freezing, "_handlers", frozenset())  # found afresh, as at a process's first use,
+    with monkeypatch.context() as switched:  # even where oneDNN was switched off at the time
+        switched.setattr(torch.backends.mkldnn, "enabled", False)
+        with float_weight_packing(True):
+            pass
+    with float_weight_packing(True), float_weight_packing(True):
+        packed = _registry()
+    assert _packing_entries(packed) >= 2  # oneDNN's float linear and convolution packing at least
+    with float_weight_packing(True):
+        assert _registry() == packed  # registered once, never twice
+    added = object()
+    with pytest.raises(RuntimeError, match="inside"), float_weight_packing(False):
+        assert _packing_entries(_registry()) == 0
+        assert len(_flat(_registry())) == len(_flat(packed)) - _packing_entries(packed)  # only those
+        first = next(iter(freezing_patterns.pass_patterns[0].patterns.values()))
+        first.append(added)  # a pattern registered meanwhile (torchao's int8 ones, at its first quantization)
+        raise RuntimeError("inside")
+    after = _registry()
+    first.remove(added)
+    assert _flat(after).count(added) == 1 and [[e for e in es if e is not added] for es in after] == packed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(aoti_unavailable("cpu") is not None, reason=str(aoti_unavailable("cpu")))
+@pytest.mark.fits(seconds=60)  # 45 s on the 2-core AVX2 EPYC: a fresh process and three package compiles
 def test_each_frozen_compile_packs_as_its_config_says_in_any_order(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300

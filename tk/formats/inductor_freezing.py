@@ -16,14 +16,16 @@ Two process-wide states of Inductor decide what a frozen compile does, not the c
   packing where the first compile left it out, and sets it aside (then puts it back) where a compile
   asks for none.
 
-These are Inductor's private registries (torch 2.14); where they are not as expected, the compile
-runs as Inductor's own state has it and ``packing_registry_missing`` says why.
+These are Inductor's private registries (torch 2.14); where one is missing, the compile runs as
+Inductor's own state has it and ``packing_registry_missing`` says why (``tests/export/test_inductor_freezing.py``
+fails where they change shape). ``inductor_freezing`` and ``config.patch(freezing=...)`` (AOTInductor's
+``inductor_configs``) both set the same process-wide flag: the two overlapping in threads can leave it
+as the other found it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Iterator
 from types import CodeType
@@ -76,21 +78,30 @@ def packing_registry_missing() -> str | None:
     return f"torch {torch.__version__} has no {', '.join(missing)}" if missing else None
 
 
-@functools.cache
+_handlers: frozenset[CodeType] = frozenset()
+
+
 def _packing_handlers() -> frozenset[CodeType]:
-    """The code of the pattern handlers ``_mkldnn_weight_pack_init`` registers, found by registering
-    them into empty passes and putting the process's own passes back."""
+    """The code of the pattern handlers ``_mkldnn_weight_pack_init`` registers (oneDNN's float packing, and
+    the reshape and bias recovery and int8 weight-only concat patterns Inductor registers with it), found
+    once a process by registering them into empty passes and putting the process's own passes back. A
+    frozen ``torch.compile`` in another thread in that moment (the first aoti freezing compile's or compile
+    engine's load) would run without freezing patterns."""
+    global _handlers
+    if _handlers:
+        return _handlers
     from torch._inductor.fx_passes import freezing_patterns, mkldnn_fusion
     from torch._inductor.pattern_matcher import PatternMatcherPass
 
     own = list(freezing_patterns.pass_patterns)
     freezing_patterns.pass_patterns[:] = [PatternMatcherPass() for _ in own]
     try:
-        _register_packing(mkldnn_fusion)
+        _register_packing(mkldnn_fusion)  # nothing where oneDNN is switched off: then found at a later call
         scratch = list(freezing_patterns.pass_patterns)
     finally:
         freezing_patterns.pass_patterns[:] = own
-    return frozenset(code for entries in _entry_lists(scratch) for entry in entries if (code := _handler(entry)))
+    _handlers = frozenset(code for entries in _entry_lists(scratch) for entry in entries if (code := _handler(entry)))
+    return _handlers
 
 
 def _register_packing(mkldnn_fusion: Any) -> None:
@@ -109,9 +120,12 @@ def _handler(entry: Any) -> CodeType | None:
 
 
 def register_float_weight_packing() -> None:
-    """Have Inductor's float weight packing registered (as its first compile registers it when
-    ``cpp.weight_prepack`` is on): for a compile that happens later, such as ``torch.compile``'s."""
-    if packing_registry_missing() is not None:
+    """Have Inductor's float weight packing registered where the process's ``cpp.weight_prepack`` is on
+    (as its first frozen compile registers it then), for a compile that comes later, such as
+    ``torch.compile``'s: an earlier frozen compile that asked for none may have left it out."""
+    from torch._inductor import config
+
+    if packing_registry_missing() is not None or not config.cpp.weight_prepack:
         return
     with _LOCK:
         _registered_lists(True)
@@ -138,7 +152,8 @@ def _registered_lists(packing: bool) -> tuple[list[list[Any]], bool]:
 def float_weight_packing(enabled: bool) -> Iterator[None]:
     """Freezing compiles inside pack float weights for oneDNN if and only if ``enabled`` (what their
     ``cpp.weight_prepack`` says). Such compiles run one at a time; a ``torch.compile`` in another
-    thread at that moment sees the same registry."""
+    thread at that moment sees the same registry. Patterns registered meanwhile (torchao's int8
+    ones, at its first quantization) are kept."""
     if packing_registry_missing() is not None:
         yield
         return
@@ -152,4 +167,5 @@ def float_weight_packing(enabled: bool) -> Iterator[None]:
             yield
         finally:
             for entries, whole in set_aside:
-                entries[:] = whole
+                kept = {id(entry) for entry in whole}
+                entries[:] = whole + [entry for entry in entries if id(entry) not in kept]
