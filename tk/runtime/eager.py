@@ -91,9 +91,7 @@ class EagerOptions(GraphOptions):
 class CompileOptions(EagerOptions):
     mode: str | None = None  # torch.compile mode: default, reduce-overhead, max-autotune; default: default
     dynamic: bool = True  # compile for dynamic shapes (one graph for every batch size)
-    freezing: bool = (
-        False  # Inductor's weights as constants, packed for oneDNN on the CPU (torch.compile's default: off)
-    )
+    freezing: bool = False  # Inductor's weights as constants, packed for oneDNN on the CPU (off, as in torch.compile)
     precision: str | None = None  # fp32, bf16 or fp16 (autocast); default: the artifact's precision
 
 
