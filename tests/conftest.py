@@ -210,6 +210,17 @@ def package_source(root: Path) -> str:
         return "\n".join(archive.read(n).decode(errors="replace") for n in archive.namelist() if n.endswith(".cpp"))
 
 
+def runner_of_package(root: Path) -> Any:
+    """torch's runner of an artifact's package model library, its constants where AOTInductor's loader put them."""
+    from tk.formats.aoti import FILE
+    from tk.runtime.aoti_package import _model_library
+    from tk.safefiles import private_copy
+
+    library = _model_library((root / FILE).read_bytes())
+    with private_copy({"model.so": library}) as copy:
+        return torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / "model.so"), 1)
+
+
 def run_in_threads(work: Callable[[], None], threads: int = 4) -> list[BaseException]:
     """Run ``work`` in ``threads`` threads at once; return what any of them raised."""
     return run_each_in_thread(lambda _: work(), threads)

@@ -71,15 +71,15 @@ def test_the_hand_built_compile_peer_is_frozen(exported):
 
     art = exported("mlp", ("torch",))
     packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
-    peer, eager = peer_compile(load(art.root, "eager")), load(art.root, "eager")
-    peer.load()
-    feeds = random_feeds(eager.inputs, {"batch": 4}, seed=2)
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        got = named_numpy(peer, peer.run(feeds))
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed == 3
-    want = named_numpy(eager, eager.run(feeds))
+    with load(art.root, "eager") as eager:
+        peer = peer_compile(eager)  # its own module, built from the same manifest
+        peer.load()
+        feeds = random_feeds(eager.inputs, {"batch": 4}, seed=2)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            got = named_numpy(peer, peer.run(feeds))
+        assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed == 3
+        want = named_numpy(eager, eager.run(feeds))
     assert all(np.abs(got[k] - want[k]).max() < 1e-5 for k in want)
-    eager.close()
 
 
 def _feeds(art) -> dict[str, np.ndarray]:

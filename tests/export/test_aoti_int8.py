@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torchao", reason="int8 aoti packages need torchao (pip install 'tk[int8]')")
 
-from tests.conftest import package_source
+from tests.conftest import package_source, runner_of_package
 from tk.cli import cli
 from tk.errors import BackendUnavailableError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
@@ -33,6 +33,7 @@ from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
 from tk.runtime import load
+from tk.runtime.aoti_package import ALIGNMENT, AlignedCpuPackage
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
@@ -104,11 +105,21 @@ def test_int8_package_runs_onednn_int8_linears_and_passes_its_floor(trained_int8
 @pytest.mark.slow
 @needs_compiler
 def test_int8_package_with_its_constants_aligned_computes_what_torchs_loader_does(trained_int8):
-    """oneDNN's packed int8 weights are constants with no data pointer to read: moved onto cache lines
-    (``tk.runtime.aoti_package``) they must still be the same bytes, so the outputs are equal bit for bit."""
+    """Every constant has its own original name (``tk.export.aoti.constant_names``: the int8 lowering's
+    ``x_scale`` and the repeated zero points too), so the engine moves them all onto cache lines
+    (``tk.runtime.aoti_package``). oneDNN's packed int8 weights have no data pointer to read: moved,
+    they must still be the same bytes, so the outputs are equal bit for bit."""
     spec, out, _ = trained_int8
+    runner = runner_of_package(out)
+    names = runner.get_constant_names_to_original_fqns()
+    assert len(set(names.values())) == len(names) and any(n.startswith("x_scale") for n in names), sorted(names)
     feeds = random_feeds(spec.signature.inputs, {"batch": 4, "seq": 21}, seed=5)
     with load(out, "aoti") as engine:
+        assert isinstance(engine._model, AlignedCpuPackage)
+        constants = engine._model._runner.extract_constants_map(False)
+        assert len(constants) == len(names)
+        dense = [t for t in constants.values() if t.layout == torch.strided and t.numel()]
+        assert dense and {t.data_ptr() % ALIGNMENT for t in dense} == {0}
         got = engine.run(feeds)
     package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))
     want = package(*(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import run_in_threads
+from tests.conftest import run_in_threads, runner_of_package
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.export import ExportOptions
 from tk.formats.aoti import FILE, packing_features
@@ -24,7 +24,6 @@ from tk.runtime.aoti import AOTInductorEngine
 from tk.runtime.aoti_package import ALIGNMENT, AlignedCpuPackage, _model_library, realigned_constants
 from tk.runtime.onnxrt import OnnxRuntimeEngine, usable_cores
 from tk.runtime.tensorrt import TensorRTEngine
-from tk.safefiles import private_copy
 from tk.signing import TrustPolicy
 from tk.spec import random_feeds
 from tk.workflows.export import export
@@ -161,13 +160,6 @@ def test_aoti_runs_numpy_and_torch(mlp_aoti):
         assert isinstance(out["logits"], torch.Tensor) and out["logits"].shape == (5, 4)
 
 
-def _runner_of(root):
-    """torch's runner of the package's model library, its constants where AOTInductor's loader put them."""
-    library = _model_library((root / FILE).read_bytes())
-    with private_copy({"model.so": library}) as copy:
-        return torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / "model.so"), 1)
-
-
 def _offsets(runner) -> set[int]:
     return {t.data_ptr() % ALIGNMENT for t in runner.extract_constants_map(False).values() if t.numel()}
 
@@ -176,7 +168,7 @@ def _offsets(runner) -> set[int]:
 def test_aoti_constants_off_cache_lines_are_moved_onto_them(mlp_aoti):
     """AOTInductor copies constants into one ``std::malloc`` block (16-byte aligned): put 16 bytes off a cache
     line here on purpose, they are moved onto 64-byte boundaries, the runner's own set freed, outputs unchanged."""
-    runner = _runner_of(mlp_aoti)
+    runner = runner_of_package(mlp_aoti)
     x = [torch.from_numpy(random_feeds(read_manifest(mlp_aoti).signature.inputs, {"batch": 5}, seed=0)["x"])]
     want = runner.run(x)[0].clone()
     own_name = {original: name for name, original in runner.get_constant_names_to_original_fqns().items()}

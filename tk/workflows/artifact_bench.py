@@ -104,11 +104,9 @@ def _parity_at_opt(
 
 def _fill_roofline(peaks: Roofline, report: BenchReport, manifest: Any) -> dict[str, Any]:
     """Each row's shares of its engine's precision (an int8 artifact's engines: of their own mix of precisions)."""
-    precision, split = (
-        (lambda e: engine_precision(e, manifest.precision)),
-        (lambda e: LinearSplit.of_engine(manifest, e)),
+    return peaks.fill(
+        report, lambda e: engine_precision(e, manifest.precision), lambda e: LinearSplit.of_engine(manifest, e)
     )
-    return peaks.fill(report, precision, split)
 
 
 def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str, int] | None) -> Roofline:

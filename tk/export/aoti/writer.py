@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tk.errors import ConversionError, UsageError, first_line
+from tk.export.aoti.constant_names import unique_constant_names
 from tk.export.base import REDUCED, Writer, option
 from tk.export.context import ExportContext, ExportOptions
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
@@ -287,7 +288,13 @@ def aoti_package_from_exported_program(
         names.append(SizesFromInputs().uuid())
     configs = dict(inductor_configs or {})
     try:
-        with warnings.catch_warnings(), torch.no_grad(), torch._inductor.config.patch(passes), _packing(configs):
+        with (
+            warnings.catch_warnings(),
+            torch.no_grad(),
+            torch._inductor.config.patch(passes),
+            _packing(configs),
+            unique_constant_names(),  # so the engine can move every constant onto cache lines
+        ):
             warnings.simplefilter("ignore")
             torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     except Exception as exc:  # Inductor and the C++ toolchain raise many types
