@@ -65,7 +65,8 @@ def realigned_constants(runner: Any) -> dict[str, torch.Tensor]:
     """``runner``'s constants moved into torch's allocations (aligned to ``ALIGNMENT``) and its own block
     freed; the copies returned must outlive the runner. Left where they are (``{}``) when already aligned,
     or when torch's runner cannot hand every constant back: it names them by their original names, which
-    Inductor's int8 lowering repeats (nine ``x_scale``), and one left out would point into the freed block."""
+    Inductor's int8 lowering repeats (nine ``x_scale``) in packages tk wrote before
+    ``tk.export.aoti.constant_names``, and one left out would point into the freed block."""
     original = runner.get_constant_names_to_original_fqns()  # the runner's own name -> the original one
     constants = runner.extract_constants_map(False)  # by original name
     if not constants:
