@@ -10,8 +10,9 @@ records every repeat under its own name instead: the first constant made under a
 model's parameter or buffer is made once, so update by name still finds it), the copies Inductor makes
 later (a per-channel zero point used twice, the int8 lowering's scales) carry their own.
 
-This wraps ``GraphLowering.allocate_non_dup_const_name``, Inductor's private method (torch 2.14), for
-the compiles inside only; ``tests/export/test_aoti_int8.py`` checks a package's names are unique.
+This wraps ``GraphLowering.allocate_non_dup_const_name``, Inductor's private method (torch 2.14), while
+a tk compile runs (a compile in another thread meanwhile gets unique names too: only the names of the
+constants Inductor made up differ); ``tests/export/test_aoti_int8.py`` checks a package's names are unique.
 """
 
 from __future__ import annotations
