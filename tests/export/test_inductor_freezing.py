@@ -98,6 +98,28 @@ def test_the_packing_is_set_aside_for_a_compile_that_asks_for_none_and_put_back_
     assert _flat(after).count(added) == 1 and [[e for e in es if e is not added] for es in after] == packed
 
 
+def test_finding_the_packing_handlers_leaves_the_registry_a_compile_sees_as_it_is(monkeypatch):
+    """The handlers are found by registering them into passes of tk's own: a compile in another thread at
+    that moment (the registry read from inside the registration) sees every pattern the process registered."""
+    from tk.formats import inductor_freezing
+    from tk.formats.inductor_freezing import _packing_handlers, register_float_weight_packing
+
+    register_float_weight_packing()  # the process's own registration first, as every caller has it
+    before = _registry()
+    seen_meanwhile = []
+    register = inductor_freezing._register_packing
+
+    def registering(module):
+        register(module)
+        seen_meanwhile.append(_registry())
+
+    monkeypatch.setattr(inductor_freezing, "_handlers", frozenset())
+    monkeypatch.setattr(inductor_freezing, "_register_packing", registering)
+    handlers = _packing_handlers()
+    assert len(handlers) >= 2 and seen_meanwhile == [before] and _registry() == before
+    assert _packing_entries(before) >= 2  # the live registry's packing entries are the ones found
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(aoti_unavailable("cpu") is not None, reason=str(aoti_unavailable("cpu")))
 def test_each_frozen_compile_packs_as_its_config_says_in_any_order(tmp_path):

@@ -26,6 +26,7 @@ as the other found it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from types import CodeType
@@ -84,23 +85,39 @@ _handlers: frozenset[CodeType] = frozenset()
 def _packing_handlers() -> frozenset[CodeType]:
     """The code of the pattern handlers ``_mkldnn_weight_pack_init`` registers (oneDNN's float packing, and
     the reshape and bias recovery and int8 weight-only concat patterns Inductor registers with it), found
-    once a process by registering them into empty passes and putting the process's own passes back. A
-    frozen ``torch.compile`` in another thread in that moment (the first aoti freezing compile's or compile
-    engine's load) would run without freezing patterns."""
+    once a process by having it register them into passes of our own: the modules that register freezing
+    patterns are pointed at those passes meanwhile (under ``_LOCK``, after the process's own registration),
+    so a compile in another thread meanwhile still sees every pattern the process registered."""
     global _handlers
     if _handlers:
         return _handlers
+    from torch._inductor import fx_passes
     from torch._inductor.fx_passes import freezing_patterns, mkldnn_fusion
-    from torch._inductor.pattern_matcher import PatternMatcherPass
+    from torch._inductor.pattern_matcher import PatternMatcherPass, register_graph_pattern
 
-    own = list(freezing_patterns.pass_patterns)
-    freezing_patterns.pass_patterns[:] = [PatternMatcherPass() for _ in own]
+    ours: list[Any] = []
+
+    def register_in_ours(pattern: Any, *args: Any, pass_number: int = 0, **kwargs: Any) -> Any:
+        while pass_number > len(ours) - 1:
+            ours.append(PatternMatcherPass())
+        return register_graph_pattern(pattern, *args, pass_dict=ours[pass_number], **kwargs)
+
+    original = freezing_patterns.register_freezing_graph_pattern
+    # the modules under fx_passes that took Inductor's registration function by name (mkldnn_fusion, quantization)
+    registering = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith(fx_passes.__name__ + ".")
+        and getattr(module, "register_freezing_graph_pattern", None) is original
+    ]
+    for module in registering:
+        module.register_freezing_graph_pattern = register_in_ours
     try:
         _register_packing(mkldnn_fusion)  # nothing where oneDNN is switched off: then found at a later call
-        scratch = list(freezing_patterns.pass_patterns)
     finally:
-        freezing_patterns.pass_patterns[:] = own
-    _handlers = frozenset(code for entries in _entry_lists(scratch) for entry in entries if (code := _handler(entry)))
+        for module in registering:
+            module.register_freezing_graph_pattern = original
+    _handlers = frozenset(code for entries in _entry_lists(ours) for entry in entries if (code := _handler(entry)))
     return _handlers
 
 
@@ -137,9 +154,9 @@ def _registered_lists(packing: bool) -> tuple[list[list[Any]], bool]:
     from torch._inductor import config
     from torch._inductor.fx_passes import freezing_patterns, mkldnn_fusion
 
-    handlers = _packing_handlers()
     with config.patch({"cpp.weight_prepack": packing}):
         freezing_patterns.lazy_init()  # the process's one registration, if no compile made it yet
+    handlers = _packing_handlers()  # after it: its registrations go to the process's passes
     lists = list(_entry_lists(freezing_patterns.pass_patterns))
     registered = any(_handler(entry) in handlers for entries in lists for entry in entries)
     if packing and not registered and torch.backends.mkldnn.is_available():
