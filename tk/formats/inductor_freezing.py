@@ -76,7 +76,12 @@ def packing_registry_missing() -> str | None:
         (mkldnn_fusion, "_mkldnn_weight_pack_init"),
     ]
     missing = [f"{module.__name__}.{name}" for module, name in needed if not hasattr(module, name)]
-    return f"torch {torch.__version__} has no {', '.join(missing)}" if missing else None
+    if missing:
+        return f"torch {torch.__version__} has no {', '.join(missing)}"
+    registers = getattr(freezing_patterns, "register_freezing_graph_pattern", None)
+    if registers is None or getattr(mkldnn_fusion, "register_freezing_graph_pattern", None) is not registers:
+        return f"torch {torch.__version__}'s mkldnn_fusion registers its freezing patterns some other way"
+    return None
 
 
 _handlers: frozenset[CodeType] = frozenset()
