@@ -131,6 +131,31 @@ def test_int8_package_with_its_constants_aligned_computes_what_torchs_loader_doe
 
 @pytest.mark.slow
 @needs_compiler
+def test_an_int8_package_whose_constant_names_repeat_runs_where_torch_placed_them(tmp_path, monkeypatch):
+    """A package written before ``tk.export.aoti.constant_names`` repeats names (``x_scale``): torch's runner
+    cannot hand every constant back, so the engine leaves them in its block (none freed) and runs it as is."""
+    import contextlib
+
+    import tk.export.aoti.writer as aoti_writer
+
+    monkeypatch.setattr(aoti_writer, "unique_constant_names", contextlib.nullcontext)  # as tk compiled before
+    spec, out = build_model("mlp", size="tiny"), tmp_path / "mlp"
+    export(spec, out, ExportOptions(formats=("aoti",), precision="int8", min_sqnr_db=0.0, check=False))
+    names = list(runner_of_package(out).get_constant_names_to_original_fqns().values())
+    assert names.count("x_scale") >= 2, names
+    feeds = random_feeds(spec.signature.inputs, {"batch": 6}, seed=4)
+    with load(out, "aoti") as engine:
+        assert isinstance(engine._model, AlignedCpuPackage) and engine._model._constants == {}
+        got = engine.run(feeds)
+    package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))
+    want = package(*(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs))
+    want = want if isinstance(want, (list, tuple)) else [want]
+    for (name, value), expected in zip(got.items(), want, strict=True):
+        assert torch.equal(torch.from_numpy(np.asarray(value)), expected), name
+
+
+@pytest.mark.slow
+@needs_compiler
 def test_an_int8_package_runs_where_torchao_is_not_installed(trained_int8):
     _, out, _ = trained_int8
     code = (
