@@ -121,12 +121,7 @@ def test_int8_package_with_its_constants_aligned_computes_what_torchs_loader_doe
         dense = [t for t in constants.values() if t.layout == torch.strided and t.numel()]
         assert dense and {t.data_ptr() % ALIGNMENT for t in dense} == {0}
         got = engine.run(feeds)
-    package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))
-    want = package(*(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs))
-    want = want if isinstance(want, (list, tuple)) else [want]
-    assert len(got) == len(want)
-    for (name, value), expected in zip(got.items(), want, strict=True):
-        assert torch.equal(torch.from_numpy(np.asarray(value)), expected), name
+    _assert_equals_torchs_loader(got, out, spec, feeds)
 
 
 @pytest.mark.slow
@@ -147,9 +142,15 @@ def test_an_int8_package_whose_constant_names_repeat_runs_where_torch_placed_the
     with load(out, "aoti") as engine:
         assert isinstance(engine._model, AlignedCpuPackage) and engine._model._constants == {}
         got = engine.run(feeds)
+    _assert_equals_torchs_loader(got, out, spec, feeds)
+
+
+def _assert_equals_torchs_loader(got: dict, out, spec, feeds: dict) -> None:
+    """``got`` (the aoti engine's outputs) equal bit for bit to the package opened by torch's own loader."""
     package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))
     want = package(*(torch.from_numpy(feeds[s.name]) for s in spec.signature.inputs))
     want = want if isinstance(want, (list, tuple)) else [want]
+    assert len(got) == len(want)
     for (name, value), expected in zip(got.items(), want, strict=True):
         assert torch.equal(torch.from_numpy(np.asarray(value)), expected), name
 
