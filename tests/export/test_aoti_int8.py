@@ -475,6 +475,43 @@ def test_a_computed_but_unused_pooler_does_not_stop_quantization():
     assert worst_sqnr_db([module(*example).detach().numpy()], [out.detach().numpy()]) > 20
 
 
+class _SharedRelu(torch.nn.Module):
+    """Two convolutions after one ReLU module called twice, as torchvision's ResNet blocks call theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.second(self.relu(self.first(x))))
+
+
+def test_a_module_called_twice_does_not_stop_quantization():
+    """A non-strict capture leaves ``source_fn_stack`` out; torch then groups a module's two calls into one
+    partition with two outputs and torchao's quantizer stopped on it ("Input partition has more than one
+    output node": tk optimize's aoti int8 of resnet18 failed so). Each later call is now a source of its own."""
+    from tk.export.aoti.pt2e import live_module, separate_repeated_calls
+    from tk.spec import Dim, Signature, TensorSpec
+
+    torch.manual_seed(0)
+    module = _SharedRelu().eval()
+    dims = {"batch": Dim("batch", 1, 4, 8)}
+    signature = Signature(
+        [TensorSpec("x", "float32", ("batch", 3, 8, 8))], [TensorSpec("y", "float32", ("batch", 8, 8, 8))], dims
+    )
+    example = (torch.randn(4, 3, 8, 8),)
+    program = exported_program_from_module(module, example, signature, dims)
+    assert separate_repeated_calls(program.module()) == 1  # the second relu; the first keeps torch's grouping
+    assert separate_repeated_calls(live_module(program)) == 0  # live_module marked it already
+    calibration = [{"x": np.random.default_rng(i).standard_normal((4, 3, 8, 8)).astype(np.float32)} for i in range(2)]
+    quantized, result = int8_program(program, signature, dims, example, calibration)
+    assert result.quantizable == 2 and result.int8_modules == 2
+    out = quantized.module()(*example)
+    assert out.shape == (4, 8, 8, 8)
+    assert worst_sqnr_db([module(*example).detach().numpy()], [out.detach().numpy()]) > 20
+
+
 def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():
     """The quantizer calibrates once per smoothing plan and copies the observers' statistics into later
     copies; every copy must compute exactly what a copy calibrated on its own computes."""

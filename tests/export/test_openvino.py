@@ -410,6 +410,54 @@ def test_openvino_int8_search_can_leave_out_attention_and_embedding_tables_as_we
     assert judge.sqnr_db(quantized) < 60.0
 
 
+class _SmallCnn(torch.nn.Module):
+    """A convolution, a depthwise one (a GroupConvolution in OpenVINO), a 1x1 one and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pointwise = torch.nn.Conv2d(8, 16, 1)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.pointwise(torch.relu(self.depthwise(torch.relu(self.stem(x))))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_openvino_int8_units_are_convolutions_too():
+    """A CNN's units are its convolutions, its head and the pooling whose input NNCF quantizes (before, only
+    MatMuls were: resnet18's search saw one layer, left it out, and the export failed as "no layer stayed
+    int8" while NNCF's convolutions were int8). Their multiply-adds: output elements times each output's
+    reduced inputs, 2 x 8 x 8 x 8 x 27 for the stem (3 channels x 3 x 3), 2 x 8 x 8 x 8 x 9 for the
+    depthwise one (1 channel a group); none for the pooling. With all of them left out the IR is float32."""
+    import nncf
+    import openvino as ov
+
+    from tk.export.int8.search import one_at_a_time_sqnr_db
+    from tk.export.openvino.int8 import NncfUnits, ir_evaluator, quantized_units, unit_macs, weight_products
+
+    torch.manual_seed(0)
+    model = ov.convert_model(torch.export.export(_SmallCnn().eval(), (torch.randn(2, 3, 8, 8),)))
+    name = model.inputs[0].get_any_name()
+    rng = np.random.default_rng(0)
+    batches = [{name: rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    dataset = nncf.Dataset(batches)
+    quantized = nncf.quantize(model, dataset, subset_size=3)
+    units = quantized_units(quantized, model)
+    kinds = {op.get_friendly_name(): op.get_type_name() for op in model.get_ordered_ops()}
+    assert set(weight_products(model)) < set(units)  # and the pooling, whose input NNCF quantized
+    assert sorted(kinds[u] for u in units) == ["Convolution", "Convolution", "GroupConvolution", "MatMul", "ReduceMean"]
+    macs = unit_macs(model, units, batches[0])
+    assert [macs[u] for u in units] == [2 * 8 * 8 * 8 * 27, 2 * 8 * 8 * 8 * 9, 2 * 16 * 8 * 8 * 8, 0, 2 * 4 * 16]
+    costs = one_at_a_time_sqnr_db(NncfUnits(model, quantized, units), ir_evaluator(model, batches))
+    judge = ir_evaluator(model, batches)
+    assert set(costs) == set(units) and all(np.isfinite(v) for v in costs.values()), costs
+    assert min(costs.values()) > judge.sqnr_db(quantized)  # one unit int8 loses less than all of them
+    everything_out = nncf.quantize(model, dataset, subset_size=3, ignored_scope=nncf.IgnoredScope(units))
+    assert judge.sqnr_db(everything_out) > 100.0  # float32 again
+
+
 def test_openvino_units_multiply_adds_count_products_and_attention_at_the_batchs_shapes():
     """What the speed gate weighs a search's units by: each of _Encoder's four 32x32 products on 4 x 16
     tokens is 4*16*32*32 = 65,536 multiply-adds, attention (16 keys, q and v 32 wide) 4*16*16*(32+32)

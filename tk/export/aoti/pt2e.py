@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import pydoc
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -290,7 +291,8 @@ def observers_of(prepared: torch.fx.GraphModule) -> dict[tuple[Any, ...], torch.
 
 
 def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
-    """A fresh module of ``program`` without nodes whose results nothing uses.
+    """A fresh module of ``program`` without nodes whose results nothing uses, and with the later calls of
+    a module called more than once told apart (``separate_repeated_calls``).
 
     Hugging Face encoders compute a pooler (dense, then tanh) that a model returning only
     ``last_hidden_state`` never reads; torch.export keeps it, and torchao's x86 quantizer then
@@ -299,7 +301,34 @@ def live_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
     module = program.module()
     if module.graph.eliminate_dead_code():
         module.recompile()
+    separate_repeated_calls(module)
     return module
+
+
+def separate_repeated_calls(module: torch.fx.GraphModule) -> int:
+    """Mark each later call of a module called more than once (torchvision's ResNet blocks call one ReLU
+    twice) as a source of its own; returns how many nodes were marked.
+
+    torchao's x86 quantizer finds its patterns with torch's ``get_source_partitions``. A non-strict
+    capture leaves ``source_fn_stack`` out, and torch then groups nodes by the module path of their
+    ``nn_module_stack``, which two calls of one module share: the two calls' ReLUs form one partition
+    with two outputs, and the quantizer stops ("Input partition has more than one output node").
+    ``nn_module_stack``'s own key tells the calls apart (``layer1.0.relu@1``); a ``source_fn_stack`` under
+    that key puts each later call in a partition of its own, as a strict capture would.
+    """
+    marked = 0
+    for node in module.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op != "call_function" or not stack or "source_fn_stack" in node.meta:
+            continue
+        key, (_, kind) = next(reversed(stack.items()))
+        if "@" not in key:
+            continue
+        kind = pydoc.locate(kind) if isinstance(kind, str) else kind
+        if isinstance(kind, type):
+            node.meta["source_fn_stack"] = [(key, kind)]
+            marked += 1
+    return marked
 
 
 class ProgramRunner:

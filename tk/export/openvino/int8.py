@@ -36,12 +36,13 @@ MAX_ROUNDS = 8  # int8 exclusion rounds before giving up (the check then reports
 POLICY = RoundsPolicy(max_rounds=MAX_ROUNDS, screened=True, asks_before_ranking=False)
 
 
-ACTIVATION_PRODUCTS = ("MatMul", "ScaledDotProductAttention")  # ops NNCF may quantize with no weight
+WEIGHT_PRODUCTS = ("MatMul", "Convolution", "GroupConvolution")  # ops NNCF quantizes with their constant weight
 SHAPE_OPS = ("Convert", "Transpose", "Reshape", "Squeeze", "Unsqueeze")
 
 
 def weight_products(model: Any) -> list[str]:
-    """Friendly names of the MatMuls whose second input is a constant (a weight, possibly through a Convert)."""
+    """Friendly names of the MatMuls and convolutions whose second input is a constant (a weight, possibly
+    through a Convert)."""
     return [op.get_friendly_name() for op in model.get_ordered_ops() if _weight_constant(op) is not None]
 
 
@@ -64,20 +65,33 @@ def weight_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
 
 def quantized_units(quantized: Any, model: Any) -> list[str]:
     """What the search can leave float32 in ``quantized`` (NNCF's int8 IR of ``model``): the weight
-    products, the embedding tables NNCF stored in int8 (a Gather whose table is no longer a plain
-    constant) and the products of two activations (attention, fused or not) whose inputs it quantized."""
+    products (linears, convolutions), the embedding tables NNCF stored in int8 (a Gather whose table is no
+    longer a plain constant) and every other op of ``model`` whose activation inputs it quantized: the
+    products of two activations (attention, fused or not) in a transformer; a CNN's pooling and residual
+    adds, which NNCF quantizes too outside ``ModelType.TRANSFORMER``."""
     weights = set(weight_products(model))
     float_ops = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
     units = []
     for op in quantized.get_ordered_ops():
         name = op.get_friendly_name()
-        if (
-            name in weights
-            or _int8_table(op, float_ops.get(name))
-            or (op.get_type_name() in ACTIVATION_PRODUCTS and _input_fake_quantizes(op))
-        ):
+        if name in weights or _int8_table(op, float_ops.get(name)) or (name in float_ops and _quantized_input(op)):
             units.append(name)
     return units
+
+
+def _quantized_input(op: Any) -> bool:
+    """Whether an op (not a FakeQuantize or a shape op) reads an activation through a FakeQuantize."""
+    if op.get_type_name() in ("FakeQuantize", "Result", *SHAPE_OPS):
+        return False
+    for port in range(op.get_input_size()):
+        source = _through_shape_ops(op.input_value(port).get_node())
+        if source.get_type_name() == "FakeQuantize" and not _is_constant(source.input_value(0).get_node()):
+            return True
+    return False
+
+
+def _is_constant(node: Any) -> bool:
+    return _through_shape_ops(node).get_type_name() == "Constant"
 
 
 def unit_macs(model: Any, units: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
@@ -91,18 +105,17 @@ def unit_macs(model: Any, units: Sequence[str], feeds: dict[str, np.ndarray]) ->
     for name in units:
         op = ops.get(name)
         kind = op.get_type_name() if op is not None else ""
-        if (
-            kind not in ("MatMul", "Convolution", "ScaledDotProductAttention")
-            or not op.get_output_partial_shape(0).is_static
-        ):
+        if kind not in (*WEIGHT_PRODUCTS, "ScaledDotProductAttention") or not op.get_output_partial_shape(0).is_static:
             macs[name] = 0
             continue
         out = list(op.get_output_partial_shape(0).to_shape())
         first = list(op.get_input_partial_shape(0).to_shape())
         if kind == "MatMul":
             reduced = first[-2] if op.get_attributes().get("transpose_a") else first[-1]
-        elif kind == "Convolution":
+        elif kind == "Convolution":  # weights [out, in, *kernel]
             reduced = math.prod(list(op.get_input_partial_shape(1).to_shape())[1:])
+        elif kind == "GroupConvolution":  # weights [groups, out per group, in per group, *kernel]
+            reduced = math.prod(list(op.get_input_partial_shape(1).to_shape())[2:])
         else:  # softmax(q k^T) v: q's length x key length x (q's width + v's width) per head
             keys = list(op.get_input_partial_shape(1).to_shape())[-2]
             macs[name] = math.prod(first[:-1]) * keys * (first[-1] + out[-1])
@@ -121,8 +134,8 @@ def _int8_table(op: Any, float_op: Any) -> bool:
 
 
 def _weight_constant(op: Any) -> Any:
-    """The Constant a MatMul's second input comes from (through Convert, Transpose, Reshape), or None."""
-    if op.get_type_name() != "MatMul":
+    """The Constant a weight product's second input comes from (through Convert, Transpose, Reshape), or None."""
+    if op.get_type_name() not in WEIGHT_PRODUCTS:
         return None
     source = _through_shape_ops(op.input_value(1).get_node())
     return source if source.get_type_name() == "Constant" else None
