@@ -216,8 +216,9 @@ def runner_of_package(root: Path) -> Any:
     from tk.runtime.aoti_package import _model_library
     from tk.safefiles import private_copy
 
-    library = _model_library((root / FILE).read_bytes())
-    with private_copy({"model.so": library}) as copy:
+    files = _model_library((root / FILE).read_bytes())
+    assert files is not None
+    with private_copy(files) as copy:
         return torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / "model.so"), 1)
 
 

@@ -145,6 +145,32 @@ def test_an_int8_package_whose_constant_names_repeat_runs_where_torch_placed_the
     _assert_equals_torchs_loader(got, out, spec, feeds)
 
 
+@pytest.mark.slow
+@needs_compiler
+def test_an_int8_resnet_under_a_dynamic_batch_runs_its_pooling_through_the_proxy_executor(tmp_path):
+    """resnet18 all int8 under a dynamic batch: Inductor calls its uint8 max pooling (``quantized::max_pool2d``)
+    through torch's proxy executor, which reads the ``.json`` beside the model library; the engine opened the
+    library alone and every call failed ("Unable to find a proxy executor"): tk optimize's resnet18 row."""
+    spec, out = build_model("resnet18", size="tiny"), tmp_path / "resnet18"
+    export(spec, out, ExportOptions(formats=("aoti",), precision="int8", min_sqnr_db=0.0, check=False))
+    assert "quantized::max_pool2d" in _extern_nodes(out)
+    batch = spec.signature.inputs[0].shape[0]
+    feeds = random_feeds(spec.signature.inputs, {batch: 3}, seed=2)
+    with load(out, "aoti") as engine:
+        assert isinstance(engine._model, AlignedCpuPackage)
+        got = engine.run(feeds)
+    assert next(iter(got.values())).shape[0] == 3
+    _assert_equals_torchs_loader(got, out, spec, feeds)
+
+
+def _extern_nodes(out) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(out / "model.aoti.pt2") as archive:
+        names = [n for n in archive.namelist() if n.endswith(".json") and not n.endswith("_metadata.json")]
+        return "".join(archive.read(n).decode() for n in names if "/aotinductor/" in n)
+
+
 def _assert_equals_torchs_loader(got: dict, out, spec, feeds: dict) -> None:
     """``got`` (the aoti engine's outputs) equal bit for bit to the package opened by torch's own loader."""
     package = torch._inductor.aoti_load_package(str(out / "model.aoti.pt2"))

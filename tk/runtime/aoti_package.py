@@ -33,6 +33,7 @@ log = logging.getLogger("tk.runtime")
 
 ALIGNMENT = 64  # bytes: a cache line, and what torch's CPU allocator gives every tensor
 LIBRARY = "model.so"
+EXTERN_NODES = "model.json"  # beside LIBRARY: torch's runner reads it for the ops its proxy executor calls
 
 
 class AlignedCpuPackage:
@@ -52,11 +53,11 @@ def open_package(data: bytes, device: str) -> Callable[..., Any]:
     """The package in ``data`` (a ``.pt2`` archive's verified bytes) ready to call on ``device``: on the CPU, where
     it is one model library with its constants inside, with its constants aligned; else as torch's loader opens it
     (which takes a path: the verified bytes written to a private directory)."""
-    library = _model_library(data) if device == "cpu" else None
-    if library is None:
+    files = _model_library(data) if device == "cpu" else None
+    if files is None:
         with private_copy({FILE: data}) as copy:
             return torch._inductor.aoti_load_package(str(copy / FILE))
-    with private_copy({LIBRARY: library}) as copy:  # dlopen takes a path; the mapping outlives the file
+    with private_copy(files) as copy:  # dlopen takes a path; the mapping outlives the file
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(copy / LIBRARY), 1)
     return AlignedCpuPackage(runner, realigned_constants(runner))
 
@@ -87,12 +88,19 @@ def realigned_constants(runner: Any) -> dict[str, torch.Tensor]:
     return copies
 
 
-def _model_library(data: bytes) -> bytes | None:
-    """The archive's one compiled model library, where it holds exactly one and no constants beside it."""
+def _model_library(data: bytes) -> dict[str, bytes] | None:
+    """The archive's one compiled model library (``LIBRARY``), where it holds exactly one and no constants
+    beside it, with the description of the ops it calls through torch's proxy executor where it has one
+    (``EXTERN_NODES``: the ``.json`` of the library's name; an int8 ResNet's max pooling under a dynamic
+    batch is ``quantized::max_pool2d``, which the runner cannot call without it)."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         libraries = [n for n in names if n.endswith(".so") and f"/{AOTI_DIR}" in n]
         beside = [n for n in names if "/data/weights/" in n or "/data/constants/" in n]
         if len(libraries) != 1 or beside:
             return None
-        return archive.read(libraries[0])
+        files = {LIBRARY: archive.read(libraries[0])}
+        extern_nodes = libraries[0].removesuffix(".so") + ".json"
+        if extern_nodes in names:
+            files[EXTERN_NODES] = archive.read(extern_nodes)
+        return files
