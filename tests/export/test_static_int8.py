@@ -326,3 +326,48 @@ def test_the_judge_runs_the_float_graph_only_on_the_batches_it_judges(fp32_onnx,
     full = judge.sqnr_db(quantized)
     assert sorted(judge.references) == list(range(len(batches))) and judge.runner.float_run is session
     assert full <= first and full == graph_evaluator(fp32_onnx, batches).sqnr_db(quantized)
+
+
+class _SmallCnn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.depthwise(torch.relu(self.stem(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_convolutions_are_layers_and_write_int8_for_onnxruntimes_qlinear_conv(tmp_path):
+    """A CNN's convolutions are quantized (before, only MatMul/Gemm were: resnet18's onnx int8 ran its
+    convolutions in float32, no faster than the float32 graph); a Conv writes int8, so onnxruntime fuses each
+    into QLinearConv; its multiply-adds are output elements times input channels per group times kernel."""
+    import onnxruntime as ort
+
+    from tk.export.onnx.static_int8 import unit_macs
+
+    torch.manual_seed(0)
+    source = tmp_path / "cnn.onnx"
+    torch.onnx.export(_SmallCnn().eval(), (torch.randn(2, 3, 8, 8),), str(source), input_names=["x"], dynamo=True)
+    nodes = weight_matmul_nodes(source)
+    kinds = {n.name: n.op_type for n in onnx.load(str(source)).graph.node}
+    assert sorted(kinds[n] for n in nodes) == ["Conv", "Conv", "Gemm"]
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    macs = unit_macs(source, nodes, batches[0])
+    assert sorted(macs.values()) == [2 * 4 * 8, 2 * 8 * 8 * 8 * 9, 2 * 8 * 8 * 8 * 27]
+    target = tmp_path / "int8.onnx"
+    result = static_int8_onnx_from_onnx(source, target, batches)
+    assert result.quantizable == 3 and result.automatic == [] and result.sqnr_db > 25.0
+    graph = onnx.load(str(target)).graph
+    produced_by = {o: n for n in graph.node for o in n.output}
+    read_by = {i: n for n in graph.node for i in n.input}
+    for conv in (n for n in graph.node if n.op_type == "Conv"):
+        assert all(produced_by[i].op_type == "DequantizeLinear" for i in conv.input[:2])  # activation and weight
+        assert read_by[conv.output[0]].op_type == "QuantizeLinear"  # its output quantized too
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(target), options, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node].count("QLinearConv") == 2

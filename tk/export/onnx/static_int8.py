@@ -49,11 +49,15 @@ from tk.fileio import atomic_write_bytes
 log = logging.getLogger("tk.export")
 
 METHODS = ("minmax", "entropy", "percentile")
-QUANTIZED_OPS = ["MatMul", "Gemm"]
+QUANTIZED_OPS = ["MatMul", "Gemm", "Conv"]
+# products that write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul); a Conv's output stays quantized:
+# onnxruntime runs a QDQ Conv as QLinearConv only with a QuantizeLinear after it (resnet18 at 32 x 128 x 128
+# on the AVX2 EPYC: 114 ms against 204 in float32; with float outputs its convolutions would run in float32)
+FLOAT_OUTPUT_OPS = ["MatMul", "Gemm"]
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
 # the search judges every batch each round (a session per candidate is quick): no screen
 POLICY = RoundsPolicy(max_rounds=MAX_ROUNDS, screened=False, asks_before_ranking=True)
-OUTPUT_QUANTIZATION = False  # products write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul)
+OUTPUT_QUANTIZATION = False  # FLOAT_OUTPUT_OPS write float32
 
 
 @dataclass
@@ -62,7 +66,7 @@ class StaticInt8Result:
     excluded: list[str] = field(default_factory=list)  # nodes left in float32 (given + automatic)
     automatic: list[str] = field(default_factory=list)  # the automatically excluded ones, costliest first
     layer_sqnr_db: dict[str, float] = field(default_factory=dict)  # node -> SQNR with only it quantized
-    quantizable: int = 0  # weight MatMul/Gemm nodes in the graph
+    quantizable: int = 0  # weight MatMul/Gemm/Conv nodes in the graph
     method: str = "minmax"
     int8_nodes: int = 0  # of the quantizable nodes, the ones left in int8
     int8_linear_shapes: list[list[int]] = field(default_factory=list)  # [in, out, count] of the int8 nodes' weights
@@ -75,7 +79,7 @@ class StaticInt8Result:
             "per_channel": True,
             "weights": weight_record(self.weights),
             "format": "QDQ",
-            "outputs": "int8" if OUTPUT_QUANTIZATION else "float32",  # the products' outputs
+            "outputs": "int8" if OUTPUT_QUANTIZATION else "float32",  # the matrix products' (a Conv's: int8)
             "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_nodes": self.quantizable,
             "int8_linear_shapes": self.int8_linear_shapes,
@@ -117,7 +121,7 @@ def _method(name: str) -> Any:
 
 
 def weight_matmul_nodes(path: Path) -> list[str]:
-    """Names of the MatMul/Gemm nodes whose second input is a weight (an initializer)."""
+    """Names of the MatMul/Gemm/Conv nodes whose second input is a weight (an initializer)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -147,8 +151,9 @@ def weight_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
 
 
 def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
-    """Multiply-adds of each weight MatMul/Gemm node of ``names`` in ``source`` on ``feeds``: its output's
-    elements (read by running the graph with those outputs exposed) times the weight's reduced dimension."""
+    """Multiply-adds of each weight MatMul/Gemm/Conv node of ``names`` in ``source`` on ``feeds``: its output's
+    elements (read by running the graph with those outputs exposed) times what each output element reduces
+    (a matrix weight's input dimension; a Conv weight's input channels per group times its kernel)."""
     import onnx
     import onnxruntime as ort
 
@@ -162,7 +167,10 @@ def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) 
             continue
         dims = weights[node.input[1]]
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0) if node.op_type == "Gemm" else 0
-        reduced[node.output[0]] = int(dims[-1] if trans_b else dims[-2]) if len(dims) >= 2 else 0
+        if node.op_type == "Conv":  # weights [out, in per group, *kernel]
+            reduced[node.output[0]] = math.prod(int(d) for d in dims[1:])
+        else:
+            reduced[node.output[0]] = int(dims[-1] if trans_b else dims[-2]) if len(dims) >= 2 else 0
         by_output[node.output[0]] = node.name
     outputs = {o.name for o in model.graph.output}
     for name in reduced:
@@ -180,7 +188,7 @@ def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) 
 def _quantize(
     source: Path, target: Path, method: str, cache: Path, reader: _Reader | None, only: list[str], weights: str
 ) -> None:
-    """Quantize the nodes ``only`` (weight MatMul/Gemm names: the quantizer would take attention's
+    """Quantize the nodes ``only`` (weight MatMul/Gemm/Conv names: the quantizer would take attention's
     activation products too, whatever ``MatMulConstBOnly`` says); the others stay float32."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
@@ -204,7 +212,7 @@ def _quantize(
         extra_options={
             "MatMulConstBOnly": True,
             "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-            "OpTypesToExcludeOutputQuantization": [] if OUTPUT_QUANTIZATION else QUANTIZED_OPS,
+            "OpTypesToExcludeOutputQuantization": [] if OUTPUT_QUANTIZATION else FLOAT_OUTPUT_OPS,
         },
         calibration_cache_path=str(cache),
     )
@@ -235,7 +243,7 @@ def graph_evaluator(source: Path, batches: Sequence[dict[str, np.ndarray]]) -> E
 
 @dataclass
 class QdqUnits:
-    """The search's adapter for a QDQ graph: its units are the weight MatMul/Gemm nodes ``quantize_static``
+    """The search's adapter for a QDQ graph: its units are the weight MatMul/Gemm/Conv nodes ``quantize_static``
     was asked for; a candidate is the quantized graph with some of them reading float32 again
     (``QdqVariants``: calibration and quantization run once)."""
 
@@ -295,7 +303,7 @@ def static_int8_onnx_from_onnx(
     candidates = weight_matmul_nodes(source)
     unknown = [n for n in exclude if n not in candidates]
     if unknown:
-        log.info("int8: nodes_to_exclude names no weight MatMul/Gemm: %s", unknown[:5])
+        log.info("int8: nodes_to_exclude names no weight MatMul/Gemm/Conv: %s", unknown[:5])
     keep = [n for n in candidates if n not in exclude]
     try:
         with tempfile.TemporaryDirectory(prefix="tk-int8-") as tmp:
