@@ -121,7 +121,8 @@ def _floor_with(precision: str, products: list[Product], samples: list[list[floa
     return floor
 
 
-def test_a_mixed_int8_artifact_is_priced_layer_by_layer():
+def test_a_mixed_int8_artifact_is_priced_layer_by_layer(monkeypatch):
+    monkeypatch.setattr("tk.measure.roofline.MIN_PEAK_GFLOP", 0.0)  # these products are too small to have a rate
     # two 16 x 32 linears, one 32 x 16, and an attention product; the artifact runs one 16 x 32 in int8
     products = [
         Product("linear", 1, 8, 16, 32, 2), Product("linear", 1, 8, 32, 16, 1), Product("attention", 2, 4, 8, 4, 1)
@@ -185,10 +186,60 @@ def test_linear_split_read_from_the_quantization_record():
     assert LinearSplit.of_engine(SimpleNamespace(precision="fp32", formats=manifest.formats), "aoti") is None
 
 
-def test_a_model_mostly_of_convolutions_has_no_floor():
-    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 4))
-    roofline = Roofline(model, (torch.randn(1, 3, 8, 8),), ["fp32"])
-    assert roofline.floor_skipped.startswith("its linear and attention products are ")
+def test_a_cnns_floor_times_its_convolutions_as_onednn_runs_them(monkeypatch):
+    """A CNN's products are its convolutions: each recorded with its geometry (m x k x n: output positions x
+    inputs per group x kernel x output channels), timed at the row's batch, and its share filled even where
+    its linear head is too small for a share of peak (resnet18's tables had no floor before)."""
+    monkeypatch.setattr("tk.measure.roofline.MIN_PEAK_GFLOP", 1e-4)  # the head's 0.1 MFLOP: no peak share
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding="same", groups=4),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+    )  # fmt: skip
+    roofline = Roofline(model, (torch.randn(1, 3, 16, 16),), ["fp32"])
+    assert roofline.floor_skipped is None
+    convs = [p for p in roofline.products if p.kind == "conv"]
+    assert [(p.m, p.k, p.n) for p in convs] == [(64, 27, 16), (64, 36, 16)]
+    assert [p.conv.padding for p in convs] == [(1, 1), (1, 1)] and convs[1].conv.groups == 4
+    made = roofline.between(2)
+    floor = next(m for m in made if isinstance(m, ModelFloor))
+    assert [p.conv.batch for p in floor.products if p.kind == "conv"] == [2, 2]
+    assert [p.m for p in floor.products if p.kind == "conv"] == [128, 128]
+    for _ in range(3):
+        for measured in made:
+            measured()
+    row = SimpleNamespace(engine="onnx", batch_size=2, p50_ms=10.0, gflops=None, peak_share=None, floor_share=None)
+    settings = roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "fp32")
+    assert row.peak_share is None and "no_share" in settings
+    assert row.floor_share == pytest.approx(floor.spread().median / 1e-2, rel=1e-3)
+    if peak_unavailable_reason("int8") is None:  # the int8 floor runs oneDNN's quantized convolution
+        int8 = ModelFloor("int8", floor.products)
+        int8()
+        assert len(int8.samples) == 1 and int8.samples[0] > 0
+
+
+def test_packed_convolutions_compute_what_conv2d_does():
+    from tk.formats.products import ConvShape, packed_conv
+
+    shape = ConvShape(2, 8, 10, 12, 16, (3, 3), stride=(2, 2), padding=(1, 1), groups=2)
+    gen = torch.Generator().manual_seed(0)
+    bias, x, w = (
+        torch.randn(16, generator=gen),
+        torch.randn(2, 8, 10, 12, generator=gen),
+        torch.randn(16, 4, 3, 3, generator=gen),
+    )
+    want = torch.nn.functional.conv2d(x, w, bias, (2, 2), (1, 1), 1, 2)
+    got = packed_conv("fp32", shape, torch.Generator().manual_seed(0))()
+    assert got.shape == want.shape == (2, 16, *shape.output_size) and shape.mkn == (2 * 5 * 6, 4 * 9, 16)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if peak_unavailable_reason("int8") is None:
+        quantized = packed_conv("int8", shape, gen)()
+        assert quantized.dtype == torch.uint8 and quantized.shape == want.shape
+
+
+def test_a_model_of_other_products_has_no_floor():
+    model = nn.Sequential(nn.Conv1d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6, 4))
+    roofline = Roofline(model, (torch.randn(1, 3, 8),), ["fp32"])
+    assert roofline.floor_skipped.startswith("its linear, 2-D convolution and attention products are ")
     assert all(isinstance(m, ShapePeak) for m in roofline.between(1))
 
 

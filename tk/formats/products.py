@@ -3,7 +3,8 @@
 ``packed_linear`` builds one linear the way a frozen AOTInductor package calls it: oneDNN's packed
 linear (``mkldnn._linear_pointwise`` on a ``_reorder_linear_weight``) for float32, bfloat16 and
 float16, oneDNN's quantized linear (``onednn.qlinear_pointwise`` on a ``qlinear_prepack``-ed weight,
-float32 out) for int8. The roofline (``tk.measure.roofline``) times it at a model's own shapes.
+float32 out) for int8; ``packed_conv`` one 2-D convolution likewise. The roofline and the floor
+(``tk.measure.roofline``, ``tk.measure.floor``) time them at a model's own shapes.
 
 ``bf16_outruns_fp32`` answers the question a flag cannot: an AVX512-BF16 flag says that bfloat16 dot
 products exist, not that they are faster. On an Intel Xeon (model 207) with AVX512-BF16 and no AMX,
@@ -15,12 +16,14 @@ layers it leaves out of int8, and attention, in bfloat16.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +69,79 @@ def packed_linear(precision: str, m: int, k: int, n: int, gen: torch.Generator) 
             return lambda: F.linear(x, w, b)
         return lambda: torch.ops.mkldnn._linear_pointwise(x, weight, b, "none", [], "")
     return lambda: F.linear(x, w, b)
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One 2-D convolution: its input ``batch x channels x height x width``, its weight ``out_channels x
+    channels / groups x kernel``, and its geometry."""
+
+    batch: int
+    channels: int
+    height: int
+    width: int
+    out_channels: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        return tuple(  # type: ignore[return-value]
+            (size + 2 * pad - dil * (k - 1) - 1) // step + 1
+            for size, pad, dil, k, step in zip(
+                (self.height, self.width), self.padding, self.dilation, self.kernel, self.stride, strict=True
+            )
+        )
+
+    @property
+    def mkn(self) -> tuple[int, int, int]:
+        """The convolution as one matrix product: an output position per row, its inputs per group times the
+        kernel reduced, an output channel per column (its multiply-adds are m x k x n)."""
+        out_h, out_w = self.output_size
+        return (
+            self.batch * out_h * out_w,
+            self.channels // self.groups * self.kernel[0] * self.kernel[1],
+            self.out_channels,
+        )
+
+    def at_batch(self, batch: int) -> ConvShape:
+        return dataclasses.replace(self, batch=self.batch * batch)
+
+
+def packed_conv(precision: str, shape: ConvShape, gen: torch.Generator) -> Callable[[], torch.Tensor]:
+    """One convolution in ``precision`` the way Inductor's frozen packages call it: oneDNN's convolution on a
+    reordered weight (``mkldnn._convolution_pointwise``) over a channels-last input for float32 and bfloat16,
+    oneDNN's quantized convolution (``onednn.qconv_pointwise`` on a ``qconv_prepack``-ed weight, uint8 out, as
+    each of an int8 ResNet's feeds the next) for int8; the plain ``F.conv2d`` where oneDNN cannot run it here."""
+    geometry = (list(shape.stride), list(shape.padding), list(shape.dilation), shape.groups)
+    stride, padding, dilation, groups = geometry
+    size = [shape.batch, shape.channels, shape.height, shape.width]
+    weight_size = (shape.out_channels, shape.channels // shape.groups, *shape.kernel)
+    bias = torch.randn(shape.out_channels, generator=gen)
+    if precision == "int8":
+        x = torch.randint(0, 128, size, dtype=torch.uint8, generator=gen).contiguous(memory_format=torch.channels_last)
+        w = torch.randint(-127, 128, weight_size, dtype=torch.int8, generator=gen)
+        w_scale, w_zero = torch.full((shape.out_channels,), 0.01), torch.zeros(shape.out_channels, dtype=torch.int64)
+        packed = torch.ops.onednn.qconv_prepack(w, w_scale, INT8_X_SCALE, INT8_X_ZERO_POINT, *geometry, size)
+        return lambda: torch.ops.onednn.qconv_pointwise(
+            x, INT8_X_SCALE, INT8_X_ZERO_POINT, packed, w_scale, w_zero, bias, *geometry, 0.05, 0, torch.uint8,
+            "none", [], "",
+        )  # fmt: skip
+    dtype = PRECISION_DTYPES[precision]
+    x = torch.randn(size, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(weight_size, generator=gen).to(dtype), bias.to(dtype)
+    if torch.backends.mkldnn.is_available() and precision != "fp16":
+        try:
+            packed = torch.ops.mkldnn._reorder_convolution_weight(w, padding, stride, dilation, groups, size)
+        except RuntimeError:  # this CPU lacks oneDNN's kernels for the dtype: the plain convolution
+            return lambda: F.conv2d(x, w, b, stride, padding, dilation, groups)
+        return lambda: torch.ops.mkldnn._convolution_pointwise(
+            x, packed, b, padding, stride, dilation, groups, "none", [], ""
+        )
+    return lambda: F.conv2d(x, w, b, stride, padding, dilation, groups)
 
 
 def product_ratio(precision: str, against: str, mkn: tuple[int, int, int] = PROBE_MKN,

@@ -7,11 +7,13 @@ says how much of its time is spent outside the products, where a share of peak (
 wide product's) blames it for shapes that no kernel runs at peak.
 
 - ``model_products`` runs the model once under a ``TorchFunctionMode`` and records every product it
-  calls: each ``nn.Linear`` (M x K x N, M every leading dimension), and each attention's two batched
-  products (``scaled_dot_product_attention``: queries x keys, then weights x values; a ``matmul`` or
+  calls: each ``nn.Linear`` (M x K x N, M every leading dimension), each 2-D convolution (its geometry;
+  M x K x N its output positions x inputs per group x kernel x output channels), and each attention's two
+  batched products (``scaled_dot_product_attention``: queries x keys, then weights x values; a ``matmul`` or
   ``bmm`` of two activations in eager attention);
 - ``ModelFloor`` builds each distinct product once in a precision: linears as the packages run them
   (``tk.formats.products.packed_linear``: oneDNN's packed linear; int8 oneDNN's quantized linear) and the
+  convolutions as oneDNN's (``tk.formats.products.packed_conv``; int8 its quantized one), and the
   attention products as ``torch.matmul`` in the float precision the engine runs attention in (int8
   engines keep attention in floating point: bf16 where the CPU has bf16 products, float32 elsewhere);
   each call is one sample (every product once, times its count, after an untimed pass that pays for the
@@ -19,7 +21,9 @@ wide product's) blames it for shapes that no kernel runs at peak.
 - an int8 artifact whose search left some linears out of int8 runs those in float32 or bf16:
   ``LinearSplit`` (the manifest's record of the weight shapes it runs in int8) and ``mixed_floor_seconds``
   price each of the model's linears in the precision the artifact runs it in, from the int8 floor's and the
-  other precision's samples of the same rounds.
+  other precision's samples of the same rounds. The record names linear shapes only, so an int8
+  artifact's convolutions are priced in int8 whether its search left them out or not (its floor then
+  reads low, never high).
 """
 
 from __future__ import annotations
@@ -33,19 +37,20 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tk.formats.products import PRECISION_DTYPES, packed_linear
+from tk.formats.products import PRECISION_DTYPES, ConvShape, packed_conv, packed_linear
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.timing import Spread
 
 
 @dataclass(frozen=True)
 class Product:
-    kind: str  # "linear" (weights) or "attention" (two activations)
-    batch: int  # independent products (batch x heads for attention; 1 for a linear)
+    kind: str  # "linear" (weights), "conv" (weights, ``conv`` its geometry) or "attention" (two activations)
+    batch: int  # independent products (batch x heads for attention; 1 for a linear or a convolution)
     m: int
     k: int
     n: int
     count: int = 1
+    conv: ConvShape | None = None
 
     @property
     def flops(self) -> int:
@@ -55,6 +60,8 @@ class Product:
         """The product when the model runs ``batch`` samples where it was recorded at one."""
         if self.kind == "linear":
             return Product(self.kind, self.batch, self.m * batch, self.k, self.n, self.count)
+        if self.conv is not None:
+            return Product(self.kind, self.batch, self.m * batch, self.k, self.n, self.count, self.conv.at_batch(batch))
         return Product(self.kind, self.batch * batch, self.m, self.k, self.n, self.count)
 
 
@@ -63,10 +70,10 @@ class _ProductRecorder(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.found: dict[tuple[str, int, int, int, int], int] = {}
+        self.found: dict[tuple[str, int, int, int, int, ConvShape | None], int] = {}
 
-    def _add(self, kind: str, batch: int, m: int, k: int, n: int) -> None:
-        key = (kind, batch, m, k, n)
+    def _add(self, kind: str, batch: int, m: int, k: int, n: int, conv: ConvShape | None = None) -> None:
+        key = (kind, batch, m, k, n, conv)
         self.found[key] = self.found.get(key, 0) + 1
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -74,6 +81,10 @@ class _ProductRecorder(TorchFunctionMode):
         if func is torch.nn.functional.linear:
             x, weight = args[0], args[1]
             self._add("linear", 1, x.numel() // x.shape[-1], weight.shape[1], weight.shape[0])
+        elif func is torch.nn.functional.conv2d and args[0].dim() == 4:
+            shape = _conv_shape(*args, **kwargs)
+            if shape is not None:
+                self._add("conv", 1, *shape.mkn, shape)
         elif func is torch.nn.functional.scaled_dot_product_attention:
             query, key, value = (*args, *(kwargs[n] for n in ("query", "key", "value")[len(args) :]))[:3]
             batch = query.numel() // (query.shape[-2] * query.shape[-1])
@@ -87,12 +98,42 @@ class _ProductRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _conv_shape(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+) -> ConvShape | None:
+    """``F.conv2d``'s arguments as a ``ConvShape``; None for a padding given by name other than the two
+    with one meaning ("valid"; "same" at stride 1)."""
+
+    def pair(value: Any) -> tuple[int, int]:
+        return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+    kernel, dilations = (int(weight.shape[2]), int(weight.shape[3])), pair(dilation)
+    if padding == "valid":
+        padding = 0
+    elif padding == "same":
+        if any((d * (k - 1)) % 2 for d, k in zip(dilations, kernel, strict=True)):
+            return None  # torch pads one side more: not one ConvShape
+        padding = tuple(d * (k - 1) // 2 for d, k in zip(dilations, kernel, strict=True))
+    elif isinstance(padding, str):
+        return None
+    n, c, h, w = (int(d) for d in x.shape)
+    return ConvShape(n, c, h, w, int(weight.shape[0]), kernel, pair(stride), pair(padding), dilations, int(groups))
+
+
 def model_products(call: Callable[[], Any]) -> list[Product]:
     """Every matrix product one ``call()`` of a PyTorch model runs, by kind and shape, with its count."""
     recorder = _ProductRecorder()
     with torch.inference_mode(), recorder:
         call()
-    return [Product(kind, batch, m, k, n, count) for (kind, batch, m, k, n), count in recorder.found.items()]
+    return [
+        Product(kind, batch, m, k, n, count, conv) for (kind, batch, m, k, n, conv), count in recorder.found.items()
+    ]
 
 
 def attention_precision(precision: str) -> str:
@@ -178,9 +219,10 @@ def mixed_floor_seconds(
     """The floor of an artifact that runs ``split``'s linears in int8 and the model's others in its fallback
     precision, one value per round: ``int8`` and ``fallback`` hold, per round, one call of each of ``products``
     in that precision (``ModelFloor.product_samples``). Each linear is priced at its own precision's time,
-    attention at the int8 floor's (the float precision int8 engines run it in)."""
+    attention at the int8 floor's (the float precision int8 engines run it in), and convolutions in int8
+    (the record names linear shapes only)."""
     linears = iter(split.int8_counts([(p.k, p.n, p.count) for p in products if p.kind == "linear"]))
-    n8s = [next(linears) if p.kind == "linear" else p.count for p in products]  # attention: all at int8's times
+    n8s = [next(linears) if p.kind == "linear" else p.count for p in products]  # the rest: all at int8's times
     return [
         sum(n8 * t8 + (p.count - n8) * tf for p, n8, t8, tf in zip(products, n8s, in_int8, in_fallback, strict=True))
         for in_int8, in_fallback in zip(int8, fallback, strict=False)
@@ -201,6 +243,9 @@ class ModelFloor:
         for p in products:
             if p.kind == "linear":
                 self._calls.append((p.count, packed_linear(precision, p.m, p.k, p.n, gen)))
+                continue
+            if p.conv is not None:
+                self._calls.append((p.count, packed_conv(precision, p.conv, gen)))
                 continue
             a = torch.randn(p.batch, p.m, p.k, generator=gen).to(float_dtype)
             b = torch.randn(p.batch, p.k, p.n, generator=gen).to(float_dtype)

@@ -22,8 +22,9 @@ at batch 1 and scaled by the batch size (exact for models whose samples are inde
 the export check's batch-invariance probe verifies). An artifact's share of peak is its FLOPs /
 its p50 time over the median rate of its precision at its batch size.
 
-Beside it, the model's floor (``tk.measure.floor``): its linear and attention products timed alone at
-their shapes in the artifact's precision, sampled in the same rounds; an artifact's share of the floor
+Beside it, the model's floor (``tk.measure.floor``): its linear, convolution and attention products timed
+alone at their shapes in the artifact's precision, sampled in the same rounds (for a model without an
+``nn.Linear`` too, which has no peak); an artifact's share of the floor
 is the floor's median over its p50. An int8 artifact that runs some linears in another precision
 (``LinearSplit``) is judged against the floor and the rate of that mix (its linear FLOPs over their
 time at each precision's median rate), which need that precision's samples too (``Roofline(...,
@@ -47,7 +48,7 @@ from tk.measure.timing import Spread
 # Below this many FLOPs a call, a product's time is its call overhead, not a rate: the tiny Transformer's
 # linears (32 wide) "ran" at 0-52 GFLOP/s and its packages at 44x that "peak"
 MIN_PEAK_GFLOP = 0.05
-FLOOR_COVERS = 0.8  # of the model's FLOPs: below, its products alone are no floor (a CNN's convolutions)
+FLOOR_COVERS = 0.8  # of the model's FLOPs: below, its products alone are no floor (conv1d, 3-D convolutions)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def engine_precision(engine: str, artifact_precision: str) -> str:
 class Roofline:
     """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` and a ``ModelFloor`` per
     precision and batch factor whose calls a timing loop runs between the model's (``between``); no floor
-    where the model's linear and attention products are under ``FLOOR_COVERS`` of its FLOPs (``floor_skipped``).
+    where the model's linear, convolution and attention products are under ``FLOOR_COVERS`` of its FLOPs
+    (``floor_skipped``), no peak where it calls no ``nn.Linear``.
 
     ``tk bench --roofline`` counts at batch 1 and asks ``between(batch_size)``; a script that
     counts at its own batch asks ``between(1)``. A precision this machine cannot measure the
@@ -172,14 +174,15 @@ class Roofline:
         self.products = model_products(lambda: module(*example))
         covered = sum(p.flops for p in self.products)
         self.floor_skipped = None if self.products and covered >= FLOOR_COVERS * self.flops else (
-            f"its linear and attention products are {covered / max(self.flops, 1):.0%} of its FLOPs (convolutions "
-            "and other work are not timed as a floor)"
+            f"its linear, 2-D convolution and attention products are {covered / max(self.flops, 1):.0%} of its "
+            "FLOPs (other work is not timed as a floor)"
         )  # fmt: skip
         wanted = sorted(set(precisions))
         self.skipped = {p: why for p in wanted if (why := peak_unavailable_reason(p))}
+        self.floor_precisions = [p for p in wanted if p not in self.skipped]
         if not self.shapes:
             self.skipped |= {p: "the model calls no nn.Linear" for p in wanted}
-        self.precisions = [p for p in wanted if p not in self.skipped]
+        self.precisions = [p for p in wanted if p not in self.skipped]  # the peaks
         self.peaks: dict[tuple[str, int], ShapePeak] = {}
         self.floors: dict[tuple[str, int], ModelFloor] = {}
 
@@ -190,7 +193,9 @@ class Roofline:
             measured.release()
         made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
         floors = floors and self.floor_skipped is None
-        timed = [ModelFloor(p, [q.at_batch(batch) for q in self.products]) for p in self.precisions] if floors else []
+        timed = (
+            [ModelFloor(p, [q.at_batch(batch) for q in self.products]) for p in self.floor_precisions] if floors else []
+        )
         self.peaks |= {(p.precision, batch): p for p in made}
         self.floors |= {(f.precision, batch): f for f in timed}
         return [*made, *timed]
@@ -235,23 +240,27 @@ class Roofline:
         """Fill each row's ``gflops`` and ``peak_share`` (``precision_of(row.engine)``'s median at
         its batch size) and ``floor_share`` (with ``split_of(row.engine)``, the rate and the floor of an int8
         engine's own mix of precisions); the roofline settings for the JSON. No share where the products at a batch
-        size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead."""
+        size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead (a CNN's
+        linear head alone has no peak share; its floor, the convolutions too, has a share)."""
         small: set[int] = set()
         splits: dict[str, dict[str, Any]] = {}
         for row in report.rows:
             rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
             peak = self.peaks.get((precision_of(row.engine), row.batch_size))
+            split = split_of(row.engine) if split_of is not None else None
             if peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
                 small.add(row.batch_size)
-                continue
-            split = split_of(row.engine) if split_of is not None else None
-            if split is not None and precision_of(row.engine) == "int8":
+                median = None
+            elif split is not None and precision_of(row.engine) == "int8":
                 median = self.mixed_median(split, row.batch_size)
             else:
                 median = self.median(precision_of(row.engine), row.batch_size)
             if median is not None:
                 row.peak_share = float(f"{rate / median:.4g}")
+            floor = self.floors.get((precision_of(row.engine), row.batch_size))
+            if floor is None or sum(p.flops for p in floor.products) < MIN_PEAK_GFLOP * 1e9:
+                continue
             floor_s = self.floor_median(precision_of(row.engine), row.batch_size, split)
             if split is not None:
                 splits[row.engine] = split.to_json() | {"floor_s": floor_s}
