@@ -231,9 +231,20 @@ def test_packed_convolutions_compute_what_conv2d_does():
     got = packed_conv("fp32", shape, torch.Generator().manual_seed(0))()
     assert got.shape == want.shape == (2, 16, *shape.output_size) and shape.mkn == (2 * 5 * 6, 4 * 9, 16)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    if peak_unavailable_reason("int8") is None:
-        quantized = packed_conv("int8", shape, gen)()
+    if peak_unavailable_reason("int8") is None:  # oneDNN's quantized convolution, uint8 out at scale 0.05
+        from tk.formats.products import INT8_CONV_X_ZERO_POINT, INT8_X_SCALE
+
+        gen = torch.Generator().manual_seed(0)
+        bias = torch.randn(16, generator=gen)
+        x = torch.randint(0, 128, (2, 8, 10, 12), dtype=torch.uint8, generator=gen)
+        w = torch.randint(-127, 128, (16, 4, 3, 3), dtype=torch.int8, generator=gen)
+        real = torch.nn.functional.conv2d(
+            (x.float() - INT8_CONV_X_ZERO_POINT) * INT8_X_SCALE, w.float() * 0.01, bias, (2, 2), (1, 1), 1, 2
+        )
+        quantized = packed_conv("int8", shape, torch.Generator().manual_seed(0))()
         assert quantized.dtype == torch.uint8 and quantized.shape == want.shape
+        expected = torch.round(real / 0.05).clamp(0, 255)
+        assert (quantized.float() - expected).abs().max() <= 1.0
 
 
 def test_a_model_of_other_products_has_no_floor():
