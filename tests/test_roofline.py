@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from tk.cli import cli
+from tk.formats.products import ConvShape
 from tk.measure.floor import LinearSplit, ModelFloor, Product, mixed_floor_seconds
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.roofline import (
@@ -154,6 +155,7 @@ def test_a_mixed_int8_artifact_is_priced_layer_by_layer(monkeypatch):
     assert settings["floor_splits"]["aoti"] == {
         "int8_linear_shapes": [[16, 32, 1]],
         "fallback": "fp32",
+        "convs": "int8",
         "floor_s": 48.0,
     }
     # the peak of the mix: the linears' FLOPs over their time at each precision's rate (Tiny at 8 tokens: one of
@@ -171,6 +173,28 @@ def test_a_mixed_int8_artifact_is_priced_layer_by_layer(monkeypatch):
     bf16 = SimpleNamespace(engine="ov", batch_size=1, p50_ms=100.0, gflops=None, peak_share=None, floor_share=None)
     roofline.fill(SimpleNamespace(rows=[bf16]), lambda engine: "int8", lambda engine: LinearSplit({}, "bf16"))
     assert bf16.floor_share is None  # its fallback's floor was not sampled
+
+
+def test_dynamic_int8_prices_every_linear_in_int8_and_convolutions_in_float32():
+    """onnxruntime's dynamic int8 quantizes every MatMul/Gemm and no convolution: a CNN's row is priced so
+    (it read 46% of the all-int8 floor for resnet18, whose convolutions it runs in float32); a model without
+    convolutions keeps the int8 floor as it is, with no float32 floor needed."""
+    products = [Product("conv", 1, 8, 27, 16, 2, ConvShape(1, 3, 4, 4, 16, (3, 3), padding=(1, 1))),
+                Product("linear", 1, 1, 16, 4, 1)]  # fmt: skip
+    int8 = _floor_with("int8", products, [[1.0, 0.5], [3.0, 0.5]])
+    fp32 = _floor_with("fp32", products, [[4.0, 2.0], [6.0, 2.0]])
+    manifest = SimpleNamespace(
+        precision="int8", formats={"onnx": {"quantization": "dynamic int8 (MatMul, Gemm), weights uint8"}}
+    )
+    split = LinearSplit.of_engine(manifest, "onnx")
+    assert split == LinearSplit(None, "fp32", every_linear=True, convs="fp32") and split.priced
+    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, split) == [8.5, 12.5]
+    assert LinearSplit.from_json(split.to_json()) == split
+    roofline = Roofline(Tiny(), (torch.randn(1, 8, 16),), ["fp32"])
+    roofline.floors = {("int8", 1): int8, ("fp32", 1): fp32}
+    assert roofline.floor_median("int8", 1, split) == pytest.approx(Spread.of([8.5, 12.5]).median)
+    roofline.floors = {("int8", 1): _floor_with("int8", products[1:], [[0.5], [0.7]])}  # no convolution, no fp32
+    assert roofline.floor_median("int8", 1, split) == pytest.approx(0.6)
 
 
 def test_linear_split_read_from_the_quantization_record():

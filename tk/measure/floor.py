@@ -162,10 +162,19 @@ def each_product_seconds(calls: list[tuple[int, Callable[[], Any]]]) -> list[flo
 class LinearSplit:
     """How many of a model's linears of each weight shape (in_features, out_features) an int8 artifact runs
     in int8 (``int8``); its other linears run in ``fallback`` (fp32 or bf16). ``int8`` None: not recorded
-    (an artifact exported before the record, with layers left out of int8), so no floor can be priced."""
+    (an artifact exported before the record, with layers left out of int8), so no floor can be priced,
+    unless ``every_linear`` (onnxruntime's dynamic int8: every MatMul/Gemm). ``convs``: the precision its
+    convolutions run in (int8 where the writer quantizes them; dynamic int8 leaves them in float32)."""
 
     int8: dict[tuple[int, int], int] | None
     fallback: str = "fp32"
+    every_linear: bool = False
+    convs: str = "int8"
+
+    @property
+    def priced(self) -> bool:
+        """Whether each linear's precision is known."""
+        return self.int8 is not None or self.every_linear
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> LinearSplit | None:
@@ -187,6 +196,8 @@ class LinearSplit:
         if manifest.precision != "int8" or engine not in ENGINE_FILE_ROLE:
             return None
         record = manifest.formats.get(ENGINE_FILE_ROLE[engine], {}).get("quantization")
+        if isinstance(record, str) and record.startswith("dynamic int8"):  # its MatMul/Gemm only
+            return cls(None, "fp32", every_linear=True, convs="fp32")
         return cls.from_record(record) if isinstance(record, dict) else None
 
     @classmethod
@@ -194,15 +205,18 @@ class LinearSplit:
         """The inverse of ``to_json``."""
         shapes = data.get("int8_linear_shapes")
         int8 = None if shapes is None else {(int(k), int(n)): int(c) for k, n, c in shapes}
-        return cls(int8, data.get("fallback", "fp32"))
+        return cls(int8, data.get("fallback", "fp32"), bool(data.get("every_linear")), data.get("convs", "int8"))
 
     def to_json(self) -> dict[str, Any]:
         shapes = None if self.int8 is None else [[k, n, c] for (k, n), c in sorted(self.int8.items())]
-        return {"int8_linear_shapes": shapes, "fallback": self.fallback}
+        extra = {"every_linear": True} if self.every_linear else {}
+        return {"int8_linear_shapes": shapes, "fallback": self.fallback, **extra, "convs": self.convs}
 
     def int8_counts(self, linears: list[tuple[int, int, int]]) -> list[int]:
         """For each of a model's ``linears`` ((in_features, out_features, count), in order), how many run in
         int8: the record's count of that shape, handed out to the model's linears of it in turn."""
+        if self.every_linear:
+            return [count for _, _, count in linears]
         if self.int8 is None:
             raise ValueError("LinearSplit: the artifact's int8 linears are not recorded")
         left = dict(self.int8)
@@ -219,10 +233,11 @@ def mixed_floor_seconds(
     """The floor of an artifact that runs ``split``'s linears in int8 and the model's others in its fallback
     precision, one value per round: ``int8`` and ``fallback`` hold, per round, one call of each of ``products``
     in that precision (``ModelFloor.product_samples``). Each linear is priced at its own precision's time,
-    attention at the int8 floor's (the float precision int8 engines run it in), and convolutions in int8
-    (the record names linear shapes only)."""
+    attention at the int8 floor's (the float precision int8 engines run it in), and convolutions in the
+    split's ``convs`` precision (the record names linear shapes only: all of them or none)."""
     linears = iter(split.int8_counts([(p.k, p.n, p.count) for p in products if p.kind == "linear"]))
-    n8s = [next(linears) if p.kind == "linear" else p.count for p in products]  # the rest: all at int8's times
+    conv8 = split.convs == "int8"
+    n8s = [next(linears) if p.kind == "linear" else p.count if p.kind != "conv" or conv8 else 0 for p in products]
     return [
         sum(n8 * t8 + (p.count - n8) * tf for p, n8, t8, tf in zip(products, n8s, in_int8, in_fallback, strict=True))
         for in_int8, in_fallback in zip(int8, fallback, strict=False)

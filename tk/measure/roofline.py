@@ -210,7 +210,7 @@ class Roofline:
         precision: the linear FLOPs over their time at the two precisions' median rates, or None where a rate
         was not sampled or the split is not recorded."""
         r8, rf = self.median("int8", batch), self.median(split.fallback, batch)
-        if split.int8 is None or r8 is None or rf is None:
+        if not split.priced or r8 is None or rf is None:
             return None
         counts = split.int8_counts([(shape.k, shape.n, shape.count) for shape in self.shapes])
         in_int8 = sum(n8 * (shape.flops // shape.count) for shape, n8 in zip(self.shapes, counts, strict=True))
@@ -225,8 +225,10 @@ class Roofline:
             return None
         if split is None or precision != "int8":
             return floor.spread().median
+        if split.every_linear and (split.convs == "int8" or not any(p.kind == "conv" for p in floor.products)):
+            return floor.spread().median  # every product in int8: the int8 floor as it is
         other = self.floors.get((split.fallback, batch))
-        if split.int8 is None or other is None or not other.samples:
+        if not split.priced or other is None or not other.samples:
             return None
         samples = mixed_floor_seconds(floor.products, floor.product_samples, other.product_samples, split)
         return Spread.of(samples).median
