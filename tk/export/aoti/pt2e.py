@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
-import pydoc
+import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -324,11 +324,18 @@ def separate_repeated_calls(module: torch.fx.GraphModule) -> int:
         key, (_, kind) = next(reversed(stack.items()))
         if "@" not in key:
             continue
-        kind = pydoc.locate(kind) if isinstance(kind, str) else kind
+        kind = _loaded_class(kind) if isinstance(kind, str) else kind
         if isinstance(kind, type):
             node.meta["source_fn_stack"] = [(key, kind)]
             marked += 1
     return marked
+
+
+def _loaded_class(path: str) -> Any:
+    """The class a module stack names (``torch.nn.modules.activation.ReLU``) where its module is imported
+    already (the captured model's own classes are); None otherwise: nothing is imported by a name."""
+    module, _, name = path.rpartition(".")
+    return getattr(sys.modules.get(module), name, None)
 
 
 class ProgramRunner:
