@@ -205,7 +205,9 @@ def test_a_package_that_is_not_one_library_with_its_constants_opens_with_torchs_
         return buffer.getvalue()
 
     lib = "model/data/aotinductor/model/abc.wrapper.so"
-    assert _model_library(archive(lib, "model/data/aotinductor/model/abc.wrapper.cpp")) == b"\x7fELF"
+    assert _model_library(archive(lib, "model/data/aotinductor/model/abc.wrapper.cpp")) == {"model.so": b"\x7fELF"}
+    with_ops = archive(lib, "model/data/aotinductor/model/abc.wrapper.json", "model/data/aotinductor/model/x.json")
+    assert _model_library(with_ops) == {"model.so": b"\x7fELF", "model.json": b"\x7fELF"}  # its proxy executor's ops
     assert _model_library(archive(lib, "model/data/aotinductor/model/def.wrapper.so")) is None  # two models
     assert _model_library(archive(lib, "model/data/weights/weight_0")) is None  # constants beside the library
     assert _model_library(archive("model/archive_format")) is None
