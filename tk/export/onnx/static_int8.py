@@ -52,7 +52,8 @@ METHODS = ("minmax", "entropy", "percentile")
 QUANTIZED_OPS = ["MatMul", "Gemm", "Conv"]
 # products that write float32 (MatMulIntegerToFloat), not int8 (QLinearMatMul); a Conv's output stays quantized:
 # onnxruntime runs a QDQ Conv as QLinearConv only with a QuantizeLinear after it (resnet18 at 32 x 128 x 128
-# on the AVX2 EPYC: 114 ms against 204 in float32; with float outputs its convolutions would run in float32)
+# on the AVX2 EPYC: 176-179 ms with uint8 weights, 114 with int8, against 204-207 in float32; with float outputs
+# its convolutions would run in float32)
 FLOAT_OUTPUT_OPS = ["MatMul", "Gemm"]
 MAX_ROUNDS = 8  # exclusion rounds before giving up (the check then reports the SQNR)
 # the search judges every batch each round (a session per candidate is quick): no screen
