@@ -33,7 +33,7 @@ from tk.export.onnx.writer import OnnxOptions
 from tk.models import build_model
 from tk.parity import worst_sqnr_db
 from tk.runtime import load
-from tk.runtime.aoti_package import ALIGNMENT, AlignedCpuPackage
+from tk.runtime.aoti_package import ALIGNMENT, EXTERN_NODES, AlignedCpuPackage, _model_library
 from tk.spec import random_feeds
 from tk.tolerances import MIN_SQNR_DB
 from tk.workflows.export import export
@@ -153,7 +153,8 @@ def test_an_int8_resnet_under_a_dynamic_batch_runs_its_pooling_through_the_proxy
     library alone and every call failed ("Unable to find a proxy executor"): tk optimize's resnet18 row."""
     spec, out = build_model("resnet18", size="tiny"), tmp_path / "resnet18"
     export(spec, out, ExportOptions(formats=("aoti",), precision="int8", min_sqnr_db=0.0, check=False))
-    assert "quantized::max_pool2d" in _extern_nodes(out)
+    files = _model_library((out / "model.aoti.pt2").read_bytes())
+    assert files is not None and "quantized::max_pool2d" in files[EXTERN_NODES].decode()
     batch = spec.signature.inputs[0].shape[0]
     feeds = random_feeds(spec.signature.inputs, {batch: 3}, seed=2)
     with load(out, "aoti") as engine:
@@ -161,14 +162,6 @@ def test_an_int8_resnet_under_a_dynamic_batch_runs_its_pooling_through_the_proxy
         got = engine.run(feeds)
     assert next(iter(got.values())).shape[0] == 3
     _assert_equals_torchs_loader(got, out, spec, feeds)
-
-
-def _extern_nodes(out) -> str:
-    import zipfile
-
-    with zipfile.ZipFile(out / "model.aoti.pt2") as archive:
-        names = [n for n in archive.namelist() if n.endswith(".json") and not n.endswith("_metadata.json")]
-        return "".join(archive.read(n).decode() for n in names if "/aotinductor/" in n)
 
 
 def _assert_equals_torchs_loader(got: dict, out, spec, feeds: dict) -> None:
