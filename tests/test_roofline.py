@@ -132,20 +132,23 @@ def test_a_mixed_int8_artifact_is_priced_layer_by_layer(monkeypatch):
     fp32 = _floor_with("fp32", products, [[10.0, 20.0, 50.0], [30.0, 20.0, 70.0]])
     split = LinearSplit({(16, 32): 1}, "fp32")
     # round 1: one 16 x 32 in int8 (1) and one in fp32 (10), the 32 x 16 in fp32 (20), attention as int8's (5)
-    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, split) == [
+    assert mixed_floor_seconds(products, {"int8": int8.product_samples, "fp32": fp32.product_samples}, split) == [
         1.0 + 10.0 + 20.0 + 5.0,
         3.0 + 30.0 + 20.0 + 7.0,
     ]
     every = LinearSplit({(16, 32): 2, (32, 16): 1}, "fp32")
     assert (
-        mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, every) == int8.samples
+        mixed_floor_seconds(products, {"int8": int8.product_samples, "fp32": fp32.product_samples}, every)
+        == int8.samples
     )  # all in int8: the int8 floor itself
-    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, LinearSplit({}, "fp32")) == [
+    assert mixed_floor_seconds(
+        products, {"int8": int8.product_samples, "fp32": fp32.product_samples}, LinearSplit({}, "fp32")
+    ) == [
         45.0,
         87.0,
     ]  # none: fp32 linears, int8 attention
     with pytest.raises(ValueError, match="not recorded"):
-        mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, LinearSplit(None))
+        mixed_floor_seconds(products, {"int8": int8.product_samples, "fp32": fp32.product_samples}, LinearSplit(None))
 
     roofline = Roofline(Tiny(), (torch.randn(1, 8, 16),), ["fp32"])
     roofline.floors = {("int8", 1): int8, ("fp32", 1): fp32}
@@ -188,7 +191,10 @@ def test_dynamic_int8_prices_every_linear_in_int8_and_convolutions_in_float32():
     )
     split = LinearSplit.of_engine(manifest, "onnx")
     assert split == LinearSplit(None, "fp32", every_linear=True, convs="fp32") and split.priced
-    assert mixed_floor_seconds(products, int8.product_samples, fp32.product_samples, split) == [8.5, 12.5]
+    assert mixed_floor_seconds(products, {"int8": int8.product_samples, "fp32": fp32.product_samples}, split) == [
+        8.5,
+        12.5,
+    ]
     assert LinearSplit.from_json(split.to_json()) == split
     roofline = Roofline(Tiny(), (torch.randn(1, 8, 16),), ["fp32"])
     roofline.floors = {("int8", 1): int8, ("fp32", 1): fp32}
@@ -272,10 +278,70 @@ def test_packed_convolutions_compute_what_conv2d_does():
 
 
 def test_a_model_of_other_products_has_no_floor():
-    model = nn.Sequential(nn.Conv1d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6, 4))
-    roofline = Roofline(model, (torch.randn(1, 3, 8),), ["fp32"])
-    assert roofline.floor_skipped.startswith("its linear, 2-D convolution and attention products are ")
+    model = nn.Sequential(nn.Conv3d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6 * 6, 4))
+    roofline = Roofline(model, (torch.randn(1, 3, 8, 8, 8),), ["fp32"])
+    assert roofline.floor_skipped.startswith("its linear, 1-D and 2-D convolution and attention products are ")
     assert all(isinstance(m, ShapePeak) for m in roofline.between(1))
+
+
+def test_a_1d_convolution_is_timed_as_a_2d_one_of_height_1():
+    """Audio models' 1-D convolutions (a wav2vec2 feature encoder, Whisper's stem) had no floor: each is now
+    recorded as a 2-D one of height 1, as oneDNN runs it, with its own multiply-adds and weight key."""
+    from tk.formats.products import conv_weight_key, packed_conv
+
+    model = nn.Sequential(
+        nn.Conv1d(3, 16, 3, stride=2, padding=1), nn.GELU(), nn.Conv1d(16, 16, 5, padding="same", groups=4)
+    )
+    roofline = Roofline(model, (torch.randn(1, 3, 40),), ["fp32"])
+    assert roofline.floor_skipped is None
+    first, second = (p.conv for p in roofline.products)
+    assert first == ConvShape(1, 3, 1, 40, 16, (1, 3), stride=(1, 2), padding=(0, 1))
+    assert second == ConvShape(1, 16, 1, 20, 16, (1, 5), padding=(0, 2), groups=4)
+    assert [(p.m, p.k, p.n) for p in roofline.products] == [(20, 9, 16), (20, 20, 16)]
+    assert first.weight_key == (3, 16, 1, 3, 1) == conv_weight_key(16, 3, [3], 1)
+    assert conv_weight_key(16, 3, [3, 3, 3], 1) is None  # a 3-D kernel: not timed, not recorded
+    gen = torch.Generator().manual_seed(0)
+    bias, x, w = (
+        torch.randn(16, generator=gen),
+        torch.randn(1, 3, 1, 40, generator=gen),
+        torch.randn(16, 3, 1, 3, generator=gen),
+    )
+    want = torch.nn.functional.conv1d(x[:, :, 0], w[:, :, 0], bias, 2, 1)
+    got = packed_conv("fp32", first, torch.Generator().manual_seed(0))()
+    torch.testing.assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_convolutions_left_out_of_int8_are_priced_in_the_precision_they_run_in():
+    """An int8 CNN whose search left convolutions out runs those in float32 (aoti: its bf16 fallback is the
+    linears') or in the IR's fallback (OpenVINO): the record names them by weight, and the floor prices each
+    as it runs (before, every convolution was priced in int8, so the share read low)."""
+    stem = ConvShape(1, 3, 4, 4, 16, (3, 3), padding=(1, 1))
+    depthwise = ConvShape(1, 16, 4, 4, 16, (3, 3), padding=(1, 1), groups=16)
+    products = [
+        Product("conv", 1, 16, 27, 16, 2, stem), Product("conv", 1, 16, 9, 16, 1, depthwise),
+        Product("linear", 1, 1, 16, 4, 1),
+    ]  # fmt: skip
+    samples = {"int8": [[1.0, 2.0, 0.5]], "bf16": [[3.0, 4.0, 1.5]], "fp32": [[5.0, 6.0, 2.5]]}
+    record = {
+        "excluded": ["stem.1", "head"], "int8_linear_shapes": [], "int8_conv_shapes": [[3, 16, 3, 3, 1, 1]],
+        "automatic_exclusions_run_in": "bf16", "excluded_convolutions_run_in": "fp32",
+    }  # fmt: skip
+    aoti = LinearSplit.from_record(record)
+    assert aoti.int8_convs == {(3, 16, 3, 3, 1): 1} and aoti.conv_fallback == "fp32"
+    assert aoti.float_floors == {"bf16", "fp32"} and LinearSplit.from_json(aoti.to_json()) == aoti
+    # one stem in int8 (1), the other in fp32 (5); the depthwise in fp32 (6); the head in bf16 (1.5)
+    assert mixed_floor_seconds(products, samples, aoti) == [1.0 + 5.0 + 6.0 + 1.5]
+    with pytest.raises(ValueError, match="fp32"):
+        mixed_floor_seconds(products, {"int8": samples["int8"], "bf16": samples["bf16"]}, aoti)
+    openvino = LinearSplit.from_record({**record, "excluded_convolutions_run_in": None})
+    assert openvino.conv_fallback == "bf16" and openvino.float_floors == {"bf16"}
+    assert mixed_floor_seconds(products, samples, openvino) == [1.0 + 3.0 + 4.0 + 1.5]
+    everything = LinearSplit.from_record({**record, "int8_linear_shapes": [[16, 4, 1]],
+                                          "int8_conv_shapes": [[3, 16, 3, 3, 1, 2], [1, 16, 3, 3, 16, 1]]})  # fmt: skip
+    assert mixed_floor_seconds(products, {"int8": samples["int8"]}, everything) == [2.0 + 2.0 + 0.5]
+    unrecorded = LinearSplit.from_record({**record, "int8_conv_shapes": None})  # exported before the record
+    assert unrecorded.int8_convs is None
+    assert mixed_floor_seconds(products, samples, unrecorded) == [2.0 + 2.0 + 1.5]  # convolutions in int8
 
 
 def test_spread_is_median_quartiles_and_range():

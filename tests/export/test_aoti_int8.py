@@ -526,9 +526,14 @@ def test_a_module_called_twice_does_not_stop_quantization():
     calibration = [{"x": np.random.default_rng(i).standard_normal((4, 3, 8, 8)).astype(np.float32)} for i in range(2)]
     quantized, result = int8_program(program, signature, dims, example, calibration)
     assert result.quantizable == 2 and result.int8_modules == 2
+    # the record of int8 convolutions the floor prices by: (inputs per group, outputs, kernel, groups, count)
+    assert result.to_json()["int8_conv_shapes"] == [[3, 8, 3, 3, 1, 1], [8, 8, 3, 3, 1, 1]]
+    assert result.to_json()["excluded_convolutions_run_in"] == "fp32"
     out = quantized.module()(*example)
     assert out.shape == (4, 8, 8, 8)
     assert worst_sqnr_db([module(*example).detach().numpy()], [out.detach().numpy()]) > 20
+    _, kept = int8_program(program, signature, dims, example, calibration, keep_fp32=["second"])
+    assert kept.int8_conv_shapes == [[3, 8, 3, 3, 1, 1]] and kept.int8_linear_shapes == []
 
 
 def test_copies_quantized_from_kept_statistics_equal_freshly_calibrated_ones():

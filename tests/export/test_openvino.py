@@ -435,7 +435,14 @@ def test_openvino_int8_units_are_convolutions_too():
     import openvino as ov
 
     from tk.export.int8.search import one_at_a_time_sqnr_db
-    from tk.export.openvino.int8 import NncfUnits, ir_evaluator, quantized_units, unit_macs, weight_products
+    from tk.export.openvino.int8 import (
+        NncfUnits,
+        conv_shapes,
+        ir_evaluator,
+        quantized_units,
+        unit_macs,
+        weight_products,
+    )
 
     torch.manual_seed(0)
     model = ov.convert_model(torch.export.export(_SmallCnn().eval(), (torch.randn(2, 3, 8, 8),)))
@@ -450,6 +457,11 @@ def test_openvino_int8_units_are_convolutions_too():
     assert sorted(kinds[u] for u in units) == ["Convolution", "Convolution", "GroupConvolution", "MatMul", "ReduceMean"]
     macs = unit_macs(model, units, batches[0])
     assert [macs[u] for u in units] == [2 * 8 * 8 * 8 * 27, 2 * 8 * 8 * 8 * 9, 2 * 16 * 8 * 8 * 8, 0, 2 * 4 * 16]
+    # the record the floor prices by: (inputs per group, outputs, kernel, groups, count) of the int8 ones
+    assert conv_shapes(model, units) == [[1, 8, 3, 3, 8, 1], [3, 8, 3, 3, 1, 1], [8, 16, 1, 1, 1, 1]]
+    assert conv_shapes(model, [u for u in units if kinds[u] != "GroupConvolution"]) == [
+        [3, 8, 3, 3, 1, 1], [8, 16, 1, 1, 1, 1]
+    ]  # fmt: skip
     costs = one_at_a_time_sqnr_db(NncfUnits(model, quantized, units), ir_evaluator(model, batches))
     judge = ir_evaluator(model, batches)
     assert set(costs) == set(units) and all(np.isfinite(v) for v in costs.values()), costs

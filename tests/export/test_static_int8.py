@@ -346,7 +346,7 @@ def test_convolutions_are_layers_and_write_int8_for_onnxruntimes_qlinear_conv(tm
     into QLinearConv; its multiply-adds are output elements times input channels per group times kernel."""
     import onnxruntime as ort
 
-    from tk.export.onnx.static_int8 import unit_macs
+    from tk.export.onnx.static_int8 import conv_shapes, unit_macs
 
     torch.manual_seed(0)
     source = tmp_path / "cnn.onnx"
@@ -361,6 +361,12 @@ def test_convolutions_are_layers_and_write_int8_for_onnxruntimes_qlinear_conv(tm
     target = tmp_path / "int8.onnx"
     result = static_int8_onnx_from_onnx(source, target, batches)
     assert result.quantizable == 3 and result.automatic == [] and result.sqnr_db > 25.0
+    # what the floor prices in int8: (inputs per group, outputs, kernel, groups, count), the depthwise first
+    assert result.to_json()["int8_conv_shapes"] == [[1, 8, 3, 3, 8, 1], [3, 8, 3, 3, 1, 1]]
+    grouped = {
+        n.name for n in onnx.load(str(source)).graph.node if any(a.name == "group" and a.i > 1 for a in n.attribute)
+    }
+    assert conv_shapes(source, [n for n in nodes if n not in grouped]) == [[3, 8, 3, 3, 1, 1]]
     graph = onnx.load(str(target)).graph
     produced_by = {o: n for n in graph.node for o in n.output}
     read_by = {i: n for n in graph.node for i in n.input}

@@ -22,7 +22,7 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +77,7 @@ def packed_linear(precision: str, m: int, k: int, n: int, gen: torch.Generator) 
 @dataclass(frozen=True)
 class ConvShape:
     """One 2-D convolution: its input ``batch x channels x height x width``, its weight ``out_channels x
-    channels / groups x kernel``, and its geometry."""
+    channels / groups x kernel``, and its geometry; a 1-D one as height 1 (as oneDNN runs it)."""
 
     batch: int
     channels: int
@@ -112,6 +112,25 @@ class ConvShape:
 
     def at_batch(self, batch: int) -> ConvShape:
         return dataclasses.replace(self, batch=self.batch * batch)
+
+    @property
+    def weight_key(self) -> tuple[int, int, int, int, int]:
+        """What an int8 record names this convolution by (``conv_weight_key``)."""
+        key = conv_weight_key(self.out_channels, self.channels // self.groups, self.kernel, self.groups)
+        assert key is not None  # a ConvShape's kernel has two dimensions
+        return key
+
+
+def conv_weight_key(
+    out_channels: int, in_per_group: int, kernel: Sequence[int], groups: int
+) -> tuple[int, int, int, int, int] | None:
+    """A convolution's weight as int8 records name it: ``(inputs per group, output channels, kernel height,
+    kernel width, groups)``, a 1-D kernel as height 1 (``ConvShape`` holds a 1-D convolution so); None for
+    other kernels (3-D), which the floor does not time."""
+    if len(kernel) not in (1, 2):
+        return None
+    height, width = (1, kernel[0]) if len(kernel) == 1 else kernel
+    return (int(in_per_group), int(out_channels), int(height), int(width), int(groups))
 
 
 def packed_conv(precision: str, shape: ConvShape, gen: torch.Generator) -> Callable[[], torch.Tensor]:

@@ -7,8 +7,9 @@ says how much of its time is spent outside the products, where a share of peak (
 wide product's) blames it for shapes that no kernel runs at peak.
 
 - ``model_products`` runs the model once under a ``TorchFunctionMode`` and records every product it
-  calls: each ``nn.Linear`` (M x K x N, M every leading dimension), each 2-D convolution (its geometry;
-  M x K x N its output positions x inputs per group x kernel x output channels), and each attention's two
+  calls: each ``nn.Linear`` (M x K x N, M every leading dimension), each 1-D and 2-D convolution (its
+  geometry, a 1-D one as height 1; M x K x N its output positions x inputs per group x kernel x output
+  channels), and each attention's two
   batched products (``scaled_dot_product_attention``: queries x keys, then weights x values; a ``matmul`` or
   ``bmm`` of two activations in eager attention);
 - ``ModelFloor`` builds each distinct product once in a precision: linears as the packages run them
@@ -18,12 +19,12 @@ wide product's) blames it for shapes that no kernel runs at peak.
   engines keep attention in floating point: bf16 where the CPU has bf16 products, float32 elsewhere);
   each call is one sample (every product once, times its count, after an untimed pass that pays for the
   previous engine's caches and sleeping threads); the floor is the median sample.
-- an int8 artifact whose search left some linears out of int8 runs those in float32 or bf16:
-  ``LinearSplit`` (the manifest's record of the weight shapes it runs in int8) and ``mixed_floor_seconds``
-  price each of the model's linears in the precision the artifact runs it in, from the int8 floor's and the
-  other precision's samples of the same rounds. The record names linear shapes only, so an int8
-  artifact's convolutions are priced in int8 whether its search left them out or not (its floor then
-  reads low, never high).
+- an int8 artifact whose search left some layers out of int8 runs those in float32 or bf16:
+  ``LinearSplit`` (the manifest's record of the linear and convolution weights it runs in int8) and
+  ``mixed_floor_seconds`` price each of the model's linears and convolutions in the precision the artifact
+  runs it in, from the int8 floor's and the other precision's samples of the same rounds. An artifact
+  whose record names linear shapes only (exported before convolutions were recorded) has its convolutions
+  priced in int8 (its floor then reads low, never high).
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class _ProductRecorder(TorchFunctionMode):
         if func is torch.nn.functional.linear:
             x, weight = args[0], args[1]
             self._add("linear", 1, x.numel() // x.shape[-1], weight.shape[1], weight.shape[0])
-        elif func is torch.nn.functional.conv2d and args[0].dim() == 4:
+        elif (func is torch.nn.functional.conv2d and args[0].dim() == 4) or (
+            func is torch.nn.functional.conv1d and args[0].dim() == 3
+        ):
             shape = _conv_shape(*args, **kwargs)
             if shape is not None:
                 self._add("conv", 1, *shape.mkn, shape)
@@ -107,23 +110,30 @@ def _conv_shape(
     dilation: Any = 1,
     groups: int = 1,
 ) -> ConvShape | None:
-    """``F.conv2d``'s arguments as a ``ConvShape``; None for a padding given by name other than the two
-    with one meaning ("valid"; "same" at stride 1)."""
+    """``F.conv2d``'s (or ``F.conv1d``'s, as height 1) arguments as a ``ConvShape``; None for a padding given
+    by name other than the two with one meaning ("valid"; "same" at stride 1)."""
+    one_d = x.dim() == 3
 
-    def pair(value: Any) -> tuple[int, int]:
+    def pair(value: Any, flat: int = 0) -> tuple[int, int]:
+        """A 2-D convolution's argument; a 1-D one's with ``flat`` for its height."""
+        if one_d:
+            return (flat, int(value if isinstance(value, int) else value[0]))
         return (int(value), int(value)) if isinstance(value, int) else (int(value[0]), int(value[1]))
 
-    kernel, dilations = (int(weight.shape[2]), int(weight.shape[3])), pair(dilation)
+    kernel = (1, int(weight.shape[2])) if one_d else (int(weight.shape[2]), int(weight.shape[3]))
+    dilations = pair(dilation, 1)
     if padding == "valid":
-        padding = 0
+        padding = pair(0)
     elif padding == "same":
         if any((d * (k - 1)) % 2 for d, k in zip(dilations, kernel, strict=True)):
             return None  # torch pads one side more: not one ConvShape
         padding = tuple(d * (k - 1) // 2 for d, k in zip(dilations, kernel, strict=True))
     elif isinstance(padding, str):
         return None
-    n, c, h, w = (int(d) for d in x.shape)
-    return ConvShape(n, c, h, w, int(weight.shape[0]), kernel, pair(stride), pair(padding), dilations, int(groups))
+    else:
+        padding = pair(padding)
+    n, c, h, w = (int(x.shape[0]), int(x.shape[1]), 1, int(x.shape[2])) if one_d else (int(d) for d in x.shape)
+    return ConvShape(n, c, h, w, int(weight.shape[0]), kernel, pair(stride, 1), padding, dilations, int(groups))
 
 
 def model_products(call: Callable[[], Any]) -> list[Product]:
@@ -163,13 +173,31 @@ class LinearSplit:
     """How many of a model's linears of each weight shape (in_features, out_features) an int8 artifact runs
     in int8 (``int8``); its other linears run in ``fallback`` (fp32 or bf16). ``int8`` None: not recorded
     (an artifact exported before the record, with layers left out of int8), so no floor can be priced,
-    unless ``every_linear`` (onnxruntime's dynamic int8: every MatMul/Gemm). ``convs``: the precision its
-    convolutions run in (int8 where the writer quantizes them; dynamic int8 leaves them in float32)."""
+    unless ``every_linear`` (onnxruntime's dynamic int8: every MatMul/Gemm). Its convolutions: how many of
+    each weight (``ConvShape.weight_key``) run in int8 (``int8_convs``; the rest in ``conv_fallback``) where
+    recorded, else all in ``convs`` (int8 where the writer quantizes them; dynamic int8 leaves them in
+    float32)."""
 
     int8: dict[tuple[int, int], int] | None
     fallback: str = "fp32"
     every_linear: bool = False
     convs: str = "int8"
+    int8_convs: dict[tuple[int, ...], int] | None = None
+    convs_left_out: str | None = None  # what its convolutions outside int8 run in, where not ``fallback``
+
+    @property
+    def conv_fallback(self) -> str:
+        """The precision its convolutions outside int8 run in: float32 where ``convs`` says so (dynamic
+        int8), else as recorded (the aoti writer's bf16 fallback is the linears': its convolutions stay
+        float32) or the fallback."""
+        return "fp32" if self.convs == "fp32" else self.convs_left_out or self.fallback
+
+    @property
+    def float_floors(self) -> set[str]:
+        """The float precisions whose floors price this split's layers outside int8."""
+        return {self.fallback} | (
+            {self.conv_fallback} if self.int8_convs is not None or self.convs != "int8" else set()
+        )
 
     @property
     def priced(self) -> bool:
@@ -183,7 +211,12 @@ class LinearSplit:
         fallback = record.get("automatic_exclusions_run_in") or "fp32"
         shapes = record.get("int8_linear_shapes")
         if shapes is not None:
-            return cls({(int(k), int(n)): int(count) for k, n, count in shapes}, fallback)
+            return cls(
+                _by_shape(shapes),
+                fallback,
+                int8_convs=_conv_counts(record.get("int8_conv_shapes")),
+                convs_left_out=record.get("excluded_convolutions_run_in"),
+            )
         return cls(None, fallback) if record.get("excluded") else None
 
     @classmethod
@@ -204,12 +237,23 @@ class LinearSplit:
     def from_json(cls, data: dict[str, Any]) -> LinearSplit:
         """The inverse of ``to_json``."""
         shapes = data.get("int8_linear_shapes")
-        int8 = None if shapes is None else {(int(k), int(n)): int(c) for k, n, c in shapes}
-        return cls(int8, data.get("fallback", "fp32"), bool(data.get("every_linear")), data.get("convs", "int8"))
+        int8 = None if shapes is None else _by_shape(shapes)
+        return cls(
+            int8,
+            data.get("fallback", "fp32"),
+            bool(data.get("every_linear")),
+            data.get("convs", "int8"),
+            _conv_counts(data.get("int8_conv_shapes")),
+            data.get("convs_left_out"),
+        )
 
     def to_json(self) -> dict[str, Any]:
         shapes = None if self.int8 is None else [[k, n, c] for (k, n), c in sorted(self.int8.items())]
-        extra = {"every_linear": True} if self.every_linear else {}
+        extra: dict[str, Any] = {"every_linear": True} if self.every_linear else {}
+        if self.int8_convs is not None:
+            extra["int8_conv_shapes"] = [[*key, c] for key, c in sorted(self.int8_convs.items())]
+        if self.convs_left_out is not None:
+            extra["convs_left_out"] = self.convs_left_out
         return {"int8_linear_shapes": shapes, "fallback": self.fallback, **extra, "convs": self.convs}
 
     def int8_counts(self, linears: list[tuple[int, int, int]]) -> list[int]:
@@ -219,28 +263,58 @@ class LinearSplit:
             return [count for _, _, count in linears]
         if self.int8 is None:
             raise ValueError("LinearSplit: the artifact's int8 linears are not recorded")
-        left = dict(self.int8)
-        counts = []
-        for k, n, count in linears:
-            counts.append(min(count, left.get((k, n), 0)))
-            left[(k, n)] = left.get((k, n), 0) - counts[-1]
-        return counts
+        return _hand_out(self.int8, [((k, n), count) for k, n, count in linears])
+
+    def conv_int8_counts(self, convs: list[tuple[tuple[int, ...], int]]) -> list[int]:
+        """For each of a model's convolutions ((``ConvShape.weight_key``, count), in order), how many run in
+        int8: as recorded where the record names convolutions, else all or none by ``convs``."""
+        if self.int8_convs is None:
+            return [count if self.convs == "int8" else 0 for _, count in convs]
+        return _hand_out(self.int8_convs, convs)
+
+
+def _by_shape(shapes: list[list[int]]) -> dict[tuple[int, int], int]:
+    return {(int(k), int(n)): int(count) for k, n, count in shapes}
+
+
+def _conv_counts(shapes: list[list[int]] | None) -> dict[tuple[int, ...], int] | None:
+    """A record's ``int8_conv_shapes`` (the weight key, then the count) by key; None where not recorded."""
+    return None if shapes is None else {tuple(int(d) for d in row[:-1]): int(row[-1]) for row in shapes}
+
+
+def _hand_out(recorded: dict[Any, int], wanted: list[tuple[Any, int]]) -> list[int]:
+    """For each (key, count) of ``wanted`` in turn, how many of the ``recorded`` count of its key are left
+    for it."""
+    left = dict(recorded)
+    counts = []
+    for key, count in wanted:
+        counts.append(min(count, left.get(key, 0)))
+        left[key] = left.get(key, 0) - counts[-1]
+    return counts
 
 
 def mixed_floor_seconds(
-    products: list[Product], int8: list[list[float]], fallback: list[list[float]], split: LinearSplit
+    products: list[Product], samples: dict[str, list[list[float]]], split: LinearSplit
 ) -> list[float]:
-    """The floor of an artifact that runs ``split``'s linears in int8 and the model's others in its fallback
-    precision, one value per round: ``int8`` and ``fallback`` hold, per round, one call of each of ``products``
-    in that precision (``ModelFloor.product_samples``). Each linear is priced at its own precision's time,
-    attention at the int8 floor's (the float precision int8 engines run it in), and convolutions in the
-    split's ``convs`` precision (the record names linear shapes only: all of them or none)."""
+    """The floor of an artifact that runs ``split``'s layers in int8 and the model's others in their fallback
+    precision, one value per round: ``samples`` holds, by precision, per round, one call of each of
+    ``products`` (``ModelFloor.product_samples``). Each linear and convolution is priced at its own
+    precision's time (``LinearSplit``), attention at the int8 floor's (the float precision int8 engines run
+    it in). Raises ValueError where a precision it needs was not sampled."""
     linears = iter(split.int8_counts([(p.k, p.n, p.count) for p in products if p.kind == "linear"]))
-    conv8 = split.convs == "int8"
-    n8s = [next(linears) if p.kind == "linear" else p.count if p.kind != "conv" or conv8 else 0 for p in products]
+    convs = iter(split.conv_int8_counts([(p.conv.weight_key, p.count) for p in products if p.conv is not None]))
+    n8s = [next(linears) if p.kind == "linear" else next(convs) if p.conv is not None else p.count for p in products]
+    floats = [split.conv_fallback if p.conv is not None else split.fallback for p in products]
+    missing = {f for p, n8, f in zip(products, n8s, floats, strict=True) if n8 < p.count} - set(samples)
+    if "int8" not in samples or missing:
+        raise ValueError(f"mixed_floor_seconds: no floor sampled in {sorted(missing | ({'int8'} - set(samples)))}")
+    rounds = min(len(each) for each in samples.values())
     return [
-        sum(n8 * t8 + (p.count - n8) * tf for p, n8, t8, tf in zip(products, n8s, in_int8, in_fallback, strict=True))
-        for in_int8, in_fallback in zip(int8, fallback, strict=False)
+        sum(
+            n8 * samples["int8"][r][i] + (p.count - n8) * (samples[f][r][i] if n8 < p.count else 0.0)
+            for i, (p, n8, f) in enumerate(zip(products, n8s, floats, strict=True))
+        )
+        for r in range(rounds)
     ]
 
 

@@ -174,7 +174,7 @@ class Roofline:
         self.products = model_products(lambda: module(*example))
         covered = sum(p.flops for p in self.products)
         self.floor_skipped = None if self.products and covered >= FLOOR_COVERS * self.flops else (
-            f"its linear, 2-D convolution and attention products are {covered / max(self.flops, 1):.0%} of its "
+            f"its linear, 1-D and 2-D convolution and attention products are {covered / max(self.flops, 1):.0%} of its "
             "FLOPs (other work is not timed as a floor)"
         )  # fmt: skip
         wanted = sorted(set(precisions))
@@ -227,10 +227,13 @@ class Roofline:
             return floor.spread().median
         if split.every_linear and (split.convs == "int8" or not any(p.kind == "conv" for p in floor.products)):
             return floor.spread().median  # every product in int8: the int8 floor as it is
-        other = self.floors.get((split.fallback, batch))
-        if not split.priced or other is None or not other.samples:
+        if not split.priced:
             return None
-        samples = mixed_floor_seconds(floor.products, floor.product_samples, other.product_samples, split)
+        sampled = {p: f.product_samples for (p, b), f in self.floors.items() if b == batch and f.samples}
+        try:
+            samples = mixed_floor_seconds(floor.products, sampled, split)
+        except ValueError:  # a precision it runs layers in was not sampled
+            return None
         return Spread.of(samples).median
 
     def fill(

@@ -119,4 +119,4 @@ def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str
     args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
     precisions = {engine_precision(name, manifest.precision) for name in opened}
     splits = [LinearSplit.of_engine(manifest, name) for name in opened]
-    return Roofline(eager.module, args, precisions | {s.fallback for s in splits if s is not None})
+    return Roofline(eager.module, args, precisions.union(*(s.float_floors for s in splits if s is not None)))

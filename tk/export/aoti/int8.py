@@ -56,6 +56,7 @@ import torch
 from tk.errors import CannotWinError, ConversionError, UsageError, first_line
 from tk.export.aoti.pt2e import (
     Quantizer,
+    conv_weight_shapes,
     linear_weight_shapes,
     program_evaluator,
     quantizable_modules,
@@ -104,6 +105,7 @@ class AotiInt8Result:
     quantizable: int = 0  # linear/conv modules in the program
     int8_modules: int = 0  # of those, the ones that run in int8
     int8_linear_shapes: list[list[int]] = field(default_factory=list)  # [in, out, count] of its int8 linears
+    int8_conv_shapes: list[list[int]] = field(default_factory=list)  # [*conv_weight_key, count] of its int8 convs
     method: str = DEFAULT_METHOD
     # a try ("none": as captured; "0.8", "0.8 not after a unary": SmoothingPlan.name) -> all-int8 SQNR, the
     # worst over every judged batch
@@ -126,9 +128,11 @@ class AotiInt8Result:
             "quantizable_modules": self.quantizable,
             "int8_modules": self.int8_modules,
             "int8_linear_shapes": self.int8_linear_shapes,
+            "int8_conv_shapes": self.int8_conv_shapes,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
             "automatic_exclusions_run_in": self.excluded_dtype,
+            "excluded_convolutions_run_in": "fp32",  # run_linears_in_bf16: the linears only
             **({"float_part": self.float_part} if self.float_part else {}),
             "activations": ACTIVATIONS_7BIT if saturating_int8_products() else "uint8",
             "smoothing": {
@@ -324,6 +328,7 @@ def _searched(
     result.int8_modules = len(units.units) - len(result.automatic)
     int8 = [n for n in units.units if n not in result.automatic]
     result.int8_linear_shapes = linear_weight_shapes(quantizer.float_module, int8)
+    result.int8_conv_shapes = conv_weight_shapes(quantizer.float_module, int8)
     return quantized
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from tk.export.aoti.smoothing import SmoothingPlan, apply_smoothing
 from tk.export.int8.evaluator import Evaluator
-from tk.formats.products import saturating_int8_products
+from tk.formats.products import conv_weight_key, saturating_int8_products
 
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
@@ -389,22 +389,44 @@ def unit_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]
 def linear_weight_shapes(graph_module: torch.fx.GraphModule, modules: Collection[str]) -> list[list[int]]:
     """``[in_features, out_features, count]`` of the linears of ``modules`` in ``graph_module``, by weight shape:
     the manifest's record of what an int8 package runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    found: dict[tuple[int, ...], int] = {}
+    for _node, value in _weights_of(graph_module, modules, (torch.ops.aten.linear.default,)):
+        if len(value.shape) == 2:
+            key = (int(value.shape[1]), int(value.shape[0]))
+            found[key] = found.get(key, 0) + 1
+    return [[*key, count] for key, count in sorted(found.items())]
+
+
+CONVOLUTIONS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+
+
+def conv_weight_shapes(graph_module: torch.fx.GraphModule, modules: Collection[str]) -> list[list[int]]:
+    """``[*conv_weight_key, count]`` of the 1-D and 2-D convolutions of ``modules`` in ``graph_module``: the
+    manifest's record of the convolutions an int8 package runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    found: dict[tuple[int, ...], int] = {}
+    for node, value in _weights_of(graph_module, modules, CONVOLUTIONS):
+        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        key = conv_weight_key(value.shape[0], value.shape[1], value.shape[2:], groups)
+        if key is not None:
+            found[key] = found.get(key, 0) + 1
+    return [[*key, count] for key, count in sorted(found.items())]
+
+
+def _weights_of(
+    graph_module: torch.fx.GraphModule, modules: Collection[str], targets: tuple[Any, ...]
+) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
+    """Each call of ``targets`` in ``modules`` of ``graph_module`` whose weight (its second argument) is known,
+    with that weight (its fake value or the tensor itself)."""
     wanted = set(modules)
-    found: dict[tuple[int, int], int] = {}
     for node in graph_module.graph.nodes:
-        if node.op != "call_function" or node.target != torch.ops.aten.linear.default:
-            continue
-        if module_path(node) not in wanted:
+        if node.op != "call_function" or node.target not in targets or module_path(node) not in wanted:
             continue
         weight = node.args[1]
         value = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else weight
         if value is None and isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
             value = functools.reduce(getattr, str(weight.target).split("."), graph_module)
-        if value is None or len(value.shape) != 2:
-            continue
-        key = (int(value.shape[1]), int(value.shape[0]))
-        found[key] = found.get(key, 0) + 1
-    return [[k, n, count] for (k, n), count in sorted(found.items())]
+        if value is not None:
+            yield node, value
 
 
 def module_path(node: torch.fx.Node) -> str | None:

@@ -45,6 +45,7 @@ from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.export.onnx.dynamic_int8 import quant_type, weight_record, weight_type
 from tk.export.onnx.qdq_variants import QdqVariants
 from tk.fileio import atomic_write_bytes
+from tk.formats.products import conv_weight_key
 
 log = logging.getLogger("tk.export")
 
@@ -71,6 +72,7 @@ class StaticInt8Result:
     method: str = "minmax"
     int8_nodes: int = 0  # of the quantizable nodes, the ones left in int8
     int8_linear_shapes: list[list[int]] = field(default_factory=list)  # [in, out, count] of the int8 nodes' weights
+    int8_conv_shapes: list[list[int]] = field(default_factory=list)  # [*conv_weight_key, count] of the int8 Convs
     weights: str = "int8"  # or uint8 (a CPU whose int8 products saturate)
 
     def to_json(self) -> dict[str, Any]:
@@ -84,6 +86,7 @@ class StaticInt8Result:
             "sqnr_db_export": round(self.sqnr_db, 2),
             "quantizable_nodes": self.quantizable,
             "int8_linear_shapes": self.int8_linear_shapes,
+            "int8_conv_shapes": self.int8_conv_shapes,
             "excluded": self.excluded,
             "automatic_exclusions": self.automatic,
         }
@@ -149,6 +152,26 @@ def weight_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
         key = (int(cols), int(rows)) if trans_b else (int(rows), int(cols))
         found[key] = found.get(key, 0) + 1
     return [[k, n, count] for (k, n), count in sorted(found.items())]
+
+
+def conv_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
+    """``[*conv_weight_key, count]`` of the 1-D and 2-D Conv nodes ``names`` of ``source``: the manifest's
+    record of the convolutions an int8 graph runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    import onnx
+
+    model = onnx.load(str(source), load_external_data=False)
+    weights = {i.name: list(i.dims) for i in model.graph.initializer}
+    wanted = set(names)
+    found: dict[tuple[int, ...], int] = {}
+    for node in model.graph.node:
+        dims = weights.get(node.input[1], []) if node.op_type == "Conv" and len(node.input) > 1 else []
+        if node.name not in wanted or len(dims) < 3:
+            continue
+        groups = next((a.i for a in node.attribute if a.name == "group"), 1)
+        key = conv_weight_key(dims[0], dims[1], dims[2:], groups)
+        if key is not None:
+            found[key] = found.get(key, 0) + 1
+    return [[*key, count] for key, count in sorted(found.items())]
 
 
 def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:
@@ -325,6 +348,7 @@ def static_int8_onnx_from_onnx(
     int8 = [n for n in candidates if n not in result.excluded]
     result.int8_nodes = len(int8)
     result.int8_linear_shapes = weight_shapes(source, int8)
+    result.int8_conv_shapes = conv_shapes(source, int8)
     return result
 
 

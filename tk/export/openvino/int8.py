@@ -27,6 +27,7 @@ from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator, FeedsRunner
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
+from tk.formats.products import conv_weight_key
 
 log = logging.getLogger("tk.export")
 
@@ -61,6 +62,26 @@ def weight_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
         key = (cols, rows) if op.get_attributes().get("transpose_b") else (rows, cols)
         found[key] = found.get(key, 0) + 1
     return [[k, n, count] for (k, n), count in sorted(found.items())]
+
+
+def conv_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
+    """``[*conv_weight_key, count]`` of the 1-D and 2-D (group) convolutions ``names`` of ``model``: the
+    manifest's record of the convolutions an int8 IR runs in int8 (``tk.measure.floor.LinearSplit``)."""
+    wanted = set(names)
+    found: dict[tuple[int, ...], int] = {}
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        shape = op.get_input_partial_shape(1) if kind in ("Convolution", "GroupConvolution") else None
+        if op.get_friendly_name() not in wanted or shape is None or not shape.is_static:
+            continue
+        dims = [int(d) for d in shape.to_shape()]
+        if kind == "GroupConvolution":  # [groups, out per group, in per group, *kernel]
+            key = conv_weight_key(dims[0] * dims[1], dims[2], dims[3:], dims[0])
+        else:  # [out, in, *kernel]
+            key = conv_weight_key(dims[0], dims[1], dims[2:], 1)
+        if key is not None:
+            found[key] = found.get(key, 0) + 1
+    return [[*key, count] for key, count in sorted(found.items())]
 
 
 def quantized_units(quantized: Any, model: Any) -> list[str]:
@@ -379,7 +400,8 @@ def int8_ir_from_ir(
         record["automatic_exclusions"] = record["excluded"] = found.excluded
         record["layer_sqnr_db"] = {name: round(value, 2) for name, value in found.costs.items()}
     record["sqnr_db_export"] = round(sqnr, 2)
-    record["int8_linear_shapes"] = weight_shapes(model, [u for u in units if u not in set(record["excluded"])])
+    int8 = [u for u in units if u not in set(record["excluded"])]
+    record["int8_linear_shapes"], record["int8_conv_shapes"] = weight_shapes(model, int8), conv_shapes(model, int8)
     record.update(_float_part(model, quantized, evaluator, target, float_part_bf16))
     return quantized, record
 
