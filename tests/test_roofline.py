@@ -277,6 +277,27 @@ def test_packed_convolutions_compute_what_conv2d_does():
         assert (quantized.float() - expected).abs().max() <= 1.0
 
 
+def test_a_pointwise_convolutions_floor_is_the_faster_of_the_convolution_and_the_linear(monkeypatch):
+    """A float 1 x 1 convolution is one matrix product over channels-last data: its floor is whichever of
+    oneDNN's convolution and the packed linear runs it faster (timings injected: the linear returns 2-D)."""
+    from tk.measure.floor import _conv_call
+
+    def timed_as(linear_s: float, conv_s: float):
+        return lambda calls: [linear_s if f().dim() == 2 else conv_s for _, f in calls]
+
+    gen = torch.Generator().manual_seed(0)
+    pointwise, spatial = ConvShape(2, 16, 3, 3, 8, (1, 1)), ConvShape(2, 16, 3, 3, 8, (3, 3))
+    assert pointwise.pointwise and not spatial.pointwise
+    monkeypatch.setattr("tk.measure.floor.each_product_seconds", timed_as(0.5, 1.0))
+    assert _conv_call("fp32", pointwise, gen)().shape == (2 * 3 * 3, 8)  # the linear of its m x k x n
+    assert _conv_call("fp32", spatial, gen)().shape == (2, 8, 1, 1)  # not a product of its mkn: never timed
+    monkeypatch.setattr("tk.measure.floor.each_product_seconds", timed_as(1.0, 0.5))
+    assert _conv_call("fp32", pointwise, gen)().shape == (2, 8, 3, 3)
+    if peak_unavailable_reason("int8") is None:  # int8 keeps oneDNN's quantized convolution
+        monkeypatch.setattr("tk.measure.floor.each_product_seconds", timed_as(0.5, 1.0))
+        assert _conv_call("int8", pointwise, gen)().shape == (2, 8, 3, 3)
+
+
 def test_a_model_of_other_products_has_no_floor():
     model = nn.Sequential(nn.Conv3d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6 * 6, 4))
     roofline = Roofline(model, (torch.randn(1, 3, 8, 8, 8),), ["fp32"])

@@ -114,6 +114,12 @@ class ConvShape:
         return dataclasses.replace(self, batch=self.batch * batch)
 
     @property
+    def pointwise(self) -> bool:
+        """A 1 x 1 convolution at stride 1 without padding or groups: over a channels-last input, one matrix
+        product of its ``mkn``."""
+        return self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0) and self.groups == 1
+
+    @property
     def weight_key(self) -> tuple[int, int, int, int, int]:
         """What an int8 record names this convolution by (``conv_weight_key``)."""
         key = conv_weight_key(self.out_channels, self.channels // self.groups, self.kernel, self.groups)
