@@ -376,6 +376,15 @@ def test_model_flops_counts_matrix_products():
     assert model_flops(model, (torch.randn(3, 16),)) == 2 * 3 * (16 * 32 + 32 * 4)
 
 
+def test_model_flops_counts_a_parametrized_weight():
+    """wav2vec2's positional convolution is weight-normed (a parametrization): counted under inference_mode
+    it raised "'ParametrizedConv1d' object has no attribute 'weight'" and tk optimize stopped."""
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 8, 3, padding=1))
+    roofline = Roofline(nn.Sequential(conv, nn.GELU()), (torch.randn(2, 4, 10),), ["fp32"])
+    assert roofline.flops == 2 * 2 * 10 * 8 * 4 * 3
+    assert [p.conv.weight_key for p in roofline.products] == [(4, 8, 1, 3, 1)]
+
+
 def test_engine_precisions_follow_the_artifact():
     assert engine_precision("eager", "bf16") == "fp32"
     assert engine_precision("compile", "bf16") == "bf16"

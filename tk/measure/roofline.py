@@ -142,7 +142,10 @@ def model_flops(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with torch.inference_mode(), counter:
+    # no_grad, not inference_mode: the counter's module tracker reads each module input's grad_fn, and under
+    # inference_mode a parametrized weight (wav2vec2's weight-normed positional convolution) has none, which
+    # surfaced as "'ParametrizedConv1d' object has no attribute 'weight'" and stopped tk optimize
+    with torch.no_grad(), counter:
         module(*args)
     return int(counter.get_total_flops())
 

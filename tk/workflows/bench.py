@@ -314,10 +314,11 @@ def roofline_note(roofline: dict[str, Any]) -> str:
               if f.get("seconds")]  # fmt: skip
     skipped = "; ".join(f"{p}: {why}" for p, why in roofline.get("skipped", {}).items())
     no_share = f"; no share of peak at {roofline['no_share']}" if roofline.get("no_share") else ""
+    products = "its linear, convolution and attention products alone, median"
     return (
         f"roofline: {roofline['flops_per_sample'] / 1e9:.3g} GFLOP per sample; matmul rate at the model's "
         f"linear shapes, median (min-max) GFLOP/s: {', '.join(rates)}"
-        + (f"; floor (its linear and attention products alone, median): {', '.join(floors)}" if floors else "")
+        + (f"; floor ({products}): {', '.join(floors)}" if floors else "")
         + (f"; skipped {skipped}" if skipped else "")
         + no_share
     )
