@@ -332,6 +332,25 @@ def test_a_1d_convolution_is_timed_as_a_2d_one_of_height_1():
     torch.testing.assert_close(got[:, :, 0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_model_of_convolutions_has_a_floor_share_and_no_share_of_its_linears_rate(monkeypatch):
+    """The rate at a model's linear shapes describes it only where its linears do most of its work: a
+    wav2vec2 whose convolutions did 92% of its FLOPs read 215% of peak. Its floor share stays."""
+    monkeypatch.setattr("tk.measure.roofline.MIN_PEAK_GFLOP", 0.0)  # tiny products: a rate all the same
+    model = nn.Sequential(nn.Conv1d(8, 32, 5, padding=2), nn.GELU(), nn.Linear(40, 8))
+    roofline = Roofline(model, (torch.randn(1, 8, 40),), ["fp32"])
+    assert roofline.floor_skipped is None
+    linear = sum(s.flops for s in roofline.shapes)
+    assert (linear, roofline.flops) == (2 * 32 * 40 * 8, linear + 2 * 40 * 8 * 5 * 32)  # 17% of it
+    made = roofline.between(1)
+    for _ in range(3):
+        for measured in made:
+            measured()
+    row = SimpleNamespace(engine="onnx", batch_size=1, p50_ms=1.0, gflops=None, peak_share=None, floor_share=None)
+    settings = roofline.fill(SimpleNamespace(rows=[row]), lambda engine: "fp32")
+    assert row.peak_share is None and row.floor_share is not None and row.floor_share > 0
+    assert settings["no_share"].startswith("any batch: the model's linear products are 17% of its FLOPs")
+
+
 def test_convolutions_left_out_of_int8_are_priced_in_the_precision_they_run_in():
     """An int8 CNN whose search left convolutions out runs those in float32 (aoti: its bf16 fallback is the
     linears') or in the IR's fallback (OpenVINO): the record names them by weight, and the floor prices each

@@ -48,7 +48,10 @@ from tk.measure.timing import Spread
 # Below this many FLOPs a call, a product's time is its call overhead, not a rate: the tiny Transformer's
 # linears (32 wide) "ran" at 0-52 GFLOP/s and its packages at 44x that "peak"
 MIN_PEAK_GFLOP = 0.05
-FLOOR_COVERS = 0.8  # of the model's FLOPs: below, its products alone are no floor (conv1d, 3-D convolutions)
+FLOOR_COVERS = 0.8  # of the model's FLOPs: below, its products alone are no floor (3-D convolutions)
+# of the model's FLOPs its linears must do for a share of their rate to describe it: a wav2vec2 whose
+# convolutions did 92% read 215% of peak (its FLOPs over the linears' rate); its floor, convolutions timed, has one
+PEAK_COVERS = 0.5
 
 
 @dataclass(frozen=True)
@@ -249,15 +252,19 @@ class Roofline:
         its batch size) and ``floor_share`` (with ``split_of(row.engine)``, the rate and the floor of an int8
         engine's own mix of precisions); the roofline settings for the JSON. No share where the products at a batch
         size are too small to have a rate (``MIN_PEAK_GFLOP``): their time is the calls' overhead (a CNN's
-        linear head alone has no peak share; its floor, the convolutions too, has a share)."""
+        linear head alone has no peak share; its floor, the convolutions too, has a share); none at all where the
+        linears do under ``PEAK_COVERS`` of the model's FLOPs."""
         small: set[int] = set()
         splits: dict[str, dict[str, Any]] = {}
+        linear_share = sum(s.flops for s in self.shapes) / self.flops if self.flops else 0.0
         for row in report.rows:
             rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
             peak = self.peaks.get((precision_of(row.engine), row.batch_size))
             split = split_of(row.engine) if split_of is not None else None
-            if peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
+            if linear_share < PEAK_COVERS:
+                median = None
+            elif peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
                 small.add(row.batch_size)
                 median = None
             elif split is not None and precision_of(row.engine) == "int8":
@@ -275,7 +282,12 @@ class Roofline:
             if floor_s is not None and row.p50_ms > 0:
                 row.floor_share = float(f"{floor_s / (row.p50_ms / 1e3):.4g}")
         settings = {"flops_per_sample": self.flops} | self.to_json() | ({"floor_splits": splits} if splits else {})
-        if small:
+        if linear_share < PEAK_COVERS:
+            settings["no_share"] = (
+                f"any batch: the model's linear products are {linear_share:.0%} of its FLOPs, so their rate does not "
+                "describe it (its floor times its convolutions too)"
+            )
+        elif small:
             settings["no_share"] = (
                 f"batch {', '.join(map(str, sorted(small)))}: the model's linear products are under "
                 f"{MIN_PEAK_GFLOP:g} GFLOP a call, too small to have a rate (their time is the calls' overhead)"
