@@ -259,7 +259,7 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     products = model_products(lambda: engines[reference.name](feeds))
     splits = {r.name: LinearSplit.from_json(r.split) for r in recipes if r.split is not None and r.precision == "int8"}
     splits = {name: split for name, split in splits.items() if split.int8 is not None}
-    precisions = {r.precision for r in [*recipes, reference]} | {split.fallback for split in splits.values()}
+    precisions = {r.precision for r in [*recipes, reference]}.union(*(split.float_floors for split in splits.values()))
     floors = {p: ModelFloor(p, products) for p in sorted(precisions)}
     order = list(engines)
     between = list(floors.values())
@@ -313,7 +313,7 @@ def recipe_floor_ms(products: list[Any], precision: str, split: Any, in_run: dic
 
     def seconds(samples: dict[str, list[list[float]]]) -> list[float]:
         if split is not None:
-            return mixed_floor_seconds(products, samples["int8"], samples[split.fallback], split)
+            return mixed_floor_seconds(products, samples, split)
         return [sum(p.count * t for p, t in zip(products, each, strict=True)) for each in samples[precision]]
 
     return 1e3 * min(statistics.median(seconds(in_run)), statistics.median(seconds(lone)))
