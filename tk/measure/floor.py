@@ -323,7 +323,7 @@ def mixed_floor_seconds(
 def _conv_call(precision: str, shape: ConvShape, gen: torch.Generator) -> Callable[[], Any]:
     """One convolution as oneDNN's convolution runs it; a float pointwise one as the faster of that and the
     packed linear of its ``mkn`` (the same product over channels-last data): at MobileNetV3's shapes the
-    linear ran 1.2-1.9x faster in float32 (8 x 144 x 576: 58 us against 108; AVX2 EPYC), and a floor an
+    linear ran up to 1.9x faster in float32 (8 x 144 x 576: 58 us against 108; AVX2 EPYC), and a floor an
     engine beats is no floor. int8 keeps the convolution (the linear, zero point 64, ran up to 2x slower)."""
     conv = packed_conv(precision, shape, gen)
     if precision == "int8" or not shape.pointwise:
