@@ -22,7 +22,8 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,12 @@ def conv_weight_key(
         return None
     height, width = (1, kernel[0]) if len(kernel) == 1 else kernel
     return (int(in_per_group), int(out_channels), int(height), int(width), int(groups))
+
+
+def weight_rows(keys: Iterable[tuple[int, ...]]) -> list[list[int]]:
+    """An int8 record's rows: each distinct weight key (``[in, out]`` of a linear, ``conv_weight_key`` of a
+    convolution), sorted, with how many times it occurs last."""
+    return [[*key, count] for key, count in sorted(Counter(keys).items())]
 
 
 def packed_conv(precision: str, shape: ConvShape, gen: torch.Generator) -> Callable[[], torch.Tensor]:

@@ -177,6 +177,8 @@ class Roofline:
     def __init__(self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str]) -> None:
         self.flops = model_flops(module, example)
         self.shapes = linear_shapes(module, example)
+        # of the model's FLOPs, its linears' (the share their rate describes)
+        self.linear_share = min(1.0, sum(s.flops for s in self.shapes) / self.flops) if self.flops else 0.0
         self.products = model_products(lambda: module(*example))
         covered = sum(p.flops for p in self.products)
         self.floor_skipped = None if self.products and covered >= FLOOR_COVERS * self.flops else (
@@ -256,13 +258,12 @@ class Roofline:
         linears do under ``PEAK_COVERS`` of the model's FLOPs."""
         small: set[int] = set()
         splits: dict[str, dict[str, Any]] = {}
-        linear_share = sum(s.flops for s in self.shapes) / self.flops if self.flops else 0.0
         for row in report.rows:
             rate = self.flops * row.batch_size / (row.p50_ms / 1e3) / 1e9
             row.gflops = float(f"{rate:.4g}")  # 4 significant digits: tiny models run at a fraction of a GFLOP/s
             peak = self.peaks.get((precision_of(row.engine), row.batch_size))
             split = split_of(row.engine) if split_of is not None else None
-            if linear_share < PEAK_COVERS:
+            if self.linear_share < PEAK_COVERS:
                 median = None
             elif peak is not None and peak.flops < MIN_PEAK_GFLOP * 1e9:
                 small.add(row.batch_size)
@@ -282,9 +283,9 @@ class Roofline:
             if floor_s is not None and row.p50_ms > 0:
                 row.floor_share = float(f"{floor_s / (row.p50_ms / 1e3):.4g}")
         settings = {"flops_per_sample": self.flops} | self.to_json() | ({"floor_splits": splits} if splits else {})
-        if linear_share < PEAK_COVERS:
+        if self.linear_share < PEAK_COVERS:
             settings["no_share"] = (
-                f"any batch: the model's linear products are {linear_share:.0%} of its FLOPs, so their rate does not "
+                f"any batch: the model's linear products are {self.linear_share:.0%} of its FLOPs, so their rate does not "
                 "describe it (its floor times its convolutions too)"
             )
         elif small:

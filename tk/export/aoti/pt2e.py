@@ -20,7 +20,7 @@ import torch
 
 from tk.export.aoti.smoothing import SmoothingPlan, apply_smoothing
 from tk.export.int8.evaluator import Evaluator
-from tk.formats.products import conv_weight_key, saturating_int8_products
+from tk.formats.products import conv_weight_key, saturating_int8_products, weight_rows
 
 QUANTIZED_TARGETS = (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv1d.default)
 
@@ -389,12 +389,8 @@ def unit_macs(graph_module: torch.fx.GraphModule, args: tuple[torch.Tensor, ...]
 def linear_weight_shapes(graph_module: torch.fx.GraphModule, modules: Collection[str]) -> list[list[int]]:
     """``[in_features, out_features, count]`` of the linears of ``modules`` in ``graph_module``, by weight shape:
     the manifest's record of what an int8 package runs in int8 (``tk.measure.floor.LinearSplit``)."""
-    found: dict[tuple[int, ...], int] = {}
-    for _node, value in _weights_of(graph_module, modules, (torch.ops.aten.linear.default,)):
-        if len(value.shape) == 2:
-            key = (int(value.shape[1]), int(value.shape[0]))
-            found[key] = found.get(key, 0) + 1
-    return [[*key, count] for key, count in sorted(found.items())]
+    weights = (value for _, value in _weights_of(graph_module, modules, (torch.ops.aten.linear.default,)))
+    return weight_rows((int(w.shape[1]), int(w.shape[0])) for w in weights if len(w.shape) == 2)
 
 
 CONVOLUTIONS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
@@ -403,13 +399,16 @@ CONVOLUTIONS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
 def conv_weight_shapes(graph_module: torch.fx.GraphModule, modules: Collection[str]) -> list[list[int]]:
     """``[*conv_weight_key, count]`` of the 1-D and 2-D convolutions of ``modules`` in ``graph_module``: the
     manifest's record of the convolutions an int8 package runs in int8 (``tk.measure.floor.LinearSplit``)."""
-    found: dict[tuple[int, ...], int] = {}
-    for node, value in _weights_of(graph_module, modules, CONVOLUTIONS):
-        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
-        key = conv_weight_key(value.shape[0], value.shape[1], value.shape[2:], groups)
-        if key is not None:
-            found[key] = found.get(key, 0) + 1
-    return [[*key, count] for key, count in sorted(found.items())]
+    keys = (
+        conv_weight_key(value.shape[0], value.shape[1], value.shape[2:], _groups(node))
+        for node, value in _weights_of(graph_module, modules, CONVOLUTIONS)
+    )
+    return weight_rows(key for key in keys if key is not None)
+
+
+def _groups(node: torch.fx.Node) -> int:
+    """A captured ``aten.conv1d``/``conv2d``'s groups (its seventh argument)."""
+    return int(node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1))
 
 
 def _weights_of(

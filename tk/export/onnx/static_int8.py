@@ -45,7 +45,7 @@ from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
 from tk.export.onnx.dynamic_int8 import quant_type, weight_record, weight_type
 from tk.export.onnx.qdq_variants import QdqVariants
 from tk.fileio import atomic_write_bytes
-from tk.formats.products import conv_weight_key
+from tk.formats.products import conv_weight_key, weight_rows
 
 log = logging.getLogger("tk.export")
 
@@ -143,15 +143,14 @@ def weight_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
     model = onnx.load(str(source), load_external_data=False)
     weights = {i.name: list(i.dims) for i in model.graph.initializer}
     wanted = set(names)
-    found: dict[tuple[int, int], int] = {}
+    keys = []
     for node in model.graph.node:
         if node.name not in wanted or len(node.input) < 2 or len(weights.get(node.input[1], [])) != 2:
             continue
         rows, cols = weights[node.input[1]]
         trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0) if node.op_type == "Gemm" else 0
-        key = (int(cols), int(rows)) if trans_b else (int(rows), int(cols))
-        found[key] = found.get(key, 0) + 1
-    return [[k, n, count] for (k, n), count in sorted(found.items())]
+        keys.append((int(cols), int(rows)) if trans_b else (int(rows), int(cols)))
+    return weight_rows(keys)
 
 
 def conv_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
@@ -162,16 +161,14 @@ def conv_shapes(source: Path, names: Sequence[str]) -> list[list[int]]:
     model = onnx.load(str(source), load_external_data=False)
     weights = {i.name: list(i.dims) for i in model.graph.initializer}
     wanted = set(names)
-    found: dict[tuple[int, ...], int] = {}
+    keys = []
     for node in model.graph.node:
         dims = weights.get(node.input[1], []) if node.op_type == "Conv" and len(node.input) > 1 else []
         if node.name not in wanted or len(dims) < 3:
             continue
         groups = next((a.i for a in node.attribute if a.name == "group"), 1)
-        key = conv_weight_key(dims[0], dims[1], dims[2:], groups)
-        if key is not None:
-            found[key] = found.get(key, 0) + 1
-    return [[*key, count] for key, count in sorted(found.items())]
+        keys.append(conv_weight_key(dims[0], dims[1], dims[2:], groups))
+    return weight_rows(key for key in keys if key is not None)
 
 
 def unit_macs(source: Path, names: Sequence[str], feeds: dict[str, np.ndarray]) -> dict[str, int]:

@@ -27,7 +27,7 @@ from tk.errors import ConversionError, UsageError, first_line
 from tk.export.context import Int8Share
 from tk.export.int8.evaluator import Evaluator, FeedsRunner
 from tk.export.int8.search import MARGIN_DB, RoundsPolicy, search_exclusions
-from tk.formats.products import conv_weight_key
+from tk.formats.products import conv_weight_key, weight_rows
 
 log = logging.getLogger("tk.export")
 
@@ -51,7 +51,7 @@ def weight_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
     """``[in_features, out_features, count]`` of the weights of the products ``names`` of ``model`` (rank 2
     only), by shape: the manifest's record of what an int8 IR runs in int8 (``tk.measure.floor.LinearSplit``)."""
     wanted = set(names)
-    found: dict[tuple[int, int], int] = {}
+    keys = []
     for op in model.get_ordered_ops():
         if op.get_friendly_name() not in wanted or op.get_type_name() != "MatMul":
             continue
@@ -59,16 +59,15 @@ def weight_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
         if not shape.is_static or len(shape) != 2:
             continue
         rows, cols = (int(d) for d in shape.to_shape())
-        key = (cols, rows) if op.get_attributes().get("transpose_b") else (rows, cols)
-        found[key] = found.get(key, 0) + 1
-    return [[k, n, count] for (k, n), count in sorted(found.items())]
+        keys.append((cols, rows) if op.get_attributes().get("transpose_b") else (rows, cols))
+    return weight_rows(keys)
 
 
 def conv_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
     """``[*conv_weight_key, count]`` of the 1-D and 2-D (group) convolutions ``names`` of ``model``: the
     manifest's record of the convolutions an int8 IR runs in int8 (``tk.measure.floor.LinearSplit``)."""
     wanted = set(names)
-    found: dict[tuple[int, ...], int] = {}
+    keys = []
     for op in model.get_ordered_ops():
         kind = op.get_type_name()
         shape = op.get_input_partial_shape(1) if kind in ("Convolution", "GroupConvolution") else None
@@ -76,12 +75,10 @@ def conv_shapes(model: Any, names: Sequence[str]) -> list[list[int]]:
             continue
         dims = [int(d) for d in shape.to_shape()]
         if kind == "GroupConvolution":  # [groups, out per group, in per group, *kernel]
-            key = conv_weight_key(dims[0] * dims[1], dims[2], dims[3:], dims[0])
+            keys.append(conv_weight_key(dims[0] * dims[1], dims[2], dims[3:], dims[0]))
         else:  # [out, in, *kernel]
-            key = conv_weight_key(dims[0], dims[1], dims[2:], 1)
-        if key is not None:
-            found[key] = found.get(key, 0) + 1
-    return [[*key, count] for key, count in sorted(found.items())]
+            keys.append(conv_weight_key(dims[0], dims[1], dims[2:], 1))
+    return weight_rows(key for key in keys if key is not None)
 
 
 def quantized_units(quantized: Any, model: Any) -> list[str]:

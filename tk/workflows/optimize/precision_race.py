@@ -199,7 +199,7 @@ def run_race(roofline: Roofline, batch: int, rounds: int = ROUNDS) -> PrecisionR
     return PrecisionRace(
         rates={p.precision: p.spread().median for p in peaks},
         linear_gflop=linear * batch / 1e9,
-        linear_share=min(1.0, linear / roofline.flops),
+        linear_share=roofline.linear_share,
         rounds=rounds,
     )
 

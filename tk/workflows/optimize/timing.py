@@ -76,9 +76,7 @@ def time_candidates(
     others = {k: v for k, v in sizes.items() if k != "batch"}
     precision_of = {c.name: c.precision for c, _, _ in entries} | {EAGER: "fp32"}
     split_of = {c.name: LinearSplit.of_engine(manifest, c.engine) for c, _, manifest in entries}
-    floor_precisions = set(precision_of.values()) | set().union(
-        *(s.float_floors for s in split_of.values() if s is not None)
-    )
+    floor_precisions = set(precision_of.values()).union(*(s.float_floors for s in split_of.values() if s is not None))
     with ExitStack() as stack:
         eager = stack.enter_context(BuiltModel(model, entries[0][2], device))
         engines = {EAGER: eager}
