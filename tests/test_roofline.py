@@ -49,6 +49,58 @@ def test_linear_shapes_walk_the_modules_linears_at_the_call_shape():
     assert LinearShape(15, 16, 32, 2).flops == 2 * 15 * 16 * 32 * 2
 
 
+class WeightProducts(nn.Module):
+    """Linears written without nn.Linear: GPT-2's Conv1D (addmm with a weight stored in x out) and x @ weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = nn.Parameter(torch.randn(16, 24)), nn.Parameter(torch.randn(24))
+        self.w2 = nn.Parameter(torch.randn(24, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 16)
+        h = torch.addmm(self.b1, x.reshape(-1, 16), self.w1).view(*x.shape[:-1], 24)
+        return torch.relu(h) @ self.w2
+
+
+def test_linears_written_as_products_with_a_weight_are_linears():
+    x = torch.randn(2, 5, 16)
+    assert sorted(linear_shapes(WeightProducts(), (x,)), key=lambda s: s.k) == [
+        LinearShape(10, 16, 24, 1),
+        LinearShape(10, 24, 8, 1),
+    ]
+    roofline = Roofline(WeightProducts(), (x,), ["fp32"])
+    assert roofline.flops == 2 * 10 * (16 * 24 + 24 * 8)
+    assert roofline.linear_share == 1.0
+
+
+def _torch_encoder(layers: int = 2, width: int = 32, ffn: int = 64) -> nn.Module:
+    layer = nn.TransformerEncoderLayer(width, 4, ffn, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
+
+
+def test_pytorchs_own_transformer_layers_are_counted_through_their_fast_path():
+    """nn.TransformerEncoderLayer in eval runs one fused native call (its fast path) where neither the
+    recorder nor FlopCounterMode sees a product: its in-projections were missing from the linears and
+    its attention from the FLOPs."""
+    batch, seq, width, ffn, layers = 2, 6, 32, 64, 2
+    model, x = _torch_encoder(layers, width, ffn), torch.randn(batch, seq, width)
+    assert torch.backends.mha.get_fastpath_enabled()
+    roofline = Roofline(model, (x,), ["fp32"])
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+    rows = batch * seq
+    assert sorted(roofline.shapes, key=lambda s: (s.k, s.n)) == [
+        LinearShape(rows, width, width, layers),  # out projection
+        LinearShape(rows, width, ffn, layers),
+        LinearShape(rows, width, 3 * width, layers),  # in projection (a parameter of nn.MultiheadAttention)
+        LinearShape(rows, ffn, width, layers),
+    ]
+    linear = sum(s.flops for s in roofline.shapes)
+    attention = layers * 2 * (2 * batch * 4 * seq * seq * (width // 4))  # queries x keys, weights x values
+    assert sum(p.flops for p in roofline.products if p.kind == "attention") == attention
+    assert roofline.flops == linear + attention
+    assert roofline.floor_skipped is None
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_shape_peak_rates_are_positive_and_finite(precision):
     reason = peak_unavailable_reason(precision)
@@ -393,6 +445,17 @@ def test_spread_is_median_quartiles_and_range():
 def test_model_flops_counts_matrix_products():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     assert model_flops(model, (torch.randn(3, 16),)) == 2 * 3 * (16 * 32 + 32 * 4)
+
+
+class Attention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_model_flops_counts_attention_on_the_cpu():
+    """FlopCounterMode has formulas for the CUDA attention kernels only: the CPU's counted 0."""
+    q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 10, 8)
+    assert model_flops(Attention(), (q, k, k)) == 2 * (2 * 2 * 4 * 6 * 10 * 8)
 
 
 def test_model_flops_counts_a_parametrized_weight():

@@ -291,6 +291,30 @@ def test_causal_lm_exports_logits_without_the_kv_cache_to_openvino(hf_dirs, tmp_
         _close(engine.run({"input_ids": ids, "attention_mask": mask})["logits"], want)
 
 
+def test_gpt2s_conv1d_loads_as_the_linear_it_is(hf_dirs):
+    """transformers' Conv1D is a linear run as addmm with its weight transposed: the x86 int8 quantizer
+    annotates aten.linear only, so GPT-2's products stayed float32 in an aoti int8 package."""
+    from transformers import GPT2LMHeadModel
+    from transformers.pytorch_utils import Conv1D
+
+    from tk.measure.roofline import linear_shapes
+
+    spec = build_model(f"hf:{hf_dirs['gpt2']}", task="causal-lm")
+    assert not any(isinstance(m, Conv1D) for m in spec.module.modules())
+    ids = torch.from_numpy(np.random.default_rng(7).integers(0, VOCAB, (2, 9)))
+    mask = torch.ones_like(ids)
+    model = GPT2LMHeadModel.from_pretrained(hf_dirs["gpt2"], local_files_only=True).eval()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got = spec.module(ids, mask)
+    assert torch.equal(got, want)  # the same products in the same order
+    shapes = {(s.k, s.n): s.count for s in linear_shapes(spec.module, (ids, mask))}
+    assert shapes == {(32, 96): 2, (32, 32): 2, (32, 128): 2, (128, 32): 2, (32, VOCAB): 1}  # 2 layers and the head
+    graph = torch.export.export(spec.module, (ids, mask)).module().graph
+    linears = [n for n in graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert len(linears) == 9
+
+
 @pytest.mark.slow
 def test_bart_features_hold_the_sequence_range_torch_export_suggests(hf_dirs, tmp_path):
     out = tmp_path / "bart"

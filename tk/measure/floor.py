@@ -7,11 +7,11 @@ says how much of its time is spent outside the products, where a share of peak (
 wide product's) blames it for shapes that no kernel runs at peak.
 
 - ``model_products`` runs the model once under a ``TorchFunctionMode`` and records every product it
-  calls: each ``nn.Linear`` (M x K x N, M every leading dimension), each 1-D and 2-D convolution (its
-  geometry, a 1-D one as height 1; M x K x N its output positions x inputs per group x kernel x output
-  channels), and each attention's two
-  batched products (``scaled_dot_product_attention``: queries x keys, then weights x values; a ``matmul`` or
-  ``bmm`` of two activations in eager attention);
+  calls: each linear (``F.linear``, so ``nn.Linear`` and ``nn.MultiheadAttention``'s projections, or an
+  ``addmm`` or ``matmul`` with a 2-D parameter; M x K x N, M every leading dimension), each 1-D and 2-D
+  convolution (its geometry, a 1-D one as height 1; M x K x N its output positions x inputs per group x
+  kernel x output channels), and each attention's two batched products (``scaled_dot_product_attention``:
+  queries x keys, then weights x values; a ``matmul`` or ``bmm`` of two activations in eager attention);
 - ``ModelFloor`` builds each distinct product once in a precision: linears as the packages run them
   (``tk.formats.products.packed_linear``: oneDNN's packed linear; int8 oneDNN's quantized linear) and the
   convolutions as oneDNN's (``tk.formats.products.packed_conv``; int8 its quantized one; a float pointwise
@@ -30,9 +30,11 @@ wide product's) blames it for shapes that no kernel runs at peak.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +86,18 @@ class _ProductRecorder(TorchFunctionMode):
         if func is torch.nn.functional.linear:
             x, weight = args[0], args[1]
             self._add("linear", 1, x.numel() // x.shape[-1], weight.shape[1], weight.shape[0])
+        elif func in (torch.addmm, torch.Tensor.addmm) and len(args) >= 3 and _is_weight(args[2]):
+            x, weight = args[1], args[2]  # a linear written as addmm(bias, x, weight stored in x out)
+            self._add("linear", 1, x.shape[0], weight.shape[0], weight.shape[1])
         elif (func is torch.nn.functional.conv2d and args[0].dim() == 4) or (
             func is torch.nn.functional.conv1d and args[0].dim() == 3
         ):
             shape = _conv_shape(*args, **kwargs)
             if shape is not None:
                 self._add("conv", 1, *shape.mkn, shape)
+        elif func is torch.nn.functional.multi_head_attention_forward:
+            for product in _multi_head_attention_products(*args, **kwargs):
+                self._add(*product)
         elif func is torch.nn.functional.scaled_dot_product_attention:
             query, key, value = (*args, *(kwargs[n] for n in ("query", "key", "value")[len(args) :]))[:3]
             batch = query.numel() // (query.shape[-2] * query.shape[-1])
@@ -98,9 +106,46 @@ class _ProductRecorder(TorchFunctionMode):
             self._add("attention", batch, tokens, keys, value.shape[-1])  # weights x values
         elif func in (torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(args) >= 2:
             a, b = args[0], args[1]
-            if not any(isinstance(t, nn.Parameter) for t in (a, b)) and a.dim() >= 3 and b.dim() >= 3:
+            if _is_weight(b) and a.dim() >= 2:  # x @ weight: a linear without a bias
+                self._add("linear", 1, a.numel() // a.shape[-1], b.shape[0], b.shape[1])
+            elif not any(isinstance(t, nn.Parameter) for t in (a, b)) and a.dim() >= 3 and b.dim() >= 3:
                 self._add("attention", a.numel() // (a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1], b.shape[-1])
         return func(*args, **kwargs)
+
+
+def _multi_head_attention_products(*args: Any, **kwargs: Any) -> list[tuple[str, int, int, int, int]]:
+    """The products of ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``), which runs its
+    projections and attention inside one overridable function, where a ``TorchFunctionMode`` sees none of
+    them: (kind, batch, m, k, n) each, the in-projection packed as it runs (one linear for self-attention,
+    query apart from key and value for cross-attention)."""
+    bound = inspect.signature(torch.nn.functional.multi_head_attention_forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    query, key = a["query"], a["key"]
+    tokens, keys = int(query.shape[0]), int(key.shape[0]) + (a["bias_k"] is not None) + bool(a["add_zero_attn"])
+    batch = int(query.shape[1]) if query.dim() == 3 else 1
+    width, heads = int(query.shape[-1]), int(a["num_heads"])
+    if a["use_separate_proj_weight"]:
+        weights = [
+            (a["q_proj_weight"], tokens),
+            (a["k_proj_weight"], int(key.shape[0])),
+            (a["v_proj_weight"], int(key.shape[0])),
+        ]
+    elif query is key and key is a["value"]:
+        weights = [(a["in_proj_weight"], tokens)]
+    else:
+        q, kv = a["in_proj_weight"].split([width, 2 * width])
+        weights = [(q, tokens), (kv, int(key.shape[0]))] if key is a["value"] else [
+            (q, tokens), (kv[:width], int(key.shape[0])), (kv[width:], int(key.shape[0]))
+        ]  # fmt: skip
+    products = [("linear", 1, rows * batch, int(w.shape[1]), int(w.shape[0])) for w, rows in weights]
+    head_dim = width // heads
+    products += [
+        ("attention", batch * heads, tokens, head_dim, keys),
+        ("attention", batch * heads, tokens, keys, head_dim),
+    ]
+    out = a["out_proj_weight"]
+    return [*products, ("linear", 1, tokens * batch, int(out.shape[1]), int(out.shape[0]))]
 
 
 def _conv_shape(
@@ -138,10 +183,28 @@ def _conv_shape(
     return ConvShape(n, c, h, w, int(weight.shape[0]), kernel, pair(stride, 1), padding, dilations, int(groups))
 
 
+def _is_weight(value: Any) -> bool:
+    return isinstance(value, nn.Parameter) and value.dim() == 2
+
+
+@contextlib.contextmanager
+def attention_unfused() -> Iterator[None]:
+    """PyTorch's ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` without their inference fast path:
+    a layer there is one native call (``_transformer_encoder_layer_fwd``) whose products neither a
+    ``TorchFunctionMode`` nor ``FlopCounterMode`` sees, so a model of such layers counted none of its
+    attention's FLOPs; unfused, they run as ``F.linear`` and ``scaled_dot_product_attention``."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
 def model_products(call: Callable[[], Any]) -> list[Product]:
     """Every matrix product one ``call()`` of a PyTorch model runs, by kind and shape, with its count."""
     recorder = _ProductRecorder()
-    with torch.inference_mode(), recorder:
+    with torch.inference_mode(), attention_unfused(), recorder:
         call()
     return [
         Product(kind, batch, m, k, n, count, conv) for (kind, batch, m, k, n, conv), count in recorder.found.items()

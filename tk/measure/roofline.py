@@ -6,8 +6,8 @@ on a shared machine, on the minute (reduced-precision rates swing by a factor of
 nothing else running; see benchmarks/), so one best-of-a-few product at a fixed shape makes a
 share of "peak" meaningless. Here:
 
-- ``linear_shapes`` walks the module's ``nn.Linear`` layers (forward hooks on one call) for the
-  M x K x N of each product at the benchmark's shape (M = every leading dimension: batch x seq);
+- ``linear_shapes`` records the linear products of one call (``tk.measure.floor.model_products``) for the
+  M x K x N of each at the benchmark's shape (M = every leading dimension: batch x seq);
 - ``ShapePeak`` runs each distinct shape once per call, the way the packages run them
   (``tk.formats.products.packed_linear``: oneDNN's packed linear, what Inductor's freezing emits
   for fp32, bf16 and fp16, and for int8 oneDNN's quantized linear, fp32 out, what PT2E/x86 int8
@@ -24,7 +24,7 @@ its p50 time over the median rate of its precision at its batch size.
 
 Beside it, the model's floor (``tk.measure.floor``): its linear, convolution and attention products timed
 alone at their shapes in the artifact's precision, sampled in the same rounds (for a model without an
-``nn.Linear`` too, which has no peak); an artifact's share of the floor
+linear product too, which has no peak); an artifact's share of the floor
 is the floor's median over its p50. An int8 artifact that runs some linears in another precision
 (``LinearSplit``) is judged against the floor and the rate of that mix (its linear FLOPs over their
 time at each precision's median rate), which need that precision's samples too (``Roofline(...,
@@ -41,7 +41,15 @@ import torch
 from torch import nn
 
 from tk.formats.products import PRECISION_DTYPES, packed_linear
-from tk.measure.floor import LinearSplit, ModelFloor, mixed_floor_seconds, model_products, products_seconds
+from tk.measure.floor import (
+    LinearSplit,
+    ModelFloor,
+    Product,
+    attention_unfused,
+    mixed_floor_seconds,
+    model_products,
+    products_seconds,
+)
 from tk.measure.hardware import cpu_precision_reason
 from tk.measure.timing import Spread
 
@@ -70,22 +78,13 @@ class LinearShape:
 
 
 def linear_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> list[LinearShape]:
-    """The M x K x N of every ``nn.Linear`` that one call of ``module(*args, **kwargs)`` runs, by shape."""
-    found: dict[tuple[int, int, int], int] = {}
+    """The M x K x N of every linear product that one call of ``module(*args, **kwargs)`` runs, by shape
+    (``tk.measure.floor.model_products``' linears)."""
+    return _linears(model_products(lambda: module(*args, **(kwargs or {}))))
 
-    def record(layer: nn.Module, inputs: tuple[torch.Tensor, ...], _: Any) -> None:
-        x = inputs[0]
-        key = (x.numel() // x.shape[-1], layer.in_features, layer.out_features)
-        found[key] = found.get(key, 0) + 1
 
-    handles = [m.register_forward_hook(record) for m in module.modules() if isinstance(m, nn.Linear)]
-    try:
-        with torch.inference_mode():
-            module(*args, **(kwargs or {}))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [LinearShape(m, k, n, count) for (m, k, n), count in found.items()]
+def _linears(products: list[Product]) -> list[LinearShape]:
+    return [LinearShape(p.m, p.k, p.n, p.count) for p in products if p.kind == "linear"]
 
 
 def peak_unavailable_reason(precision: str) -> str | None:
@@ -144,13 +143,23 @@ def model_flops(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> int:
     """Floating-point operations of one forward of ``module`` on ``args`` (FlopCounterMode's count)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    # torch's counter has formulas for the CUDA attention kernels only: scaled_dot_product_attention on the
+    # CPU (its flash kernel) counted 0 FLOPs, a BERT's attention missing from its work
+    cpu_attention = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_attention)
     # no_grad, not inference_mode: the counter's module tracker reads each module input's grad_fn, and under
     # inference_mode a parametrized weight (wav2vec2's weight-normed positional convolution) has none, which
     # surfaced as "'ParametrizedConv1d' object has no attribute 'weight'" and stopped tk optimize
-    with torch.no_grad(), counter:
+    with torch.no_grad(), attention_unfused(), counter:
         module(*args)
     return int(counter.get_total_flops())
+
+
+def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *_: Any, **__: Any) -> int:
+    """FlopCounterMode's formula for an attention kernel, given its operands' shapes."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
 
 
 def engine_precision(engine: str, artifact_precision: str) -> str:
@@ -167,7 +176,7 @@ class Roofline:
     """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` and a ``ModelFloor`` per
     precision and batch factor whose calls a timing loop runs between the model's (``between``); no floor
     where the model's linear, convolution and attention products are under ``FLOOR_COVERS`` of its FLOPs
-    (``floor_skipped``), no peak where it calls no ``nn.Linear``.
+    (``floor_skipped``), no peak where it runs no linear product.
 
     ``tk bench --roofline`` counts at batch 1 and asks ``between(batch_size)``; a script that
     counts at its own batch asks ``between(1)``. A precision this machine cannot measure the
@@ -176,10 +185,10 @@ class Roofline:
 
     def __init__(self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str]) -> None:
         self.flops = model_flops(module, example)
-        self.shapes = linear_shapes(module, example)
+        self.products = model_products(lambda: module(*example))
+        self.shapes = _linears(self.products)
         # of the model's FLOPs, its linears' (the share their rate describes)
         self.linear_share = min(1.0, sum(s.flops for s in self.shapes) / self.flops) if self.flops else 0.0
-        self.products = model_products(lambda: module(*example))
         covered = sum(p.flops for p in self.products)
         self.floor_skipped = None if self.products and covered >= FLOOR_COVERS * self.flops else (
             f"its linear, 1-D and 2-D convolution and attention products are {covered / max(self.flops, 1):.0%} of its "
@@ -189,7 +198,7 @@ class Roofline:
         self.skipped = {p: why for p in wanted if (why := peak_unavailable_reason(p))}
         self.floor_precisions = [p for p in wanted if p not in self.skipped]
         if not self.shapes:
-            self.skipped |= {p: "the model calls no nn.Linear" for p in wanted}
+            self.skipped |= {p: "the model runs no linear product" for p in wanted}
         self.precisions = [p for p in wanted if p not in self.skipped]  # the peaks
         self.peaks: dict[tuple[str, int], ShapePeak] = {}
         self.floors: dict[tuple[str, int], ModelFloor] = {}

@@ -13,6 +13,9 @@ runs with ``use_cache=False``: nothing here generates, and a graph that kept the
 empty key/value tensors (OpenVINO's converter failed on GPT-2's). Attention runs through PyTorch's
 ``scaled_dot_product_attention`` where transformers has it for the model, else through the model's
 own ("eager") attention, which the manifest records so that the reference rebuilds the same way.
+transformers' ``Conv1D`` (GPT-2 and its kin), a linear layer whose weight is stored transposed and run as
+``addmm``, is loaded as the ``nn.Linear`` it is, so that everything that finds a model's linears (the int8
+writers' quantizers, the floor, the share of peak) finds it.
 """
 
 from __future__ import annotations
@@ -212,7 +215,24 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
             shown,
             type(model).__name__,
         )
-    return model.eval(), model.config
+    return _conv1d_as_linear(model).eval(), model.config
+
+
+def _conv1d_as_linear(model: nn.Module) -> nn.Module:
+    """``model`` with each transformers ``Conv1D`` replaced by the ``nn.Linear`` computing the same (its
+    weight transposed): PT2E's x86 quantizer annotates ``aten.linear`` only, so GPT-2's 48 products stayed
+    float32 in an int8 package, and its linears were missing from the floor and the share of peak."""
+    from transformers.pytorch_utils import Conv1D
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Conv1D):
+                linear = nn.Linear(child.nx, child.nf, dtype=child.weight.dtype, device=child.weight.device)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    return model
 
 
 def build_hf_model(

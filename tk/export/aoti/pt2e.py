@@ -175,6 +175,12 @@ def x86_quantizer(method: str, only: Sequence[str] | None, exclude: Sequence[str
             quantizer.set_module_name_qconfig(name, config)
     for name in exclude:
         quantizer.set_module_name_qconfig(name, None)
+    # torchao's recipe also quantizes the inputs of products of two activations (matmul) and of an
+    # element-wise mul of two same-shaped ones (GPT-2's tanh GELU, a gated FFN's gate x up): no module path
+    # holds them, so the search could not leave them out (GPT-2 stayed at 30 dB with every linear in
+    # float32), and they ran no faster (benchmarks/history.md: "GPT-2's Conv1D")
+    for function in (torch.matmul, torch.mul):
+        quantizer.set_function_type_qconfig(function, None)
     return quantizer
 
 

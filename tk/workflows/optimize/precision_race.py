@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from tk.measure.roofline import Roofline
 
 FASTER_BY = 1.5  # a rate over another's that decides a skip
-LINEAR_SHARE = 0.8  # of the model's FLOPs in its nn.Linear products
+LINEAR_SHARE = 0.8  # of the model's FLOPs in its linear products
 MIN_GFLOP = 1.0  # per call at the timing size: below it per-call overheads, not products, decide
 ROUNDS = 7
 FLOATS = ("fp32", "bf16", "fp16")
@@ -186,7 +186,7 @@ def int8_probe_reason(race: PrecisionRace) -> str:
 def run_race(roofline: Roofline, batch: int, rounds: int = ROUNDS) -> PrecisionRace | None:
     """Measure every precision ``roofline`` was made for and can measure here, at its linear shapes
     (counted at batch 1, scaled to ``batch``); None where float32 cannot be measured or the model
-    calls no ``nn.Linear``."""
+    runs no linear product."""
     if not roofline.flops or "fp32" not in roofline.precisions:
         return None
     peaks = roofline.between(batch, floors=False)  # the rates alone
