@@ -101,6 +101,29 @@ def test_pytorchs_own_transformer_layers_are_counted_through_their_fast_path():
     assert roofline.floor_skipped is None
 
 
+class CrossAttention(nn.Module):
+    def __init__(self, kdim: int | None = None) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True, kdim=kdim, vdim=kdim)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, memory, memory, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("kdim", [None, 8])
+def test_cross_attentions_projections_are_counted_at_each_sides_rows(kdim):
+    """Queries project 3 x 4 rows, keys and values the memory's 3 x 7 (packed as one product of 2 x 16 outputs
+    where they share the width, else one each from their own width)."""
+    width = kdim or 16
+    x, memory = torch.randn(3, 4, 16), torch.randn(3, 7, width)
+    roofline = Roofline(CrossAttention(kdim).eval(), (x, memory), ["fp32"])
+    kv = LinearShape(21, 16, 32, 1) if kdim is None else LinearShape(21, width, 16, 2)
+    want = [LinearShape(12, 16, 16, 2), kv]  # the query and out projections share a shape
+    assert sorted(roofline.shapes, key=lambda s: (s.m, s.k, s.n)) == want
+    attention = 2 * (2 * 3 * 2 * 4 * 7 * 8)
+    assert roofline.flops == sum(s.flops for s in want) + attention
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_shape_peak_rates_are_positive_and_finite(precision):
     reason = peak_unavailable_reason(precision)
