@@ -220,7 +220,7 @@ def load_hf_module(directory: Path, task: str, attention: str | None = None) -> 
 
 def _conv1d_as_linear(model: nn.Module) -> nn.Module:
     """``model`` with each transformers ``Conv1D`` replaced by the ``nn.Linear`` computing the same (its
-    weight transposed): PT2E's x86 quantizer annotates ``aten.linear`` only, so GPT-2's 48 products stayed
+    weight transposed): PT2E's x86 quantizer annotates ``aten.linear`` only, so GPT-2 small's 48 products stayed
     float32 in an int8 package, and its linears were missing from the floor and the share of peak."""
     from transformers.pytorch_utils import Conv1D
 
