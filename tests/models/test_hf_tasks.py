@@ -307,7 +307,8 @@ def test_gpt2s_conv1d_loads_as_the_linear_it_is(hf_dirs):
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
         got = spec.module(ids, mask)
-    assert torch.equal(got, want)  # the same products in the same order
+    # the same products; a transposed weight may take another BLAS kernel, so not bit for bit on every CPU
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     shapes = {(s.k, s.n): s.count for s in linear_shapes(spec.module, (ids, mask))}
     assert shapes == {(32, 96): 2, (32, 32): 2, (32, 128): 2, (128, 32): 2, (32, VOCAB): 1}  # 2 layers and the head
     graph = torch.export.export(spec.module, (ids, mask)).module().graph

@@ -122,22 +122,20 @@ def _multi_head_attention_products(*args: Any, **kwargs: Any) -> list[tuple[str,
     bound.apply_defaults()
     a = bound.arguments
     query, key = a["query"], a["key"]
-    tokens, keys = int(query.shape[0]), int(key.shape[0]) + (a["bias_k"] is not None) + bool(a["add_zero_attn"])
+    tokens, memory = int(query.shape[0]), int(key.shape[0])  # the query's and the key's lengths
+    keys = memory + (a["bias_k"] is not None) + bool(a["add_zero_attn"])
     batch = int(query.shape[1]) if query.dim() == 3 else 1
     width, heads = int(query.shape[-1]), int(a["num_heads"])
     if a["use_separate_proj_weight"]:
-        weights = [
-            (a["q_proj_weight"], tokens),
-            (a["k_proj_weight"], int(key.shape[0])),
-            (a["v_proj_weight"], int(key.shape[0])),
-        ]
+        weights = [(a["q_proj_weight"], tokens), (a["k_proj_weight"], memory), (a["v_proj_weight"], memory)]
     elif query is key and key is a["value"]:
         weights = [(a["in_proj_weight"], tokens)]
-    else:
+    elif key is a["value"]:
         q, kv = a["in_proj_weight"].split([width, 2 * width])
-        weights = [(q, tokens), (kv, int(key.shape[0]))] if key is a["value"] else [
-            (q, tokens), (kv[:width], int(key.shape[0])), (kv[width:], int(key.shape[0]))
-        ]  # fmt: skip
+        weights = [(q, tokens), (kv, memory)]
+    else:
+        q, k, v = a["in_proj_weight"].chunk(3)
+        weights = [(q, tokens), (k, memory), (v, memory)]
     products = [("linear", 1, rows * batch, int(w.shape[1]), int(w.shape[0])) for w, rows in weights]
     head_dim = width // heads
     products += [
