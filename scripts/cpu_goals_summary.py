@@ -1,8 +1,8 @@
 """Read what scripts/cpu_goals.sh left in WORK, print one summary table, write OUT/cpu_goals.json.
 
 Usage: python scripts/cpu_goals_summary.py WORK OUT. The goals are issue 22's for the small
-Transformer at 32 x 128, read from this one run: the pick against eager float32 (3x on a CPU with
-AVX512-BF16, 4x with AMX) at >= 35 dB and never slower than a passing candidate a user could pick by
+Transformer at 32 x 128, read from this one run: the pick against eager float32 (issue 47's 3.3x on a CPU
+with AVX512-BF16 and no AMX, 4x with AMX) at >= 35 dB and never slower than a passing candidate a user could pick by
 hand; tk optimize in 5 minutes; the bf16 package at >= 70% of the bf16 rate at its own shapes; the
 int8 package >= 1.2x the bf16 package with AMX (both timed in optimize's rounds). A ratio whose goal
 names another kind of CPU is shown with no verdict.
@@ -68,12 +68,12 @@ def goals_of(table: dict[str, Any] | None, bf16_row: dict[str, Any] | None, kind
     """The goals' values, targets and verdicts; ``no_bf16``: why the bf16 step did not run on this CPU."""
     table = table or {}
     winner = next((c for c in table.get("candidates", []) if c.get("winner")), None)
-    speedup_target = {"amx": 4.0, "avx512_bf16": 3.0}.get(kind)
+    speedup_target = {"amx": 4.0, "avx512_bf16": 3.3}.get(kind)
     why = "" if speedup_target else "the goal names CPUs with AVX512-BF16 or AMX"
     if winner and winner.get("busy"):
         why = "timed on a busy machine"
     goals = {
-        f"pick >= {speedup_target or 3:g}x eager fp32": goal(
+        f"pick >= {speedup_target or 3.3:g}x eager fp32": goal(
             winner and winner.get("speedup"), ">=", speedup_target, why
         )
     }

@@ -33,9 +33,9 @@ def _goals(tmp_path: Path, amx: bool = False) -> tuple[int, dict, str]:
 def test_goals_are_read_from_the_run(tmp_path, capsys):
     code, goals, _ = _goals(tmp_path)
     assert code == 0
-    # the pick (aoti int8 static, 64.8 ms) against eager float32 in optimize's rounds: 3x on AVX512-BF16
-    assert goals["pick >= 3x eager fp32"] == pytest.approx(
-        {"value": 2.844763, "target": ">= 3", "met": False, "why": ""}
+    # the pick (aoti int8 static, 64.8 ms) against eager float32 in optimize's rounds: 3.3x on AVX512-BF16
+    assert goals["pick >= 3.3x eager fp32"] == pytest.approx(
+        {"value": 2.844763, "target": ">= 3.3", "met": False, "why": ""}
     )
     # the worse of the held-out SQNR (44.1 dB) and the export check across the range (42.68 dB)
     assert goals["pick held out and across the range >= 35 dB"]["value"] == pytest.approx(42.68)

@@ -15,6 +15,7 @@ import torch
 from tests.conftest import package_source
 from tk.export import ExportOptions
 from tk.export.aoti.passes import ATTENTION_AS_MATMULS, flash_attention_preferred
+from tk.export.aoti.unpadded import PADDING_REMOVED
 from tk.formats.aoti import packing_features
 from tk.models import build_model
 from tk.tolerances import MIN_SQNR_DB, TOLERANCES
@@ -41,11 +42,12 @@ def test_half_precision_exports_pass_with_their_tolerance_row(tmp_path, precisio
     assert result.manifest.formats["aoti"]["inductor_configs"] == {"freezing": True}  # weights folded, prepacked
     assert result.manifest.formats["aoti"]["packed_for"] == packing_features()  # for this CPU's oneDNN kernels
     source = package_source(tmp_path / precision)
+    # the Transformer has an attention mask: its linears run on real tokens only
     if flash_attention_preferred(precision):  # AMX for the precision: aten's flash kernel on its tiles
-        assert "graph_passes" not in result.manifest.formats["aoti"]
+        assert result.manifest.formats["aoti"]["graph_passes"] == [PADDING_REMOVED]
         assert "flash_attention" in source
     else:
-        assert result.manifest.formats["aoti"]["graph_passes"] == [ATTENTION_AS_MATMULS]
+        assert result.manifest.formats["aoti"]["graph_passes"] == [PADDING_REMOVED, ATTENTION_AS_MATMULS]
         assert "flash_attention" not in source and "bmm" in source  # attention as two products
         assert "baddbmm" in source  # the padding mask added inside the first product, not in the softmax
     for fmt in ("torch", "aoti"):

@@ -48,6 +48,7 @@ _FLAG_NAMES = {
     "fuse": "--fuse/--no-fuse",
     "keep_unfused": "--keep-unfused",
     "freeze": "--freeze/--no-freeze",
+    "remove_padding": "--remove-padding/--keep-padding",
     "trt_workspace": "--trt-workspace",
     "trt_opt_level": "--trt-opt-level",
     "trt_hardware_compat": "--trt-hardware-compat",
@@ -132,6 +133,12 @@ class _Ranges:
         default=None,
         help="aoti on the CPU: Inductor's freezing, weights packed for this CPU (default: on for bf16/fp16/int8, off "
         "for fp32, where it is faster on some CPUs and slower on others: tk optimize times both).",
+    ),
+    click.option(
+        "--remove-padding/--keep-padding",
+        default=None,
+        help="aoti on the CPU, a model with an attention mask: linears and the other per-token work "
+        "on real tokens only, zeros at padding positions in the outputs (default: on; docs/formats.md).",
     ),
 )
 @option_group(

@@ -49,6 +49,9 @@ class AotiOptions:
     # Inductor's freezing (weights as constants, packed for this CPU); default on for bf16/fp16/int8 on the CPU,
     # off for float32 (``inductor_configs_for``)
     freeze: bool | None = option("--freeze/--no-freeze")
+    # CPU packages of a model with an attention mask: per-token work on real tokens only
+    # (``tk.export.aoti.unpadded``); default on
+    remove_padding: bool | None = option("--remove-padding/--keep-padding")
 
 
 class AotiWriter(Writer):
@@ -95,6 +98,10 @@ class AotiWriter(Writer):
             raise UsageError(
                 "--no-freeze: int8 packages need Inductor's freezing to lower their quantized linears; drop it"
             )
+        if options.remove_padding is not None and export.device != "cpu":
+            raise UsageError(
+                f"--remove-padding/--keep-padding: applies to CPU packages only; this export is for {export.device}"
+            )
         method = options.calibration_method
         if method is None:
             return
@@ -119,6 +126,9 @@ class AotiWriter(Writer):
             configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=in_bf16)
         else:
             configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
+        if ctx.options.device == "cpu" and options.remove_padding is not False:
+            program, removed = _padding_removed(ctx, program)
+            passes = removed + passes
         passes += aoti_package_from_exported_program(
             program,
             ctx.add_file(FILE, "aoti"),
@@ -147,6 +157,15 @@ WRITER = AotiWriter()
 def unavailable_reason(device: str) -> str | None:
     """Why this machine cannot compile a float package for ``device`` (None when it can)."""
     return WRITER.unavailable_reason(device, "fp32")
+
+
+def _padding_removed(ctx: ExportContext, program: torch.export.ExportedProgram) -> tuple[Any, list[str]]:
+    """``program`` with its per-token work on real tokens only where it has an attention mask that allows
+    it (``tk.export.aoti.unpadded``), and the pass's name in a list where it applied."""
+    from tk.export.aoti.unpadded import PADDING_REMOVED, padding_removed
+
+    unpadded = padding_removed(program, ctx.spec.signature, ctx.dims, ctx.example_inputs)
+    return (program, []) if unpadded is None else (unpadded, [PADDING_REMOVED])
 
 
 def _int8_program(
