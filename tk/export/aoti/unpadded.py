@@ -19,8 +19,8 @@ rewrite never changes what a real token's values are computed from: the packed m
 the program on the example inputs with padding before it is used (``_same_at_real_tokens``), and the
 export check compares the package with PyTorch at real tokens as for any package.
 
-Measured on all-MiniLM-L6-v2's bf16 package at 8 x 128, 528 of 1024 tokens real (benchmarks/history.md):
-the package ran 1.53x faster; with no padding 2% slower (the gathers and scatters).
+Where batches are padded the linears' work shrinks with the padding; with none the gathers and scatters
+cost a few percent. Measurements: benchmarks/history.md ("padding removed between attentions").
 """
 
 from __future__ import annotations
