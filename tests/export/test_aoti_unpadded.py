@@ -156,3 +156,16 @@ def test_keep_padding_is_refused_where_the_pass_never_runs():
 
     with pytest.raises(UsageError, match="applies to CPU packages only; this export is for cuda"):
         WRITER.validate(AotiOptions(remove_padding=False), ExportOptions(precision="bf16", device="cuda"))
+
+
+def test_a_rewrite_that_cannot_be_captured_keeps_the_padding(monkeypatch, caplog):
+    from tk.errors import CaptureError
+
+    def refuse(*args, **kwargs):
+        raise CaptureError("torch.export could not capture the model as one graph (GuardOnDataDependentSymNode)")
+
+    monkeypatch.setattr("tk.export.aoti.unpadded.exported_program_from_module", refuse)
+    example = (torch.randint(0, 50, (BATCH, SEQ)), torch.ones(BATCH, SEQ, dtype=torch.int64))
+    with caplog.at_level(logging.INFO, logger="tk"):
+        assert padding_removed(_program(Encoder()), SIGNATURE, DIMS, example) is None
+    assert "padding kept" in caplog.text and "CaptureError: torch.export could not capture" in caplog.text

@@ -22,6 +22,7 @@ both. The settings used are recorded in the manifest (``inductor_configs``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -39,6 +40,8 @@ from tk.export.base import REDUCED, Writer, option
 from tk.export.context import ExportContext, ExportOptions
 from tk.formats.aoti import FILE, cpu_vector_isa, packing_features
 from tk.formats.inductor_freezing import float_weight_packing
+
+log = logging.getLogger("tk")
 
 
 @dataclass(frozen=True)
@@ -126,16 +129,26 @@ class AotiWriter(Writer):
             configs = inductor_configs_for("int8", ctx.options.device, float_part_in_bf16=in_bf16)
         else:
             configs = inductor_configs_for(ctx.options.precision, ctx.options.device, freeze=options.freeze)
+        unpadded, removed = None, []
         if ctx.options.device == "cpu" and options.remove_padding is not False:
-            program, removed = _padding_removed(ctx, program)
-            passes = removed + passes
-        passes += aoti_package_from_exported_program(
-            program,
-            ctx.add_file(FILE, "aoti"),
-            inductor_configs=configs,
-            precision=ctx.options.precision,
-            device=ctx.options.device,
-        )
+            unpadded, removed = _padding_removed(ctx, program)
+        path = ctx.add_file(FILE, "aoti")
+        compile_options = {
+            "inductor_configs": configs,
+            "precision": ctx.options.precision,
+            "device": ctx.options.device,
+        }
+        try:
+            passes = [
+                *removed,
+                *passes,
+                *aoti_package_from_exported_program(program if unpadded is None else unpadded, path, **compile_options),
+            ]
+        except ConversionError as exc:
+            if unpadded is None:
+                raise
+            log.info("export aoti: padding kept: the program on real tokens did not compile (%s)", exc)
+            passes += aoti_package_from_exported_program(program, path, **compile_options)
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
         if passes:
             info["graph_passes"] = passes
@@ -161,11 +174,11 @@ def unavailable_reason(device: str) -> str | None:
 
 def _padding_removed(ctx: ExportContext, program: torch.export.ExportedProgram) -> tuple[Any, list[str]]:
     """``program`` with its per-token work on real tokens only where it has an attention mask that allows
-    it (``tk.export.aoti.unpadded``), and the pass's name in a list where it applied."""
+    it (``tk.export.aoti.unpadded``), and the pass's name in a list; (None, []) where it does not apply."""
     from tk.export.aoti.unpadded import PADDING_REMOVED, padding_removed
 
     unpadded = padding_removed(program, ctx.spec.signature, ctx.dims, ctx.example_inputs)
-    return (program, []) if unpadded is None else (unpadded, [PADDING_REMOVED])
+    return (None, []) if unpadded is None else (unpadded, [PADDING_REMOVED])
 
 
 def _int8_program(
