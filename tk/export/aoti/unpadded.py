@@ -14,10 +14,12 @@ A node is run on real tokens when it is per-token (``_PER_TOKEN``: linears, Laye
 elementwise arithmetic, casts) and its output is laid out (batch, seq, ...) with the mask's two sizes;
 a view keeping those two leading sizes stays packed; anything else gets its inputs scattered back.
 Operands laid out (batch, seq, ...) or (1, seq, ...) are gathered, operands over trailing dimensions
-only are used as they are, and any other operand sends the node back to the padded layout, so the
-rewrite never changes what a real token's values are computed from: the packed module is run against
-the program on the example inputs with padding before it is used (``_same_at_real_tokens``), and the
-export check compares the package with PyTorch at real tokens as for any package.
+only are used as they are, and any other operand sends the node back to the padded layout. What changes
+is the values at padding positions (zeros where the padded layout is rebuilt), so a real token keeps its
+values only where nothing it reads comes from a padding position, as under an attention mask that hides
+padded keys: the packed module is run against the program on the example inputs with padding before it
+is used (``_same_at_real_tokens``), and the export check compares the package with PyTorch at real
+tokens as for any package.
 
 Where batches are padded the linears' work shrinks with the padding; with none the gathers and scatters
 cost a few percent. Measurements: benchmarks/history.md ("padding removed between attentions").
