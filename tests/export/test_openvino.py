@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from click.testing import CliRunner
 from tests.conftest import requires
 from tk.errors import BackendUnavailableError, IntegrityError, UsageError
 from tk.export import ExportOptions, format_unavailable_reason
+from tk.export.openvino.int8 import SHAPE_OPS
 from tk.formats.aoti import NATIVE_FLAGS, cpu_flags
 from tk.formats.openvino import BIN, XML
 from tk.manifest import read_manifest
@@ -237,6 +240,30 @@ def trained_int8(tmp_path_factory):
     return spec, out, export(spec, out, ExportOptions(formats=OV, precision="int8"))
 
 
+def _source(node: Any, through: tuple[str, ...] = (*SHAPE_OPS, "Gather")) -> Any:
+    """The op a value comes from through ops that only move or convert it (the type name; a Constant's with
+    its element type, as "Constant:i8")."""
+    while node.get_type_name() in through and node.get_input_size():
+        node = node.input_value(0).get_node()
+    if node.get_type_name() == "Constant":
+        return f"Constant:{node.get_element_type().get_type_name()}"
+    return node.get_type_name()
+
+
+def _int8_weight_products(xml: Path) -> list[Any]:
+    """The MatMuls of an IR whose weight is an int8 constant (through its Convert and scale)."""
+    import openvino as ov
+
+    ops = ov.Core().read_model(xml).get_ordered_ops()
+    weight = (*SHAPE_OPS, "Multiply", "Subtract")
+    return [
+        op
+        for op in ops
+        if op.get_type_name() == "MatMul"
+        and _source(op.input_value(1).get_node(), weight) in ("Constant:i8", "Constant:u8")
+    ]
+
+
 @pytest.mark.slow
 def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     _, out, result = trained_int8
@@ -250,8 +277,11 @@ def test_int8_ir_by_nncf_passes_the_int8_floor(trained_int8):
     assert report["min_sqnr_db"] == MIN_SQNR_DB["int8"]
     assert min(o["sqnr_db"] for o in report["outputs"] if o["sqnr_db"] is not None) >= MIN_SQNR_DB["int8"]
     quantized = quant["quantizable_nodes"] - len(quant["automatic_exclusions"])
-    fake_quantize = len(re.findall(r'type="FakeQuantize"', (out / XML).read_text()))
-    assert quantized >= 1 and fake_quantize >= quantized  # some products are int8, each with its quantizers
+    # some products are int8: each linear with an int8 weight reads its activation through a FakeQuantize (one
+    # quantizer may feed several units, and an int8 embedding table has none: on the Zen 5 EPYC 13 for 14 units)
+    assert quantized >= 1 and re.search(r'type="FakeQuantize"', (out / XML).read_text())
+    int8_products = _int8_weight_products(out / XML)
+    assert int8_products and all(_source(op.input_value(0).get_node()) == "FakeQuantize" for op in int8_products)
     # the products with int8 weights by weight shape (in, out), for the floor: the model's linears, fewer than
     # the units (which also count attention's products and int8 embedding tables)
     spec = trained_int8[0]
