@@ -76,9 +76,9 @@ def test_the_linears_run_on_real_tokens_and_real_tokens_keep_their_values():
     unpadded = padding_removed(program, SIGNATURE, DIMS, example)
     assert unpadded is not None
 
-    batch_size = program.graph_signature.user_inputs  # the batch's symbol is the mask's first size
-    mask_value = next(n for n in program.graph.nodes if n.name == batch_size[1]).meta["val"]
-    assert all(str(rows) != str(mask_value.shape[0]) for rows in _linear_rows(unpadded))  # tokens, not batch
+    mask_name = program.graph_signature.user_inputs[1]
+    batch = next(n for n in program.graph.nodes if n.name == mask_name).meta["val"].shape[0]
+    assert all(str(rows) != str(batch) for rows in _linear_rows(unpadded))  # real tokens, not batch * seq rows
     assert len(_linear_rows(unpadded)) == 4
 
     for lengths, seq in (([12, 5, 1], 12), ([20, 20, 7, 3, 9], 20), ([4], 4)):

@@ -222,25 +222,17 @@ def removable_mask(program: torch.export.ExportedProgram, signature: Signature) 
     batch, seq = value.shape
     if not (isinstance(batch, torch.SymInt) and isinstance(seq, torch.SymInt)) or _size(batch) == _size(seq):
         return None
+    tokens = (_size(batch), _size(seq))
     for node in program.graph.nodes:
-        if node.target is _aten.linear.default:
-            x = node.args[0].meta.get("val")
-            if (
-                isinstance(x, torch.Tensor)
-                and x.dim() >= 3
-                and (_size(x.shape[0]), _size(x.shape[1]))
-                == (
-                    _size(batch),
-                    _size(seq),
-                )
-            ):
-                return masks[0]
+        x = node.args[0].meta.get("val") if node.target is _aten.linear.default else None
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and (_size(x.shape[0]), _size(x.shape[1])) == tokens:
+            return masks[0]
     return None
 
 
 def padded_example(example_inputs: tuple[torch.Tensor, ...], mask_index: int) -> tuple[torch.Tensor, ...] | None:
-    """``example_inputs`` with right padding in the mask (row i keeps ``seq - i * seq // (2 * batch)`` tokens,
-    at least 1; at least one padded position), or None where a sequence of 1 leaves nothing to pad."""
+    """``example_inputs`` with right padding in the mask (row i keeps ``seq - 1 - i * seq // (2 * batch)``
+    tokens, at least 1, so every row has padding), or None where a sequence of 1 leaves nothing to pad."""
     mask = example_inputs[mask_index]
     batch, seq = mask.shape
     if seq < 2:
