@@ -26,8 +26,11 @@ artifact beside other tools' engines of the same encoder.
   processes and the floor's included, so no engine runs with a malloc another did not get (transformers'
   MiniLM ran 100-108 ms in a fresh process with glibc's defaults and 83-88 with it).
 - **The model's floor.** ``tk.measure.floor.ModelFloor`` samples between blocks: the time of the model's
-  linear and attention products at their shapes in each engine's precision; and again in a process of its
-  own (``python -m benchmarks.peers floor``). The lower median is the floor: each row shows its share.
+  linear and attention products at their shapes in each engine's precision, counted for the real tokens
+  (``tk.measure.floor.at_real_tokens``: linears on the real tokens alone, attention per sequence at its
+  length; with the padding counted, an aoti package that removes it read 107% of its "floor"); and again
+  in a process of its own (``python -m benchmarks.peers floor``). The lower median is the floor: each row
+  shows its share.
 
 ``Recipe`` says how to open an engine in any process (a kind, a path, options): ``tk`` (an artifact, opened
 with ``tk.runtime.load``; its native code trusted: name only your own), ``onnxruntime`` (an ONNX file),
@@ -248,7 +251,7 @@ class PeerSettings:
 def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSettings, work: Path) -> dict[str, Any]:
     """One table: ``recipes`` (the pick among them) and the ``reference`` (the framework's float32 model), each
     judged on the same realistic feeds and timed in blocks both ways, alone, and against the model's floor."""
-    from tk.measure.floor import LinearSplit, ModelFloor, model_products
+    from tk.measure.floor import LinearSplit, ModelFloor, at_real_tokens, model_products
 
     threads = torch.get_num_threads()
     keep_freed_memory(asked=True)  # as tk's command line sets glibc's malloc, for every engine here alike
@@ -256,7 +259,10 @@ def compare_peers(recipes: list[Recipe], reference: Recipe, pick: str, s: PeerSe
     feeds = realistic_feeds(s.batch, s.seq, s.vocab, seed=s.seed)  # the timed batch, judged with the others
     accuracy_feeds = [feeds] + [realistic_feeds(8, s.seq, s.vocab, seed=s.seed + 1 + i) for i in range(s.samples // 8)]
     cosines = min_cosines({r.name: engines[r.name] for r in recipes}, engines[reference.name], accuracy_feeds)
-    products = model_products(lambda: engines[reference.name](feeds))
+    # the work of the real tokens: an engine that removes the padding runs under the padded products' time
+    products = at_real_tokens(
+        model_products(lambda: engines[reference.name](feeds)), torch.from_numpy(feeds["attention_mask"])
+    )
     splits = {r.name: LinearSplit.from_json(r.split) for r in recipes if r.split is not None and r.precision == "int8"}
     splits = {name: split for name, split in splits.items() if split.int8 is not None}
     precisions = {r.precision for r in [*recipes, reference]}.union(*(split.float_floors for split in splits.values()))

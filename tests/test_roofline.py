@@ -124,6 +124,42 @@ def test_cross_attentions_projections_are_counted_at_each_sides_rows(kdim):
     assert roofline.flops == sum(s.flops for s in want) + attention
 
 
+class MaskedAttention(nn.Module):
+    """A linear over every position, then attention of 2 heads of 8 over the real keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # (B, T, 16), (B, T)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = attention_mask[:, None, None, :].bool()
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def test_the_floor_between_timed_calls_is_the_real_tokens_work_of_the_timed_feeds():
+    """Counted at batch 1 over 10 positions, timed at batch 3 with 10, 4 and 4 real tokens: the floor's linear
+    runs on 18 rows, its attention per sequence; without the feeds (or without a mask input) every position."""
+    example = (torch.randn(1, 10, 16), torch.ones(1, 10, dtype=torch.int64))
+    mask = torch.tensor([[1] * 10, [1] * 4 + [0] * 6, [1] * 4 + [0] * 6])
+
+    def floor_products(roofline: Roofline, **feeds: torch.Tensor) -> set[tuple]:
+        (floor,) = [m for m in roofline.between(3, feeds=feeds or None) if isinstance(m, ModelFloor)]
+        return {(p.kind, p.batch, p.m, p.k, p.n, p.count) for p in floor.products}
+
+    masked = Roofline(MaskedAttention().eval(), example, ["fp32"], mask_input="attention_mask")
+    assert floor_products(masked, attention_mask=mask) == {
+        ("linear", 1, 18, 16, 48, 1),
+        ("attention", 2, 10, 8, 10, 1), ("attention", 4, 4, 8, 4, 1),  # scores: 2 heads x 1, x 2 sequences
+        ("attention", 2, 10, 10, 8, 1), ("attention", 4, 4, 4, 8, 1),  # weights x values
+    }  # fmt: skip
+    padded = {("linear", 1, 30, 16, 48, 1), ("attention", 6, 10, 8, 10, 1), ("attention", 6, 10, 10, 8, 1)}
+    assert floor_products(masked) == padded
+    unmasked = Roofline(MaskedAttention().eval(), example, ["fp32"])
+    assert floor_products(unmasked, attention_mask=mask) == padded
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_shape_peak_rates_are_positive_and_finite(precision):
     reason = peak_unavailable_reason(precision)

@@ -50,8 +50,15 @@ def render_pick(results: list[dict], machine: dict) -> list[Table]:
     """Issue 47's pick goals: one table per shape (``benchmarks.goals.pick``, in ``benchmarks.peers``' harness)."""
     from benchmarks.peers import render_peers
 
-    return [
-        render_peers(r, f"tk optimize's pick vs its rivals at {r['shape']}, {machine.get('cpu')}, "
-                        f"{machine.get('torch_threads')} threads: goal {'met' if r['met'] else 'not met'} ({r['goal_text']})")
-        for r in results
-    ]  # fmt: skip
+    tables = []
+    for r in results:
+        table = render_peers(r, f"tk optimize's pick vs its rivals at {r['shape']}, {machine.get('cpu')}, "
+                                f"{machine.get('torch_threads')} threads: goal {'met' if r['met'] else 'not met'} "
+                                f"({r['goal_text']})")  # fmt: skip
+        checks = "; ".join(
+            f"{c['check']}: {'-' if c['value'] is None else c['value']} ({'met' if c['met'] else 'not met'})"
+            for c in r.get("goal_checks", [])
+        )
+        table.caption = "\n".join(part for part in (table.caption, checks) if part)
+        tables.append(table)
+    return tables

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.peers import Recipe, realistic_feeds, time_alone, time_both_ways, verdict
-from tk.measure.floor import ModelFloor, Product, attention_precision, model_products
+from tk.measure.floor import ModelFloor, Product, at_real_tokens, attention_precision, model_products
 
 
 def test_realistic_feeds_pad_on_the_right_with_type_ids_zero():
@@ -42,6 +42,27 @@ def test_model_products_counts_linears_and_attention_at_their_shapes(attention):
     assert attention_products == {(12, 10, 8, 10): 2, (12, 10, 10, 8): 2}  # scores, then weights x values
     assert sum(p.flops for p in products) == 2 * (8 * 30 * 32 * 32 + 4 * 30 * 32 * 64 + 3 * 32 * 32
                                                   + 2 * 2 * 12 * 10 * 8 * 10)  # fmt: skip
+
+
+def test_on_a_padded_batch_the_floor_counts_linears_at_real_tokens_and_attention_per_sequence():
+    """Products recorded on 3 x 10 with 10, 4 and 4 real tokens: the linears over every position run on 18
+    rows, the pooler's stays; each attention product splits into one per length, its heads x sequences batch."""
+    recorded = [
+        Product("linear", 1, 30, 32, 64, 8), Product("linear", 1, 3, 32, 32, 1),
+        Product("attention", 12, 10, 8, 10, 2), Product("attention", 12, 10, 10, 8, 2),
+        Product("attention", 12, 10, 10, 10, 2),  # head size = sequence length: which is which is unknown
+    ]  # fmt: skip
+    mask = torch.tensor([[1] * 10, [1] * 4 + [0] * 6, [1] * 4 + [0] * 6])
+    got = {(p.kind, p.batch, p.m, p.k, p.n, p.count) for p in at_real_tokens(recorded, mask)}
+    assert got == {
+        ("linear", 1, 18, 32, 64, 8), ("linear", 1, 3, 32, 32, 1),
+        ("attention", 4, 10, 8, 10, 2), ("attention", 8, 4, 8, 4, 2),  # scores: 4 heads x 1 and x 2 sequences
+        ("attention", 4, 10, 10, 8, 2), ("attention", 8, 4, 4, 8, 2),  # weights x values
+        ("attention", 12, 10, 10, 10, 2),
+    }  # fmt: skip
+    real = 2 * (8 * 18 * 32 * 64 + 3 * 32 * 32 + 2 * 2 * (4 * 10 * 8 * 10 + 8 * 4 * 8 * 4) + 2 * 12 * 1000)
+    assert sum(p.flops for p in at_real_tokens(recorded, mask)) == real
+    assert at_real_tokens(recorded, torch.ones(3, 10)) == recorded  # nothing padded
 
 
 def test_the_floor_times_each_product_and_keeps_each_ones_time():

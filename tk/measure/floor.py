@@ -20,6 +20,9 @@ wide product's) blames it for shapes that no kernel runs at peak.
   engines keep attention in floating point: bf16 where the CPU has bf16 products, float32 elsewhere);
   each call is one sample (every product once, times its count, after an untimed pass that pays for the
   previous engine's caches and sleeping threads); the floor is the median sample.
+- ``at_real_tokens`` turns products recorded on a padded batch into the work its real tokens need (linears
+  on the real tokens, attention per sequence at its length): the fair harness's floor
+  (``benchmarks.peers``), since an engine that removes the padding runs under the padded products' time;
 - an int8 artifact whose search left some layers out of int8 runs those in float32 or bf16:
   ``LinearSplit`` (the manifest's record of the linear and convolution weights it runs in int8) and
   ``mixed_floor_seconds`` price each of the model's linears and convolutions in the precision the artifact
@@ -34,6 +37,7 @@ import contextlib
 import inspect
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +211,34 @@ def model_products(call: Callable[[], Any]) -> list[Product]:
     return [
         Product(kind, batch, m, k, n, count, conv) for (kind, batch, m, k, n, conv), count in recorder.found.items()
     ]
+
+
+def at_real_tokens(products: list[Product], mask: torch.Tensor) -> list[Product]:
+    """``products``, recorded on a batch padded as ``mask`` (batch x seq, nonzero at real tokens) says, as the
+    work its real tokens need: a linear over every position on the real tokens alone, and each attention
+    product per sequence at that sequence's length. An engine that removes the padding (tk's ``aoti``
+    packages between attentions) runs under the padded products' time, so they are no floor for it. Other
+    products stay as recorded, as does an attention product whose head size equals the sequence length
+    (its two products cannot be told apart, so it keeps the padded, higher, time)."""
+    if mask.dim() != 2:
+        return products
+    batch, seq = mask.shape
+    lengths = [int(n) for n in (mask != 0).sum(dim=1)]
+    tokens = sum(lengths)
+    if tokens == batch * seq:
+        return products
+    out: list[Product] = []
+    for p in products:
+        if p.kind == "linear" and p.m == batch * seq:
+            out.append(Product(p.kind, p.batch, tokens, p.k, p.n, p.count))
+        elif p.kind == "attention" and p.batch % batch == 0 and p.m == seq and (p.k == seq) != (p.n == seq):
+            heads = p.batch // batch
+            for length, rows in sorted(Counter(n for n in lengths if n).items()):
+                k, n = (length, p.n) if p.k == seq else (p.k, length)
+                out.append(Product(p.kind, heads * rows, length, k, n, p.count))
+        else:
+            out.append(p)
+    return out
 
 
 def attention_precision(precision: str) -> str:

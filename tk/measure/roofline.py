@@ -33,7 +33,7 @@ precisions)`` must name it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from tk.measure.floor import (
     LinearSplit,
     ModelFloor,
     Product,
+    at_real_tokens,
     attention_unfused,
     mixed_floor_seconds,
     model_products,
@@ -172,6 +173,12 @@ def engine_precision(engine: str, artifact_precision: str) -> str:
     return artifact_precision
 
 
+def mask_input(specs: Iterable[Any]) -> str | None:
+    """The name of the one input of ``specs`` (``TensorSpec``) that is an attention mask, or None."""
+    masks = [s.name for s in specs if s.kind == "mask"]
+    return masks[0] if len(masks) == 1 else None
+
+
 class Roofline:
     """A model's FLOPs and linear shapes on ``example`` args, and a ``ShapePeak`` and a ``ModelFloor`` per
     precision and batch factor whose calls a timing loop runs between the model's (``between``); no floor
@@ -183,7 +190,10 @@ class Roofline:
     packages' way is listed in ``skipped`` with the reason.
     """
 
-    def __init__(self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str]) -> None:
+    def __init__(
+        self, module: nn.Module, example: tuple[Any, ...], precisions: Iterable[str], mask_input: str | None = None
+    ) -> None:
+        self.mask_input = mask_input  # the feed whose mask says which tokens are real (the floor's work)
         self.flops = model_flops(module, example)
         self.products = model_products(lambda: module(*example))
         self.shapes = _linears(self.products)
@@ -203,16 +213,21 @@ class Roofline:
         self.peaks: dict[tuple[str, int], ShapePeak] = {}
         self.floors: dict[tuple[str, int], ModelFloor] = {}
 
-    def between(self, batch: int = 1, floors: bool = True) -> list[ShapePeak | ModelFloor]:
+    def between(
+        self, batch: int = 1, floors: bool = True, feeds: Mapping[str, Any] | None = None
+    ) -> list[ShapePeak | ModelFloor]:
         """One ``ShapePeak`` (and with ``floors`` one ``ModelFloor``) per precision at the shapes scaled to
-        ``batch``; earlier operands are freed."""
+        ``batch``; earlier operands are freed. With the timed ``feeds`` the floor is their real tokens' work
+        (``at_real_tokens`` on ``mask_input``'s mask): a package that removes the padding runs under the
+        padded products' time."""
         for measured in [*self.peaks.values(), *self.floors.values()]:
             measured.release()
         made = [ShapePeak(p, [s.at_batch(batch) for s in self.shapes]) for p in self.precisions]
         floors = floors and self.floor_skipped is None
-        timed = (
-            [ModelFloor(p, [q.at_batch(batch) for q in self.products]) for p in self.floor_precisions] if floors else []
-        )
+        products = [q.at_batch(batch) for q in self.products]
+        if feeds is not None and self.mask_input in feeds:
+            products = at_real_tokens(products, torch.as_tensor(feeds[self.mask_input]))
+        timed = [ModelFloor(p, products) for p in self.floor_precisions] if floors else []
         self.peaks |= {(p.precision, batch): p for p in made}
         self.floors |= {(f.precision, batch): f for f in timed}
         return [*made, *timed]

@@ -12,7 +12,7 @@ from tk.errors import UsageError
 from tk.manifest import verify_artifact
 from tk.measure.floor import LinearSplit
 from tk.measure.load_guard import DEFAULT_WAIT_QUIET_S, LoadGuard
-from tk.measure.roofline import Roofline, engine_precision
+from tk.measure.roofline import Roofline, engine_precision, mask_input
 from tk.runtime import EngineChoice, open_engines
 from tk.workflows.auto import AutoChoice, EngineCandidate, check_candidates, default_shape, pick
 from tk.workflows.bench import BenchReport, measure
@@ -119,4 +119,5 @@ def _roofline(opened: dict[str, Any], eager: Any, manifest: Any, sizes: dict[str
     args = tuple(torch.from_numpy(feeds[s.name]) for s in manifest.signature.inputs)
     precisions = {engine_precision(name, manifest.precision) for name in opened}
     splits = [LinearSplit.of_engine(manifest, name) for name in opened]
-    return Roofline(eager.module, args, precisions.union(*(s.float_floors for s in splits if s is not None)))
+    floors = precisions.union(*(s.float_floors for s in splits if s is not None))
+    return Roofline(eager.module, args, floors, mask_input(manifest.signature.inputs))

@@ -99,7 +99,7 @@ def measure(
     io: str = "host",
     progress: Callable[[str], None] | None = None,
     guard: LoadGuard | None = None,
-    between: Callable[[int], Sequence[Callable[[], object]]] | None = None,
+    between: Callable[..., Sequence[Callable[[], object]]] | None = None,
 ) -> BenchReport:
     """Time every engine at every batch size on the same random feeds.
 
@@ -110,8 +110,9 @@ def measure(
     host (see ``tk.measure.timing``). Each engine's first call at each batch size is timed apart
     (``cold_ms``); on CUDA each row also has its copy and compute times and peak GPU memory.
     ``guard`` (default: one that marks but does not wait) reads the load around each batch size's
-    rounds and marks its rows busy; ``between(batch_size)`` gives untimed calls run in every round
-    (a peak measurement that keeps its own samples).
+    rounds and marks its rows busy; ``between(batch_size, feeds=feeds)`` gives untimed calls run in every
+    round (a peak measurement that keeps its own samples; ``Roofline.between``, whose floor counts the
+    feeds' real tokens).
     """
     seconds = _check_arguments(engines, seconds, iters, warmup, io)
     first = next(iter(engines.values()))
@@ -124,7 +125,7 @@ def measure(
     for size in batch_sizes:
         feeds = random_inputs(specs, dims, size, seed=seed, sizes=sizes)
         active, extra = _warm_up_engines(engines, feeds, size, io=io, warmup=warmup, skipped=skipped, say=say)
-        calls = between(size) if between and active else ()
+        calls = between(size, feeds=feeds) if between and active else ()
         with guard.row() as mark:
             times = interleave(active, iters=iters, seconds=seconds, min_rounds=MIN_ROUNDS, between=calls, seed=0)
         rows.extend(_batch_rows(times, size, extra, mark, say))

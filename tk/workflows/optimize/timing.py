@@ -31,7 +31,7 @@ from tk.manifest import Manifest
 from tk.measure.floor import LinearSplit
 from tk.measure.hardware import usable_cores
 from tk.measure.load_guard import LoadGuard, quiet_or_marked
-from tk.measure.roofline import Roofline
+from tk.measure.roofline import Roofline, mask_input
 from tk.measure.timing import ms, time_in_blocks
 from tk.runtime import EngineChoice, open_engine
 from tk.runtime.inputs import random_inputs
@@ -171,7 +171,7 @@ def eager_roofline(eager: Any, others: dict[str, int], precisions: set[str]) -> 
     eager.load()
     feeds = random_inputs(eager.inputs, eager.dims, 1, seed=0, sizes=others)
     args = tuple(torch.from_numpy(feeds[s.name]) for s in eager.inputs)
-    return Roofline(eager.module, args, precisions)
+    return Roofline(eager.module, args, precisions, mask_input(eager.inputs))
 
 
 def keep_fastest(timed: Timed, name: str, tuned: list[dict[str, Any]]) -> None:
