@@ -284,6 +284,17 @@ def test_the_int8_share_counts_each_linears_multiply_adds_outside_the_left_out_p
     assert linear_int8_share(nn.Sequential(nn.ReLU()), []) is None
 
 
+@pytest.mark.parametrize("kdim", [None, 8])
+def test_the_int8_share_counts_a_multihead_attentions_input_projection(kdim: int | None) -> None:
+    """PyTorch's attention holds its q, k and v projection as its own weight (3 x 16 x 16, or 16 x 16 for the
+    queries and 16 x 8 each for keys and values of width 8), beside its out_proj and a 16 x 16 head."""
+    module = nn.ModuleDict({"attn": nn.MultiheadAttention(16, 2, kdim=kdim, vdim=kdim), "head": nn.Linear(16, 16)})
+    in_proj = 3 * 16 * 16 if kdim is None else 16 * 16 + 2 * 16 * 8
+    total = in_proj + 16 * 16 + 16 * 16
+    assert linear_int8_share(module, ["head"]) == pytest.approx(1 - 256 / total)
+    assert linear_int8_share(module, ["attn"]) == pytest.approx(256 / total)  # its in- and out-projections
+
+
 @pytest.mark.slow
 @pytest.mark.fits(seconds=30)  # 19 s on the 2-core AMX Xeon
 @pytest.mark.skipif(not hasattr(torch.ops.onednn, "qlinear_pointwise"), reason="no oneDNN int8 linear in this torch")

@@ -205,11 +205,23 @@ def run_race(roofline: Roofline, batch: int, rounds: int = ROUNDS) -> PrecisionR
 
 
 def linear_int8_share(module: Any, excluded: list[str]) -> float | None:
-    """The share of ``module``'s ``nn.Linear`` multiply-adds per row (in x out features) outside the
-    ``excluded`` module paths (a path excludes every linear under it); None where it has no linear."""
+    """The share of ``module``'s linear multiply-adds per row (in x out features) outside the ``excluded``
+    module paths (a path excludes every linear under it); None where it has no linear. Linears are the
+    ``nn.Linear`` modules and each ``nn.MultiheadAttention``'s input projection, a weight of its own that its
+    forward multiplies by (under the attention's path, as the int8 writers name it)."""
     from torch import nn
 
-    sizes = {name: m.in_features * m.out_features for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+    sizes: dict[str, int] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            sizes[name] = m.in_features * m.out_features
+        elif isinstance(m, nn.MultiheadAttention):
+            weights = (
+                [m.in_proj_weight]
+                if m.in_proj_weight is not None
+                else [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]
+            )
+            sizes[name] = sum(w.numel() for w in weights)
     total = sum(sizes.values())
     if not total:
         return None
