@@ -21,8 +21,9 @@ wide product's) blames it for shapes that no kernel runs at peak.
   each call is one sample (every product once, times its count, after an untimed pass that pays for the
   previous engine's caches and sleeping threads); the floor is the median sample.
 - ``at_real_tokens`` turns products recorded on a padded batch into the work its real tokens need (linears
-  on the real tokens, attention per sequence at its length): the fair harness's floor
-  (``benchmarks.peers``), since an engine that removes the padding runs under the padded products' time;
+  on the real tokens, attention per sequence at its length): the floor of padded feeds wherever one is
+  timed (``tk.measure.roofline.Roofline.between``, ``benchmarks.peers``), since an engine that removes the
+  padding runs under the padded products' time;
 - an int8 artifact whose search left some layers out of int8 runs those in float32 or bf16:
   ``LinearSplit`` (the manifest's record of the linear and convolution weights it runs in int8) and
   ``mixed_floor_seconds`` price each of the model's linears and convolutions in the precision the artifact
