@@ -149,6 +149,35 @@ def test_a_float_package_names_the_pass_and_keep_padding_leaves_it_out(tmp_path)
     assert PADDING_REMOVED not in kept.formats["aoti"]["graph_passes"]
 
 
+@pytest.mark.slow
+def test_a_rewrite_that_does_not_compile_keeps_the_padding(tmp_path, monkeypatch, caplog):
+    """The program on real tokens fails AOTInductor's compile: the package is the padded program's."""
+    from tk.errors import ConversionError
+    from tk.export import ExportOptions
+    from tk.export.aoti import writer
+    from tk.models import build_model
+    from tk.workflows.export import export
+
+    compiled = writer.aoti_package_from_exported_program
+    calls = []
+
+    def first_fails(program, *args, **kwargs):
+        calls.append(program)
+        if len(calls) == 1:
+            raise ConversionError("AOTInductor could not compile the program (planted)")
+        return compiled(program, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "aoti_package_from_exported_program", first_fails)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="tk"):
+        manifest = export(build_model("transformer", size="tiny"), tmp_path / "out",
+                          ExportOptions(formats=("aoti",), precision="bf16")).manifest  # fmt: skip
+    assert len(calls) == 2 and calls[0] is not calls[1]  # the rewritten program, then the one it came from
+    assert manifest.status == "passed", manifest.check
+    assert PADDING_REMOVED not in manifest.formats["aoti"].get("graph_passes", [])
+    assert "padding kept: the program on real tokens did not compile" in caplog.text
+
+
 def test_keep_padding_is_refused_where_the_pass_never_runs():
     from tk.errors import UsageError
     from tk.export import ExportOptions

@@ -139,16 +139,15 @@ class AotiWriter(Writer):
             "device": ctx.options.device,
         }
         try:
-            passes = [
-                *removed,
-                *passes,
-                *aoti_package_from_exported_program(program if unpadded is None else unpadded, path, **compile_options),
-            ]
+            compiled = aoti_package_from_exported_program(
+                program if unpadded is None else unpadded, path, **compile_options
+            )
         except ConversionError as exc:
             if unpadded is None:
                 raise
             log.info("export aoti: padding kept: the program on real tokens did not compile (%s)", exc)
-            passes += aoti_package_from_exported_program(program, path, **compile_options)
+            removed, compiled = [], aoti_package_from_exported_program(program, path, **compile_options)
+        passes = [*removed, *passes, *compiled]
         info: dict[str, Any] = {"file": FILE, "device": ctx.options.device, "inductor_configs": configs}
         if passes:
             info["graph_passes"] = passes
